@@ -1,1 +1,153 @@
-fn main() {}
+//! `cube`: create and drive sandboxes, check the host, and benchmark.
+
+mod bench;
+mod doctor;
+mod sandbox_cmd;
+mod store_cmd;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Cube: fast, snapshot-able sandboxes for AI agents.
+#[derive(Parser)]
+#[command(name = "cube", version, about, long_about = None)]
+struct Cli {
+    /// Root directory of the store (default: $CUBE_HOME, else /var/lib/cube for root).
+    #[arg(long, global = true, env = "CUBE_HOME")]
+    store: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Report what this host can do.
+    ///
+    /// Example: cube doctor --json
+    Doctor {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Reproduce CubeSandbox's benchmark tables on this host.
+    ///
+    /// Example: cube bench --quick --json
+    Bench(bench::BenchArgs),
+    /// Manage the store.
+    #[command(subcommand)]
+    Store(store_cmd::StoreCommand),
+    /// Manage templates.
+    #[command(subcommand)]
+    Template(sandbox_cmd::TemplateCommand),
+    /// Manage sandboxes that live across invocations.
+    #[command(subcommand)]
+    Sandbox(sandbox_cmd::SandboxCommand),
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("CUBE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Doctor { json } => doctor::run(cli.store.as_deref(), json),
+        Command::Bench(args) => bench::run(cli.store.as_deref(), &args),
+        Command::Store(cmd) => store_cmd::run(cli.store.as_deref(), cmd),
+        Command::Template(cmd) => sandbox_cmd::run_template(cli.store.as_deref(), cmd),
+        Command::Sandbox(cmd) => sandbox_cmd::run_sandbox(cli.store.as_deref(), cmd),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cube: {}", e.message);
+            if let Some(hint) = e.hint {
+                eprintln!("hint: {hint}");
+            }
+            ExitCode::from(e.code)
+        }
+    }
+}
+
+/// A failed command: what went wrong, what to do, and the exit code.
+pub struct CliError {
+    message: String,
+    hint: Option<String>,
+    code: u8,
+}
+
+impl CliError {
+    /// A failure of the operation itself (exit code 1).
+    pub fn failed(message: impl Into<String>) -> Self {
+        CliError {
+            message: message.into(),
+            hint: None,
+            code: 1,
+        }
+    }
+
+    /// Something the user asked for does not exist (exit code 3).
+    pub fn not_found(message: impl Into<String>) -> Self {
+        CliError {
+            message: message.into(),
+            hint: None,
+            code: 3,
+        }
+    }
+
+    /// The host lacks what the command needs (exit code 4).
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        CliError {
+            message: message.into(),
+            hint: None,
+            code: 4,
+        }
+    }
+
+    /// Adds advice.
+    pub fn hint(mut self, hint: impl Into<String>) -> Self {
+        self.hint = Some(hint.into());
+        self
+    }
+}
+
+/// Formats an error with its whole source chain.
+pub fn chain(e: &dyn std::error::Error) -> String {
+    let mut message = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        message.push_str(": ");
+        message.push_str(&s.to_string());
+        source = s.source();
+    }
+    message
+}
+
+impl From<cube_core::SandboxError> for CliError {
+    fn from(e: cube_core::SandboxError) -> Self {
+        let code = match e {
+            cube_core::SandboxError::UnknownSandbox(_)
+            | cube_core::SandboxError::UnknownTemplate(_)
+            | cube_core::SandboxError::UnknownSnapshot(_) => 3,
+            _ => 1,
+        };
+        CliError {
+            message: chain(&e),
+            hint: None,
+            code,
+        }
+    }
+}
+
+/// The store root chosen on the command line or by default.
+pub fn store_root(store: Option<&std::path::Path>) -> Result<PathBuf, CliError> {
+    match store {
+        Some(p) => Ok(p.to_path_buf()),
+        None => cube_storage::Store::default_root().map_err(|e| CliError::failed(chain(&e))),
+    }
+}

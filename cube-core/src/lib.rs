@@ -1,1 +1,11 @@
-//! cube-core
+//! Cube's `Sandbox` API: lifecycle, the KVM microVM engine, snapshots and templates.
+
+pub mod host_caps;
+pub mod sandbox;
+pub mod snapshot;
+pub mod supervisor;
+pub mod test_guest;
+pub mod vmm;
+pub mod vstate;
+
+pub use sandbox::{CreateOptions, Runtime, RuntimeConfig, Sandbox, SandboxError, Snapshot};

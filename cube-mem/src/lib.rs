@@ -1,1 +1,27 @@
-//! cube-mem
+//! Guest memory for Cube's microVMs.
+//!
+//! - [`GuestMemory`]: guest RAM as a vm-memory [`GuestMemoryMmap`](vm_memory::GuestMemoryMmap)
+//!   with a per-region [`AtomicBitmap`](vm_memory::bitmap::AtomicBitmap) recording the
+//!   VMM's own writes; fresh (memfd) or restored from a memory file `MAP_PRIVATE`.
+//! - [`dirty`]: which pages changed, through KVM's dirty log, soft-dirty bits,
+//!   userfaultfd write-protect, and the VMM write log, and [`probe`] to find out which
+//!   of them work on this host.
+//! - [`memory_file`]: writing guest memory to a memory file, whole or as a reflinked copy
+//!   of the parent file plus the dirty pages.
+
+// Tests may unwrap (CONTRIBUTING.md); library code may not.
+#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
+
+pub mod dirty;
+pub mod guest_memory;
+pub mod memory_file;
+
+pub use dirty::{
+    probe, register_slots, CombinedTracker, DirtyBitmap, DirtyError, DirtyRun, DirtyRuns,
+    DirtyTracker, DirtyTrackerKind, KvmDirtyLog, KvmDirtyLogError, SoftDirty, SoftDirtyError,
+    TrackerSupport, UffdError, UffdWriteProtect, VmmWriteLog,
+};
+pub use guest_memory::{
+    GuestMemory, LayoutRegion, MemoryBacking, MemoryError, MemoryLayout, RegionInfo, PAGE_SIZE,
+};
+pub use memory_file::{write_diff, write_full, DiffStats, MemoryFileError, WriteStats};

@@ -1,0 +1,537 @@
+//! `cube bench`: CubeSandbox's benchmark tables, reproduced on this host with Cube's
+//! test guest, next to floors measured in the same run.
+
+mod floor;
+mod stats;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use cube_core::snapshot::MachineConfig;
+use cube_core::test_guest::WorkingSet;
+use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox};
+
+use crate::{chain, store_root, CliError};
+use stats::{percentiles_ms, round2};
+
+/// Options of `cube bench`.
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Fewer repeats and sizes: finishes within about a minute on 2 cores.
+    #[arg(long)]
+    quick: bool,
+    /// Print JSON instead of markdown tables.
+    #[arg(long)]
+    json: bool,
+    /// Engine to measure.
+    #[arg(long, default_value = "vm", value_parser = ["vm"])]
+    engine: String,
+    /// Guest memory in MiB (the reference spec is 2 GiB).
+    #[arg(long, default_value_t = 2048)]
+    memory_mib: u64,
+    /// vCPUs (the reference spec is 2).
+    #[arg(long, default_value_t = 2)]
+    vcpus: u8,
+}
+
+#[derive(Serialize)]
+struct CreateRow {
+    concurrency: usize,
+    n: usize,
+    p50_ms: f64,
+    p95_ms: f64,
+    throughput_per_s: f64,
+}
+
+#[derive(Serialize)]
+struct SnapshotRow {
+    dirty_mib: u64,
+    snapshot_ms: f64,
+    create_from_snapshot_ms: f64,
+    dirty_pages: u64,
+}
+
+#[derive(Serialize)]
+struct CloneRow {
+    n: usize,
+    concurrency: usize,
+    wall_ms: f64,
+    per_clone_ms: f64,
+}
+
+#[derive(Serialize)]
+struct Target {
+    name: &'static str,
+    value: f64,
+    limit: f64,
+    met: bool,
+}
+
+#[derive(Serialize)]
+struct Report {
+    guest: &'static str,
+    engine: String,
+    vcpus: u8,
+    memory_mib: u64,
+    store_filesystem: String,
+    reflink: bool,
+    create_from_template: Vec<CreateRow>,
+    snapshot_vs_dirty: Vec<SnapshotRow>,
+    rollback_ms: f64,
+    rollback_p95_ms: f64,
+    clone: Vec<CloneRow>,
+    pause_ms: f64,
+    pause_p95_ms: f64,
+    resume_ms: f64,
+    resume_p95_ms: f64,
+    hibernate_ms: f64,
+    wake_ms: f64,
+    memory_overhead_mib_per_sandbox: f64,
+    memory_overhead_sandboxes: usize,
+    floor_kvm_vm_ms: f64,
+    floor_kvm_vm_p95_ms: f64,
+    floor_write_mib_per_s: f64,
+    targets: Vec<Target>,
+}
+
+struct Plan {
+    create: Vec<(usize, usize)>,
+    dirty_mib: Vec<u64>,
+    repeats: usize,
+    clones: Vec<(usize, usize)>,
+    density: usize,
+    floor_write_mib: usize,
+}
+
+fn failed(e: impl std::error::Error) -> CliError {
+    CliError::failed(chain(&e))
+}
+
+fn progress(message: &str) {
+    eprintln!("bench: {message}");
+}
+
+pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
+    let root = store_root(store)?;
+    let plan = if args.quick {
+        Plan {
+            create: vec![(1, 10), (2, 10)],
+            dirty_mib: vec![0, 100, 1024],
+            repeats: 5,
+            clones: vec![(1, 1), (10, 2)],
+            density: 20,
+            floor_write_mib: 256,
+        }
+    } else {
+        Plan {
+            create: vec![(1, 20), (2, 40), (4, 40)],
+            dirty_mib: vec![0, 10, 50, 100, 200, 500, 800, 1024],
+            repeats: 10,
+            clones: vec![(1, 1), (20, 2), (20, 4)],
+            density: 50,
+            floor_write_mib: 512,
+        }
+    };
+    let max_concurrency = plan.create.iter().map(|c| c.0).max().unwrap_or(1);
+    let rt = Runtime::open(RuntimeConfig {
+        store_root: root.clone(),
+        pool_size: max_concurrency + 2,
+        supervisor: None,
+    })
+    .map_err(CliError::from)?;
+    let template = format!("bench-{}", std::process::id());
+    let machine = MachineConfig {
+        vcpus: args.vcpus,
+        memory_bytes: args.memory_mib << 20,
+        irqchip: true,
+    };
+    progress(&format!("building template {template}"));
+    rt.build_test_template(&template, machine, WorkingSet::default(), 1 << 30)
+        .map_err(CliError::from)?;
+    let result = run_plan(&rt, &template, machine, &plan, args);
+    let _ = rt.remove_template(&template);
+    let report = result?;
+    if args.json {
+        let text = serde_json::to_string_pretty(&report).map_err(failed)?;
+        println!("{text}");
+    } else {
+        print_markdown(&report);
+    }
+    Ok(())
+}
+
+fn timed<T>(
+    f: impl FnOnce() -> Result<T, cube_core::SandboxError>,
+) -> Result<(Duration, T), CliError> {
+    let start = Instant::now();
+    let value = f().map_err(CliError::from)?;
+    Ok((start.elapsed(), value))
+}
+
+fn ephemeral() -> CreateOptions {
+    CreateOptions { ephemeral: true }
+}
+
+fn run_plan(
+    rt: &Runtime,
+    template: &str,
+    machine: MachineConfig,
+    plan: &Plan,
+    args: &BenchArgs,
+) -> Result<Report, CliError> {
+    let store = rt.store().root().to_path_buf();
+    let template_memory = rt
+        .store()
+        .template_dir(template)
+        .map_err(failed)?
+        .join(cube_core::snapshot::format::MEMORY_FILE);
+
+    progress("floors");
+    let mut floor_vm = Vec::new();
+    for _ in 0..plan.repeats * 2 {
+        floor_vm.push(
+            floor::bare_vm(&template_memory, machine.vcpus, machine.irqchip)
+                .map_err(CliError::unsupported)?,
+        );
+    }
+    let (floor_vm_p50, floor_vm_p95) = percentiles_ms(&floor_vm);
+    let floor_write = floor::sequential_write(&store.join("tmp"), plan.floor_write_mib)
+        .map_err(CliError::failed)?;
+
+    let mut create_rows = Vec::new();
+    for &(concurrency, n) in &plan.create {
+        progress(&format!(
+            "create from template: concurrency {concurrency}, n {n}"
+        ));
+        rt.wait_pool_ready();
+        let wall_start = Instant::now();
+        let samples = std::sync::Mutex::new(Vec::new());
+        let failures = std::sync::Mutex::new(Vec::new());
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..concurrency {
+                scope.spawn(|| {
+                    while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < n {
+                        let start = Instant::now();
+                        match rt.create(template, ephemeral()) {
+                            Ok(sb) => {
+                                let elapsed = start.elapsed();
+                                samples
+                                    .lock()
+                                    .unwrap_or_else(|e| e.into_inner())
+                                    .push(elapsed);
+                                let _ = sb.destroy();
+                            }
+                            Err(e) => failures
+                                .lock()
+                                .unwrap_or_else(|e| e.into_inner())
+                                .push(chain(&e)),
+                        }
+                    }
+                });
+            }
+        });
+        let wall = wall_start.elapsed();
+        if let Some(e) = failures
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner())
+            .first()
+        {
+            return Err(CliError::failed(e.clone()));
+        }
+        let samples = samples.into_inner().unwrap_or_else(|e| e.into_inner());
+        let (p50, p95) = percentiles_ms(&samples);
+        create_rows.push(CreateRow {
+            concurrency,
+            n,
+            p50_ms: round2(p50),
+            p95_ms: round2(p95),
+            // Wall time includes the destroys, as the reference's create-then-delete loop.
+            throughput_per_s: round2(n as f64 / wall.as_secs_f64()),
+        });
+    }
+
+    let mut snapshot_rows = Vec::new();
+    for &mib in &plan.dirty_mib {
+        progress(&format!("snapshot with {mib} MiB dirty"));
+        let mut sb = rt.create(template, ephemeral()).map_err(CliError::from)?;
+        let result = (|| {
+            sb.guest_wait_working_set().map_err(CliError::from)?;
+            if mib > 0 {
+                sb.guest_dirty(mib, 0x1000).map_err(CliError::from)?;
+            }
+            let (snap_time, snap) = timed(|| sb.snapshot())?;
+            rt.wait_pool_ready();
+            let (create_time, clone) = timed(|| rt.create_from_snapshot(&snap.id, ephemeral()))?;
+            let _ = clone.destroy();
+            Ok::<_, CliError>(SnapshotRow {
+                dirty_mib: mib,
+                snapshot_ms: round2(snap_time.as_secs_f64() * 1e3),
+                create_from_snapshot_ms: round2(create_time.as_secs_f64() * 1e3),
+                dirty_pages: snap.stats.dirty_pages,
+            })
+        })();
+        let _ = sb.destroy();
+        snapshot_rows.push(result?);
+    }
+
+    progress("rollback, pause, resume, hibernate, wake");
+    let mut sb = rt.create(template, ephemeral()).map_err(CliError::from)?;
+    let lifecycle = lifecycle(&mut sb, plan.repeats);
+    let _ = sb.destroy();
+    let lifecycle = lifecycle?;
+
+    let mut clone_rows = Vec::new();
+    for &(n, concurrency) in &plan.clones {
+        progress(&format!("clone n {n}, concurrency {concurrency}"));
+        let mut source = rt.create(template, ephemeral()).map_err(CliError::from)?;
+        rt.wait_pool_ready();
+        let result = timed(|| rt.clone_sandbox(&mut source, n, concurrency, ephemeral()));
+        let _ = source.destroy();
+        let (wall, clones) = result?;
+        for c in clones {
+            let _ = c.destroy();
+        }
+        clone_rows.push(CloneRow {
+            n,
+            concurrency,
+            wall_ms: round2(wall.as_secs_f64() * 1e3),
+            per_clone_ms: round2(wall.as_secs_f64() * 1e3 / n as f64),
+        });
+    }
+
+    progress(&format!(
+        "memory overhead of {} idle sandboxes",
+        plan.density
+    ));
+    let overhead = memory_overhead(&store, template, plan.density)?;
+
+    let clean = snapshot_rows.first();
+    let largest = snapshot_rows.last();
+    let create_p50 = create_rows.first().map(|r| r.p50_ms).unwrap_or(0.0);
+    let mut targets = vec![
+        Target::at_most(
+            "create_p50_vs_floor_kvm_vm",
+            create_p50 / floor_vm_p50.max(1e-9),
+            2.0,
+        ),
+        Target::at_most(
+            "snapshot_clean_ms",
+            clean.map(|r| r.snapshot_ms).unwrap_or(0.0),
+            15.0,
+        ),
+        Target::at_most("rollback_ms", lifecycle.rollback.0, 20.0),
+        Target::at_most(
+            "clone_single_ms",
+            clone_rows.first().map(|r| r.wall_ms).unwrap_or(0.0),
+            25.0,
+        ),
+        Target::at_most("pause_ms", lifecycle.pause.0, 5.0),
+        Target::at_most("resume_ms", lifecycle.resume.0, 5.0),
+        Target::at_most("memory_overhead_mib_per_sandbox", overhead, 10.0),
+    ];
+    if let (Some(clean), Some(largest)) = (clean, largest) {
+        if largest.dirty_mib > clean.dirty_mib {
+            let per_mib = (largest.snapshot_ms - clean.snapshot_ms)
+                / (largest.dirty_mib - clean.dirty_mib) as f64;
+            let floor_per_mib = 1e3 / floor_write;
+            targets.push(Target::at_most(
+                "snapshot_ms_per_dirty_mib_vs_floor_write",
+                per_mib / floor_per_mib,
+                1.5,
+            ));
+            targets.push(Target::at_most(
+                "create_from_snapshot_largest_dirty_vs_clean",
+                largest.create_from_snapshot_ms / clean.create_from_snapshot_ms.max(1e-9),
+                1.3,
+            ));
+        }
+    }
+    for t in &mut targets {
+        t.value = round2(t.value);
+    }
+    let fs = cube_storage::filesystem_name(&store).unwrap_or_default();
+    Ok(Report {
+        guest: "synthetic",
+        engine: args.engine.clone(),
+        vcpus: machine.vcpus,
+        memory_mib: machine.memory_bytes >> 20,
+        store_filesystem: fs,
+        reflink: cube_storage::supports_reflink(&store).unwrap_or(false),
+        create_from_template: create_rows,
+        snapshot_vs_dirty: snapshot_rows,
+        rollback_ms: lifecycle.rollback.0,
+        rollback_p95_ms: lifecycle.rollback.1,
+        clone: clone_rows,
+        pause_ms: lifecycle.pause.0,
+        pause_p95_ms: lifecycle.pause.1,
+        resume_ms: lifecycle.resume.0,
+        resume_p95_ms: lifecycle.resume.1,
+        hibernate_ms: lifecycle.hibernate.0,
+        wake_ms: lifecycle.wake.0,
+        memory_overhead_mib_per_sandbox: round2(overhead),
+        memory_overhead_sandboxes: plan.density,
+        floor_kvm_vm_ms: round2(floor_vm_p50),
+        floor_kvm_vm_p95_ms: round2(floor_vm_p95),
+        floor_write_mib_per_s: round2(floor_write),
+        targets,
+    })
+}
+
+impl Target {
+    fn at_most(name: &'static str, value: f64, limit: f64) -> Target {
+        Target {
+            name,
+            value,
+            limit,
+            met: value <= limit,
+        }
+    }
+}
+
+struct Lifecycle {
+    rollback: (f64, f64),
+    pause: (f64, f64),
+    resume: (f64, f64),
+    hibernate: (f64, f64),
+    wake: (f64, f64),
+}
+
+fn lifecycle(sb: &mut Sandbox, repeats: usize) -> Result<Lifecycle, CliError> {
+    sb.guest_wait_working_set().map_err(CliError::from)?;
+    let snap = sb.snapshot().map_err(CliError::from)?;
+    let (mut rollback, mut pause, mut resume, mut hibernate, mut wake) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for i in 0..repeats {
+        sb.guest_dirty(10, i as u64).map_err(CliError::from)?;
+        rollback.push(timed(|| sb.rollback(&snap.id))?.0);
+        sb.guest_wait_working_set().map_err(CliError::from)?;
+        pause.push(timed(|| sb.pause())?.0);
+        resume.push(timed(|| sb.resume())?.0);
+    }
+    for _ in 0..repeats.min(5) {
+        hibernate.push(timed(|| sb.hibernate())?.0);
+        wake.push(timed(|| sb.wake())?.0);
+        sb.guest_wait_working_set().map_err(CliError::from)?;
+    }
+    let p = |v: &[Duration]| {
+        let (a, b) = percentiles_ms(v);
+        (round2(a), round2(b))
+    };
+    Ok(Lifecycle {
+        rollback: p(&rollback),
+        pause: p(&pause),
+        resume: p(&resume),
+        hibernate: p(&hibernate),
+        wake: p(&wake),
+    })
+}
+
+/// Memory in use that no cache can give back, MiB (the reference's "Used Memory").
+fn used_memory_mib() -> Result<f64, CliError> {
+    let text = std::fs::read_to_string("/proc/meminfo").map_err(failed)?;
+    let field = |name: &str| {
+        text.lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let kib = field("MemTotal:")
+        - field("MemFree:")
+        - field("Buffers:")
+        - field("Cached:")
+        - field("SReclaimable:")
+        + field("Shmem:");
+    Ok(kib / 1024.0)
+}
+
+fn memory_overhead(store: &Path, template: &str, count: usize) -> Result<f64, CliError> {
+    // No pool here: idle pooled supervisors would be counted against the sandboxes.
+    let rt = Runtime::open(RuntimeConfig {
+        store_root: store.to_path_buf(),
+        pool_size: 0,
+        supervisor: None,
+    })
+    .map_err(CliError::from)?;
+    std::thread::sleep(Duration::from_millis(200));
+    let before = used_memory_mib()?;
+    let mut sandboxes = Vec::with_capacity(count);
+    let result = (|| {
+        for _ in 0..count {
+            let mut sb = rt.create(template, ephemeral()).map_err(CliError::from)?;
+            sb.guest_wait_working_set().map_err(CliError::from)?;
+            sandboxes.push(sb);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        used_memory_mib()
+    })();
+    for sb in sandboxes {
+        let _ = sb.destroy();
+    }
+    let after = result?;
+    Ok((after - before) / count as f64)
+}
+
+fn print_markdown(r: &Report) {
+    println!(
+        "# cube bench: {} engine, {} guest, {} vCPU / {} MiB, store on {} (reflink: {})\n",
+        r.engine, r.guest, r.vcpus, r.memory_mib, r.store_filesystem, r.reflink
+    );
+    println!(
+        "Floors measured in this run: bare KVM VM p50 {} ms (p95 {}), sequential write {} MiB/s\n",
+        r.floor_kvm_vm_ms, r.floor_kvm_vm_p95_ms, r.floor_write_mib_per_s
+    );
+    println!("## Create sandbox from template\n");
+    println!("| Concurrency | n | p50 ms | p95 ms | Throughput /s |\n|---|---|---|---|---|");
+    for row in &r.create_from_template {
+        println!(
+            "| {} | {} | {} | {} | {} |",
+            row.concurrency, row.n, row.p50_ms, row.p95_ms, row.throughput_per_s
+        );
+    }
+    println!("\n## Snapshot vs dirty size\n");
+    println!(
+        "| Dirty MiB | Dirty pages | Snapshot ms | Create from snapshot ms |\n|---|---|---|---|"
+    );
+    for row in &r.snapshot_vs_dirty {
+        println!(
+            "| {} | {} | {} | {} |",
+            row.dirty_mib, row.dirty_pages, row.snapshot_ms, row.create_from_snapshot_ms
+        );
+    }
+    println!("\n## Clone\n");
+    println!("| n | Concurrency | Wall ms | Per clone ms |\n|---|---|---|---|");
+    for row in &r.clone {
+        println!(
+            "| {} | {} | {} | {} |",
+            row.n, row.concurrency, row.wall_ms, row.per_clone_ms
+        );
+    }
+    println!("\n## Lifecycle (p50 / p95 ms)\n");
+    println!("| Operation | p50 | p95 |\n|---|---|---|");
+    println!("| rollback | {} | {} |", r.rollback_ms, r.rollback_p95_ms);
+    println!(
+        "| pause (in memory) | {} | {} |",
+        r.pause_ms, r.pause_p95_ms
+    );
+    println!("| resume | {} | {} |", r.resume_ms, r.resume_p95_ms);
+    println!("| hibernate (CubeSandbox's pause) | {} | |", r.hibernate_ms);
+    println!("| wake | {} | |", r.wake_ms);
+    println!(
+        "\nMemory overhead: {} MiB per idle sandbox over {} sandboxes\n",
+        r.memory_overhead_mib_per_sandbox, r.memory_overhead_sandboxes
+    );
+    println!("## Targets\n\n| Target | Value | Limit | Met |\n|---|---|---|---|");
+    for t in &r.targets {
+        println!(
+            "| {} | {} | {} | {} |",
+            t.name,
+            t.value,
+            t.limit,
+            if t.met { "yes" } else { "no" }
+        );
+    }
+}

@@ -1,0 +1,106 @@
+//! `cube doctor`: what this host can do, found by trying it.
+
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::{chain, store_root, CliError};
+use cube_core::host_caps::{HostCapabilities, KvmKind};
+
+/// The doctor's report.
+#[derive(Serialize)]
+struct Report {
+    #[serde(flatten)]
+    host: HostCapabilities,
+    /// The store root examined.
+    store: String,
+    /// Filesystem of the store.
+    store_filesystem: Option<String>,
+    /// Whether the store's filesystem can reflink.
+    reflink: bool,
+    /// Whether soft-dirty page tracking works.
+    soft_dirty: bool,
+    /// Whether userfaultfd write-protect tracking works.
+    uffd_wp: bool,
+    /// Whether KVM's dirty log works.
+    kvm_dirty_log: bool,
+    /// Usable engines, strongest first.
+    engines: Vec<&'static str>,
+    /// Plain-language notes on what does not work and why.
+    notes: Vec<String>,
+}
+
+pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
+    let host = HostCapabilities::probe();
+    let root = store_root(store)?;
+    let probe_dir = if root.exists() {
+        root.clone()
+    } else {
+        std::env::temp_dir()
+    };
+    let reflink = cube_storage::supports_reflink(&probe_dir).unwrap_or(false);
+    let store_filesystem = cube_storage::filesystem_name(&probe_dir).ok();
+    let tracking = cube_mem::dirty::probe();
+    let mut notes = Vec::new();
+    let mut engines = Vec::new();
+    match host.kvm {
+        KvmKind::Hardware => engines.push("vm"),
+        KvmKind::Pvm => {
+            engines.push("vm");
+            notes.push(
+                "KVM is PVM: guest CPL0 code is emulated, so a stock Linux guest kernel does not boot \
+                 at usable speed; the vm engine runs Cube's test guest, or Linux with a PVM-enabled \
+                 (CONFIG_PVM_GUEST) kernel"
+                    .to_string(),
+            );
+        }
+        KvmKind::None => notes.push("no usable /dev/kvm: the vm engine is unavailable".to_string()),
+    }
+    if !reflink {
+        notes.push(format!(
+            "the store's filesystem ({}) cannot reflink: snapshots fall back to sparse copies; run `cube store setup` to put the store on a loop-mounted XFS image",
+            store_filesystem.clone().unwrap_or_else(|| "unknown".into())
+        ));
+    }
+    if !tracking.soft_dirty {
+        notes.push(
+            "soft-dirty tracking is unavailable (kernel lacks CONFIG_MEM_SOFT_DIRTY)".to_string(),
+        );
+    }
+    let report = Report {
+        host,
+        store: root.display().to_string(),
+        store_filesystem,
+        reflink,
+        soft_dirty: tracking.soft_dirty,
+        uffd_wp: tracking.uffd_wp,
+        kvm_dirty_log: tracking.kvm_dirty_log,
+        engines,
+        notes,
+    };
+    if json {
+        let text =
+            serde_json::to_string_pretty(&report).map_err(|e| CliError::failed(chain(&e)))?;
+        println!("{text}");
+        return Ok(());
+    }
+    let value = serde_json::to_value(&report).map_err(|e| CliError::failed(chain(&e)))?;
+    println!("{:<28} VALUE", "CAPABILITY");
+    if let serde_json::Value::Object(map) = value {
+        for (key, v) in map {
+            if key == "notes" {
+                continue;
+            }
+            let shown = match v {
+                serde_json::Value::String(s) => s,
+                serde_json::Value::Null => "-".to_string(),
+                other => other.to_string(),
+            };
+            println!("{key:<28} {shown}");
+        }
+    }
+    for note in &report.notes {
+        println!("note: {note}");
+    }
+    Ok(())
+}

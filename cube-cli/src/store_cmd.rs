@@ -1,0 +1,91 @@
+//! `cube store`: prepare the on-disk store.
+
+use std::path::{Path, PathBuf};
+
+use clap::Subcommand;
+
+use crate::{chain, store_root, CliError};
+
+#[derive(Subcommand)]
+pub enum StoreCommand {
+    /// Put the store on a reflink-capable filesystem: an XFS image on a loop device
+    /// when the host's filesystem cannot reflink. Idempotent.
+    ///
+    /// Example: cube store setup --size 16G
+    Setup {
+        /// The image file (default: <store>.img next to the store).
+        #[arg(long)]
+        image: Option<PathBuf>,
+        /// Image size, with K/M/G suffix.
+        #[arg(long, default_value = "16G")]
+        size: String,
+    },
+    /// Show where the store is and whether it can reflink.
+    ///
+    /// Example: cube store info
+    Info,
+}
+
+fn parse_size(text: &str) -> Result<u64, CliError> {
+    let text = text.trim();
+    let (digits, shift) = match text.chars().last() {
+        Some('K' | 'k') => (&text[..text.len() - 1], 10),
+        Some('M' | 'm') => (&text[..text.len() - 1], 20),
+        Some('G' | 'g') => (&text[..text.len() - 1], 30),
+        _ => (text, 0),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1u64 << shift))
+        .ok_or_else(|| CliError::failed(format!("invalid size {text:?} (use e.g. 512M or 16G)")))
+}
+
+fn default_image(root: &Path) -> PathBuf {
+    let mut name = root.as_os_str().to_owned();
+    name.push(".img");
+    PathBuf::from(name)
+}
+
+pub fn run(store: Option<&Path>, command: StoreCommand) -> Result<(), CliError> {
+    let root = store_root(store)?;
+    match command {
+        StoreCommand::Setup { image, size } => {
+            let image = image.unwrap_or_else(|| default_image(&root));
+            let size = parse_size(&size)?;
+            std::fs::create_dir_all(&root)
+                .map_err(|e| CliError::failed(format!("creating {}: {e}", root.display())))?;
+            if cube_storage::supports_reflink(&root).unwrap_or(false) {
+                println!(
+                    "store {} already reflinks ({})",
+                    root.display(),
+                    cube_storage::filesystem_name(&root).unwrap_or_default()
+                );
+                return Ok(());
+            }
+            let mounted =
+                cube_storage::prepare_xfs_loop_store(&image, size, &root).map_err(|e| {
+                    CliError::failed(chain(&e))
+                        .hint("run as root with xfsprogs installed (apt-get install xfsprogs)")
+                })?;
+            let device = mounted
+                .loop_device()
+                .map(|d| d.display().to_string())
+                .unwrap_or_else(|| "an existing mount".to_string());
+            println!(
+                "store {} is now XFS with reflink on {device}",
+                root.display()
+            );
+            Ok(())
+        }
+        StoreCommand::Info => {
+            let fs =
+                cube_storage::filesystem_name(&root).map_err(|e| CliError::failed(chain(&e)))?;
+            let reflink = cube_storage::supports_reflink(&root).unwrap_or(false);
+            println!("store      {}", root.display());
+            println!("filesystem {fs}");
+            println!("reflink    {reflink}");
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,272 @@
+//! The engine-neutral `Sandbox` API.
+//!
+//! A [`Runtime`] owns the store and a pool of pre-started supervisors; a [`Sandbox`] is a
+//! handle on one sandbox's supervisor. Sandboxes outlive the handle (and the process)
+//! unless created ephemeral: [`Sandbox::destroy`] ends them.
+
+pub mod metadata;
+mod runtime;
+
+use std::path::{Path, PathBuf};
+
+pub use metadata::{Engine, SandboxMeta, SnapshotMeta, TemplateMeta};
+pub use runtime::{CreateOptions, Runtime, RuntimeConfig};
+
+use crate::supervisor::protocol::{Request, Response, StatusReport};
+use crate::supervisor::{ClientError, SupervisorClient};
+use crate::vmm::machine::SnapshotStats;
+
+/// Why a sandbox operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    /// The store failed.
+    #[error("Store")]
+    Store(#[from] cube_storage::StoreError),
+    /// A metadata file is damaged or could not be written.
+    #[error("Metadata")]
+    Metadata(#[from] cube_storage::MetadataError),
+    /// Copying a file failed.
+    #[error("Copying")]
+    Clone(#[from] cube_storage::CloneError),
+    /// A supervisor could not be started.
+    #[error("Supervisor")]
+    Pool(#[from] crate::supervisor::PoolError),
+    /// The supervisor reported a failure.
+    #[error("Sandbox {id}")]
+    Supervisor {
+        /// The sandbox.
+        id: String,
+        /// What failed.
+        #[source]
+        source: ClientError,
+    },
+    /// No sandbox with this id.
+    #[error("No sandbox named {0}")]
+    UnknownSandbox(String),
+    /// No template with this name.
+    #[error("No template named {0} (list them with `cube template ls`)")]
+    UnknownTemplate(String),
+    /// A template of this name exists.
+    #[error("Template {0} already exists")]
+    TemplateExists(String),
+    /// No snapshot with this id.
+    #[error("No snapshot named {0}")]
+    UnknownSnapshot(String),
+    /// The snapshot belongs to another sandbox.
+    #[error("Snapshot {snapshot} belongs to sandbox {owner}, not {sandbox}")]
+    NotOwner {
+        /// The snapshot.
+        snapshot: String,
+        /// Its owner.
+        owner: String,
+        /// The sandbox that asked.
+        sandbox: String,
+    },
+    /// A filesystem operation failed.
+    #[error("{0}")]
+    Io(String, #[source] std::io::Error),
+    /// A worker thread panicked.
+    #[error("A worker thread failed")]
+    Thread,
+}
+
+/// A snapshot a sandbox took.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    /// Snapshot id.
+    pub id: String,
+    /// Its directory.
+    pub dir: PathBuf,
+    /// What writing it cost.
+    pub stats: SnapshotStats,
+}
+
+/// A handle on one sandbox.
+pub struct Sandbox {
+    id: String,
+    dir: PathBuf,
+    client: SupervisorClient,
+    store_root: PathBuf,
+}
+
+impl Sandbox {
+    /// The sandbox's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The sandbox's directory in the store.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn call(&mut self, request: &Request) -> Result<Response, SandboxError> {
+        self.client
+            .call(request)
+            .map_err(|source| SandboxError::Supervisor {
+                id: self.id.clone(),
+                source,
+            })
+    }
+
+    fn call_ok(&mut self, request: &Request) -> Result<(), SandboxError> {
+        self.client
+            .call_ok(request)
+            .map_err(|source| SandboxError::Supervisor {
+                id: self.id.clone(),
+                source,
+            })
+    }
+
+    fn unexpected(&self, response: Response) -> SandboxError {
+        SandboxError::Supervisor {
+            id: self.id.clone(),
+            source: ClientError::Unexpected(format!("{response:?}")),
+        }
+    }
+
+    /// State as the supervisor reports it.
+    pub fn status(&mut self) -> Result<StatusReport, SandboxError> {
+        match self.call(&Request::Status)? {
+            Response::Status(s) => Ok(s),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Stops the vCPUs; memory stays.
+    pub fn pause(&mut self) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Pause)
+    }
+
+    /// Continues after [`Sandbox::pause`].
+    pub fn resume(&mut self) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Resume)
+    }
+
+    /// Takes a snapshot (only dirty pages are written); the sandbox keeps running.
+    pub fn snapshot(&mut self) -> Result<Snapshot, SandboxError> {
+        let store = cube_storage::Store::open(&self.store_root)?;
+        let id = cube_storage::Store::new_id("snap")?;
+        let dest = store.snapshot_dir(&id)?;
+        let staging = store.root().join("tmp").join(format!("{id}.staging"));
+        let stats = match self.call(&Request::Snapshot {
+            staging,
+            dest: dest.clone(),
+        })? {
+            Response::Snapshot(stats) => stats,
+            other => return Err(self.unexpected(other)),
+        };
+        let meta = SnapshotMeta {
+            id: id.clone(),
+            sandbox: self.id.clone(),
+            created_unix: metadata::now_unix(),
+            stats,
+        };
+        cube_storage::write_atomic(&dest.join(metadata::SNAPSHOT_META), "snapshot", &meta)?;
+        Ok(Snapshot {
+            id,
+            dir: dest,
+            stats,
+        })
+    }
+
+    /// Puts memory, vCPUs, devices and rootfs back to `snapshot`, which this sandbox
+    /// must own. The sandbox keeps its id.
+    pub fn rollback(&mut self, snapshot: &str) -> Result<(), SandboxError> {
+        let store = cube_storage::Store::open(&self.store_root)?;
+        let dir = store.snapshot_dir(snapshot)?;
+        let meta: SnapshotMeta =
+            cube_storage::read_verified(&dir.join(metadata::SNAPSHOT_META), "snapshot").map_err(
+                |e| match e {
+                    cube_storage::MetadataError::Read { .. } => {
+                        SandboxError::UnknownSnapshot(snapshot.to_string())
+                    }
+                    other => other.into(),
+                },
+            )?;
+        if meta.sandbox != self.id {
+            return Err(SandboxError::NotOwner {
+                snapshot: snapshot.to_string(),
+                owner: meta.sandbox,
+                sandbox: self.id.clone(),
+            });
+        }
+        self.call_ok(&Request::Rollback { snapshot: dir })
+    }
+
+    /// Writes the state out and releases the guest's memory (CubeSandbox's "pause").
+    pub fn hibernate(&mut self) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Hibernate)
+    }
+
+    /// Restores after [`Sandbox::hibernate`].
+    pub fn wake(&mut self) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Wake)
+    }
+
+    /// Has the test guest dirty `mib` MiB of memory.
+    pub fn guest_dirty(&mut self, mib: u64, pattern: u64) -> Result<(), SandboxError> {
+        self.call_ok(&Request::GuestDirty { mib, pattern })
+    }
+
+    /// Makes the test guest spin on its counter (true) or idle (false).
+    pub fn guest_spin(&mut self, spin: bool) -> Result<(), SandboxError> {
+        self.call_ok(&Request::GuestMode { spin })
+    }
+
+    /// Waits until the test guest has touched its working set after its last start.
+    pub fn guest_wait_working_set(&mut self) -> Result<(), SandboxError> {
+        self.call_ok(&Request::GuestWaitWorkingSet)
+    }
+
+    /// Reads guest memory.
+    pub fn read_memory(&mut self, addr: u64, len: u32) -> Result<Vec<u8>, SandboxError> {
+        match self.call(&Request::ReadMemory { addr, len })? {
+            Response::Memory(m) => Ok(m),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// CRC32 of each RAM region.
+    pub fn memory_digest(&mut self) -> Result<Vec<u32>, SandboxError> {
+        match self.call(&Request::MemoryDigest)? {
+            Response::Digest(d) => Ok(d),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Ends the sandbox: the supervisor releases the VM and exits, and the sandbox's
+    /// directory and snapshots are removed.
+    pub fn destroy(mut self) -> Result<(), SandboxError> {
+        let result = self.call_ok(&Request::Destroy);
+        let store = cube_storage::Store::open(&self.store_root)?;
+        remove_sandbox_files(&store, &self.id, &self.dir)?;
+        result
+    }
+}
+
+/// Removes a sandbox's directory and the snapshots it owns.
+fn remove_sandbox_files(
+    store: &cube_storage::Store,
+    id: &str,
+    dir: &Path,
+) -> Result<(), SandboxError> {
+    for snap in store.list_snapshots()? {
+        let snap_dir = store.snapshot_dir(&snap)?;
+        let owner = cube_storage::read_verified::<SnapshotMeta>(
+            &snap_dir.join(metadata::SNAPSHOT_META),
+            "snapshot",
+        )
+        .map(|m| m.sandbox)
+        .ok();
+        if owner.as_deref() == Some(id) {
+            std::fs::remove_dir_all(&snap_dir)
+                .map_err(|e| SandboxError::Io(format!("removing {}", snap_dir.display()), e))?;
+        }
+    }
+    match std::fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(SandboxError::Io(format!("removing {}", dir.display()), e)),
+    }
+}

@@ -1,0 +1,5 @@
+//! Snapshots of a microVM: the on-disk format.
+
+pub mod format;
+
+pub use format::{GuestKind, MachineConfig, MachineState};

@@ -1,0 +1,443 @@
+//! The supervisor: the process that holds one sandbox's VM.
+//!
+//! It starts idle (pre-warmed: `/dev/kvm` open, CPUID and MSR lists queried) with a
+//! connection to whoever spawned it, becomes a sandbox on its first request, then also
+//! listens on a unix socket in the sandbox's directory so any process can reattach.
+//! A crash stays inside this one sandbox.
+
+use std::io::{BufReader, BufWriter, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
+
+use super::protocol::{
+    read_frame, write_frame, MachineStatus, ProtocolError, Request, Response, Source, StatusReport,
+    MAX_FRAME, PROTOCOL_VERSION,
+};
+use crate::snapshot::format::ROOTFS_FILE;
+use crate::test_guest::mailbox::field;
+use crate::test_guest::Mode;
+use crate::vmm::machine::{Machine, MachineError};
+use crate::vstate::KvmContext;
+
+/// The socket a supervisor listens on, inside its sandbox directory.
+pub const SOCKET_FILE: &str = "supervisor.sock";
+/// The hibernation image inside a sandbox directory.
+pub const HIBERNATE_DIR: &str = "hibernate";
+
+/// Why the supervisor could not serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// KVM could not be opened.
+    #[error("Opening KVM")]
+    Kvm(#[source] crate::vstate::VstateError),
+    /// The control connection failed.
+    #[error("Control connection")]
+    Protocol(#[from] ProtocolError),
+    /// The sandbox socket could not be bound.
+    #[error("Binding {0}")]
+    Bind(PathBuf, #[source] std::io::Error),
+    /// The first request was not an adoption.
+    #[error("Expected an Adopt request first")]
+    NotAdopted,
+}
+
+struct Sandbox {
+    ctx: Arc<KvmContext>,
+    dir: PathBuf,
+    machine: Option<Machine>,
+    hibernated: bool,
+}
+
+struct State {
+    sandbox: Mutex<Sandbox>,
+}
+
+impl State {
+    fn lock(&self) -> MutexGuard<'_, Sandbox> {
+        self.sandbox.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Runs a supervisor whose spawner holds the other end of `control`. Returns when the
+/// sandbox is destroyed (or the spawner went away before adopting it).
+pub fn run(control: UnixStream) -> Result<(), ServerError> {
+    let ctx = Arc::new(KvmContext::open().map_err(ServerError::Kvm)?);
+    let mut reader = BufReader::new(control.try_clone().map_err(ProtocolError::Io)?);
+    let mut writer = BufWriter::new(control);
+    let request: Request = match read_frame(&mut reader) {
+        Ok(r) => r,
+        // The spawner went away without using us: nothing to clean up.
+        Err(ProtocolError::Closed) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    let Request::Adopt {
+        version,
+        id,
+        dir,
+        source,
+        ephemeral,
+    } = request
+    else {
+        reply(&mut writer, &Response::Error("expected Adopt".into()))?;
+        return Err(ServerError::NotAdopted);
+    };
+    if version != PROTOCOL_VERSION {
+        reply(
+            &mut writer,
+            &Response::Error(format!(
+                "protocol version {version} not supported (supervisor speaks {PROTOCOL_VERSION})"
+            )),
+        )?;
+        return Err(ServerError::NotAdopted);
+    }
+    let machine = match start_machine(&ctx, &source) {
+        Ok(m) => m,
+        Err(e) => {
+            reply(&mut writer, &Response::Error(error_chain(&e)))?;
+            return Ok(());
+        }
+    };
+    let socket_path = dir.join(SOCKET_FILE);
+    let _ = std::fs::remove_file(&socket_path);
+    let listener =
+        UnixListener::bind(&socket_path).map_err(|e| ServerError::Bind(socket_path.clone(), e))?;
+    let state = Arc::new(State {
+        sandbox: Mutex::new(Sandbox {
+            ctx,
+            dir,
+            machine: Some(machine),
+            hibernated: false,
+        }),
+    });
+    tracing::info!(sandbox = %id, "adopted");
+    reply(&mut writer, &Response::Ok)?;
+
+    let accept_state = Arc::clone(&state);
+    std::thread::Builder::new()
+        .name("accept".into())
+        .spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let s = Arc::clone(&accept_state);
+                let _ = std::thread::Builder::new()
+                    .name("client".into())
+                    .spawn(move || serve_client(&s, stream));
+            }
+        })
+        .map_err(|e| ServerError::Bind(socket_path.clone(), e))?;
+
+    // The spawner's connection: when it closes, an ephemeral sandbox goes with it.
+    let closed_by_destroy = serve_stream(&state, &mut reader, &mut writer);
+    if ephemeral || closed_by_destroy {
+        destroy(&state);
+        let _ = std::fs::remove_file(&socket_path);
+        std::process::exit(0);
+    }
+    // A persistent sandbox outlives its creator: keep serving other clients.
+    loop {
+        std::thread::park();
+    }
+}
+
+fn serve_client(state: &State, stream: UnixStream) {
+    let Ok(read_half) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = BufReader::new(read_half);
+    let mut writer = BufWriter::new(stream);
+    if serve_stream(state, &mut reader, &mut writer) {
+        destroy(state);
+        let socket = state.lock().dir.join(SOCKET_FILE);
+        let _ = std::fs::remove_file(socket);
+        std::process::exit(0);
+    }
+}
+
+/// Serves requests until the stream closes; returns true if the sandbox was destroyed.
+fn serve_stream(
+    state: &State,
+    reader: &mut BufReader<UnixStream>,
+    writer: &mut BufWriter<UnixStream>,
+) -> bool {
+    loop {
+        let request: Request = match read_frame(reader) {
+            Ok(r) => r,
+            Err(ProtocolError::Closed) => return false,
+            Err(ProtocolError::Decode(e)) => {
+                let _ = reply(writer, &Response::Error(format!("malformed request: {e}")));
+                continue;
+            }
+            Err(_) => return false,
+        };
+        if matches!(request, Request::Destroy) {
+            destroy(state);
+            let _ = reply(writer, &Response::Ok);
+            return true;
+        }
+        let response = handle(state, request);
+        if reply(writer, &response).is_err() {
+            return false;
+        }
+    }
+}
+
+fn reply(writer: &mut BufWriter<UnixStream>, response: &Response) -> Result<(), ProtocolError> {
+    write_frame(writer, response)?;
+    writer.flush()?;
+    Ok(())
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut message = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        message.push_str(": ");
+        message.push_str(&s.to_string());
+        source = s.source();
+    }
+    message
+}
+
+fn start_machine(ctx: &Arc<KvmContext>, source: &Source) -> Result<Machine, MachineError> {
+    match source {
+        Source::Snapshot(dir) => Machine::restore(ctx, dir),
+        Source::BootTestGuest {
+            config,
+            working_set,
+        } => Machine::boot_test_guest(ctx, *config, *working_set),
+    }
+}
+
+fn destroy(state: &State) {
+    let mut sandbox = state.lock();
+    // Dropping the machine stops the vCPUs, closes the VM and unmaps memory.
+    sandbox.machine = None;
+}
+
+fn handle(state: &State, request: Request) -> Response {
+    let mut sandbox = state.lock();
+    match dispatch(&mut sandbox, request) {
+        Ok(response) => response,
+        Err(message) => Response::Error(message),
+    }
+}
+
+fn machine(sandbox: &mut Sandbox) -> Result<&mut Machine, String> {
+    if sandbox.hibernated {
+        return Err("sandbox is hibernated: wake it first".into());
+    }
+    sandbox
+        .machine
+        .as_mut()
+        .ok_or_else(|| "sandbox has no running machine".to_string())
+}
+
+fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String> {
+    let fail = |e: MachineError| error_chain(&e);
+    match request {
+        Request::Adopt { .. } => Err("already adopted".into()),
+        Request::Destroy => Ok(Response::Ok),
+        Request::Status => Ok(Response::Status(status(sandbox))),
+        Request::Pause => {
+            machine(sandbox)?.pause().map_err(fail)?;
+            Ok(Response::Ok)
+        }
+        Request::Resume => {
+            machine(sandbox)?.resume().map_err(fail)?;
+            Ok(Response::Ok)
+        }
+        Request::Snapshot { staging, dest } => {
+            let dir = sandbox.dir.clone();
+            let m = machine(sandbox)?;
+            let stats = write_snapshot(m, &dir, &staging, &dest)?;
+            Ok(Response::Snapshot(stats))
+        }
+        Request::Rollback { snapshot } => {
+            let restored = Machine::restore(&sandbox.ctx, &snapshot).map_err(fail)?;
+            replace_rootfs(&snapshot, &sandbox.dir)?;
+            sandbox.machine = Some(restored);
+            sandbox.hibernated = false;
+            Ok(Response::Ok)
+        }
+        Request::Hibernate => {
+            let dir = sandbox.dir.clone();
+            let m = machine(sandbox)?;
+            let image = dir.join(HIBERNATE_DIR);
+            let staging = dir.join("hibernate.staging");
+            let old = dir.join("hibernate.old");
+            let _ = std::fs::remove_dir_all(&staging);
+            let _ = std::fs::remove_dir_all(&old);
+            // The rootfs stays where it is: only memory and CPU state leave.
+            std::fs::create_dir(&staging)
+                .map_err(|e| format!("creating {}: {e}", staging.display()))?;
+            if let Err(e) = m.snapshot(&staging) {
+                let _ = std::fs::remove_dir_all(&staging);
+                return Err(error_chain(&e));
+            }
+            if image.exists() {
+                std::fs::rename(&image, &old).map_err(|e| format!("moving old image: {e}"))?;
+            }
+            std::fs::rename(&staging, &image).map_err(|e| format!("committing image: {e}"))?;
+            sync_dir(&dir);
+            let _ = std::fs::remove_dir_all(&old);
+            m.snapshot_committed(&image).map_err(|e| error_chain(&e))?;
+            sandbox.machine = None;
+            sandbox.hibernated = true;
+            Ok(Response::Ok)
+        }
+        Request::Wake => {
+            if !sandbox.hibernated {
+                return Err("sandbox is not hibernated".into());
+            }
+            let image = sandbox.dir.join(HIBERNATE_DIR);
+            let m = Machine::restore(&sandbox.ctx, &image).map_err(fail)?;
+            sandbox.machine = Some(m);
+            sandbox.hibernated = false;
+            Ok(Response::Ok)
+        }
+        Request::GuestDirty { mib, pattern } => {
+            machine(sandbox)?.guest_dirty(mib, pattern).map_err(fail)?;
+            Ok(Response::Ok)
+        }
+        Request::GuestMode { spin } => {
+            let mode = if spin { Mode::Spin } else { Mode::Idle };
+            machine(sandbox)?.guest_set_mode(mode).map_err(fail)?;
+            Ok(Response::Ok)
+        }
+        Request::GuestWaitWorkingSet => {
+            machine(sandbox)?.wait_working_set().map_err(fail)?;
+            Ok(Response::Ok)
+        }
+        Request::ReadMemory { addr, len } => {
+            if len > MAX_FRAME / 2 {
+                return Err(format!("read of {len} bytes exceeds {}", MAX_FRAME / 2));
+            }
+            let m = machine(sandbox)?;
+            let mut buf = vec![0u8; len as usize];
+            m.memory()
+                .inner()
+                .read_slice(&mut buf, GuestAddress(addr))
+                .map_err(|e| format!("reading guest memory at {addr:#x}: {e}"))?;
+            Ok(Response::Memory(buf))
+        }
+        Request::MemoryDigest => {
+            let m = machine(sandbox)?;
+            let mut digests = Vec::new();
+            let mut chunk = vec![0u8; 1 << 20];
+            for region in m.memory().inner().iter() {
+                let mut hasher = crc32fast::Hasher::new();
+                let start = region.start_addr().0;
+                let len = region.len();
+                let mut offset = 0;
+                while offset < len {
+                    let n = (len - offset).min(chunk.len() as u64) as usize;
+                    m.memory()
+                        .inner()
+                        .read_slice(&mut chunk[..n], GuestAddress(start + offset))
+                        .map_err(|e| format!("reading guest memory: {e}"))?;
+                    hasher.update(&chunk[..n]);
+                    offset += n as u64;
+                }
+                digests.push(hasher.finalize());
+            }
+            Ok(Response::Digest(digests))
+        }
+    }
+}
+
+fn status(sandbox: &Sandbox) -> StatusReport {
+    let rss_kib = std::fs::read_to_string("/proc/self/statm")
+        .ok()
+        .and_then(|s| {
+            s.split_whitespace()
+                .nth(1)
+                .and_then(|v| v.parse::<u64>().ok())
+        })
+        .map(|pages| pages * 4)
+        .unwrap_or(0);
+    let pid = std::process::id();
+    match &sandbox.machine {
+        Some(m) => {
+            let mb = m.mailbox();
+            StatusReport {
+                status: match m.fatal() {
+                    Some(reason) => MachineStatus::Failed(reason),
+                    None if m.is_running() => MachineStatus::Running,
+                    None => MachineStatus::Paused,
+                },
+                pid,
+                counter: mb.counter().unwrap_or(0),
+                generation: mb.read(field::ACK_GENERATION).unwrap_or(0),
+                guest_error: mb.read(field::ERROR).unwrap_or(0) != 0,
+                config: Some(m.config()),
+                rss_kib,
+            }
+        }
+        None => StatusReport {
+            status: MachineStatus::Hibernated,
+            pid,
+            counter: 0,
+            generation: 0,
+            guest_error: false,
+            config: None,
+            rss_kib,
+        },
+    }
+}
+
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+/// Snapshot into `staging`, add the rootfs, then move the directory to `dest`.
+fn write_snapshot(
+    m: &mut Machine,
+    sandbox_dir: &Path,
+    staging: &Path,
+    dest: &Path,
+) -> Result<crate::vmm::machine::SnapshotStats, String> {
+    std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+    let result = (|| {
+        let stats = m.snapshot(staging).map_err(|e| error_chain(&e))?;
+        let rootfs = sandbox_dir.join(ROOTFS_FILE);
+        if rootfs.exists() {
+            cube_storage::clone_file(&rootfs, &staging.join(ROOTFS_FILE))
+                .map_err(|e| error_chain(&e))?;
+        }
+        sync_dir(staging);
+        if dest.exists() {
+            return Err(format!("{} already exists", dest.display()));
+        }
+        std::fs::rename(staging, dest).map_err(|e| format!("committing snapshot: {e}"))?;
+        if let Some(parent) = dest.parent() {
+            sync_dir(parent);
+        }
+        Ok(stats)
+    })();
+    match result {
+        Ok(stats) => {
+            m.snapshot_committed(dest).map_err(|e| error_chain(&e))?;
+            Ok(stats)
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(staging);
+            Err(e)
+        }
+    }
+}
+
+fn replace_rootfs(snapshot: &Path, sandbox_dir: &Path) -> Result<(), String> {
+    let src = snapshot.join(ROOTFS_FILE);
+    if !src.exists() {
+        return Ok(());
+    }
+    let tmp = sandbox_dir.join("rootfs.img.rollback");
+    let _ = std::fs::remove_file(&tmp);
+    cube_storage::clone_file(&src, &tmp).map_err(|e| error_chain(&e))?;
+    std::fs::rename(&tmp, sandbox_dir.join(ROOTFS_FILE))
+        .map_err(|e| format!("replacing rootfs: {e}"))
+}

@@ -1,0 +1,7 @@
+//! The microVM monitor: guest layout, vCPU threads, devices and the machine that ties
+//! them to guest memory.
+
+pub mod control_device;
+pub mod layout;
+pub mod machine;
+pub mod vcpu_runner;
