@@ -1,1 +1,2 @@
+//! Criterion benches of the sandbox lifecycle (being written).
 fn main() {}

@@ -272,7 +272,6 @@ fn parse_mem_total_kib(meminfo: &str) -> u64 {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -10,7 +10,6 @@
 //!   of the parent file plus the dirty pages.
 
 // Tests may unwrap (CONTRIBUTING.md); library code may not.
-#![cfg_attr(test, allow(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod dirty;
 pub mod guest_memory;

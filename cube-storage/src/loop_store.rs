@@ -273,6 +273,10 @@ impl LoopStore {
 /// (an existing XFS image is reused with its data, never reformatted), attached to
 /// a free loop device (auto-clearing, so it is released when unmounted) and
 /// mounted. Needs root. On error everything this call set up is undone.
+///
+/// Whatever `mountpoint` already contains is hidden (not lost) while the store is
+/// mounted. The mount is not recorded in fstab: after a reboot, calling this again
+/// reattaches the same image with its data.
 pub fn prepare_xfs_loop_store(
     image: &Path,
     size_bytes: u64,

@@ -216,6 +216,20 @@ fn destroy(state: &State) {
     sandbox.machine = None;
 }
 
+/// Tears a replaced machine down off the request path: closing a VM and unmapping
+/// its memory takes milliseconds the caller need not wait for.
+fn retire(machine: Option<Machine>) {
+    if let Some(machine) = machine {
+        let spawned = std::thread::Builder::new()
+            .name("retire".into())
+            .spawn(move || drop(machine));
+        // If no thread can be started the machine was dropped with the closure.
+        if let Err(e) = spawned {
+            tracing::warn!("retiring a machine inline: {e}");
+        }
+    }
+}
+
 fn handle(state: &State, request: Request) -> Response {
     let mut sandbox = state.lock();
     match dispatch(&mut sandbox, request) {
@@ -257,7 +271,7 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
         Request::Rollback { snapshot } => {
             let restored = Machine::restore(&sandbox.ctx, &snapshot).map_err(fail)?;
             replace_rootfs(&snapshot, &sandbox.dir)?;
-            sandbox.machine = Some(restored);
+            retire(sandbox.machine.replace(restored));
             sandbox.hibernated = false;
             Ok(Response::Ok)
         }

@@ -149,6 +149,10 @@ fn assemble() -> Result<Assembled, IcedError> {
     a.set_label(&mut read_loop)?;
     a.test(rcx, rcx)?;
     a.jz(read_done)?;
+    // A restore in mid-pass starts over at once: the guest answers in microseconds,
+    // like a real guest would be running right after restore.
+    a.cmp(rax, mb(field::HOST_GENERATION))?;
+    a.jne(main)?;
     a.mov(rdx, qword_ptr(rsi))?;
     a.add(rsi, 4096)?;
     a.dec(rcx)?;
@@ -159,6 +163,8 @@ fn assemble() -> Result<Assembled, IcedError> {
     a.set_label(&mut write_loop)?;
     a.test(rcx, rcx)?;
     a.jz(write_done)?;
+    a.cmp(rax, mb(field::HOST_GENERATION))?;
+    a.jne(main)?;
     a.mov(qword_ptr(rdi), rax)?;
     a.add(rdi, 4096)?;
     a.dec(rcx)?;

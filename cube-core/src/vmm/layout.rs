@@ -51,7 +51,7 @@ impl fmt::Display for RamRange {
 
 /// The RAM ranges of a guest with `memory_bytes` of memory.
 pub fn ram_ranges(memory_bytes: u64) -> Result<Vec<RamRange>, LayoutError> {
-    if memory_bytes % (2 << 20) != 0 {
+    if !memory_bytes.is_multiple_of(2 << 20) {
         return Err(LayoutError::Unaligned(memory_bytes));
     }
     if !(MIN_MEMORY_BYTES..=MAX_MEMORY_BYTES).contains(&memory_bytes) {

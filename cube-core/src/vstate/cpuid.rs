@@ -103,7 +103,6 @@ impl From<&CpuidEntry> for kvm_cpuid_entry2 {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
     use kvm_bindings::KVM_CPUID_FLAG_SIGNIFCANT_INDEX;

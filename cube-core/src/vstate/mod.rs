@@ -334,7 +334,6 @@ pub(crate) fn test_context() -> Option<std::sync::Arc<KvmContext>> {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
 

@@ -607,7 +607,6 @@ impl From<&FpuState> for kvm_fpu {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
     use crate::vstate::test_context;

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use kvm_bindings::{
     kvm_clock_data, kvm_irqchip, kvm_pit_config, kvm_pit_state2, kvm_userspace_memory_region,
-    KVM_CLOCK_REALTIME, KVM_CLOCK_TSC_STABLE, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER,
-    KVM_IRQCHIP_PIC_SLAVE, KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
+    KVM_CLOCK_REALTIME, KVM_IRQCHIP_IOAPIC, KVM_IRQCHIP_PIC_MASTER, KVM_IRQCHIP_PIC_SLAVE,
+    KVM_MEM_LOG_DIRTY_PAGES, KVM_PIT_SPEAKER_DUMMY,
 };
 use kvm_ioctls::VmFd;
 use serde::{Deserialize, Serialize};
@@ -298,11 +298,6 @@ impl VmState {
         }
         Ok(())
     }
-
-    /// Whether KVM marked the saved clock as stable across host CPUs.
-    pub fn clock_tsc_stable(&self) -> bool {
-        self.clock.flags & KVM_CLOCK_TSC_STABLE != 0
-    }
 }
 
 /// The in-kernel interrupt controllers and PIT of a VM.
@@ -322,19 +317,28 @@ pub struct IrqchipState {
 /// One in-kernel interrupt controller's state (`KVM_GET_IRQCHIP`).
 ///
 /// A newtype because `kvm_irqchip` holds a union: kvm-bindings gives it neither
-/// `PartialEq` nor a `Debug` that shows its contents.
+/// `PartialEq` nor a `Debug` that shows its contents. The field is private so that
+/// every `IrqChip` comes from KVM or from exactly 520 deserialised bytes: safe code
+/// can build a `kvm_irqchip` whose union is only partly initialised, which
+/// [`IrqChip::bytes`] must never read.
 #[derive(Clone, Copy, Serialize, Deserialize)]
 #[serde(transparent)]
-pub struct IrqChip(#[serde(with = "kvm_bytes")] pub kvm_irqchip);
+pub struct IrqChip(#[serde(with = "kvm_bytes")] kvm_irqchip);
 
 impl IrqChip {
+    /// The chip's `kvm_irqchip`, as `KVM_SET_IRQCHIP` takes it.
+    pub fn raw(&self) -> &kvm_irqchip {
+        &self.0
+    }
+
     /// The controller's register bytes (the 512-byte union).
     pub fn bytes(&self) -> &[u8] {
-        // SAFETY: `dummy` spans the whole union, and every byte of it is initialised: a
-        // `kvm_irqchip` is only ever built zeroed (`Default`) and then written by KVM,
-        // or transmuted from exactly 520 bytes by its deserialiser, and the PIC/IOAPIC
-        // variants have no padding (kvm-bindings derives zerocopy's `IntoBytes` for
-        // them). Reading `c_char`s as `u8`s is a same-size, same-alignment cast.
+        // SAFETY: `dummy` spans the whole union, and every byte of it is initialised: an
+        // `IrqChip` is only built here, zeroed (`Default`) and then written by KVM, or
+        // transmuted from exactly 520 bytes by the deserialiser; later writes through
+        // the union's PIC/IOAPIC variants cannot uninitialise bytes, as those types have
+        // no padding (kvm-bindings derives zerocopy's `IntoBytes` for them). Reading
+        // `c_char`s as `u8`s is a same-size, same-alignment cast.
         unsafe {
             std::slice::from_raw_parts(
                 self.0.chip.dummy.as_ptr().cast::<u8>(),
@@ -374,7 +378,6 @@ impl fmt::Debug for IrqChip {
 }
 
 #[cfg(test)]
-#[allow(clippy::unwrap_used, clippy::expect_used)]
 mod tests {
     use super::*;
     use crate::vstate::test_context;
