@@ -15,7 +15,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use cube_storage::{clone_file, CloneError, CloneMethod};
+use cube_storage::{clone_file, CloneError, CloneMethod, Durability};
 use nix::unistd::{lseek, Whence};
 
 use crate::dirty::DirtyBitmap;
@@ -175,6 +175,7 @@ pub fn write_full(
     dest: &Path,
     mem: &GuestMemory,
     dirty: Option<&DirtyBitmap>,
+    durability: Durability,
 ) -> Result<WriteStats, MemoryFileError> {
     if let Some(dirty) = dirty {
         check_shape(mem, dirty)?;
@@ -206,7 +207,9 @@ pub fn write_full(
             source,
         })?;
     let stats = write_extents(&file, dest, mem, &extents)?;
-    sync(&file, dest)?;
+    if durability == Durability::Synced {
+        sync(&file, dest)?;
+    }
     guard.disarm();
     Ok(stats)
 }
@@ -220,6 +223,7 @@ pub fn write_diff(
     dest: &Path,
     mem: &GuestMemory,
     dirty: &DirtyBitmap,
+    durability: Durability,
 ) -> Result<DiffStats, MemoryFileError> {
     check_shape(mem, dirty)?;
     let clone_method = clone_file(parent, dest).map_err(|source| MemoryFileError::Clone {
@@ -250,7 +254,9 @@ pub fn write_diff(
         });
     }
     let stats = write_extents(&file, dest, mem, &dirty_extents(dirty))?;
-    sync(&file, dest)?;
+    if durability == Durability::Synced {
+        sync(&file, dest)?;
+    }
     guard.disarm();
     Ok(DiffStats {
         pages_written: stats.pages_written,
@@ -460,7 +466,7 @@ mod tests {
         scribble(&mem, 1, &FIRST);
 
         let path = dir.path().join("full");
-        let stats = write_full(&path, &mem, None).unwrap();
+        let stats = write_full(&path, &mem, None, Durability::Synced).unwrap();
         assert_eq!(std::fs::metadata(&path).unwrap().len(), mem.total_size());
         assert!(stats.pages_written >= FIRST.len() as u64);
         assert!(stats.bytes_written < mem.total_size() / 2, "{stats:?}");
@@ -476,7 +482,7 @@ mod tests {
         scribble(&mem2, 1, &FIRST);
         let dirty = log.collect().unwrap();
         let path2 = dir.path().join("full2");
-        let stats = write_full(&path2, &mem2, Some(&dirty)).unwrap();
+        let stats = write_full(&path2, &mem2, Some(&dirty), Durability::Synced).unwrap();
         assert_eq!(
             stats,
             WriteStats {
@@ -492,7 +498,7 @@ mod tests {
 
         // A restored memory written in full is the same file again.
         let path3 = dir.path().join("full3");
-        let stats = write_full(&path3, &restored, Some(&dirty)).unwrap();
+        let stats = write_full(&path3, &restored, Some(&dirty), Durability::Synced).unwrap();
         assert_eq!(stats.bytes_written, mem.total_size());
         assert_eq!(
             std::fs::read(&path3).unwrap(),
@@ -507,14 +513,14 @@ mod tests {
         let path = dir.path().join("exists");
         std::fs::write(&path, b"keep").unwrap();
         assert!(matches!(
-            write_full(&path, &mem, None),
+            write_full(&path, &mem, None, Durability::Synced),
             Err(MemoryFileError::Create { .. })
         ));
         assert_eq!(std::fs::read(&path).unwrap(), b"keep");
         let wrong = DirtyBitmap::new(&[1]);
         let other = dir.path().join("other");
         assert!(matches!(
-            write_full(&other, &mem, Some(&wrong)),
+            write_full(&other, &mem, Some(&wrong), Durability::Synced),
             Err(MemoryFileError::DirtyShape)
         ));
         assert!(!other.exists());
@@ -526,7 +532,7 @@ mod tests {
         let parent = dir.path().join("parent");
         let original = GuestMemory::anonymous(layout()).unwrap();
         scribble(&original, 1, &FIRST);
-        write_full(&parent, &original, None).unwrap();
+        write_full(&parent, &original, None, Durability::Synced).unwrap();
         let parent_bytes = std::fs::read(&parent).unwrap();
 
         let mem = GuestMemory::restore_private(layout(), &parent).unwrap();
@@ -538,7 +544,7 @@ mod tests {
         assert!(dirty.iter().eq(second));
 
         let child = dir.path().join("child");
-        let stats = write_diff(&parent, &child, &mem, &dirty).unwrap();
+        let stats = write_diff(&parent, &child, &mem, &dirty, Durability::Synced).unwrap();
         println!("diff: {stats:?}");
         assert_eq!(stats.pages_written, 6);
         assert_eq!(stats.bytes_written, 6 * PAGE_SIZE as u64);
@@ -563,7 +569,7 @@ mod tests {
         let parent = dir.path().join("parent");
         let original = GuestMemory::anonymous(layout()).unwrap();
         scribble(&original, 3, &FIRST);
-        write_full(&parent, &original, None).unwrap();
+        write_full(&parent, &original, None, Durability::Synced).unwrap();
 
         let mem = GuestMemory::restore_private(layout(), &parent).unwrap();
         let mut tracker = UffdWriteProtect::new(&mem).unwrap();
@@ -581,7 +587,7 @@ mod tests {
         let dirty = tracker.collect().unwrap();
         assert!(dirty.iter().eq([(0, 5), (0, 6), (1, 64)]));
         let child = dir.path().join("child");
-        let stats = write_diff(&parent, &child, &mem, &dirty).unwrap();
+        let stats = write_diff(&parent, &child, &mem, &dirty, Durability::Synced).unwrap();
         assert_eq!((stats.pages_written, stats.runs), (3, 2));
         let restored = GuestMemory::restore_private(layout(), &child).unwrap();
         assert!(contents(&restored) == contents(&mem));
@@ -598,24 +604,30 @@ mod tests {
         std::fs::write(&small, vec![0u8; PAGE_SIZE]).unwrap();
         let dest = dir.path().join("dest");
         assert!(matches!(
-            write_diff(&small, &dest, &mem, &dirty),
+            write_diff(&small, &dest, &mem, &dirty, Durability::Synced),
             Err(MemoryFileError::ParentSize { actual: 4096, .. })
         ));
         assert!(!dest.exists());
 
         // Missing parent.
         assert!(matches!(
-            write_diff(&dir.path().join("missing"), &dest, &mem, &dirty),
+            write_diff(
+                &dir.path().join("missing"),
+                &dest,
+                &mem,
+                &dirty,
+                Durability::Synced
+            ),
             Err(MemoryFileError::Clone { .. })
         ));
         assert!(!dest.exists());
 
         // Existing destination: refused and left alone.
         let parent = dir.path().join("parent");
-        write_full(&parent, &mem, None).unwrap();
+        write_full(&parent, &mem, None, Durability::Synced).unwrap();
         std::fs::write(&dest, b"keep").unwrap();
         assert!(matches!(
-            write_diff(&parent, &dest, &mem, &dirty),
+            write_diff(&parent, &dest, &mem, &dirty, Durability::Synced),
             Err(MemoryFileError::Clone { .. })
         ));
         assert_eq!(std::fs::read(&dest).unwrap(), b"keep");
@@ -627,7 +639,7 @@ mod tests {
         let path = dir.path().join("mem");
         let original = GuestMemory::anonymous(layout()).unwrap();
         scribble(&original, 4, &FIRST);
-        write_full(&path, &original, None).unwrap();
+        write_full(&path, &original, None, Durability::Synced).unwrap();
 
         let a = GuestMemory::restore_private(layout(), &path).unwrap();
         let b = GuestMemory::restore_private(layout(), &path).unwrap();

@@ -11,6 +11,7 @@
 //! This crate knows nothing about KVM or sandboxes' contents: it moves bytes and
 //! directories safely and cheaply.
 
+pub mod durability;
 pub mod loop_store;
 pub mod metadata;
 pub mod reflink;
@@ -19,10 +20,11 @@ pub mod store;
 mod random_id;
 mod removal_guard;
 
+pub use durability::Durability;
 pub use loop_store::{is_mountpoint, prepare_xfs_loop_store, LoopStore, LoopStoreError};
 pub use metadata::{
     decode_envelope, encode_envelope, read_verified, read_verified_bytes, write_atomic,
-    write_atomic_bytes, MetadataError,
+    write_atomic_bytes, write_atomic_bytes_with, MetadataError,
 };
 pub use reflink::{
     clone_file, clone_tree, filesystem_name, supports_reflink, CloneError, CloneMethod,

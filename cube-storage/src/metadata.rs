@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
+use crate::durability::Durability;
 use crate::random_id::random_hex;
 use crate::removal_guard::RemovalGuard;
 
@@ -234,6 +235,18 @@ pub fn decode_envelope<'a>(bytes: &'a [u8], kind: &str) -> Result<&'a [u8], Meta
 /// [`MetadataError::SyncDir`], where the new content is in place but possibly not
 /// yet durable.
 pub fn write_atomic_bytes(path: &Path, kind: &str, payload: &[u8]) -> Result<(), MetadataError> {
+    write_atomic_bytes_with(path, kind, payload, Durability::Synced)
+}
+
+/// [`write_atomic_bytes`] with a choice of durability: with
+/// [`Durability::Deferred`] neither the file nor the directory is synced (the rename
+/// is still atomic for every reader on this host).
+pub fn write_atomic_bytes_with(
+    path: &Path,
+    kind: &str,
+    payload: &[u8],
+    durability: Durability,
+) -> Result<(), MetadataError> {
     let header = encode_header(kind, payload)?;
     if path.file_name().is_none() {
         return Err(MetadataError::InvalidPath {
@@ -264,7 +277,9 @@ pub fn write_atomic_bytes(path: &Path, kind: &str, payload: &[u8]) -> Result<(),
     let guard = RemovalGuard::file(&tmp_path);
     file.write_all(&header).map_err(write_err)?;
     file.write_all(payload).map_err(write_err)?;
-    file.sync_all().map_err(write_err)?;
+    if durability == Durability::Synced {
+        file.sync_all().map_err(write_err)?;
+    }
     drop(file);
 
     fs::rename(&tmp_path, path).map_err(|source| MetadataError::Rename {
@@ -273,6 +288,9 @@ pub fn write_atomic_bytes(path: &Path, kind: &str, payload: &[u8]) -> Result<(),
         source,
     })?;
     guard.disarm();
+    if durability == Durability::Deferred {
+        return Ok(());
+    }
     sync_dir(dir).map_err(|source| MetadataError::SyncDir {
         path: dir.to_owned(),
         source,

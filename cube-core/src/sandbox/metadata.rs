@@ -9,6 +9,8 @@ use crate::vmm::machine::SnapshotStats;
 pub const SANDBOX_META: &str = "sandbox.meta";
 /// File holding a snapshot's [`SnapshotMeta`].
 pub const SNAPSHOT_META: &str = "snapshot.meta";
+/// Envelope kind of [`SNAPSHOT_META`].
+pub const SNAPSHOT_META_KIND: &str = "snapshot";
 /// File holding a template's [`TemplateMeta`].
 pub const TEMPLATE_META: &str = "template.meta";
 

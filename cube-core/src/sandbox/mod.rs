@@ -65,6 +65,9 @@ pub enum SandboxError {
     /// A filesystem operation failed.
     #[error("{0}")]
     Io(String, #[source] std::io::Error),
+    /// A snapshot or template could not be made durable.
+    #[error("Flushing to disk")]
+    Durability(#[from] crate::snapshot::durability::DurabilityError),
     /// A worker thread panicked.
     #[error("A worker thread failed")]
     Thread,
@@ -156,13 +159,6 @@ impl Sandbox {
             Response::Snapshot(stats) => stats,
             other => return Err(self.unexpected(other)),
         };
-        let meta = SnapshotMeta {
-            id: id.clone(),
-            sandbox: self.id.clone(),
-            created_unix: metadata::now_unix(),
-            stats,
-        };
-        cube_storage::write_atomic(&dest.join(metadata::SNAPSHOT_META), "snapshot", &meta)?;
         Ok(Snapshot {
             id,
             dir: dest,
@@ -175,15 +171,16 @@ impl Sandbox {
     pub fn rollback(&mut self, snapshot: &str) -> Result<(), SandboxError> {
         let store = cube_storage::Store::open(&self.store_root)?;
         let dir = store.snapshot_dir(snapshot)?;
-        let meta: SnapshotMeta =
-            cube_storage::read_verified(&dir.join(metadata::SNAPSHOT_META), "snapshot").map_err(
-                |e| match e {
-                    cube_storage::MetadataError::Read { .. } => {
-                        SandboxError::UnknownSnapshot(snapshot.to_string())
-                    }
-                    other => other.into(),
-                },
-            )?;
+        let meta: SnapshotMeta = cube_storage::read_verified(
+            &dir.join(metadata::SNAPSHOT_META),
+            metadata::SNAPSHOT_META_KIND,
+        )
+        .map_err(|e| match e {
+            cube_storage::MetadataError::Read { .. } => {
+                SandboxError::UnknownSnapshot(snapshot.to_string())
+            }
+            other => other.into(),
+        })?;
         if meta.sandbox != self.id {
             return Err(SandboxError::NotOwner {
                 snapshot: snapshot.to_string(),
@@ -246,7 +243,7 @@ impl Sandbox {
 }
 
 /// Removes a sandbox's directory and the snapshots it owns.
-fn remove_sandbox_files(
+pub(crate) fn remove_sandbox_files(
     store: &cube_storage::Store,
     id: &str,
     dir: &Path,
@@ -255,7 +252,7 @@ fn remove_sandbox_files(
         let snap_dir = store.snapshot_dir(&snap)?;
         let owner = cube_storage::read_verified::<SnapshotMeta>(
             &snap_dir.join(metadata::SNAPSHOT_META),
-            "snapshot",
+            metadata::SNAPSHOT_META_KIND,
         )
         .map(|m| m.sandbox)
         .ok();

@@ -121,6 +121,9 @@ impl Runtime {
                 staging,
                 dest: dest.clone(),
             })?;
+            // A template outlives reboots: flush it now rather than in the background.
+            let boot = crate::snapshot::durability::boot_id()?;
+            crate::snapshot::durability::make_durable(&dest, &boot)?;
             let meta = TemplateMeta {
                 name: name.to_string(),
                 engine: Engine::Vm,

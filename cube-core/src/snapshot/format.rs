@@ -62,6 +62,9 @@ pub enum FormatError {
         /// The size the state records.
         expected: u64,
     },
+    /// The snapshot may be incomplete.
+    #[error("Snapshot cannot be trusted")]
+    Durability(#[from] super::durability::DurabilityError),
     /// The memory file cannot be inspected.
     #[error("Snapshot memory file {0} is missing")]
     MemoryFileMissing(String, #[source] std::io::Error),
@@ -114,6 +117,9 @@ pub struct MachineState {
     pub vm: VmState,
     /// Per-vCPU KVM state, by index.
     pub vcpus: Vec<VcpuState>,
+    /// The host boot during which the snapshot was written (see
+    /// [`super::durability`]).
+    pub boot_id: String,
 }
 
 impl MachineState {
@@ -148,6 +154,9 @@ fn validate(state: &MachineState) -> Result<(), FormatError> {
         return Err(FormatError::Version {
             found: state.format_version,
         });
+    }
+    if state.boot_id.is_empty() || state.boot_id.len() > 64 {
+        return invalid(format!("boot id of {} bytes", state.boot_id.len()));
     }
     let c = &state.config;
     if c.vcpus == 0 || c.vcpus > MAX_VCPUS {
@@ -188,11 +197,17 @@ fn validate(state: &MachineState) -> Result<(), FormatError> {
     Ok(())
 }
 
-/// Writes `state` into `dir`'s state file atomically.
+/// Writes `state` into `dir`'s state file atomically, to the page cache: the
+/// snapshot's background flush makes it durable.
 pub fn write_state(dir: &Path, state: &MachineState) -> Result<(), FormatError> {
     let bytes = encode(state)?;
-    cube_storage::write_atomic_bytes(&dir.join(STATE_FILE), STATE_KIND, &bytes)
-        .map_err(FormatError::Envelope)
+    cube_storage::write_atomic_bytes_with(
+        &dir.join(STATE_FILE),
+        STATE_KIND,
+        &bytes,
+        cube_storage::Durability::Deferred,
+    )
+    .map_err(FormatError::Envelope)
 }
 
 /// Reads and validates the state in `dir`, and checks the memory file beside it.
@@ -201,6 +216,7 @@ pub fn read_state(dir: &Path) -> Result<MachineState, FormatError> {
         cube_storage::read_verified_bytes(&dir.join(STATE_FILE), STATE_KIND, MAX_STATE_BYTES)
             .map_err(FormatError::Envelope)?;
     let state = decode(&payload)?;
+    super::durability::check_usable(dir, &state.boot_id)?;
     let memory = dir.join(MEMORY_FILE);
     let found = std::fs::metadata(&memory)
         .map_err(|e| FormatError::MemoryFileMissing(memory.display().to_string(), e))?

@@ -16,11 +16,15 @@ use super::protocol::{
     read_frame, write_frame, MachineStatus, ProtocolError, Request, Response, Source, StatusReport,
     MAX_FRAME, PROTOCOL_VERSION,
 };
+use crate::sandbox::metadata::{now_unix, SnapshotMeta, SNAPSHOT_META, SNAPSHOT_META_KIND};
+use crate::snapshot::durability::{boot_id, make_durable};
 use crate::snapshot::format::ROOTFS_FILE;
 use crate::test_guest::mailbox::field;
 use crate::test_guest::Mode;
+use crate::vmm::machine::SnapshotStats;
 use crate::vmm::machine::{Machine, MachineError};
 use crate::vstate::KvmContext;
+use cube_storage::Durability;
 
 /// The socket a supervisor listens on, inside its sandbox directory.
 pub const SOCKET_FILE: &str = "supervisor.sock";
@@ -46,6 +50,7 @@ pub enum ServerError {
 
 struct Sandbox {
     ctx: Arc<KvmContext>,
+    id: String,
     dir: PathBuf,
     machine: Option<Machine>,
     hibernated: bool,
@@ -107,6 +112,7 @@ pub fn run(control: UnixStream) -> Result<(), ServerError> {
     let state = Arc::new(State {
         sandbox: Mutex::new(Sandbox {
             ctx,
+            id: id.clone(),
             dir,
             machine: Some(machine),
             hibernated: false,
@@ -133,6 +139,11 @@ pub fn run(control: UnixStream) -> Result<(), ServerError> {
     if ephemeral || closed_by_destroy {
         destroy(&state);
         let _ = std::fs::remove_file(&socket_path);
+        if !closed_by_destroy {
+            // Nobody will call destroy for an ephemeral sandbox whose creator went
+            // away: leave nothing behind in the store.
+            remove_files(&state, &id);
+        }
         std::process::exit(0);
     }
     // A persistent sandbox outlives its creator: keep serving other clients.
@@ -216,6 +227,21 @@ fn destroy(state: &State) {
     sandbox.machine = None;
 }
 
+fn remove_files(state: &State, id: &str) {
+    let dir = state.lock().dir.clone();
+    let Some(root) = dir.parent().and_then(|p| p.parent()) else {
+        return;
+    };
+    match cube_storage::Store::open(root) {
+        Ok(store) => {
+            if let Err(e) = crate::sandbox::remove_sandbox_files(&store, id, &dir) {
+                tracing::warn!("removing sandbox {id}: {e}");
+            }
+        }
+        Err(e) => tracing::warn!("opening store {}: {e}", root.display()),
+    }
+}
+
 /// Tears a replaced machine down off the request path: closing a VM and unmapping
 /// its memory takes milliseconds the caller need not wait for.
 fn retire(machine: Option<Machine>) {
@@ -264,8 +290,9 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
         }
         Request::Snapshot { staging, dest } => {
             let dir = sandbox.dir.clone();
+            let id = sandbox.id.clone();
             let m = machine(sandbox)?;
-            let stats = write_snapshot(m, &dir, &staging, &dest)?;
+            let stats = write_snapshot(m, &id, &dir, &staging, &dest)?;
             Ok(Response::Snapshot(stats))
         }
         Request::Rollback { snapshot } => {
@@ -294,9 +321,9 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
                 std::fs::rename(&image, &old).map_err(|e| format!("moving old image: {e}"))?;
             }
             std::fs::rename(&staging, &image).map_err(|e| format!("committing image: {e}"))?;
-            sync_dir(&dir);
             let _ = std::fs::remove_dir_all(&old);
             m.snapshot_committed(&image).map_err(|e| error_chain(&e))?;
+            flush_in_background(image);
             sandbox.machine = None;
             sandbox.hibernated = true;
             Ok(Response::Ok)
@@ -401,46 +428,87 @@ fn status(sandbox: &Sandbox) -> StatusReport {
     }
 }
 
-fn sync_dir(dir: &Path) {
-    if let Ok(d) = std::fs::File::open(dir) {
-        let _ = d.sync_all();
-    }
-}
-
-/// Snapshot into `staging`, add the rootfs, then move the directory to `dest`.
+/// Snapshot into `staging` with the rootfs and metadata, move the directory to `dest`,
+/// and make it durable in the background.
 fn write_snapshot(
     m: &mut Machine,
+    sandbox_id: &str,
     sandbox_dir: &Path,
     staging: &Path,
     dest: &Path,
-) -> Result<crate::vmm::machine::SnapshotStats, String> {
+) -> Result<SnapshotStats, String> {
+    let snapshot_id = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| format!("{} has no snapshot id", dest.display()))?;
+    if dest.exists() {
+        return Err(format!("{} already exists", dest.display()));
+    }
     std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+    let was_running = m.is_running();
     let result = (|| {
+        // Memory, vCPUs and disk must be taken at the same instant.
+        m.pause().map_err(|e| error_chain(&e))?;
         let stats = m.snapshot(staging).map_err(|e| error_chain(&e))?;
         let rootfs = sandbox_dir.join(ROOTFS_FILE);
         if rootfs.exists() {
             cube_storage::clone_file(&rootfs, &staging.join(ROOTFS_FILE))
                 .map_err(|e| error_chain(&e))?;
         }
-        sync_dir(staging);
-        if dest.exists() {
-            return Err(format!("{} already exists", dest.display()));
+        if was_running {
+            m.resume().map_err(|e| error_chain(&e))?;
         }
+        let meta = SnapshotMeta {
+            id: snapshot_id,
+            sandbox: sandbox_id.to_string(),
+            created_unix: now_unix(),
+            stats,
+        };
+        let meta_bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
+        cube_storage::write_atomic_bytes_with(
+            &staging.join(SNAPSHOT_META),
+            SNAPSHOT_META_KIND,
+            &meta_bytes,
+            Durability::Deferred,
+        )
+        .map_err(|e| error_chain(&e))?;
         std::fs::rename(staging, dest).map_err(|e| format!("committing snapshot: {e}"))?;
-        if let Some(parent) = dest.parent() {
-            sync_dir(parent);
-        }
         Ok(stats)
     })();
     match result {
         Ok(stats) => {
             m.snapshot_committed(dest).map_err(|e| error_chain(&e))?;
+            flush_in_background(dest.to_path_buf());
             Ok(stats)
         }
         Err(e) => {
             let _ = std::fs::remove_dir_all(staging);
+            if was_running {
+                let _ = m.resume();
+            }
             Err(e)
         }
+    }
+}
+
+/// Syncs a finished snapshot to disk and marks it durable, off the request path.
+fn flush_in_background(dir: PathBuf) {
+    let boot = match boot_id() {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!("snapshot {} stays unflushed: {e}", dir.display());
+            return;
+        }
+    };
+    let spawned = std::thread::Builder::new()
+        .name("flush".into())
+        .spawn(move || {
+            if let Err(e) = make_durable(&dir, &boot) {
+                tracing::warn!("flushing snapshot {}: {e}", dir.display());
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("cannot start a flush thread: {e}");
     }
 }
 

@@ -7,10 +7,12 @@ use std::time::Duration;
 
 use cube_mem::dirty::{DirtyBitmap, DirtyTracker, KvmDirtyLog, VmmWriteLog};
 use cube_mem::{GuestMemory, MemoryLayout};
+use cube_storage::Durability;
 use vm_memory::GuestAddress;
 
 use super::layout::{ram_ranges, RamRange};
 use super::vcpu_runner::{VcpuHandle, VcpuRunnerError};
+use crate::snapshot::durability;
 use crate::snapshot::format::{self, GuestKind, MachineConfig, MachineState, MEMORY_FILE};
 use crate::test_guest::mailbox::{field, op, Mailbox, MailboxError, Mode};
 use crate::test_guest::program::{self, dirty_area_pages, ProgramError, WorkingSet};
@@ -57,6 +59,9 @@ pub enum MachineError {
     /// The parent memory file cannot be opened.
     #[error("Opening memory file {0}")]
     Parent(String, #[source] std::io::Error),
+    /// The snapshot's durability could not be recorded.
+    #[error("Snapshot durability")]
+    Durability(#[from] durability::DurabilityError),
     /// The machine is hibernated or otherwise has no VM.
     #[error("The machine is not in a state that allows {0}")]
     WrongState(&'static str),
@@ -367,8 +372,11 @@ impl Machine {
     }
 
     fn snapshot_paused(&mut self, dir: &Path) -> Result<SnapshotStats, MachineError> {
+        let start = std::time::Instant::now();
         let dirty = self.collect_dirty()?;
+        tracing::debug!(elapsed = ?start.elapsed(), pages = dirty.count(), "snapshot: dirty set collected");
         let result = self.write_snapshot(dir, &dirty);
+        tracing::debug!(elapsed = ?start.elapsed(), "snapshot: written");
         // Whether writing failed or the caller has yet to commit the directory, these
         // pages are not safely anywhere but guest memory: keep them for the next diff.
         self.carry = Some(dirty);
@@ -389,6 +397,7 @@ impl Machine {
                     &memory_path,
                     &self.memory,
                     dirty,
+                    Durability::Deferred,
                 )?;
                 SnapshotStats {
                     dirty_pages,
@@ -397,8 +406,12 @@ impl Machine {
                 }
             }
             None => {
-                let written =
-                    cube_mem::memory_file::write_full(&memory_path, &self.memory, Some(dirty))?;
+                let written = cube_mem::memory_file::write_full(
+                    &memory_path,
+                    &self.memory,
+                    Some(dirty),
+                    Durability::Deferred,
+                )?;
                 SnapshotStats {
                     dirty_pages,
                     bytes_written: written.bytes_written,
@@ -406,6 +419,7 @@ impl Machine {
                 }
             }
         };
+        tracing::debug!(?stats, "snapshot: memory file written");
         let mut vcpus = Vec::with_capacity(self.vcpus.len());
         for vcpu in &self.vcpus {
             vcpus.push(vcpu.with_vcpu(|v| v.save_state())??);
@@ -417,6 +431,7 @@ impl Machine {
             guest: self.guest,
             vm: self.vm.save_state()?,
             vcpus,
+            boot_id: durability::boot_id()?,
         };
         format::write_state(dir, &state)?;
         Ok(stats)
