@@ -263,6 +263,9 @@ fn run_plan(
                 sb.guest_dirty(mib, 0x1000).map_err(CliError::from)?;
             }
             let (snap_time, snap) = timed(|| sb.snapshot())?;
+            // The snapshot's background flush would compete with the restore for the
+            // disk; the reference times them apart too.
+            wait_durable(&snap.dir)?;
             rt.wait_pool_ready();
             let (create_time, clone) = timed(|| rt.create_from_snapshot(&snap.id, ephemeral()))?;
             let _ = clone.destroy();
@@ -389,6 +392,22 @@ impl Target {
             met: value <= limit,
         }
     }
+}
+
+/// Waits (bounded) until the snapshot in `dir` has been flushed to disk.
+fn wait_durable(dir: &Path) -> Result<(), CliError> {
+    let marker = dir.join(cube_core::snapshot::durability::DURABLE_FILE);
+    let start = Instant::now();
+    while !marker.exists() {
+        if start.elapsed() > Duration::from_secs(120) {
+            return Err(CliError::failed(format!(
+                "snapshot {} was not flushed within 120 s",
+                dir.display()
+            )));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
 }
 
 struct Lifecycle {

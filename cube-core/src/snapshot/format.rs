@@ -23,7 +23,7 @@ pub const ROOTFS_FILE: &str = "rootfs.img";
 /// Envelope kind of the state file.
 pub const STATE_KIND: &str = "cube-vm-state";
 /// Version of the state layout this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 /// Largest state file accepted (a few KiB per vCPU in practice).
 pub const MAX_STATE_BYTES: u64 = 8 << 20;
 /// Most vCPUs a snapshot may describe.
@@ -136,6 +136,12 @@ pub fn encode(state: &MachineState) -> Result<Vec<u8>, FormatError> {
 
 /// Decodes and validates a state (without the envelope).
 pub fn decode(bytes: &[u8]) -> Result<MachineState, FormatError> {
+    // The version leads the encoding: check it first, so that a file of another
+    // version gets a clear answer instead of a decoding error.
+    let (found, _) = postcard::take_from_bytes::<u32>(bytes).map_err(FormatError::Decode)?;
+    if found != FORMAT_VERSION {
+        return Err(FormatError::Version { found });
+    }
     let state: MachineState = postcard::from_bytes(bytes).map_err(FormatError::Decode)?;
     validate(&state)?;
     Ok(state)

@@ -70,6 +70,8 @@ impl State {
 /// sandbox is destroyed (or the spawner went away before adopting it).
 pub fn run(control: UnixStream) -> Result<(), ServerError> {
     let ctx = Arc::new(KvmContext::open().map_err(ServerError::Kvm)?);
+    // Probe while idle in the pool, not on the create path.
+    crate::vmm::dirty_tracking::warm_up();
     let mut reader = BufReader::new(control.try_clone().map_err(ProtocolError::Io)?);
     let mut writer = BufWriter::new(control);
     let request: Request = match read_frame(&mut reader) {

@@ -5,11 +5,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cube_mem::dirty::{DirtyBitmap, DirtyTracker, KvmDirtyLog, VmmWriteLog};
+use cube_mem::dirty::{CombinedTracker, DirtyBitmap, DirtyTracker, DirtyTrackerKind};
 use cube_mem::{GuestMemory, MemoryLayout};
 use cube_storage::Durability;
 use vm_memory::GuestAddress;
 
+use super::dirty_tracking::{self, TrackingError};
 use super::layout::{ram_ranges, RamRange};
 use super::vcpu_runner::{VcpuHandle, VcpuRunnerError};
 use crate::snapshot::durability;
@@ -35,6 +36,9 @@ pub enum MachineError {
     /// Dirty-page tracking failed.
     #[error("Dirty-page tracking")]
     Dirty(#[from] cube_mem::dirty::DirtyError),
+    /// No dirty-page tracking could be set up.
+    #[error("Dirty-page tracking setup")]
+    Tracking(#[from] TrackingError),
     /// Writing the memory file failed.
     #[error("Writing the memory file")]
     MemoryFile(#[from] cube_mem::memory_file::MemoryFileError),
@@ -84,9 +88,8 @@ pub struct SnapshotStats {
 /// closes before guest memory is unmapped.
 pub struct Machine {
     vcpus: Vec<VcpuHandle>,
-    kvm_log: KvmDirtyLog,
+    tracker: CombinedTracker,
     vm: Vm,
-    vmm_log: VmmWriteLog,
     memory: GuestMemory,
     config: MachineConfig,
     ram: Vec<RamRange>,
@@ -124,6 +127,7 @@ impl Machine {
                 irqchip: config.irqchip,
             },
         )?;
+        let tracking = dirty_tracking::chosen_kind()?;
         for region in memory.regions() {
             // SAFETY: the mapping belongs to `memory`, which the returned Machine owns
             // and drops only after the VM (field order), so KVM never sees it unmapped.
@@ -133,12 +137,11 @@ impl Machine {
                     region.guest_addr.0,
                     region.host_addr,
                     region.size as u64,
-                    true,
+                    tracking == DirtyTrackerKind::KvmDirtyLog,
                 )?;
             }
         }
-        let kvm_log = KvmDirtyLog::new(vm.shared_fd(), &memory);
-        let vmm_log = VmmWriteLog::new(&memory);
+        let tracker = dirty_tracking::start(tracking, &vm, &memory)?;
         let mut vcpus = Vec::with_capacity(config.vcpus as usize);
         for index in 0..config.vcpus {
             let mut vcpu = Vcpu::new(&vm, index)?;
@@ -148,9 +151,8 @@ impl Machine {
         }
         Ok(Machine {
             vcpus,
-            kvm_log,
+            tracker,
             vm,
-            vmm_log,
             memory,
             config,
             ram,
@@ -347,8 +349,7 @@ impl Machine {
     }
 
     fn collect_dirty(&mut self) -> Result<DirtyBitmap, MachineError> {
-        let mut dirty = self.kvm_log.collect()?;
-        dirty.or(&self.vmm_log.collect()?)?;
+        let mut dirty = self.tracker.collect()?;
         if let Some(carry) = self.carry.take() {
             dirty.or(&carry)?;
         }

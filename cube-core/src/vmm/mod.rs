@@ -2,6 +2,7 @@
 //! them to guest memory.
 
 pub mod control_device;
+pub mod dirty_tracking;
 pub mod layout;
 pub mod machine;
 pub mod vcpu_runner;

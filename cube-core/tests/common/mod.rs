@@ -3,7 +3,7 @@
 //! supervisor process and no sandbox directory behind.
 
 // Each test binary uses a different subset of these helpers.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

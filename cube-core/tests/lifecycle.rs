@@ -1,0 +1,283 @@
+//! Lifecycle scenarios across the library, the supervisor process and KVM: a restored
+//! guest continues where it stopped, clones are isolated, pause stops the guest, and
+//! hibernate/wake keeps every byte.
+//!
+//! The synthetic test guest checks itself: while spinning it compares its counter in
+//! memory with the copy in r15 on every iteration, so a restore that mixes memory and
+//! registers from two moments sets `guest_error`.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use cube_core::snapshot::format::read_state;
+use cube_core::test_guest::Mode;
+
+const MIB: u64 = 1 << 20;
+const PAGES_PER_MIB: u64 = MIB / PAGE;
+
+#[test]
+fn restored_guest_continues_exactly_where_it_was() {
+    let Some(mut env) = TestEnv::new() else {
+        return;
+    };
+    let template = env.template("spin", SMALL_WORKING_SET);
+    let mut source = env.create(&template);
+    source.guest_spin(true).unwrap();
+    let seen = wait_counter_above(&mut source, 10_000);
+
+    let snapshot = source.snapshot().unwrap();
+    let memory = memory_file(&snapshot);
+    let c = file_u64(&memory, MAILBOX_ADDR + field::COUNTER);
+    assert!(
+        c >= seen,
+        "snapshot counter {c} is older than {seen} seen before it"
+    );
+    assert_eq!(file_u64(&memory, MAILBOX_ADDR + field::ERROR), 0);
+    assert_eq!(
+        file_u64(&memory, MAILBOX_ADDR + field::MODE),
+        Mode::Spin as u64
+    );
+    // Memory and registers come from the same instant: the vCPU stopped either with
+    // r15 == counter, or between `inc r15` and the store of r15 (then r15 == C + 1).
+    let state = read_state(&snapshot.dir).unwrap();
+    let r15 = state.vcpus[0].regs.r15;
+    assert!(
+        r15 == c || r15 == c + 1,
+        "saved r15 {r15} does not match the saved counter {c}"
+    );
+    let saved_generation = file_u64(&memory, MAILBOX_ADDR + field::HOST_GENERATION);
+
+    let mut restored = env.create_from_snapshot(&snapshot.id);
+    let first = restored.status().unwrap();
+    assert_eq!(first.status, MachineStatus::Running);
+    assert!(
+        first.counter >= c,
+        "restored guest counts from {} but the snapshot holds {c}",
+        first.counter
+    );
+    // The restore told the guest about itself exactly once, and the guest saw it.
+    assert_eq!(first.generation, saved_generation + 1);
+    let later = wait_counter_above(&mut restored, first.counter);
+    let later = wait_counter_above(&mut restored, later);
+    let status = restored.status().unwrap();
+    assert!(
+        !status.guest_error,
+        "restored guest saw its memory and registers disagree"
+    );
+    assert!(status.counter >= later);
+
+    // The source was only paused for the snapshot and keeps counting, consistently.
+    let source_now = wait_counter_above(&mut source, c);
+    assert!(source_now > c);
+    assert!(!source.status().unwrap().guest_error);
+    assert_ne!(restored.status().unwrap().pid, source.status().unwrap().pid);
+
+    restored.destroy().unwrap();
+    source.destroy().unwrap();
+    env.finish();
+}
+
+#[test]
+fn clone_writes_never_reach_source_siblings_or_snapshot() {
+    let Some(mut env) = TestEnv::new() else {
+        return;
+    };
+    let template = env.template("iso", NO_WORKING_SET);
+    let mut source = env.create(&template);
+    // 4 MiB every clone inherits; each then overwrites only the first 2 MiB.
+    let inherited: u64 = 0x1111_0000_0000_0000;
+    let total = 4 * PAGES_PER_MIB;
+    let own = 2 * PAGES_PER_MIB;
+    source.guest_dirty(4, inherited).unwrap();
+
+    let mut clones = env
+        .rt()
+        .clone_sandbox(&mut source, 2, 2, EPHEMERAL)
+        .unwrap();
+    assert_eq!(clones.len(), 2);
+    for clone in &mut clones {
+        env.track(clone);
+    }
+    let snapshots = entries(&env.root().join("snapshots"));
+    assert_eq!(snapshots.len(), 1, "clone_sandbox takes one snapshot");
+    let snapshot_memory = env
+        .root()
+        .join("snapshots")
+        .join(&snapshots[0])
+        .join("memory.bin");
+
+    let patterns: [u64; 3] = [
+        0xaaaa_0000_0000_0000,
+        0xbbbb_0000_0000_0000,
+        0xcccc_0000_0000_0000,
+    ];
+    source.guest_dirty(2, patterns[0]).unwrap();
+    clones[0].guest_dirty(2, patterns[1]).unwrap();
+    clones[1].guest_dirty(2, patterns[2]).unwrap();
+
+    let mut expected_tail = pattern_words(inherited, total);
+    expected_tail.drain(..own as usize);
+    let sandboxes: Vec<&mut Sandbox> = std::iter::once(&mut source).chain(&mut clones).collect();
+    let mut ids = Vec::new();
+    for (sb, pattern) in sandboxes.into_iter().zip(patterns) {
+        let words = dirty_area_words(sb, total);
+        assert_eq!(
+            words[..own as usize],
+            pattern_words(pattern, own)[..],
+            "sandbox {} does not see only its own writes",
+            sb.id()
+        );
+        assert_eq!(
+            words[own as usize..],
+            expected_tail[..],
+            "sandbox {} lost the state it inherited",
+            sb.id()
+        );
+        assert!(!sb.status().unwrap().guest_error);
+        ids.push(sb.id().to_string());
+    }
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 3, "clones need ids of their own");
+
+    // The clones map the snapshot's memory file copy-on-write: their writes must not
+    // reach the file either.
+    let file_words = page_words(&read_file_at(
+        &snapshot_memory,
+        DIRTY_AREA_ADDR,
+        (total * PAGE) as usize,
+    ));
+    assert_eq!(file_words, pattern_words(inherited, total));
+
+    for clone in clones {
+        clone.destroy().unwrap();
+    }
+    source.destroy().unwrap();
+    env.finish();
+}
+
+#[test]
+fn paused_guest_makes_no_progress() {
+    let Some(mut env) = TestEnv::new() else {
+        return;
+    };
+    let template = env.template("pause", NO_WORKING_SET);
+    let mut sb = env.create(&template);
+    sb.guest_spin(true).unwrap();
+    let running = wait_counter_above(&mut sb, 0);
+
+    sb.pause().unwrap();
+    let paused = sb.status().unwrap();
+    assert_eq!(paused.status, MachineStatus::Paused);
+    assert!(paused.counter >= running);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(counter(&mut sb), paused.counter, "a paused guest counted");
+    let mailbox = sb.read_memory(MAILBOX_ADDR, PAGE as u32).unwrap();
+    assert_eq!(u64_at(&mailbox, field::COUNTER), paused.counter);
+    // The guest cannot carry out commands while stopped, and says why.
+    let refused = sb.guest_dirty(1, 1).unwrap_err();
+    assert!(
+        error_chain(&refused).contains("paused"),
+        "{}",
+        error_chain(&refused)
+    );
+    sb.pause().unwrap();
+    assert_eq!(
+        counter(&mut sb),
+        paused.counter,
+        "a second pause ran the guest"
+    );
+
+    sb.resume().unwrap();
+    assert_eq!(sb.status().unwrap().status, MachineStatus::Running);
+    let resumed = wait_counter_above(&mut sb, paused.counter);
+    assert!(resumed > paused.counter);
+    assert!(!sb.status().unwrap().guest_error);
+    sb.guest_dirty(1, 0x77).unwrap();
+    assert_eq!(dirty_area_words(&mut sb, 4), pattern_words(0x77, 4));
+
+    sb.destroy().unwrap();
+    env.finish();
+}
+
+#[test]
+fn hibernate_then_wake_loses_nothing() {
+    let Some(mut env) = TestEnv::new() else {
+        return;
+    };
+    let template = env.template("hib", SMALL_WORKING_SET);
+    let mut sb = env.create(&template);
+    let pid = env.track(&mut sb);
+    let dirty_mib = 16;
+    let pages = dirty_mib * PAGES_PER_MIB;
+    let pattern: u64 = 0x4849_4245_0000_0000;
+    sb.guest_dirty(dirty_mib, pattern).unwrap();
+    sb.guest_spin(true).unwrap();
+    let before = wait_counter_above(&mut sb, 1000);
+    let running = sb.status().unwrap();
+
+    sb.hibernate().unwrap();
+    let hibernated = sb.status().unwrap();
+    assert_eq!(hibernated.status, MachineStatus::Hibernated);
+    assert_eq!(hibernated.pid, pid, "hibernation keeps the supervisor");
+    // The guest's 16 MiB of private pages were resident; hibernation unmapped them.
+    let released = running.rss_kib.saturating_sub(hibernated.rss_kib);
+    assert!(
+        running.rss_kib >= dirty_mib * 1024 && released >= (dirty_mib - 4) * 1024,
+        "RSS went from {} KiB to {} KiB",
+        running.rss_kib,
+        hibernated.rss_kib
+    );
+    assert!(sb.dir().join("hibernate").join("memory.bin").is_file());
+    let image_counter = file_u64(
+        &sb.dir().join("hibernate").join("memory.bin"),
+        MAILBOX_ADDR + field::COUNTER,
+    );
+    assert!(image_counter >= before);
+    let refused = sb.guest_dirty(1, 1).unwrap_err();
+    assert!(
+        error_chain(&refused).contains("hibernated"),
+        "{}",
+        error_chain(&refused)
+    );
+
+    sb.wake().unwrap();
+    let woken = sb.status().unwrap();
+    assert_eq!(woken.status, MachineStatus::Running);
+    assert_eq!(woken.pid, pid);
+    assert!(
+        woken.counter >= image_counter,
+        "woke at counter {} but hibernated at {image_counter}",
+        woken.counter
+    );
+    assert!(woken.generation > running.generation);
+    wait_counter_above(&mut sb, woken.counter);
+    assert!(!sb.status().unwrap().guest_error);
+    assert_eq!(
+        dirty_area_words(&mut sb, pages),
+        pattern_words(pattern, pages),
+        "the dirty area did not survive hibernation"
+    );
+
+    // Afterwards the sandbox is a normal one: snapshot, overwrite, roll back.
+    let snapshot = sb.snapshot().unwrap();
+    sb.guest_dirty(2, 0x5151).unwrap();
+    assert_eq!(
+        dirty_area_words(&mut sb, 2),
+        pattern_words(0x5151, 2),
+        "the overwrite did not happen"
+    );
+    sb.rollback(&snapshot.id).unwrap();
+    assert_eq!(
+        dirty_area_words(&mut sb, pages),
+        pattern_words(pattern, pages)
+    );
+    let after = sb.status().unwrap();
+    wait_counter_above(&mut sb, after.counter);
+    assert!(!sb.status().unwrap().guest_error);
+
+    sb.destroy().unwrap();
+    env.finish();
+}
