@@ -32,9 +32,11 @@ use criterion::{BenchmarkGroup, Criterion, SamplingMode};
 use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
 use kvm_ioctls::Kvm;
 
+use cube_core::snapshot::durability::DURABLE_FILE;
 use cube_core::snapshot::format::MEMORY_FILE;
 use cube_core::snapshot::MachineConfig;
 use cube_core::supervisor::locate_supervisor;
+use cube_core::supervisor::server::HIBERNATE_DIR;
 use cube_core::test_guest::WorkingSet;
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox};
 
@@ -42,6 +44,8 @@ use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox};
 const STORE_ENV: &str = "CUBE_BENCH_STORE";
 /// MiB the guest dirties before each timed dirty snapshot and rollback.
 const DIRTY_MIB: u64 = 16;
+/// Longest wait for a snapshot's background flush.
+const DURABLE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Every sandbox here ends with its handle, even if the bench panics.
 const EPHEMERAL: CreateOptions = CreateOptions { ephemeral: true };
 
@@ -124,6 +128,7 @@ impl Fixture {
             "building the test template",
             rt.build_test_template(&template, machine, WorkingSet::default(), 0),
         );
+        wait_durable(&check("template dir", rt.store().template_dir(&template)));
         eprintln!(
             "store: {} ({}, reflink: {})",
             store.path().display(),
@@ -155,7 +160,10 @@ impl Fixture {
         check("template dir", self.rt.store().template_dir(&self.template)).join(MEMORY_FILE)
     }
 
+    /// Removes a snapshot once its background flush is done.
     fn remove_snapshot(&self, id: &str) {
+        let dir = check("snapshot dir", self.rt.store().snapshot_dir(id));
+        wait_durable(&dir);
         check("removing a snapshot", self.rt.store().remove_snapshot(id));
     }
 
@@ -268,6 +276,23 @@ impl BareVm {
     }
 }
 
+/// Waits until the background flush of the snapshot (or hibernation image) in `dir`
+/// has finished, so it neither competes with the next timed operation for the disk nor
+/// races the removal of the directory.
+fn wait_durable(dir: &Path) {
+    let marker = dir.join(DURABLE_FILE);
+    let start = Instant::now();
+    while !marker.exists() {
+        if start.elapsed() > DURABLE_TIMEOUT {
+            panic!(
+                "{} was not flushed within {DURABLE_TIMEOUT:?}",
+                dir.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
 /// Runs `op` and says how long it took.
 fn timed<T>(op: impl FnOnce() -> T) -> (Duration, T) {
     let start = Instant::now();
@@ -341,6 +366,7 @@ fn bench_rollback(group: &mut BenchmarkGroup<'_, WallTime>, fx: &Fixture) {
     let mut live = fx.settled_sandbox();
     let sb = live.get();
     let base = check("snapshot", sb.snapshot());
+    wait_durable(&base.dir);
     let mut pattern = 0u64;
     group.bench_function(format!("rollback_after_{DIRTY_MIB}mib_dirty"), |b| {
         b.iter_custom(|iters| {
@@ -407,6 +433,7 @@ fn bench_hibernate_wake(group: &mut BenchmarkGroup<'_, WallTime>, fx: &Fixture) 
                 let (took, done) = timed(|| sb.hibernate().and_then(|()| sb.wake()));
                 total += took;
                 check("hibernate and wake", done);
+                wait_durable(&sb.dir().join(HIBERNATE_DIR));
                 check("waiting for the working set", sb.guest_wait_working_set());
             }
             total

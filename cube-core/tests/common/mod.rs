@@ -4,6 +4,9 @@
 
 // Each test binary uses a different subset of these helpers.
 #![allow(dead_code, unused_imports)]
+// These helpers run only inside tests, where a failed step should fail the test on
+// the spot (clippy's allow-expect-in-tests does not reach functions outside #[test]).
+#![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -164,6 +167,13 @@ impl TestEnv {
             self.pids.push(pid);
         }
         pid
+    }
+
+    /// Live supervisor processes tied to this test's store.
+    pub fn live_supervisors(&self) -> Vec<u32> {
+        let mut pids = supervisors_of_store(&self.supervisor, &self.root);
+        pids.sort_unstable();
+        pids
     }
 
     /// Asserts that the test left nothing behind: every supervisor it tracked and
