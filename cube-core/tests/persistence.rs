@@ -113,10 +113,6 @@ fn ephemeral_sandbox_ends_with_its_handle() {
 }
 
 #[test]
-#[ignore = "library bug: the supervisor of a dropped ephemeral sandbox removes its \
-            snapshots while their background flush (supervisor/server.rs \
-            flush_in_background) still writes the `durable` marker into them; \
-            remove_dir_all fails and the sandbox directory leaks"]
 fn ephemeral_sandbox_takes_a_fresh_snapshot_along() {
     let Some(mut env) = TestEnv::new() else {
         return;

@@ -262,8 +262,12 @@ impl Runtime {
         concurrency: usize,
         options: CreateOptions,
     ) -> Result<Vec<Sandbox>, SandboxError> {
+        let start = std::time::Instant::now();
         let snapshot = sandbox.snapshot()?;
-        self.create_many(&snapshot.id, n, concurrency, options)
+        tracing::debug!(elapsed = ?start.elapsed(), "clone: snapshot taken");
+        let clones = self.create_many(&snapshot.id, n, concurrency, options);
+        tracing::debug!(elapsed = ?start.elapsed(), "clone: sandboxes created");
+        clones
     }
 
     /// Creates `n` sandboxes from snapshot `snapshot`, `concurrency` at a time.

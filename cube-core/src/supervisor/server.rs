@@ -52,6 +52,8 @@ struct Sandbox {
     ctx: Arc<KvmContext>,
     id: String,
     dir: PathBuf,
+    /// Background flushes of snapshots this sandbox wrote; joined before its files go.
+    flushes: Vec<std::thread::JoinHandle<()>>,
     machine: Option<Machine>,
     hibernated: bool,
 }
@@ -115,6 +117,7 @@ pub fn run(control: UnixStream) -> Result<(), ServerError> {
         sandbox: Mutex::new(Sandbox {
             ctx,
             id: id.clone(),
+            flushes: Vec::new(),
             dir,
             machine: Some(machine),
             hibernated: false,
@@ -227,6 +230,10 @@ fn destroy(state: &State) {
     let mut sandbox = state.lock();
     // Dropping the machine stops the vCPUs, closes the VM and unmaps memory.
     sandbox.machine = None;
+    // A flush still writing into a snapshot directory would race its removal.
+    for flush in std::mem::take(&mut sandbox.flushes) {
+        let _ = flush.join();
+    }
 }
 
 fn remove_files(state: &State, id: &str) {
@@ -295,6 +302,7 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
             let id = sandbox.id.clone();
             let m = machine(sandbox)?;
             let stats = write_snapshot(m, &id, &dir, &staging, &dest)?;
+            sandbox.track_flush(flush_in_background(dest));
             Ok(Response::Snapshot(stats))
         }
         Request::Rollback { snapshot } => {
@@ -325,8 +333,8 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
             std::fs::rename(&staging, &image).map_err(|e| format!("committing image: {e}"))?;
             let _ = std::fs::remove_dir_all(&old);
             m.snapshot_committed(&image).map_err(|e| error_chain(&e))?;
-            flush_in_background(image);
             sandbox.machine = None;
+            sandbox.track_flush(flush_in_background(image));
             sandbox.hibernated = true;
             Ok(Response::Ok)
         }
@@ -480,7 +488,6 @@ fn write_snapshot(
     match result {
         Ok(stats) => {
             m.snapshot_committed(dest).map_err(|e| error_chain(&e))?;
-            flush_in_background(dest.to_path_buf());
             Ok(stats)
         }
         Err(e) => {
@@ -494,12 +501,12 @@ fn write_snapshot(
 }
 
 /// Syncs a finished snapshot to disk and marks it durable, off the request path.
-fn flush_in_background(dir: PathBuf) {
+fn flush_in_background(dir: PathBuf) -> Option<std::thread::JoinHandle<()>> {
     let boot = match boot_id() {
         Ok(b) => b,
         Err(e) => {
             tracing::warn!("snapshot {} stays unflushed: {e}", dir.display());
-            return;
+            return None;
         }
     };
     let spawned = std::thread::Builder::new()
@@ -509,8 +516,19 @@ fn flush_in_background(dir: PathBuf) {
                 tracing::warn!("flushing snapshot {}: {e}", dir.display());
             }
         });
-    if let Err(e) = spawned {
-        tracing::warn!("cannot start a flush thread: {e}");
+    match spawned {
+        Ok(handle) => Some(handle),
+        Err(e) => {
+            tracing::warn!("cannot start a flush thread: {e}");
+            None
+        }
+    }
+}
+
+impl Sandbox {
+    fn track_flush(&mut self, flush: Option<std::thread::JoinHandle<()>>) {
+        self.flushes.retain(|f| !f.is_finished());
+        self.flushes.extend(flush);
     }
 }
 
