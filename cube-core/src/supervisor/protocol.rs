@@ -158,7 +158,7 @@ pub enum Response {
     /// A snapshot was written.
     Snapshot(SnapshotStats),
     /// Guest memory bytes.
-    Memory(Vec<u8>),
+    Memory(#[serde(with = "serde_bytes")] Vec<u8>),
     /// CRC32 per RAM region.
     Digest(Vec<u32>),
     /// The request failed; the message says why.
