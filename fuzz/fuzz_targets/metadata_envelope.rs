@@ -10,8 +10,7 @@ const KIND: &str = "sandbox";
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(payload) = cube_storage::decode_envelope(data, KIND) {
-        let reencoded =
-            cube_storage::encode_envelope(KIND, payload).expect("KIND is a valid kind");
+        let reencoded = cube_storage::encode_envelope(KIND, payload).expect("KIND is a valid kind");
         assert_eq!(reencoded, data, "accepted envelope is not canonical");
     }
 });

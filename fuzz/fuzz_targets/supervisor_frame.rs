@@ -77,7 +77,10 @@ fn read_all<T: Serialize + DeserializeOwned>(data: &[u8]) {
         let again: T = read_frame(&mut frame.as_slice()).expect("a written frame reads back");
         let mut frame_again = Vec::new();
         write_frame(&mut frame_again, &again).expect("a decoded message fits in a frame");
-        assert_eq!(frame, frame_again, "message changed through a frame round trip");
+        assert_eq!(
+            frame, frame_again,
+            "message changed through a frame round trip"
+        );
     }
 }
 

@@ -102,7 +102,6 @@ struct Plan {
     repeats: usize,
     clones: Vec<(usize, usize)>,
     density: usize,
-    floor_write_mib: usize,
 }
 
 fn failed(e: impl std::error::Error) -> CliError {
@@ -122,7 +121,6 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
             repeats: 5,
             clones: vec![(1, 1), (10, 2)],
             density: 20,
-            floor_write_mib: 256,
         }
     } else {
         Plan {
@@ -131,7 +129,6 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
             repeats: 10,
             clones: vec![(1, 1), (20, 2), (20, 4)],
             density: 50,
-            floor_write_mib: 512,
         }
     };
     let max_concurrency = plan.create.iter().map(|c| c.0).max().unwrap_or(1);
@@ -197,8 +194,10 @@ fn run_plan(
         );
     }
     let (floor_vm_p50, floor_vm_p95) = percentiles_ms(&floor_vm);
-    let floor_write = floor::sequential_write(&store.join("tmp"), plan.floor_write_mib)
-        .map_err(CliError::failed)?;
+    // As much as the largest snapshot writes, so both meet the same page-cache limits.
+    let floor_write_mib = plan.dirty_mib.iter().copied().max().unwrap_or(256).max(64) as usize;
+    let floor_write =
+        floor::sequential_write(&store.join("tmp"), floor_write_mib).map_err(CliError::failed)?;
 
     let mut create_rows = Vec::new();
     for &(concurrency, n) in &plan.create {
@@ -278,6 +277,7 @@ fn run_plan(
             if mib > 0 {
                 sb.guest_dirty(mib, 0x1000).map_err(CliError::from)?;
             }
+            floor::settle_filesystem(&store).map_err(CliError::failed)?;
             let (snap_time, snap) = timed(|| sb.snapshot())?;
             // The snapshot's background flush would compete with the restore for the
             // disk; the reference times them apart too.

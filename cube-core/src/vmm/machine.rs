@@ -127,6 +127,7 @@ impl Machine {
                 irqchip: config.irqchip,
             },
         )?;
+        tracing::debug!("assemble: VM created");
         let tracking = dirty_tracking::chosen_kind()?;
         for region in memory.regions() {
             // SAFETY: the mapping belongs to `memory`, which the returned Machine owns
@@ -141,6 +142,7 @@ impl Machine {
                 )?;
             }
         }
+        tracing::debug!("assemble: VM created, memory registered");
         let tracker = dirty_tracking::start(tracking, &vm, &memory)?;
         let mut vcpus = Vec::with_capacity(config.vcpus as usize);
         for index in 0..config.vcpus {
@@ -149,6 +151,7 @@ impl Machine {
             vcpu_setup(&mut vcpu, index)?;
             vcpus.push(VcpuHandle::spawn(vcpu)?);
         }
+        tracing::debug!("assemble: vCPUs ready");
         Ok(Machine {
             vcpus,
             tracker,
@@ -192,7 +195,9 @@ impl Machine {
     /// Restores the snapshot in `dir`: memory is the snapshot's memory file mapped
     /// private and copy-on-write, so this costs the same for any guest size.
     pub fn restore(ctx: &Arc<KvmContext>, dir: &Path) -> Result<Machine, MachineError> {
+        let start = std::time::Instant::now();
         let state = format::read_state(dir)?;
+        tracing::debug!(elapsed = ?start.elapsed(), "restore: state read");
         let memory_path = dir.join(MEMORY_FILE);
         let memory = GuestMemory::restore_private(memory_layout(&state.ram)?, &memory_path)?;
         let parent = open_parent(&memory_path)?;
@@ -217,7 +222,9 @@ impl Machine {
             },
         )?;
         machine.vm.restore_state(&vm_state)?;
+        tracing::debug!(elapsed = ?start.elapsed(), "restore: VM and vCPUs restored");
         machine.start()?;
+        tracing::debug!(elapsed = ?start.elapsed(), "restore: guest running");
         Ok(machine)
     }
 

@@ -1,0 +1,163 @@
+//! Writes the seed corpora under `seeds/<target>/` from real encodings: a snapshot
+//! state taken from the test guest booted under KVM (1 vCPU, 128 MiB, with and without
+//! in-kernel irqchip), supervisor frames of each message shape, and a metadata
+//! envelope. Regenerate after a format change, from this directory:
+//!
+//! ```text
+//! cargo run --example make_seeds
+//! ```
+
+use std::path::Path;
+use std::sync::Arc;
+
+use cube_core::snapshot::format::{STATE_FILE, STATE_KIND};
+use cube_core::snapshot::MachineConfig;
+use cube_core::supervisor::protocol::{write_frame, MachineStatus, Source, StatusReport};
+use cube_core::supervisor::{Request, Response};
+use cube_core::test_guest::WorkingSet;
+use cube_core::vmm::machine::{Machine, SnapshotStats};
+use cube_core::vstate::KvmContext;
+
+type Error = Box<dyn std::error::Error>;
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> Result<(), Error> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::write(dir.join(name), bytes)?;
+    println!("{} ({} bytes)", dir.join(name).display(), bytes.len());
+    Ok(())
+}
+
+/// The state file of a snapshot of the freshly booted test guest.
+fn state_file(ctx: &Arc<KvmContext>, irqchip: bool) -> Result<Vec<u8>, Error> {
+    let config = MachineConfig {
+        vcpus: 1,
+        memory_bytes: 128 << 20,
+        irqchip,
+    };
+    let working_set = WorkingSet {
+        read_bytes: 1 << 20,
+        write_bytes: 1 << 20,
+    };
+    let mut machine = Machine::boot_test_guest(ctx, config, working_set)?;
+    machine.wait_working_set()?;
+    let dir = tempfile::tempdir()?;
+    machine.snapshot(dir.path())?;
+    drop(machine);
+    Ok(std::fs::read(dir.path().join(STATE_FILE))?)
+}
+
+fn frames<T: serde::Serialize>(messages: &[T]) -> Result<Vec<u8>, Error> {
+    let mut out = Vec::new();
+    for m in messages {
+        write_frame(&mut out, m)?;
+    }
+    Ok(out)
+}
+
+fn main() -> Result<(), Error> {
+    let seeds = Path::new(env!("CARGO_MANIFEST_DIR")).join("seeds");
+
+    let snapshot_seeds = seeds.join("snapshot_state");
+    if Path::new("/dev/kvm").exists() {
+        let ctx = Arc::new(KvmContext::open()?);
+        for (irqchip, name) in [(true, "irqchip"), (false, "no-irqchip")] {
+            let file = state_file(&ctx, irqchip)?;
+            // A seed the decoder refuses would start the fuzzer at the first check.
+            cube_core::snapshot::format::decode_file_bytes(&file)?;
+            let payload = cube_storage::decode_envelope(&file, STATE_KIND)?;
+            write(&snapshot_seeds, &format!("file-1vcpu-{name}.bin"), &file)?;
+            write(
+                &snapshot_seeds,
+                &format!("payload-1vcpu-{name}.bin"),
+                payload,
+            )?;
+        }
+    } else {
+        println!("skipped: /dev/kvm not present (no snapshot state seeds)");
+    }
+    let garbage = cube_storage::encode_envelope(STATE_KIND, b"\x02garbage payload")?;
+    write(&snapshot_seeds, "file-garbage-payload.bin", &garbage)?;
+
+    let config = MachineConfig::default();
+    let requests = [
+        Request::Adopt {
+            version: cube_core::supervisor::protocol::PROTOCOL_VERSION,
+            id: "sb-0123456789abcdef".into(),
+            dir: "/var/lib/cube/sandboxes/sb-0123456789abcdef".into(),
+            source: Source::Snapshot("/var/lib/cube/templates/base".into()),
+            ephemeral: true,
+        },
+        Request::Adopt {
+            version: cube_core::supervisor::protocol::PROTOCOL_VERSION,
+            id: "sb-1".into(),
+            dir: "/tmp/sb-1".into(),
+            source: Source::BootTestGuest {
+                config,
+                working_set: WorkingSet::default(),
+            },
+            ephemeral: false,
+        },
+        Request::Status,
+        Request::Pause,
+        Request::Resume,
+        Request::Snapshot {
+            staging: "/tmp/s.staging".into(),
+            dest: "/tmp/s".into(),
+        },
+        Request::Rollback {
+            snapshot: "/tmp/s".into(),
+        },
+        Request::Hibernate,
+        Request::Wake,
+        Request::GuestDirty {
+            mib: 16,
+            pattern: 0x1000,
+        },
+        Request::GuestMode { spin: true },
+        Request::GuestWaitWorkingSet,
+        Request::ReadMemory {
+            addr: 0x10000,
+            len: 4096,
+        },
+        Request::MemoryDigest,
+        Request::Destroy,
+    ];
+    let responses = [
+        Response::Ok,
+        Response::Status(StatusReport {
+            status: MachineStatus::Running,
+            pid: 4242,
+            counter: 123_456,
+            generation: 3,
+            guest_error: false,
+            config: Some(config),
+            rss_kib: 20_480,
+        }),
+        Response::Status(StatusReport {
+            status: MachineStatus::Failed("emulation failure".into()),
+            pid: 1,
+            counter: 0,
+            generation: 0,
+            guest_error: true,
+            config: None,
+            rss_kib: 0,
+        }),
+        Response::Snapshot(SnapshotStats {
+            dirty_pages: 4096,
+            bytes_written: 16 << 20,
+            reflinked: true,
+        }),
+        Response::Memory(vec![0xab; 64]),
+        Response::Digest(vec![0xdead_beef, 0x0123_4567]),
+        Response::Error("sandbox is not hibernated".into()),
+    ];
+    let frame_seeds = seeds.join("supervisor_frame");
+    write(&frame_seeds, "requests.bin", &frames(&requests)?)?;
+    write(&frame_seeds, "responses.bin", &frames(&responses)?)?;
+    write(&frame_seeds, "adopt.bin", &frames(&requests[..1])?)?;
+    write(&frame_seeds, "status.bin", &frames(&responses[1..2])?)?;
+
+    let envelope = cube_storage::encode_envelope("sandbox", br#"{"id":"sb-1","ephemeral":true}"#)?;
+    write(&seeds.join("metadata_envelope"), "sandbox.bin", &envelope)?;
+    Ok(())
+}
