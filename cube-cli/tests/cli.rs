@@ -1,6 +1,9 @@
 //! The `cube` binary, run as a user would: sandboxes across invocations, JSON output,
 //! and the error paths with their exit codes.
 
+// Helpers outside #[test] functions may panic too: a failure there is a test failure.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
