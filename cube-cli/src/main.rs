@@ -47,6 +47,10 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    // Output piped into `head` should end quietly, as other Unix tools do, instead of
+    // panicking on a closed pipe.
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread exists.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("CUBE_LOG")

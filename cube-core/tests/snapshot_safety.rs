@@ -481,3 +481,40 @@ fn entries_sorted(dir: &Path) -> Vec<String> {
     names.sort();
     names
 }
+
+#[test]
+fn snapshots_after_a_rollback_diff_against_the_rolled_back_image() {
+    let Some(mut env) = TestEnv::new() else {
+        return;
+    };
+    let template = env.template("after-rollback", NO_WORKING_SET);
+    let mut sb = env.create(&template);
+    env.track(&mut sb);
+    let first: u64 = 0x4649_5253_0000_0000;
+    sb.guest_dirty(4, first).unwrap();
+    let base = sb.snapshot().unwrap();
+
+    // Pages written before the rollback must not leak into later snapshots...
+    sb.guest_dirty(8, 0x5452_4153_4800_0000).unwrap();
+    sb.rollback(&base.id).unwrap();
+    // ...and pages written after it must all be in the next one.
+    let second: u64 = 0x5345_434f_0000_0000;
+    sb.guest_dirty(1, second).unwrap();
+    let after = sb.snapshot().unwrap();
+    // One MiB of guest writes plus the mailbox the host and guest write on restore.
+    assert!(
+        (PAGES_PER_MIB..=PAGES_PER_MIB + 4).contains(&after.stats.dirty_pages),
+        "{} pages dirty after rollback",
+        after.stats.dirty_pages
+    );
+
+    let mut restored = env.create_from_snapshot(&after.id);
+    env.track(&mut restored);
+    let mut expected = pattern_words(second, PAGES_PER_MIB);
+    expected.extend(pattern_words(first + PAGES_PER_MIB, 3 * PAGES_PER_MIB));
+    expected.extend(std::iter::repeat_n(0, (4 * PAGES_PER_MIB) as usize));
+    assert_eq!(dirty_area_words(&mut restored, 8 * PAGES_PER_MIB), expected);
+    restored.destroy().unwrap();
+    sb.destroy().unwrap();
+    env.finish();
+}

@@ -29,6 +29,15 @@ pub const PAGE_SIZE: usize = 4096;
 /// Errors from building a layout or mapping guest memory.
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryError {
+    /// Mapping a memory file over a region in place failed.
+    #[error("Remapping region {index} in place failed")]
+    Remap {
+        /// The region.
+        index: usize,
+        /// The mmap error.
+        #[source]
+        source: std::io::Error,
+    },
     /// The layout has no regions.
     #[error("Memory layout has no regions")]
     EmptyLayout,
@@ -357,6 +366,70 @@ impl GuestMemory {
             regions,
             backing,
         })
+    }
+
+    /// Replaces the contents of every region with `memory_file`, mapped
+    /// `MAP_PRIVATE | MAP_NORESERVE` at the same host addresses, so a VM whose memslots
+    /// point there sees the file's contents without re-registering anything (the
+    /// kernel's MMU notifiers drop the VM's mappings of the old pages). The VMM write
+    /// log is cleared: the new contents are the file's.
+    ///
+    /// On error the regions may be partly remapped: the memory must then be discarded.
+    ///
+    /// # Safety
+    /// Nothing may read or write guest memory during the call: no running vCPU, no
+    /// device thread, no slice obtained from this memory or a clone of it.
+    pub unsafe fn remap_private(&mut self, memory_file: &Path) -> Result<(), MemoryError> {
+        let open_err = |source| MemoryError::OpenFile {
+            path: memory_file.to_path_buf(),
+            source,
+        };
+        let file = File::open(memory_file).map_err(open_err)?;
+        let meta = file.metadata().map_err(open_err)?;
+        if !meta.is_file() {
+            return Err(MemoryError::NotRegularFile {
+                path: memory_file.to_path_buf(),
+            });
+        }
+        if meta.len() != self.layout.total_size() {
+            return Err(MemoryError::SizeMismatch {
+                path: memory_file.to_path_buf(),
+                expected: self.layout.total_size(),
+                actual: meta.len(),
+            });
+        }
+        for (index, region) in self.regions.iter().enumerate() {
+            let offset = libc::off_t::try_from(region.file_offset)
+                .map_err(|_| MemoryError::TotalOverflow)?;
+            // SAFETY: the range is exactly one region this memory mapped and still owns,
+            // so MAP_FIXED replaces only our own mapping; the caller guarantees nothing
+            // accesses it meanwhile. The new mapping has the same length and protection.
+            let addr = unsafe {
+                libc::mmap(
+                    region.host_addr as *mut libc::c_void,
+                    region.size,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                    std::os::fd::AsRawFd::as_raw_fd(&file),
+                    offset,
+                )
+            };
+            if addr == libc::MAP_FAILED || addr as u64 != region.host_addr {
+                return Err(MemoryError::Remap {
+                    index,
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            if let Some(r) = self.vm_region(index) {
+                let mapping: &vm_memory::mmap::MmapRegion<AtomicBitmap> = r;
+                mapping.bitmap().reset();
+            }
+        }
+        self.backing = MemoryBacking::PrivateFile {
+            path: memory_file.to_path_buf(),
+            file: Arc::new(file),
+        };
+        Ok(())
     }
 
     /// The vm-memory view: use its `Bytes` API for VMM/device writes so they are

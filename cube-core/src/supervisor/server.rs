@@ -306,9 +306,33 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
             Ok(Response::Snapshot(stats))
         }
         Request::Rollback { snapshot } => {
-            let restored = Machine::restore(&sandbox.ctx, &snapshot).map_err(fail)?;
-            replace_rootfs(&snapshot, &sandbox.dir)?;
-            retire(sandbox.machine.replace(restored));
+            // Validate before touching anything: a bad snapshot leaves the sandbox as is.
+            let state =
+                crate::snapshot::format::read_state(&snapshot).map_err(|e| error_chain(&e))?;
+            let staged_rootfs = stage_rootfs(&snapshot, &sandbox.dir)?;
+            let in_place = match sandbox.machine.as_mut() {
+                Some(m) if !sandbox.hibernated => match m.rollback_in_place(&snapshot, state) {
+                    Ok(done) => done,
+                    Err(e) => {
+                        // Half-restored: discard it and build a fresh machine below.
+                        tracing::warn!(
+                            "rollback in place failed, restoring anew: {}",
+                            error_chain(&e)
+                        );
+                        retire(sandbox.machine.take());
+                        false
+                    }
+                },
+                _ => false,
+            };
+            if !in_place {
+                let restored = Machine::restore(&sandbox.ctx, &snapshot).map_err(fail)?;
+                retire(sandbox.machine.replace(restored));
+            }
+            if let Some(staged) = staged_rootfs {
+                std::fs::rename(&staged, sandbox.dir.join(ROOTFS_FILE))
+                    .map_err(|e| format!("replacing rootfs: {e}"))?;
+            }
             sandbox.hibernated = false;
             Ok(Response::Ok)
         }
@@ -532,14 +556,14 @@ impl Sandbox {
     }
 }
 
-fn replace_rootfs(snapshot: &Path, sandbox_dir: &Path) -> Result<(), String> {
+/// Clones the snapshot's rootfs next to the sandbox's, ready to be renamed over it.
+fn stage_rootfs(snapshot: &Path, sandbox_dir: &Path) -> Result<Option<PathBuf>, String> {
     let src = snapshot.join(ROOTFS_FILE);
     if !src.exists() {
-        return Ok(());
+        return Ok(None);
     }
     let tmp = sandbox_dir.join("rootfs.img.rollback");
     let _ = std::fs::remove_file(&tmp);
     cube_storage::clone_file(&src, &tmp).map_err(|e| error_chain(&e))?;
-    std::fs::rename(&tmp, sandbox_dir.join(ROOTFS_FILE))
-        .map_err(|e| format!("replacing rootfs: {e}"))
+    Ok(Some(tmp))
 }

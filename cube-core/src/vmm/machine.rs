@@ -228,6 +228,48 @@ impl Machine {
         Ok(machine)
     }
 
+    /// Puts this machine back to the snapshot in `dir`, whose state `state` the caller
+    /// read with [`format::read_state`], without building a new VM: the
+    /// snapshot's memory file is mapped over guest memory at the same host addresses
+    /// (the memslots stay), and vCPU and VM state are restored in place.
+    ///
+    /// Returns `Ok(false)` without touching anything when the snapshot's shape differs
+    /// or the tracker cannot follow a remap (the caller then builds a new machine). On
+    /// `Err` the machine may be half-restored and must be discarded.
+    pub fn rollback_in_place(
+        &mut self,
+        dir: &Path,
+        state: MachineState,
+    ) -> Result<bool, MachineError> {
+        let start = std::time::Instant::now();
+        // userfaultfd registrations do not survive a remap: only KVM's log does.
+        if state.config != self.config
+            || state.ram != self.ram
+            || self.tracker.primary().kind() != DirtyTrackerKind::KvmDirtyLog
+        {
+            return Ok(false);
+        }
+        let memory_path = dir.join(MEMORY_FILE);
+        let parent = open_parent(&memory_path)?;
+        self.pause()?;
+        // SAFETY: every vCPU is parked and this machine has no device thread, so
+        // nothing touches guest memory during the remap.
+        unsafe { self.memory.remap_private(&memory_path)? };
+        // Whatever was dirty belonged to the memory just replaced.
+        self.tracker.collect()?;
+        for (handle, vcpu_state) in self.vcpus.iter().zip(state.vcpus) {
+            handle.with_vcpu(move |v| v.restore_state(&vcpu_state))??;
+        }
+        self.vm.restore_state(&state.vm)?;
+        self.guest = state.guest;
+        self.parent = Some(parent);
+        self.carry = None;
+        tracing::debug!(elapsed = ?start.elapsed(), "rollback in place: restored");
+        self.start()?;
+        tracing::debug!(elapsed = ?start.elapsed(), "rollback in place: guest running");
+        Ok(true)
+    }
+
     /// Tells the guest it was (re)started, lets the vCPUs run and waits until the guest
     /// shows it is executing.
     fn start(&mut self) -> Result<(), MachineError> {
