@@ -289,3 +289,42 @@ fn hibernate_then_wake_loses_nothing() {
     sb.destroy().unwrap();
     env.finish();
 }
+
+/// Sandboxes of the default shape (2 vCPU, 2 GiB) are loaded into the VM a pooled
+/// supervisor built while it waited; this proves that path end to end.
+#[test]
+fn default_shape_sandboxes_load_into_prebuilt_vms() {
+    let Some(mut env) = TestEnv::new() else {
+        return;
+    };
+    let spec = cube_core::snapshot::MachineConfig::default();
+    env.rt()
+        .build_test_template("default-shape", spec, SMALL_WORKING_SET, 0)
+        .unwrap();
+    let mut sb = env.create("default-shape");
+    env.track(&mut sb);
+    let status = sb.status().unwrap();
+    assert_eq!(status.config, Some(spec));
+    let pattern: u64 = 0x5348_454c_4c00_0000;
+    sb.guest_dirty(2, pattern).unwrap();
+    let snap = sb.snapshot().unwrap();
+    let mut clone = env.create_from_snapshot(&snap.id);
+    env.track(&mut clone);
+    assert_eq!(
+        dirty_area_words(&mut clone, 512),
+        pattern_words(pattern, 512)
+    );
+    // The clone runs on its own: its writes stay its own.
+    clone.guest_dirty(1, 7).unwrap();
+    assert_eq!(dirty_area_words(&mut sb, 256), pattern_words(pattern, 256));
+    sb.guest_spin(true).unwrap();
+    let before = sb.status().unwrap().counter;
+    assert!(wait_until(Duration::from_secs(10), || {
+        sb.status().unwrap().counter > before
+    }));
+    assert!(!sb.status().unwrap().guest_error);
+    assert!(!clone.status().unwrap().guest_error);
+    clone.destroy().unwrap();
+    sb.destroy().unwrap();
+    env.finish();
+}

@@ -19,6 +19,7 @@ use super::protocol::{
 use crate::sandbox::metadata::{now_unix, SnapshotMeta, SNAPSHOT_META, SNAPSHOT_META_KIND};
 use crate::snapshot::durability::{boot_id, make_durable};
 use crate::snapshot::format::ROOTFS_FILE;
+use crate::snapshot::MachineConfig;
 use crate::test_guest::mailbox::field;
 use crate::test_guest::Mode;
 use crate::vmm::machine::SnapshotStats;
@@ -72,8 +73,15 @@ impl State {
 /// sandbox is destroyed (or the spawner went away before adopting it).
 pub fn run(control: UnixStream) -> Result<(), ServerError> {
     let ctx = Arc::new(KvmContext::open().map_err(ServerError::Kvm)?);
-    // Probe while idle in the pool, not on the create path.
+    // Probe and build a VM while idle in the pool, not on the create path.
     crate::vmm::dirty_tracking::warm_up();
+    let shell = match Machine::shell(&ctx, MachineConfig::default()) {
+        Ok(m) => Some(m),
+        Err(e) => {
+            tracing::warn!("pre-building a VM: {}", error_chain(&e));
+            None
+        }
+    };
     let mut reader = BufReader::new(control.try_clone().map_err(ProtocolError::Io)?);
     let mut writer = BufWriter::new(control);
     let request: Request = match read_frame(&mut reader) {
@@ -102,7 +110,7 @@ pub fn run(control: UnixStream) -> Result<(), ServerError> {
         )?;
         return Err(ServerError::NotAdopted);
     }
-    let machine = match start_machine(&ctx, &source) {
+    let machine = match start_machine(&ctx, &source, shell) {
         Ok(m) => m,
         Err(e) => {
             reply(&mut writer, &Response::Error(error_chain(&e)))?;
@@ -216,13 +224,34 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     message
 }
 
-fn start_machine(ctx: &Arc<KvmContext>, source: &Source) -> Result<Machine, MachineError> {
+fn start_machine(
+    ctx: &Arc<KvmContext>,
+    source: &Source,
+    shell: Option<Machine>,
+) -> Result<Machine, MachineError> {
     match source {
-        Source::Snapshot(dir) => Machine::restore(ctx, dir),
+        Source::Snapshot(dir) => {
+            let state = crate::snapshot::format::read_state(dir)?;
+            if let Some(mut shell) = shell {
+                match shell.load_in_place(dir, state) {
+                    Ok(true) => return Ok(shell),
+                    // Another shape: the shell is of no use.
+                    Ok(false) => retire(Some(shell)),
+                    Err(e) => {
+                        tracing::warn!("loading into the pre-built VM: {}", error_chain(&e));
+                        retire(Some(shell));
+                    }
+                }
+            }
+            Machine::restore(ctx, dir)
+        }
         Source::BootTestGuest {
             config,
             working_set,
-        } => Machine::boot_test_guest(ctx, *config, *working_set),
+        } => {
+            retire(shell);
+            Machine::boot_test_guest(ctx, *config, *working_set)
+        }
     }
 }
 
@@ -311,7 +340,7 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
                 crate::snapshot::format::read_state(&snapshot).map_err(|e| error_chain(&e))?;
             let staged_rootfs = stage_rootfs(&snapshot, &sandbox.dir)?;
             let in_place = match sandbox.machine.as_mut() {
-                Some(m) if !sandbox.hibernated => match m.rollback_in_place(&snapshot, state) {
+                Some(m) if !sandbox.hibernated => match m.load_in_place(&snapshot, state) {
                     Ok(done) => done,
                     Err(e) => {
                         // Half-restored: discard it and build a fresh machine below.

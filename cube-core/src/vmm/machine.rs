@@ -192,6 +192,25 @@ impl Machine {
         Ok(machine)
     }
 
+    /// A machine with no guest yet: VM, vCPUs and memslots over empty memory, ready for
+    /// [`Machine::load_in_place`]. A pooled supervisor builds one while it waits, so
+    /// creating a sandbox does not pay for VM creation.
+    pub fn shell(ctx: &Arc<KvmContext>, config: MachineConfig) -> Result<Machine, MachineError> {
+        let ram = ram_ranges(config.memory_bytes)?;
+        let memory = GuestMemory::anonymous(memory_layout(&ram)?)?;
+        Machine::assemble(
+            ctx,
+            config,
+            ram,
+            memory,
+            GuestKind::TestGuest {
+                working_set: WorkingSet::default(),
+            },
+            None,
+            |_, _| Ok(()),
+        )
+    }
+
     /// Restores the snapshot in `dir`: memory is the snapshot's memory file mapped
     /// private and copy-on-write, so this costs the same for any guest size.
     pub fn restore(ctx: &Arc<KvmContext>, dir: &Path) -> Result<Machine, MachineError> {
@@ -228,19 +247,16 @@ impl Machine {
         Ok(machine)
     }
 
-    /// Puts this machine back to the snapshot in `dir`, whose state `state` the caller
-    /// read with [`format::read_state`], without building a new VM: the
+    /// Loads the snapshot in `dir`, whose state `state` the caller read with
+    /// [`format::read_state`], into this machine without building a new VM (a rollback,
+    /// or a [`Machine::shell`] becoming a sandbox): the
     /// snapshot's memory file is mapped over guest memory at the same host addresses
     /// (the memslots stay), and vCPU and VM state are restored in place.
     ///
     /// Returns `Ok(false)` without touching anything when the snapshot's shape differs
     /// or the tracker cannot follow a remap (the caller then builds a new machine). On
     /// `Err` the machine may be half-restored and must be discarded.
-    pub fn rollback_in_place(
-        &mut self,
-        dir: &Path,
-        state: MachineState,
-    ) -> Result<bool, MachineError> {
+    pub fn load_in_place(&mut self, dir: &Path, state: MachineState) -> Result<bool, MachineError> {
         let start = std::time::Instant::now();
         // userfaultfd registrations do not survive a remap: only KVM's log does.
         if state.config != self.config
@@ -264,9 +280,9 @@ impl Machine {
         self.guest = state.guest;
         self.parent = Some(parent);
         self.carry = None;
-        tracing::debug!(elapsed = ?start.elapsed(), "rollback in place: restored");
+        tracing::debug!(elapsed = ?start.elapsed(), "load in place: restored");
         self.start()?;
-        tracing::debug!(elapsed = ?start.elapsed(), "rollback in place: guest running");
+        tracing::debug!(elapsed = ?start.elapsed(), "load in place: guest running");
         Ok(true)
     }
 
