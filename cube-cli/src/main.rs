@@ -120,17 +120,7 @@ impl CliError {
     }
 }
 
-/// Formats an error with its whole source chain.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut message = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        message.push_str(": ");
-        message.push_str(&s.to_string());
-        source = s.source();
-    }
-    message
-}
+pub use cube_core::error_report::chain;
 
 impl From<cube_core::SandboxError> for CliError {
     fn from(e: cube_core::SandboxError) -> Self {

@@ -302,24 +302,7 @@ impl GuestMemory {
     /// total size. The file must not be truncated while mapped (accesses would fault).
     pub fn restore_private(layout: MemoryLayout, memory_file: &Path) -> Result<Self, MemoryError> {
         check_host_page_size()?;
-        let open_err = |source| MemoryError::OpenFile {
-            path: memory_file.to_path_buf(),
-            source,
-        };
-        let file = File::open(memory_file).map_err(open_err)?;
-        let meta = file.metadata().map_err(open_err)?;
-        if !meta.is_file() {
-            return Err(MemoryError::NotRegularFile {
-                path: memory_file.to_path_buf(),
-            });
-        }
-        if meta.len() != layout.total_size() {
-            return Err(MemoryError::SizeMismatch {
-                path: memory_file.to_path_buf(),
-                expected: layout.total_size(),
-                actual: meta.len(),
-            });
-        }
+        let file = open_memory_file(memory_file, layout.total_size())?;
         let backing = MemoryBacking::PrivateFile {
             path: memory_file.to_path_buf(),
             file: Arc::new(file),
@@ -380,24 +363,7 @@ impl GuestMemory {
     /// Nothing may read or write guest memory during the call: no running vCPU, no
     /// device thread, no slice obtained from this memory or a clone of it.
     pub unsafe fn remap_private(&mut self, memory_file: &Path) -> Result<(), MemoryError> {
-        let open_err = |source| MemoryError::OpenFile {
-            path: memory_file.to_path_buf(),
-            source,
-        };
-        let file = File::open(memory_file).map_err(open_err)?;
-        let meta = file.metadata().map_err(open_err)?;
-        if !meta.is_file() {
-            return Err(MemoryError::NotRegularFile {
-                path: memory_file.to_path_buf(),
-            });
-        }
-        if meta.len() != self.layout.total_size() {
-            return Err(MemoryError::SizeMismatch {
-                path: memory_file.to_path_buf(),
-                expected: self.layout.total_size(),
-                actual: meta.len(),
-            });
-        }
+        let file = open_memory_file(memory_file, self.layout.total_size())?;
         for (index, region) in self.regions.iter().enumerate() {
             let offset = libc::off_t::try_from(region.file_offset)
                 .map_err(|_| MemoryError::TotalOverflow)?;
@@ -511,6 +477,29 @@ impl GuestMemory {
     pub(crate) fn is_zero_based(&self) -> bool {
         matches!(self.backing, MemoryBacking::Memfd(_))
     }
+}
+
+/// Opens a memory file to map, checking it is a regular file of `expected` bytes.
+fn open_memory_file(memory_file: &Path, expected: u64) -> Result<File, MemoryError> {
+    let open_err = |source| MemoryError::OpenFile {
+        path: memory_file.to_path_buf(),
+        source,
+    };
+    let file = File::open(memory_file).map_err(open_err)?;
+    let meta = file.metadata().map_err(open_err)?;
+    if !meta.is_file() {
+        return Err(MemoryError::NotRegularFile {
+            path: memory_file.to_path_buf(),
+        });
+    }
+    if meta.len() != expected {
+        return Err(MemoryError::SizeMismatch {
+            path: memory_file.to_path_buf(),
+            expected,
+            actual: meta.len(),
+        });
+    }
+    Ok(file)
 }
 
 fn page_size_nonzero() -> NonZeroUsize {

@@ -226,6 +226,7 @@ pub fn write_diff(
     durability: Durability,
 ) -> Result<DiffStats, MemoryFileError> {
     check_shape(mem, dirty)?;
+    let start = std::time::Instant::now();
     let clone_method = clone_file(parent, dest).map_err(|source| MemoryFileError::Clone {
         parent: parent.to_path_buf(),
         dest: dest.to_path_buf(),
@@ -253,7 +254,9 @@ pub fn write_diff(
             actual,
         });
     }
+    let cloned = start.elapsed();
     let stats = write_extents(&file, dest, mem, &dirty_extents(dirty))?;
+    tracing::debug!(?cloned, written = ?start.elapsed(), runs = stats.runs, "write_diff");
     if durability == Durability::Synced {
         sync(&file, dest)?;
     }

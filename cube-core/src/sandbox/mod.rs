@@ -89,7 +89,7 @@ pub struct Sandbox {
     id: String,
     dir: PathBuf,
     client: SupervisorClient,
-    store_root: PathBuf,
+    store: cube_storage::Store,
 }
 
 impl Sandbox {
@@ -148,7 +148,7 @@ impl Sandbox {
 
     /// Takes a snapshot (only dirty pages are written); the sandbox keeps running.
     pub fn snapshot(&mut self) -> Result<Snapshot, SandboxError> {
-        let store = cube_storage::Store::open(&self.store_root)?;
+        let store = &self.store;
         let id = cube_storage::Store::new_id("snap")?;
         let dest = store.snapshot_dir(&id)?;
         let staging = store.root().join("tmp").join(format!("{id}.staging"));
@@ -169,7 +169,7 @@ impl Sandbox {
     /// Puts memory, vCPUs, devices and rootfs back to `snapshot`, which this sandbox
     /// must own. The sandbox keeps its id.
     pub fn rollback(&mut self, snapshot: &str) -> Result<(), SandboxError> {
-        let store = cube_storage::Store::open(&self.store_root)?;
+        let store = &self.store;
         let dir = store.snapshot_dir(snapshot)?;
         let meta: SnapshotMeta = cube_storage::read_verified(
             &dir.join(metadata::SNAPSHOT_META),
@@ -236,8 +236,7 @@ impl Sandbox {
     /// directory and snapshots are removed.
     pub fn destroy(mut self) -> Result<(), SandboxError> {
         let result = self.call_ok(&Request::Destroy);
-        let store = cube_storage::Store::open(&self.store_root)?;
-        remove_sandbox_files(&store, &self.id, &self.dir)?;
+        remove_sandbox_files(&self.store, &self.id, &self.dir)?;
         result
     }
 }

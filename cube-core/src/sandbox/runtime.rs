@@ -236,7 +236,7 @@ impl Runtime {
                         source,
                     }
                 })?,
-                store_root: self.store.root().to_path_buf(),
+                store: self.store.clone(),
             };
             sandbox.call_ok(&Request::Adopt {
                 version: PROTOCOL_VERSION,
@@ -327,7 +327,7 @@ impl Runtime {
             id: id.to_string(),
             dir,
             client,
-            store_root: self.store.root().to_path_buf(),
+            store: self.store.clone(),
         })
     }
 

@@ -16,6 +16,7 @@ use super::protocol::{
     read_frame, write_frame, MachineStatus, ProtocolError, Request, Response, Source, StatusReport,
     MAX_FRAME, PROTOCOL_VERSION,
 };
+use crate::error_report::chain as error_chain;
 use crate::sandbox::metadata::{now_unix, SnapshotMeta, SNAPSHOT_META, SNAPSHOT_META_KIND};
 use crate::snapshot::durability::{boot_id, make_durable};
 use crate::snapshot::format::ROOTFS_FILE;
@@ -211,17 +212,6 @@ fn reply(writer: &mut BufWriter<UnixStream>, response: &Response) -> Result<(), 
     write_frame(writer, response)?;
     writer.flush()?;
     Ok(())
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut message = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        message.push_str(": ");
-        message.push_str(&s.to_string());
-        source = s.source();
-    }
-    message
 }
 
 fn start_machine(
