@@ -208,6 +208,11 @@ fn bench_quick_json_has_the_documented_shape() {
         }
         assert!(row["p50_ms"].as_f64() <= row["p95_ms"].as_f64());
     }
+    let sizes = v["create_vs_guest_size"].as_array().unwrap();
+    assert_eq!(sizes.len(), 2);
+    for row in sizes {
+        assert!(row["p50_ms"].as_f64().is_some_and(|x| x > 0.0));
+    }
     let snaps = v["snapshot_vs_dirty"].as_array().unwrap();
     assert!(snaps.len() >= 2);
     for row in snaps {

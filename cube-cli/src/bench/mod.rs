@@ -37,6 +37,14 @@ pub struct BenchArgs {
 }
 
 #[derive(Serialize)]
+struct SizeRow {
+    memory_mib: u64,
+    n: usize,
+    p50_ms: f64,
+    p95_ms: f64,
+}
+
+#[derive(Serialize)]
 struct CreateRow {
     concurrency: usize,
     n: usize,
@@ -78,6 +86,8 @@ struct Report {
     store_filesystem: String,
     reflink: bool,
     create_from_template: Vec<CreateRow>,
+    /// Create latency against guest size: restore maps memory lazily, so it is flat.
+    create_vs_guest_size: Vec<SizeRow>,
     snapshot_vs_dirty: Vec<SnapshotRow>,
     rollback_ms: f64,
     rollback_p95_ms: f64,
@@ -252,6 +262,37 @@ fn run_plan(
         });
     }
 
+    let mut size_rows = Vec::new();
+    for memory_mib in [256u64, 4096] {
+        progress(&format!("create from a {memory_mib} MiB template"));
+        let name = format!("{template}-{memory_mib}");
+        let shape = MachineConfig {
+            memory_bytes: memory_mib << 20,
+            ..machine
+        };
+        rt.build_test_template(&name, shape, WorkingSet::default(), 0)
+            .map_err(CliError::from)?;
+        let mut samples = Vec::new();
+        let result = (|| {
+            for _ in 0..plan.repeats {
+                rt.wait_pool_ready();
+                let (elapsed, sb) = timed(|| rt.create(&name, ephemeral()))?;
+                samples.push(elapsed);
+                let _ = sb.destroy();
+            }
+            Ok::<_, CliError>(())
+        })();
+        let _ = rt.remove_template(&name);
+        result?;
+        let (p50, p95) = percentiles_ms(&samples);
+        size_rows.push(SizeRow {
+            memory_mib,
+            n: samples.len(),
+            p50_ms: round2(p50),
+            p95_ms: round2(p95),
+        });
+    }
+
     // The test guest dirties pages above 64 MiB and below the MMIO hole: a small guest
     // gets its largest possible size instead of sizes it cannot hold.
     let dirty_area_mib = (machine
@@ -380,6 +421,7 @@ fn run_plan(
         store_filesystem: fs,
         reflink: cube_storage::supports_reflink(&store).unwrap_or(false),
         create_from_template: create_rows,
+        create_vs_guest_size: size_rows,
         snapshot_vs_dirty: snapshot_rows,
         rollback_ms: lifecycle.rollback.0,
         rollback_p95_ms: lifecycle.rollback.1,
@@ -525,6 +567,14 @@ fn print_markdown(r: &Report) {
         println!(
             "| {} | {} | {} | {} | {} |",
             row.concurrency, row.n, row.p50_ms, row.p95_ms, row.throughput_per_s
+        );
+    }
+    println!("\n## Create vs guest size\n");
+    println!("| Guest MiB | n | p50 ms | p95 ms |\n|---|---|---|---|");
+    for row in &r.create_vs_guest_size {
+        println!(
+            "| {} | {} | {} | {} |",
+            row.memory_mib, row.n, row.p50_ms, row.p95_ms
         );
     }
     println!("\n## Snapshot vs dirty size\n");
