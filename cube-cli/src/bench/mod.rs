@@ -562,39 +562,59 @@ fn print_markdown(r: &Report) {
         r.floor_kvm_vm_ms, r.floor_kvm_vm_p95_ms, r.floor_write_mib_per_s
     );
     println!("## Create sandbox from template\n");
-    println!("| Concurrency | n | p50 ms | p95 ms | Throughput /s |\n|---|---|---|---|---|");
-    for row in &r.create_from_template {
-        println!(
-            "| {} | {} | {} | {} | {} |",
-            row.concurrency, row.n, row.p50_ms, row.p95_ms, row.throughput_per_s
-        );
-    }
-    println!("\n## Create vs guest size\n");
-    println!("| Guest MiB | n | p50 ms | p95 ms |\n|---|---|---|---|");
-    for row in &r.create_vs_guest_size {
-        println!(
-            "| {} | {} | {} | {} |",
-            row.memory_mib, row.n, row.p50_ms, row.p95_ms
-        );
-    }
-    println!("\n## Snapshot vs dirty size\n");
-    println!(
-        "| Dirty MiB | Dirty pages | Snapshot ms | Create from snapshot ms |\n|---|---|---|---|"
+    table(
+        &["Concurrency", "n", "p50 ms", "p95 ms", "Throughput /s"],
+        r.create_from_template.iter().map(|row| {
+            vec![
+                row.concurrency.to_string(),
+                row.n.to_string(),
+                row.p50_ms.to_string(),
+                row.p95_ms.to_string(),
+                row.throughput_per_s.to_string(),
+            ]
+        }),
     );
-    for row in &r.snapshot_vs_dirty {
-        println!(
-            "| {} | {} | {} | {} |",
-            row.dirty_mib, row.dirty_pages, row.snapshot_ms, row.create_from_snapshot_ms
-        );
-    }
+    println!("\n## Create vs guest size\n");
+    table(
+        &["Guest MiB", "n", "p50 ms", "p95 ms"],
+        r.create_vs_guest_size.iter().map(|row| {
+            vec![
+                row.memory_mib.to_string(),
+                row.n.to_string(),
+                row.p50_ms.to_string(),
+                row.p95_ms.to_string(),
+            ]
+        }),
+    );
+    println!("\n## Snapshot vs dirty size\n");
+    table(
+        &[
+            "Dirty MiB",
+            "Dirty pages",
+            "Snapshot ms",
+            "Create from snapshot ms",
+        ],
+        r.snapshot_vs_dirty.iter().map(|row| {
+            vec![
+                row.dirty_mib.to_string(),
+                row.dirty_pages.to_string(),
+                row.snapshot_ms.to_string(),
+                row.create_from_snapshot_ms.to_string(),
+            ]
+        }),
+    );
     println!("\n## Clone\n");
-    println!("| n | Concurrency | Wall ms | Per clone ms |\n|---|---|---|---|");
-    for row in &r.clone {
-        println!(
-            "| {} | {} | {} | {} |",
-            row.n, row.concurrency, row.wall_ms, row.per_clone_ms
-        );
-    }
+    table(
+        &["n", "Concurrency", "Wall ms", "Per clone ms"],
+        r.clone.iter().map(|row| {
+            vec![
+                row.n.to_string(),
+                row.concurrency.to_string(),
+                row.wall_ms.to_string(),
+                row.per_clone_ms.to_string(),
+            ]
+        }),
+    );
     println!("\n## Lifecycle (p50 / p95 ms)\n");
     println!("| Operation | p50 | p95 |\n|---|---|---|");
     println!("| rollback | {} | {} |", r.rollback_ms, r.rollback_p95_ms);
@@ -618,5 +638,14 @@ fn print_markdown(r: &Report) {
             t.limit,
             if t.met { "yes" } else { "no" }
         );
+    }
+}
+
+/// Prints a markdown table.
+fn table(headers: &[&str], rows: impl Iterator<Item = Vec<String>>) {
+    println!("| {} |", headers.join(" | "));
+    println!("|{}", "---|".repeat(headers.len()));
+    for row in rows {
+        println!("| {} |", row.join(" | "));
     }
 }

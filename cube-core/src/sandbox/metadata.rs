@@ -7,12 +7,16 @@ use crate::vmm::machine::SnapshotStats;
 
 /// File holding a sandbox's [`SandboxMeta`].
 pub const SANDBOX_META: &str = "sandbox.meta";
+/// Envelope kind of [`SANDBOX_META`].
+pub const SANDBOX_META_KIND: &str = "sandbox";
 /// File holding a snapshot's [`SnapshotMeta`].
 pub const SNAPSHOT_META: &str = "snapshot.meta";
 /// Envelope kind of [`SNAPSHOT_META`].
 pub const SNAPSHOT_META_KIND: &str = "snapshot";
 /// File holding a template's [`TemplateMeta`].
 pub const TEMPLATE_META: &str = "template.meta";
+/// Envelope kind of [`TEMPLATE_META`].
+pub const TEMPLATE_META_KIND: &str = "template";
 
 /// The isolation engine behind a sandbox.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -4,7 +4,10 @@ use std::path::{Path, PathBuf};
 
 use cube_storage::Store;
 
-use super::metadata::{self, Engine, SandboxMeta, TemplateMeta, SANDBOX_META, TEMPLATE_META};
+use super::metadata::{
+    self, Engine, SandboxMeta, TemplateMeta, SANDBOX_META, SANDBOX_META_KIND, TEMPLATE_META,
+    TEMPLATE_META_KIND,
+};
 use super::{remove_sandbox_files, Sandbox, SandboxError};
 use crate::snapshot::format::ROOTFS_FILE;
 use crate::snapshot::MachineConfig;
@@ -131,7 +134,7 @@ impl Runtime {
                 rootfs_bytes,
                 created_unix: metadata::now_unix(),
             };
-            cube_storage::write_atomic(&dest.join(TEMPLATE_META), "template", &meta)?;
+            cube_storage::write_atomic(&dest.join(TEMPLATE_META), TEMPLATE_META_KIND, &meta)?;
             Ok(meta)
         })();
         let destroyed = builder.destroy();
@@ -142,14 +145,13 @@ impl Runtime {
 
     /// Templates in the store.
     pub fn templates(&self) -> Result<Vec<TemplateMeta>, SandboxError> {
-        let mut out = Vec::new();
-        for name in self.store.list_templates()? {
-            let dir = self.store.template_dir(&name)?;
-            if let Ok(meta) = cube_storage::read_verified(&dir.join(TEMPLATE_META), "template") {
-                out.push(meta);
-            }
-        }
-        Ok(out)
+        let names = self.store.list_templates()?;
+        self.read_records(
+            names,
+            |n| self.store.template_dir(n),
+            TEMPLATE_META,
+            TEMPLATE_META_KIND,
+        )
     }
 
     /// Removes a template (running sandboxes keep their mappings of it).
@@ -225,7 +227,7 @@ impl Runtime {
                 created_unix: metadata::now_unix(),
                 ephemeral: options.ephemeral,
             };
-            cube_storage::write_atomic(&dir.join(SANDBOX_META), "sandbox", &meta)?;
+            cube_storage::write_atomic(&dir.join(SANDBOX_META), SANDBOX_META_KIND, &meta)?;
             let supervisor = self.pool.take()?;
             let mut sandbox = Sandbox {
                 id: id.clone(),
@@ -333,10 +335,27 @@ impl Runtime {
 
     /// Sandboxes recorded in the store (reachable or not).
     pub fn list(&self) -> Result<Vec<SandboxMeta>, SandboxError> {
+        let ids = self.store.list_sandboxes()?;
+        self.read_records(
+            ids,
+            |id| self.store.sandbox_dir(id),
+            SANDBOX_META,
+            SANDBOX_META_KIND,
+        )
+    }
+
+    /// The records of `names` whose metadata reads back intact; entries being created,
+    /// removed or damaged are skipped.
+    fn read_records<T: serde::de::DeserializeOwned>(
+        &self,
+        names: Vec<String>,
+        dir: impl Fn(&str) -> Result<PathBuf, cube_storage::StoreError>,
+        file: &str,
+        kind: &str,
+    ) -> Result<Vec<T>, SandboxError> {
         let mut out = Vec::new();
-        for id in self.store.list_sandboxes()? {
-            let dir = self.store.sandbox_dir(&id)?;
-            if let Ok(meta) = cube_storage::read_verified(&dir.join(SANDBOX_META), "sandbox") {
+        for name in names {
+            if let Ok(meta) = cube_storage::read_verified(&dir(&name)?.join(file), kind) {
                 out.push(meta);
             }
         }
