@@ -141,6 +141,8 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
             density: 50,
         }
     };
+    let template = format!("bench-{}", std::process::id());
+    remove_on_interrupt(&root, &template)?;
     let max_concurrency = plan.create.iter().map(|c| c.0).max().unwrap_or(1);
     let rt = Runtime::open(RuntimeConfig {
         store_root: root.clone(),
@@ -148,7 +150,6 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
         supervisor: None,
     })
     .map_err(CliError::from)?;
-    let template = format!("bench-{}", std::process::id());
     let machine = MachineConfig {
         vcpus: args.vcpus,
         memory_bytes: args.memory_mib << 20,
@@ -166,6 +167,42 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
     } else {
         print_markdown(&report);
     }
+    Ok(())
+}
+
+/// On Ctrl-C or SIGTERM, removes the templates this run made (`prefix` and
+/// `prefix-*`) and exits 130. Its sandboxes are ephemeral: they end with this process.
+///
+/// Must run before any other thread starts, so that every thread inherits the blocked
+/// signals and only the watcher receives them.
+fn remove_on_interrupt(root: &Path, prefix: &str) -> Result<(), CliError> {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut signals = SigSet::empty();
+    signals.add(Signal::SIGINT);
+    signals.add(Signal::SIGTERM);
+    signals
+        .thread_block()
+        .map_err(|e| CliError::failed(format!("blocking signals: {e}")))?;
+    let templates = root.join("templates");
+    let prefix = prefix.to_string();
+    std::thread::Builder::new()
+        .name("interrupt".into())
+        .spawn(move || {
+            if signals.wait().is_err() {
+                return;
+            }
+            eprintln!("bench: interrupted, removing its templates");
+            if let Ok(entries) = std::fs::read_dir(&templates) {
+                for entry in entries.flatten() {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    if name == prefix || name.starts_with(&format!("{prefix}-")) {
+                        let _ = std::fs::remove_dir_all(entry.path());
+                    }
+                }
+            }
+            std::process::exit(130);
+        })
+        .map_err(|e| CliError::failed(format!("starting the interrupt watcher: {e}")))?;
     Ok(())
 }
 
