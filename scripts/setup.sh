@@ -13,7 +13,7 @@ fi
 echo "setup: system packages"
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for pkg in xfsprogs util-linux gcc make pkg-config; do
+for pkg in xfsprogs util-linux gcc make pkg-config lz4 xz-utils zstd; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ]; then
@@ -34,6 +34,11 @@ echo "setup: store"
 # The store must reflink for fast snapshots; on ext4 (as here) it gets an XFS image
 # on a loop device. `cube store setup` is a no-op where the store already reflinks.
 cube store setup --size "${CUBE_STORE_SIZE:-16G}"
+
+echo "setup: guest kernel"
+# Debian's cloud kernel, for booting Linux in Cube's VMM (`cube debug boot`).
+[ "${#need[@]}" -gt 0 ] || apt-get update -qq
+bash scripts/fetch-kernel.sh "${CUBE_HOME:-/var/lib/cube}/kernels/debian-cloud"
 
 if [ ! -e /dev/kvm ]; then
     echo "setup: note: /dev/kvm is missing: the vm engine is unavailable and KVM tests will skip" >&2

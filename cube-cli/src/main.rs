@@ -1,6 +1,7 @@
 //! `cube`: create and drive sandboxes, check the host, and benchmark.
 
 mod bench;
+mod debug_cmd;
 mod doctor;
 mod sandbox_cmd;
 mod store_cmd;
@@ -44,6 +45,9 @@ enum Command {
     /// Manage sandboxes that live across invocations.
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCommand),
+    /// Look inside the VMM.
+    #[command(subcommand)]
+    Debug(debug_cmd::DebugCommand),
 }
 
 fn main() -> ExitCode {
@@ -65,6 +69,7 @@ fn main() -> ExitCode {
         Command::Store(cmd) => store_cmd::run(cli.store.as_deref(), cmd),
         Command::Template(cmd) => sandbox_cmd::run_template(cli.store.as_deref(), cmd),
         Command::Sandbox(cmd) => sandbox_cmd::run_sandbox(cli.store.as_deref(), cmd),
+        Command::Debug(cmd) => debug_cmd::run(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

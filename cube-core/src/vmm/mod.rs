@@ -4,5 +4,7 @@
 pub mod control_device;
 pub mod dirty_tracking;
 pub mod layout;
+pub mod linux_boot;
 pub mod machine;
+pub mod serial;
 pub mod vcpu_runner;

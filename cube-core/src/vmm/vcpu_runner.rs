@@ -110,6 +110,14 @@ fn install_kick_handler() {
     });
 }
 
+/// A device bus for port I/O, called on the vCPU thread that made the access.
+pub trait PortIo: Send + Sync {
+    /// Fills `data` with what port `port` returns.
+    fn read(&self, port: u16, data: &mut [u8]);
+    /// Delivers `data` written to port `port`.
+    fn write(&self, port: u16, data: &[u8]);
+}
+
 /// The controller's end of one vCPU thread.
 pub struct VcpuHandle {
     index: u8,
@@ -121,6 +129,15 @@ pub struct VcpuHandle {
 impl VcpuHandle {
     /// Starts a thread for `vcpu`, parked until [`VcpuHandle::resume`].
     pub fn spawn(vcpu: Vcpu) -> Result<VcpuHandle, VcpuRunnerError> {
+        Self::spawn_with_ports(vcpu, None)
+    }
+
+    /// Like [`VcpuHandle::spawn`], with port I/O going to `ports` (where `None`, reads
+    /// return all ones and writes are dropped, as on an empty bus).
+    pub fn spawn_with_ports(
+        vcpu: Vcpu,
+        ports: Option<Arc<dyn PortIo>>,
+    ) -> Result<VcpuHandle, VcpuRunnerError> {
         install_kick_handler();
         let index = vcpu.index();
         let shared = Arc::new(Shared {
@@ -137,7 +154,7 @@ impl VcpuHandle {
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
             .stack_size(256 << 10)
-            .spawn(move || run_vcpu(vcpu, &thread_shared))
+            .spawn(move || run_vcpu(vcpu, &thread_shared, ports.as_deref()))
             .map_err(|e| VcpuRunnerError::Spawn(index, e))?;
         let pthread = std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread);
         let handle = VcpuHandle {
@@ -277,7 +294,7 @@ fn set_immediate_exit(run: *mut kvm_run, value: u8) {
     unsafe { std::ptr::write_volatile(&mut (*run).immediate_exit, value) };
 }
 
-fn run_vcpu(mut vcpu: Vcpu, shared: &Shared) -> Vcpu {
+fn run_vcpu(mut vcpu: Vcpu, shared: &Shared, ports: Option<&dyn PortIo>) -> Vcpu {
     let run: *mut kvm_run = vcpu.fd_mut().get_kvm_run();
     KVM_RUN.with(|r| r.set(run));
     // An MMIO or PIO exit is only complete once KVM_RUN is entered again; a vCPU saved
@@ -329,17 +346,41 @@ fn run_vcpu(mut vcpu: Vcpu, shared: &Shared) -> Vcpu {
                 exit_pending = true;
                 Outcome::Continue
             }
-            Ok(VcpuExit::IoIn(_, data)) => {
-                data.fill(0xff);
+            Ok(VcpuExit::IoIn(port, data)) => {
+                match ports {
+                    Some(p) => p.read(port, data),
+                    None => data.fill(0xff),
+                }
                 exit_pending = true;
                 Outcome::Continue
             }
-            Ok(VcpuExit::IoOut(..)) => {
+            Ok(VcpuExit::IoOut(port, data)) => {
+                if let Some(p) = ports {
+                    p.write(port, data);
+                }
                 exit_pending = true;
                 Outcome::Continue
             }
+            Ok(VcpuExit::Shutdown) => {
+                Outcome::Fatal("guest shut down (triple fault or reset)".into())
+            }
+            Ok(VcpuExit::SystemEvent(kind, _)) => Outcome::Fatal(format!(
+                "guest requested a system event ({kind}): reset or power-off"
+            )),
             Ok(VcpuExit::Intr) => Outcome::Continue,
             Ok(VcpuExit::Hlt) => Outcome::Idle,
+            Ok(VcpuExit::InternalError) => {
+                // SAFETY: after KVM_EXIT_INTERNAL_ERROR KVM filled the `internal` member
+                // of the kvm_run union; `run` is this thread's live mapping.
+                let suberror = unsafe { (*run).__bindgen_anon_1.internal.suberror };
+                Outcome::Fatal(if suberror == kvm_bindings::KVM_INTERNAL_ERROR_EMULATION {
+                    "KVM could not emulate a guest instruction (on PVM hosts guest kernel \
+                     code runs emulated: a stock kernel stops here, a PVM-enabled one does not)"
+                        .to_string()
+                } else {
+                    format!("KVM internal error (suberror {suberror})")
+                })
+            }
             Ok(other) => Outcome::Fatal(format!("unexpected exit {other:?}")),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
                 set_immediate_exit(run, 0);

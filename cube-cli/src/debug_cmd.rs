@@ -1,0 +1,151 @@
+//! `cube debug`: tools for looking inside the VMM.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::Subcommand;
+use cube_core::vmm::linux_boot::{self, LinuxBootConfig};
+use cube_core::vstate::KvmContext;
+
+use crate::{chain, CliError};
+
+#[derive(Subcommand)]
+pub enum DebugCommand {
+    /// Boot a Linux kernel in Cube's VMM and stream its serial console; exit 0 once the
+    /// pattern appears.
+    ///
+    /// Example: cube debug boot --kernel vmlinux --until 'Linux version' --timeout 120
+    Boot {
+        /// An ELF vmlinux with a PVH entry point.
+        #[arg(long)]
+        kernel: PathBuf,
+        /// An initramfs.
+        #[arg(long)]
+        initrd: Option<PathBuf>,
+        /// Kernel command line.
+        #[arg(
+            long,
+            default_value = "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nokaslr"
+        )]
+        cmdline: String,
+        /// Regular expression that ends the boot successfully when the console prints it.
+        #[arg(long)]
+        until: Option<String>,
+        /// Seconds to wait for the pattern (or, without one, to stream).
+        #[arg(long, default_value_t = 120)]
+        timeout: u64,
+        /// Guest memory in MiB.
+        #[arg(long, default_value_t = 512)]
+        memory_mib: u64,
+        /// Also write the console to this file.
+        #[arg(long)]
+        log: Option<PathBuf>,
+    },
+}
+
+/// The console: echoed to stdout (and a log), kept to be searched.
+struct Console {
+    text: Mutex<String>,
+    changed: Condvar,
+    log: Mutex<Option<std::fs::File>>,
+}
+
+struct ConsoleWriter(Arc<Console>);
+
+impl Write for ConsoleWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut out = std::io::stdout();
+        out.write_all(buf)?;
+        out.flush()?;
+        if let Some(log) = self
+            .0
+            .log
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_mut()
+        {
+            log.write_all(buf)?;
+        }
+        self.0
+            .text
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push_str(&String::from_utf8_lossy(buf));
+        self.0.changed.notify_all();
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+pub fn run(command: DebugCommand) -> Result<(), CliError> {
+    let DebugCommand::Boot {
+        kernel,
+        initrd,
+        cmdline,
+        until,
+        timeout,
+        memory_mib,
+        log,
+    } = command;
+    let pattern = until
+        .as_deref()
+        .map(regex::Regex::new)
+        .transpose()
+        .map_err(|e| CliError::failed(format!("--until is not a valid regular expression: {e}")))?;
+    let log = log
+        .map(std::fs::File::create)
+        .transpose()
+        .map_err(|e| CliError::failed(format!("creating the log: {e}")))?;
+    let ctx = Arc::new(KvmContext::open().map_err(|e| {
+        CliError::unsupported(chain(&e)).hint("`cube doctor` shows what this host can run")
+    })?);
+    let console = Arc::new(Console {
+        text: Mutex::new(String::new()),
+        changed: Condvar::new(),
+        log: Mutex::new(log),
+    });
+    let config = LinuxBootConfig {
+        kernel,
+        initrd,
+        cmdline,
+        memory_bytes: memory_mib << 20,
+    };
+    let vm = linux_boot::boot(&ctx, &config, Box::new(ConsoleWriter(Arc::clone(&console))))
+        .map_err(|e| CliError::failed(chain(&e)))?;
+    let deadline = Instant::now() + Duration::from_secs(timeout);
+    let mut text = console.text.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        if let Some(p) = &pattern {
+            if p.is_match(&text) {
+                eprintln!("\ncube: console matched {:?}", p.as_str());
+                return Ok(());
+            }
+        }
+        if let Some(reason) = vm.fatal() {
+            return Err(CliError::failed(format!(
+                "VM error before the pattern appeared: {reason}"
+            )));
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return match pattern {
+                Some(p) => Err(CliError::failed(format!(
+                    "timed out after {timeout} s without {:?} on the console",
+                    p.as_str()
+                ))),
+                None => Ok(()),
+            };
+        }
+        let wait = (deadline - now).min(Duration::from_millis(200));
+        text = console
+            .changed
+            .wait_timeout(text, wait)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+    }
+}

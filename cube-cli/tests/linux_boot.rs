@@ -1,0 +1,107 @@
+//! Debian's cloud kernel booted in Cube's VMM: the serial console shows the version
+//! banner and the e820 map Cube handed over, which proves the PVH entry point, the boot
+//! parameters, the initial CPU state and the serial device.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+/// The kernel `scripts/fetch-kernel.sh` unpacks into the store (or `$CUBE_KERNEL`).
+fn kernel() -> Option<PathBuf> {
+    let path = match std::env::var_os("CUBE_KERNEL") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            PathBuf::from(std::env::var_os("CUBE_HOME").unwrap_or_else(|| "/var/lib/cube".into()))
+                .join("kernels/debian-cloud/vmlinux")
+        }
+    };
+    if !std::path::Path::new("/dev/kvm").exists() {
+        eprintln!("skipped: /dev/kvm not present");
+        return None;
+    }
+    if !path.is_file() {
+        eprintln!(
+            "skipped: no guest kernel at {} (scripts/fetch-kernel.sh fetches one)",
+            path.display()
+        );
+        return None;
+    }
+    Some(path)
+}
+
+#[test]
+fn debian_kernel_prints_its_banner_and_our_memory_map() {
+    let Some(kernel) = kernel() else {
+        return;
+    };
+    // 512 MiB: Cube's map is conventional memory below 640 KiB plus 1 MiB..512 MiB.
+    let out = Command::new(env!("CARGO_BIN_EXE_cube"))
+        .args([
+            "debug",
+            "boot",
+            "--memory-mib",
+            "512",
+            "--timeout",
+            "180",
+            "--until",
+        ])
+        .arg(r"BIOS-e820: \[mem 0x0000000000100000-0x000000001fffffff\] usable")
+        .arg("--kernel")
+        .arg(&kernel)
+        .output()
+        .unwrap();
+    let console = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "boot failed: {}\nconsole:\n{console}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(console.contains("Linux version 6."), "{console}");
+    assert!(
+        console.contains("BIOS-e820: [mem 0x0000000000000000-0x000000000009fbff] usable"),
+        "{console}"
+    );
+    assert!(console.contains("Command line: console=ttyS0"), "{console}");
+}
+
+#[test]
+fn a_missing_pattern_times_out_with_a_clear_error() {
+    let Some(kernel) = kernel() else {
+        return;
+    };
+    let out = Command::new(env!("CARGO_BIN_EXE_cube"))
+        .args([
+            "debug",
+            "boot",
+            "--memory-mib",
+            "256",
+            "--timeout",
+            "3",
+            "--until",
+            "no such line ever",
+        ])
+        .arg("--kernel")
+        .arg(&kernel)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("timed out after 3 s"), "{stderr}");
+}
+
+#[test]
+fn a_kernel_that_is_not_an_elf_is_refused() {
+    if !std::path::Path::new("/dev/kvm").exists() {
+        eprintln!("skipped: /dev/kvm not present");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join("vmlinux");
+    std::fs::write(&fake, b"not a kernel").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cube"))
+        .args(["debug", "boot", "--timeout", "5", "--kernel"])
+        .arg(&fake)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Loading kernel"));
+}

@@ -1,0 +1,309 @@
+//! Booting a Linux kernel through its PVH entry point: the ELF `vmlinux` is loaded with
+//! linux-loader, the boot information (memory map, command line, initrd) goes into an
+//! `hvm_start_info`, and the boot vCPU starts in 32-bit protected mode at the entry
+//! the kernel's Xen ELF note names.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use cube_mem::{GuestMemory, MemoryLayout};
+use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
+use linux_loader::cmdline::Cmdline;
+use linux_loader::configurator::pvh::PvhBootConfigurator;
+use linux_loader::configurator::{BootConfigurator, BootParams};
+use linux_loader::loader::elf::start_info::{
+    hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info,
+};
+use linux_loader::loader::elf::{Elf, PvhBootCapability};
+use linux_loader::loader::KernelLoader;
+use vm_memory::{Bytes, GuestAddress};
+
+use super::layout::ram_ranges;
+use super::serial::LegacyPorts;
+use super::vcpu_runner::{PortIo, VcpuHandle, VcpuRunnerError};
+use crate::vstate::vcpu::Vcpu;
+use crate::vstate::vm::{Vm, VmConfig};
+use crate::vstate::KvmContext;
+
+/// Where the kernel may load itself (1 MiB and up).
+const HIMEM_START: u64 = 0x10_0000;
+/// The `hvm_start_info` structure.
+const START_INFO_ADDR: u64 = 0x6000;
+/// The module list (the initrd).
+const MODLIST_ADDR: u64 = 0x6800;
+/// The memory map.
+const MEMMAP_ADDR: u64 = 0x7000;
+/// The kernel command line.
+const CMDLINE_ADDR: u64 = 0x2_0000;
+/// Longest command line accepted.
+const CMDLINE_MAX: usize = 4096;
+/// End of conventional memory below 1 MiB (start of the EBDA).
+const EBDA_START: u64 = 0x9_fc00;
+/// `XEN_HVM_START_MAGIC_VALUE`.
+const PVH_MAGIC: u32 = 0x336e_c578;
+/// E820 type of usable RAM.
+const E820_RAM: u32 = 1;
+
+/// Why a kernel could not be booted.
+#[derive(Debug, thiserror::Error)]
+pub enum BootError {
+    /// The kernel file cannot be opened.
+    #[error("Opening kernel {0}")]
+    OpenKernel(PathBuf, #[source] std::io::Error),
+    /// The kernel is not an ELF image linux-loader accepts.
+    #[error("Loading kernel {0}: {1:?}")]
+    LoadKernel(PathBuf, linux_loader::loader::Error),
+    /// The kernel has no PVH entry point.
+    #[error("Kernel {0} has no PVH entry point (an ELF vmlinux built with CONFIG_PVH is needed)")]
+    NoPvhEntry(PathBuf),
+    /// The initrd cannot be read or does not fit.
+    #[error("Initrd {0}: {1}")]
+    Initrd(PathBuf, String),
+    /// The command line is invalid.
+    #[error("Kernel command line: {0}")]
+    Cmdline(String),
+    /// Writing boot structures into guest memory failed.
+    #[error("Writing boot information: {0}")]
+    BootParams(String),
+    /// Guest memory.
+    #[error("Guest memory")]
+    Memory(#[from] cube_mem::MemoryError),
+    /// The memory size cannot be laid out.
+    #[error("Guest memory layout")]
+    Layout(#[from] super::layout::LayoutError),
+    /// KVM VM.
+    #[error("KVM VM")]
+    Vm(#[from] crate::vstate::vm::VmError),
+    /// KVM vCPU.
+    #[error("KVM vCPU")]
+    Vcpu(#[from] crate::vstate::vcpu::VcpuError),
+    /// vCPU thread.
+    #[error("vCPU thread")]
+    Runner(#[from] VcpuRunnerError),
+}
+
+/// What to boot.
+#[derive(Clone, Debug)]
+pub struct LinuxBootConfig {
+    /// An ELF `vmlinux` with a PVH entry.
+    pub kernel: PathBuf,
+    /// An initramfs, if any.
+    pub initrd: Option<PathBuf>,
+    /// The kernel command line.
+    pub cmdline: String,
+    /// Guest RAM in bytes.
+    pub memory_bytes: u64,
+}
+
+/// A booting (or booted) Linux guest. Field order is drop order.
+pub struct LinuxVm {
+    vcpus: Vec<VcpuHandle>,
+    _vm: Vm,
+    _memory: GuestMemory,
+}
+
+impl LinuxVm {
+    /// Why the guest stopped for good, if it did (triple fault, power-off, KVM error).
+    pub fn fatal(&self) -> Option<String> {
+        self.vcpus.iter().find_map(|v| v.fatal())
+    }
+}
+
+/// Boots `config` with one vCPU; the serial console goes to `console`.
+pub fn boot(
+    ctx: &Arc<KvmContext>,
+    config: &LinuxBootConfig,
+    console: Box<dyn Write + Send>,
+) -> Result<LinuxVm, BootError> {
+    let ram = ram_ranges(config.memory_bytes)?;
+    let regions: Vec<(GuestAddress, usize)> = ram
+        .iter()
+        .map(|r| (GuestAddress(r.guest_addr), r.size as usize))
+        .collect();
+    let memory = GuestMemory::anonymous(MemoryLayout::new(&regions)?)?;
+    let vm = Vm::new(
+        ctx,
+        &VmConfig {
+            vcpus: 1,
+            irqchip: true,
+        },
+    )?;
+    for region in memory.regions() {
+        // SAFETY: `memory` lives in the returned LinuxVm, dropped after the VM.
+        unsafe {
+            vm.register_memory_slot(
+                region.slot,
+                region.guest_addr.0,
+                region.host_addr,
+                region.size as u64,
+                false,
+            )?;
+        }
+    }
+    let entry = load_kernel(&memory, &config.kernel)?;
+    let mut modules = Vec::new();
+    if let Some(initrd) = &config.initrd {
+        modules.push(load_initrd(&memory, initrd, ram[0].size)?);
+    }
+    write_start_info(&memory, &ram, &config.cmdline, &modules)?;
+
+    let vcpu = Vcpu::new(&vm, 0)?;
+    vcpu.configure_cpuid()?;
+    let (regs, mut sregs) = pvh_registers(entry);
+    // Keep KVM's reset APIC base (enabled, BSP): the kernel needs its local APIC.
+    sregs.apic_base = vcpu
+        .fd()
+        .get_sregs()
+        .map_err(|e| BootError::BootParams(format!("reading initial sregs: {e}")))?
+        .apic_base;
+    vcpu.set_initial_registers(&regs, &sregs)?;
+    let ports: Arc<dyn PortIo> = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
+    let handle = VcpuHandle::spawn_with_ports(vcpu, Some(ports))?;
+    handle.resume()?;
+    Ok(LinuxVm {
+        vcpus: vec![handle],
+        _vm: vm,
+        _memory: memory,
+    })
+}
+
+fn load_kernel(memory: &GuestMemory, path: &Path) -> Result<GuestAddress, BootError> {
+    let mut file =
+        std::fs::File::open(path).map_err(|e| BootError::OpenKernel(path.to_path_buf(), e))?;
+    let loaded = Elf::load(
+        memory.inner(),
+        None,
+        &mut file,
+        Some(GuestAddress(HIMEM_START)),
+    )
+    .map_err(|e| BootError::LoadKernel(path.to_path_buf(), e))?;
+    match loaded.pvh_boot_cap {
+        PvhBootCapability::PvhEntryPresent(entry) => Ok(entry),
+        _ => Err(BootError::NoPvhEntry(path.to_path_buf())),
+    }
+}
+
+/// Puts the initrd at the top of low RAM, page aligned, and returns its module entry.
+fn load_initrd(
+    memory: &GuestMemory,
+    path: &Path,
+    low_ram: u64,
+) -> Result<hvm_modlist_entry, BootError> {
+    let err = |m: String| BootError::Initrd(path.to_path_buf(), m);
+    let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
+    let size = bytes.len() as u64;
+    let addr = low_ram
+        .checked_sub(size)
+        .map(|a| a & !0xfff)
+        .filter(|a| *a >= HIMEM_START + (64 << 20))
+        .ok_or_else(|| err(format!("{size} bytes do not fit in guest memory")))?;
+    memory
+        .inner()
+        .write_slice(&bytes, GuestAddress(addr))
+        .map_err(|e| err(e.to_string()))?;
+    Ok(hvm_modlist_entry {
+        paddr: addr,
+        size,
+        ..Default::default()
+    })
+}
+
+fn write_start_info(
+    memory: &GuestMemory,
+    ram: &[super::layout::RamRange],
+    cmdline: &str,
+    modules: &[hvm_modlist_entry],
+) -> Result<(), BootError> {
+    let mut line = Cmdline::new(CMDLINE_MAX).map_err(|e| BootError::Cmdline(e.to_string()))?;
+    line.insert_str(cmdline)
+        .map_err(|e| BootError::Cmdline(e.to_string()))?;
+    linux_loader::loader::load_cmdline(memory.inner(), GuestAddress(CMDLINE_ADDR), &line)
+        .map_err(|e| BootError::Cmdline(e.to_string()))?;
+
+    // Conventional memory below the EBDA, then every RAM range from 1 MiB up.
+    let mut memmap = vec![hvm_memmap_table_entry {
+        addr: 0,
+        size: EBDA_START,
+        type_: E820_RAM,
+        ..Default::default()
+    }];
+    for r in ram {
+        let start = r.guest_addr.max(HIMEM_START);
+        let end = r.guest_addr + r.size;
+        if end > start {
+            memmap.push(hvm_memmap_table_entry {
+                addr: start,
+                size: end - start,
+                type_: E820_RAM,
+                ..Default::default()
+            });
+        }
+    }
+    let start_info = hvm_start_info {
+        magic: PVH_MAGIC,
+        version: 1,
+        cmdline_paddr: CMDLINE_ADDR,
+        memmap_paddr: MEMMAP_ADDR,
+        memmap_entries: memmap.len() as u32,
+        nr_modules: modules.len() as u32,
+        modlist_paddr: if modules.is_empty() { 0 } else { MODLIST_ADDR },
+        ..Default::default()
+    };
+    let mut params = BootParams::new(&start_info, GuestAddress(START_INFO_ADDR));
+    params.set_sections(&memmap, GuestAddress(MEMMAP_ADDR));
+    if !modules.is_empty() {
+        params.set_modules(modules, GuestAddress(MODLIST_ADDR));
+    }
+    PvhBootConfigurator::write_bootparams(&params, memory.inner())
+        .map_err(|e| BootError::BootParams(format!("{e:?}")))
+}
+
+/// The PVH boot ABI: 32-bit protected mode, flat segments, paging off, `ebx` pointing
+/// at the start info.
+fn pvh_registers(entry: GuestAddress) -> (kvm_regs, kvm_sregs) {
+    let flat = |selector: u16, type_: u8| kvm_segment {
+        base: 0,
+        limit: 0xffff_ffff,
+        selector,
+        type_,
+        present: 1,
+        dpl: 0,
+        db: 1,
+        s: 1,
+        l: 0,
+        g: 1,
+        avl: 0,
+        unusable: 0,
+        padding: 0,
+    };
+    let data = flat(0x18, 0x3);
+    let sregs = kvm_sregs {
+        cs: flat(0x10, 0xb),
+        ds: data,
+        es: data,
+        fs: data,
+        gs: data,
+        ss: data,
+        tr: kvm_segment {
+            limit: 0x67,
+            type_: 0xb,
+            present: 1,
+            ..Default::default()
+        },
+        ldt: kvm_segment {
+            unusable: 1,
+            ..Default::default()
+        },
+        // PE | ET
+        cr0: 0x11,
+        ..Default::default()
+    };
+    let regs = kvm_regs {
+        rip: entry.0,
+        rbx: START_INFO_ADDR,
+        rflags: 0x2,
+        ..Default::default()
+    };
+    (regs, sregs)
+}
