@@ -1,0 +1,155 @@
+//! The agent binary: the sandbox's init, serving the host over a unix socket
+//! (`--listen PATH`) or an already connected stream (`--fd N`).
+
+use std::os::fd::{FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use cube_agent::init;
+use cube_agent::reaper::Reaper;
+use cube_agent::server::{Agent, AgentConfig};
+
+const USAGE: &str = "usage: cube-agent (--listen <unix socket path> | --fd <N>) [--grace-ms <ms>]";
+
+enum Mode {
+    Listen(PathBuf),
+    Fd(RawFd),
+}
+
+struct Args {
+    mode: Mode,
+    grace: Duration,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut mode = None;
+    let mut grace = Duration::from_secs(2);
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        let mut value = || args.next().ok_or(format!("{arg} needs a value"));
+        match arg.as_str() {
+            "--listen" => mode = Some(Mode::Listen(PathBuf::from(value()?))),
+            "--fd" => {
+                let v = value()?;
+                let fd: RawFd = v.parse().map_err(|_| format!("bad fd {v}"))?;
+                if fd < 0 {
+                    return Err(format!("bad fd {v}"));
+                }
+                mode = Some(Mode::Fd(fd));
+            }
+            "--grace-ms" => {
+                let v = value()?;
+                grace = Duration::from_millis(v.parse().map_err(|_| format!("bad grace {v}"))?);
+            }
+            "-h" | "--help" => return Err(USAGE.into()),
+            other => return Err(format!("unknown argument {other}\n{USAGE}")),
+        }
+    }
+    Ok(Args {
+        mode: mode.ok_or(USAGE)?,
+        grace,
+    })
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(msg) => {
+            eprintln!("{msg}");
+            return ExitCode::from(2);
+        }
+    };
+    // Before any thread starts, so every thread inherits the mask.
+    let signals = match init::block_termination_signals() {
+        Ok(s) => s,
+        Err(e) => return fail(&e),
+    };
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .init();
+    if !init::is_pid1() {
+        if let Err(e) = init::become_subreaper() {
+            tracing::warn!(error = %e, "orphans will not be reaped by the agent");
+        }
+    }
+    let reaper = match Reaper::all() {
+        Ok(r) => r,
+        Err(e) => return fail(&e),
+    };
+    let agent = Agent::new(AgentConfig {
+        reaper,
+        env: std::env::vars().collect(),
+    });
+    if let Err(e) = init::spawn_signal_thread(signals, agent.clone(), args.grace) {
+        return fail(&e);
+    }
+    tracing::info!(pid1 = init::is_pid1(), "cube-agent starting");
+    match args.mode {
+        Mode::Fd(fd) => {
+            // SAFETY: F_GETFD only inspects the descriptor table entry for `fd`.
+            if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+                eprintln!("fd {fd} is not open");
+                return ExitCode::from(2);
+            }
+            // SAFETY: the fd was handed to this process for the agent's exclusive use,
+            // is open (checked above) and nothing else in this process owns it.
+            let stream = UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) });
+            let result = agent.serve(stream);
+            init::shutdown(&agent, nix::sys::signal::Signal::SIGTERM, args.grace);
+            match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => fail(&e),
+            }
+        }
+        Mode::Listen(path) => {
+            // A socket left by an earlier run would make bind fail.
+            if std::fs::symlink_metadata(&path)
+                .map(|m| std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()))
+                .unwrap_or(false)
+            {
+                let _ = std::fs::remove_file(&path);
+            }
+            let listener = match UnixListener::bind(&path) {
+                Ok(l) => l,
+                Err(e) => return fail(&e),
+            };
+            for conn in listener.incoming() {
+                match conn {
+                    Ok(stream) => {
+                        let agent = agent.clone();
+                        let spawned = std::thread::Builder::new().name("connection".into()).spawn(
+                            move || {
+                                if let Err(e) = agent.serve(stream) {
+                                    tracing::warn!(error = %e, "connection ended");
+                                }
+                            },
+                        );
+                        if let Err(e) = spawned {
+                            tracing::warn!(error = %e, "no thread for a connection");
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "accept failed"),
+                }
+            }
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+fn fail(err: &dyn std::error::Error) -> ExitCode {
+    let mut msg = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    eprintln!("cube-agent: {msg}");
+    ExitCode::FAILURE
+}

@@ -1,0 +1,595 @@
+//! Running processes for the host: argv, env, cwd, user, stdin, timeout; output streamed
+//! as it is produced; kill and wait by id.
+//!
+//! Every exec leads a new process group (its pid is the group id), so a kill reaches the
+//! children it started too. One thread per exec multiplexes its stdout and stderr pipes
+//! with `poll` and watches for the exit and the timeout.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+
+use crate::protocol::{ErrorCode, ErrorReply, ExecRequest, ExitInfo, ResponseBody};
+use crate::reaper::{ChildStatus, Reaper, ReaperError};
+
+/// Bytes read from a pipe at a time (and so the largest output event).
+const OUTPUT_CHUNK: usize = 64 * 1024;
+
+/// How long output is still collected after the process ended, for descendants that
+/// hold its pipes open.
+const OUTPUT_GRACE: Duration = Duration::from_millis(500);
+
+/// How often a quiet exec checks for its exit and timeout.
+const POLL_STEP_MS: i32 = 20;
+
+/// `PATH` for execs whose environment has none.
+pub(crate) const DEFAULT_PATH: &str =
+    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Errors of running processes.
+#[derive(Debug, thiserror::Error)]
+pub enum ExecError {
+    /// The request is unusable.
+    #[error("invalid exec request: {0}")]
+    Invalid(&'static str),
+    /// Another exec already has this id.
+    #[error("exec id {0} is already in use")]
+    IdInUse(u64),
+    /// No exec has this id.
+    #[error("no exec with id {0}")]
+    NoSuchExec(u64),
+    /// The exec has already ended.
+    #[error("exec {0} has already ended")]
+    NotRunning(u64),
+    /// Switching user needs root.
+    #[error("running as uid {uid} needs the agent to run as root")]
+    NeedsRoot {
+        /// The user asked for.
+        uid: u32,
+    },
+    /// The signal number is not a signal.
+    #[error("{0} is not a signal number")]
+    BadSignal(i32),
+    /// The process could not be started or waited for.
+    #[error("running {program} failed")]
+    Spawn {
+        /// argv[0].
+        program: String,
+        /// Why.
+        #[source]
+        source: ReaperError,
+    },
+    /// Sending the signal failed.
+    #[error("signalling exec {id} failed")]
+    Kill {
+        /// The exec.
+        id: u64,
+        /// The errno.
+        #[source]
+        source: nix::errno::Errno,
+    },
+    /// Waiting for the pipes failed.
+    #[error("polling the output pipes failed")]
+    Poll(#[source] std::io::Error),
+}
+
+impl ExecError {
+    /// The error reply for the host.
+    pub fn to_reply(&self) -> ErrorReply {
+        let message = error_chain(self);
+        match self {
+            ExecError::Invalid(_) | ExecError::BadSignal(_) => {
+                ErrorReply::new(ErrorCode::InvalidArgument, message)
+            }
+            ExecError::IdInUse(_) => ErrorReply::new(ErrorCode::AlreadyExists, message),
+            ExecError::NoSuchExec(_) => ErrorReply::new(ErrorCode::NoSuchExec, message),
+            ExecError::NotRunning(_) => ErrorReply::new(ErrorCode::NotRunning, message),
+            ExecError::NeedsRoot { .. } => ErrorReply::new(ErrorCode::PermissionDenied, message),
+            ExecError::Spawn {
+                source: ReaperError::Spawn(io),
+                ..
+            } => ErrorReply::from_io(io, message),
+            ExecError::Kill { source, .. } => {
+                ErrorReply::from_io(&std::io::Error::from_raw_os_error(*source as i32), message)
+            }
+            ExecError::Spawn { .. } | ExecError::Poll(_) => ErrorReply::new(ErrorCode::Io, message),
+        }
+    }
+}
+
+/// An error's message followed by those of its sources.
+pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
+    let mut msg = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    msg
+}
+
+/// One exec known to the table.
+struct Entry {
+    pgid: Pid,
+    background: bool,
+    exit: Mutex<Option<ExitInfo>>,
+    ended: Condvar,
+}
+
+/// The execs of one agent, by id.
+pub struct ExecTable {
+    reaper: Reaper,
+    entries: Mutex<HashMap<u64, Arc<Entry>>>,
+}
+
+/// Receives the events of a running exec; returns false once nobody listens any more
+/// (the exec still runs to its end).
+pub type Emit<'a> = &'a mut dyn FnMut(ResponseBody) -> bool;
+
+impl ExecTable {
+    /// An empty table whose children are waited for by `reaper`.
+    pub fn new(reaper: Reaper) -> Self {
+        Self {
+            reaper,
+            entries: Mutex::default(),
+        }
+    }
+
+    fn entries(&self) -> MutexGuard<'_, HashMap<u64, Arc<Entry>>> {
+        self.entries.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// How many execs have not ended.
+    pub fn running(&self) -> usize {
+        self.entries()
+            .values()
+            .filter(|e| lock(&e.exit).is_none())
+            .count()
+    }
+
+    /// The reaper children are spawned through.
+    pub fn reaper(&self) -> &Reaper {
+        &self.reaper
+    }
+
+    /// Runs `req` under `id` to its end, emitting `Started` and output events; returns
+    /// how it ended (the caller sends `Exited`). `base_env` is the sandbox-wide
+    /// environment.
+    pub fn run(
+        &self,
+        id: u64,
+        req: &ExecRequest,
+        base_env: &[(String, String)],
+        emit: Emit<'_>,
+    ) -> Result<ExitInfo, ExecError> {
+        let program = req
+            .argv
+            .first()
+            .ok_or(ExecError::Invalid("argv is empty"))?;
+        if req.argv.iter().any(|a| a.contains('\0')) {
+            return Err(ExecError::Invalid("argv contains a NUL byte"));
+        }
+        let mut cmd = Command::new(program);
+        cmd.args(&req.argv[1..])
+            .env_clear()
+            .stdin(if req.stdin.is_empty() {
+                Stdio::null()
+            } else {
+                Stdio::piped()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        let mut has_path = false;
+        for (k, v) in base_env.iter().chain(&req.env) {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(ExecError::Invalid("bad environment variable"));
+            }
+            has_path |= k == "PATH";
+            cmd.env(k, v);
+        }
+        if !has_path {
+            cmd.env("PATH", DEFAULT_PATH);
+        }
+        // SAFETY: the closure runs in the forked child before exec and only makes
+        // async-signal-safe calls (sigprocmask, signal) on values it owns.
+        unsafe {
+            cmd.pre_exec(reset_signals);
+        }
+        if let Some(cwd) = &req.cwd {
+            cmd.current_dir(cwd);
+        }
+        if let Some(user) = req.user {
+            let me = (
+                nix::unistd::geteuid().as_raw(),
+                nix::unistd::getegid().as_raw(),
+            );
+            if me.0 == 0 {
+                cmd.uid(user.uid).gid(user.gid);
+            } else if (user.uid, user.gid) != me {
+                return Err(ExecError::NeedsRoot { uid: user.uid });
+            }
+        }
+
+        // Holding the table lock across spawn keeps the id check and insert atomic.
+        let (mut child, status, entry) = {
+            let mut entries = self.entries();
+            if entries.contains_key(&id) {
+                return Err(ExecError::IdInUse(id));
+            }
+            let (child, status) =
+                self.reaper
+                    .spawn(&mut cmd)
+                    .map_err(|source| ExecError::Spawn {
+                        program: program.clone(),
+                        source,
+                    })?;
+            let entry = Arc::new(Entry {
+                pgid: Pid::from_raw(child.id() as i32),
+                background: req.background,
+                exit: Mutex::new(None),
+                ended: Condvar::new(),
+            });
+            entries.insert(id, Arc::clone(&entry));
+            (child, status, entry)
+        };
+        let mut listening = emit(ResponseBody::Started { pid: child.id() });
+
+        if let Some(mut stdin) = child.stdin.take() {
+            let data = req.stdin.clone();
+            // A child that never reads its input must not block the exec thread.
+            let spawned = std::thread::Builder::new()
+                .name(format!("exec-{id}-stdin"))
+                .spawn(move || {
+                    let _ = stdin.write_all(&data);
+                });
+            if spawned.is_err() {
+                tracing::warn!(id, "no thread for stdin; closing it");
+            }
+        }
+        let pipes = [
+            child.stdout.take().map(|p| File::from(OwnedFd::from(p))),
+            child.stderr.take().map(|p| File::from(OwnedFd::from(p))),
+        ];
+        let result = pump(
+            &status,
+            &entry,
+            pipes,
+            req.timeout_ms.map(Duration::from_millis),
+            &mut |body| {
+                if listening {
+                    listening = emit(body);
+                }
+            },
+        );
+        let exit = match result {
+            Ok(exit) => exit,
+            Err(e) => {
+                // Never leave a process running that nobody can see any more.
+                let _ = killpg(entry.pgid, Signal::SIGKILL);
+                let _ = status.wait_timeout(Duration::from_secs(5));
+                self.finish(id, &entry, None);
+                return Err(e);
+            }
+        };
+        self.finish(id, &entry, Some(exit));
+        Ok(exit)
+    }
+
+    /// Records how an exec ended and forgets it unless it is a background exec.
+    fn finish(&self, id: u64, entry: &Arc<Entry>, exit: Option<ExitInfo>) {
+        let info = exit.unwrap_or(ExitInfo {
+            code: None,
+            signal: None,
+            timed_out: false,
+        });
+        *lock(&entry.exit) = Some(info);
+        entry.ended.notify_all();
+        if !entry.background || exit.is_none() {
+            self.entries().remove(&id);
+        }
+    }
+
+    /// Sends `signal` to the process group of a running exec.
+    pub fn kill(&self, id: u64, signal: i32) -> Result<(), ExecError> {
+        let sig = Signal::try_from(signal).map_err(|_| ExecError::BadSignal(signal))?;
+        let entry = self
+            .entries()
+            .get(&id)
+            .cloned()
+            .ok_or(ExecError::NoSuchExec(id))?;
+        // The exit is recorded within one poll step of the leader being reaped, and
+        // holding its lock orders this check before that record, so a group id is not
+        // signalled once its exec is known to have ended.
+        let exit = lock(&entry.exit);
+        if exit.is_some() {
+            return Err(ExecError::NotRunning(id));
+        }
+        killpg(entry.pgid, sig).map_err(|source| ExecError::Kill { id, source })
+    }
+
+    /// Waits for an exec to end and returns how it ended; a background exec is
+    /// forgotten once waited for.
+    pub fn wait(&self, id: u64) -> Result<ExitInfo, ExecError> {
+        let entry = self
+            .entries()
+            .get(&id)
+            .cloned()
+            .ok_or(ExecError::NoSuchExec(id))?;
+        let mut exit = lock(&entry.exit);
+        let info = loop {
+            if let Some(info) = *exit {
+                break info;
+            }
+            exit = entry
+                .ended
+                .wait(exit)
+                .unwrap_or_else(PoisonError::into_inner);
+        };
+        drop(exit);
+        self.entries().remove(&id);
+        Ok(info)
+    }
+
+    /// Sends `signal` to every running exec's process group (shutdown).
+    pub fn signal_all(&self, signal: Signal) {
+        let entries: Vec<Arc<Entry>> = self.entries().values().cloned().collect();
+        for entry in entries {
+            let exit = lock(&entry.exit);
+            if exit.is_none() {
+                let _ = killpg(entry.pgid, signal);
+            }
+        }
+    }
+}
+
+/// Gives a child a clean signal state: the agent blocks its termination signals (they
+/// are taken by a signal thread) and may have inherited ignored ones, and both would
+/// otherwise pass on to the child through exec.
+pub(crate) fn reset_signals() -> std::io::Result<()> {
+    // SAFETY: sigemptyset initialises the set before sigprocmask reads it; signal() with
+    // SIG_DFL installs no handler. All three are async-signal-safe, as a pre_exec hook
+    // (running between fork and exec) requires.
+    unsafe {
+        let mut set = std::mem::MaybeUninit::<libc::sigset_t>::uninit();
+        libc::sigemptyset(set.as_mut_ptr());
+        if libc::sigprocmask(libc::SIG_SETMASK, set.as_ptr(), std::ptr::null_mut()) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        for sig in 1..32 {
+            if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+                libc::signal(sig, libc::SIG_DFL);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Moves output to `emit` until the process has ended and its pipes are closed (or the
+/// grace after its end has passed); kills the group when the timeout passes.
+fn pump(
+    status: &ChildStatus,
+    entry: &Entry,
+    mut pipes: [Option<File>; 2],
+    timeout: Option<Duration>,
+    emit: &mut dyn FnMut(ResponseBody),
+) -> Result<ExitInfo, ExecError> {
+    let pgid = entry.pgid;
+    let deadline = timeout.map(|t| Instant::now() + t);
+    let mut timed_out = false;
+    // Recorded at once (not after the output is drained) so Kill stops signalling the
+    // group id as soon as its leader is reaped, and Wait returns promptly.
+    let record = |mut info: ExitInfo, timed_out: bool| {
+        info.timed_out = timed_out;
+        *lock(&entry.exit) = Some(info);
+        entry.ended.notify_all();
+        Some((info, Instant::now()))
+    };
+    let mut exit: Option<(ExitInfo, Instant)> = None;
+    let mut buf = vec![0u8; OUTPUT_CHUNK];
+    let spawn_err = |source| ExecError::Spawn {
+        program: format!("pid {pgid}"),
+        source,
+    };
+    loop {
+        if exit.is_none() {
+            if let Some(info) = status.try_wait().map_err(spawn_err)? {
+                exit = record(info, timed_out);
+            }
+        }
+        match exit {
+            Some((_, _)) if pipes.iter().all(Option::is_none) => break,
+            Some((_, at)) if at.elapsed() >= OUTPUT_GRACE => break,
+            _ => {}
+        }
+        if exit.is_none() && !timed_out && deadline.is_some_and(|d| Instant::now() >= d) {
+            timed_out = true;
+            let _ = killpg(pgid, Signal::SIGKILL);
+        }
+        if pipes.iter().all(Option::is_none) {
+            if let Some(info) = status
+                .wait_timeout(Duration::from_millis(POLL_STEP_MS as u64))
+                .map_err(spawn_err)?
+            {
+                exit = record(info, timed_out);
+            }
+            continue;
+        }
+        let mut fds: Vec<libc::pollfd> = Vec::with_capacity(2);
+        let mut which = Vec::with_capacity(2);
+        for (i, pipe) in pipes.iter().enumerate() {
+            if let Some(fd) = pipe {
+                fds.push(libc::pollfd {
+                    fd: fd.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                });
+                which.push(i);
+            }
+        }
+        // SAFETY: `fds` is a valid, initialised array of `fds.len()` pollfd structs whose
+        // descriptors stay open (owned by `pipes`) for the duration of the call.
+        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, POLL_STEP_MS) };
+        if rc < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(ExecError::Poll(err));
+        }
+        for (pfd, &i) in fds.iter().zip(&which) {
+            if pfd.revents == 0 {
+                continue;
+            }
+            let Some(file) = &mut pipes[i] else { continue };
+            match file.read(&mut buf) {
+                Ok(0) => pipes[i] = None,
+                Ok(n) => {
+                    let chunk = buf[..n].to_vec();
+                    emit(if i == 0 {
+                        ResponseBody::Stdout(chunk)
+                    } else {
+                        ResponseBody::Stderr(chunk)
+                    });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(_) => pipes[i] = None,
+            }
+        }
+    }
+    let (info, _) = exit.ok_or(ExecError::Invalid("exec ended without a status"))?;
+    Ok(info)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(argv: &[&str]) -> ExecRequest {
+        ExecRequest {
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn run(table: &ExecTable, id: u64, r: &ExecRequest) -> (Vec<u8>, Vec<u8>, ExitInfo) {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let exit = table
+            .run(id, r, &[("BASE".into(), "b".into())], &mut |body| {
+                match body {
+                    ResponseBody::Stdout(b) => out.extend(b),
+                    ResponseBody::Stderr(b) => err.extend(b),
+                    _ => {}
+                }
+                true
+            })
+            .unwrap();
+        (out, err, exit)
+    }
+
+    #[test]
+    fn runs_with_env_cwd_stdin_and_exit_code() {
+        let table = ExecTable::new(Reaper::per_child());
+        let dir = tempfile::tempdir().unwrap();
+        let mut r = req(&["sh", "-c", "echo $BASE $X; pwd; cat; echo oops >&2; exit 3"]);
+        r.env = vec![("X".into(), "x".into())];
+        r.cwd = Some(dir.path().to_string_lossy().into_owned());
+        r.stdin = b"input".to_vec();
+        let (out, err, exit) = run(&table, 1, &r);
+        let expected = format!(
+            "b x\n{}\ninput",
+            dir.path().canonicalize().unwrap().display()
+        );
+        assert_eq!(String::from_utf8(out).unwrap(), expected);
+        assert_eq!(err, b"oops\n");
+        assert_eq!(exit.code, Some(3));
+        assert_eq!(table.running(), 0);
+    }
+
+    #[test]
+    fn children_start_with_no_blocked_or_ignored_signals() {
+        let table = ExecTable::new(Reaper::per_child());
+        let r = req(&["grep", "-E", "^Sig(Blk|Ign)", "/proc/self/status"]);
+        // Block SIGTERM in a thread, as the agent does in all of its threads.
+        let out = std::thread::spawn(move || {
+            let mut set = nix::sys::signal::SigSet::empty();
+            set.add(Signal::SIGTERM);
+            set.thread_block().unwrap();
+            run(&table, 7, &r).0
+        })
+        .join()
+        .unwrap();
+        let out = String::from_utf8(out).unwrap();
+        assert!(out.contains("SigBlk:\t0000000000000000"), "{out}");
+        // Standard signals (1-31) are back to their defaults; glibc's real-time
+        // signals above them are not the agent's business.
+        let ign = out
+            .lines()
+            .find_map(|l| l.strip_prefix("SigIgn:\t"))
+            .map(|h| u64::from_str_radix(h, 16).unwrap())
+            .unwrap();
+        assert_eq!(ign & 0x7fff_ffff, 0, "{out}");
+    }
+
+    #[test]
+    fn timeout_kills_the_whole_group() {
+        let table = ExecTable::new(Reaper::per_child());
+        let mut r = req(&["sh", "-c", "sleep 30 & sleep 30; echo never"]);
+        r.timeout_ms = Some(100);
+        let (out, _, exit) = run(&table, 2, &r);
+        assert!(exit.timed_out);
+        assert_eq!(exit.signal, Some(libc::SIGKILL));
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn kill_and_wait_a_background_exec() {
+        let table = Arc::new(ExecTable::new(Reaper::per_child()));
+        let mut r = req(&["sleep", "30"]);
+        r.background = true;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let t = Arc::clone(&table);
+        let runner = std::thread::spawn(move || {
+            t.run(3, &r, &[], &mut |body| {
+                let _ = tx.send(body);
+                true
+            })
+        });
+        assert!(matches!(rx.recv().unwrap(), ResponseBody::Started { .. }));
+        table.kill(3, libc::SIGTERM).unwrap();
+        let exit = table.wait(3).unwrap();
+        assert_eq!(exit.signal, Some(libc::SIGTERM));
+        runner.join().unwrap().unwrap();
+        assert!(matches!(table.wait(3), Err(ExecError::NoSuchExec(3))));
+        assert!(matches!(table.kill(3, 9), Err(ExecError::NoSuchExec(3))));
+        assert!(matches!(table.kill(3, 999), Err(ExecError::BadSignal(999))));
+    }
+
+    #[test]
+    fn bad_requests_are_refused() {
+        let table = ExecTable::new(Reaper::per_child());
+        let err = table.run(4, &req(&[]), &[], &mut |_| true).unwrap_err();
+        assert_eq!(err.to_reply().code, ErrorCode::InvalidArgument);
+        let err = table
+            .run(5, &req(&["/no/such/program"]), &[], &mut |_| true)
+            .unwrap_err();
+        assert_eq!(err.to_reply().code, ErrorCode::NotFound);
+        let mut r = req(&["true"]);
+        r.cwd = Some("/no/such/dir".into());
+        let err = table.run(6, &r, &[], &mut |_| true).unwrap_err();
+        assert_eq!(err.to_reply().code, ErrorCode::NotFound);
+    }
+}

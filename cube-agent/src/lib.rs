@@ -1,0 +1,16 @@
+//! The Cube agent: the process that runs inside every sandbox (as its init), and the
+//! host<->agent protocol it speaks.
+//!
+//! The host side uses [`frame`], [`protocol`], [`transport`] and [`client`]; the agent
+//! side adds [`server`], [`exec`], [`files`], [`reaper`] and [`init`].
+
+pub mod client;
+pub mod exec;
+pub mod files;
+pub mod frame;
+pub mod init;
+pub mod protocol;
+pub mod reaper;
+pub mod run_code;
+pub mod server;
+pub mod transport;

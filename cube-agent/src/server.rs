@@ -1,0 +1,591 @@
+//! Serves the protocol over one stream: reads requests in order, answers cheap ones at
+//! once, runs the rest on their own threads, and writes every answer through one
+//! mutex-guarded writer so frames never interleave.
+//!
+//! Streamed writes are applied on the reading thread, in order, so at most one chunk of
+//! a file is in memory at a time. A request that cannot be decoded, or a frame that is
+//! too large, is answered with an error and serving goes on.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::{BufReader, Write};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+
+use crate::exec::ExecTable;
+use crate::files::{self, WriteSession};
+use crate::frame::{self, FrameError, MAX_FRAME_LEN};
+use crate::protocol::{
+    decode_request, ErrorCode, ErrorReply, Request, RequestBody, Response, ResponseBody,
+    AGENT_VERSION, PROTOCOL_VERSION,
+};
+use crate::reaper::Reaper;
+use crate::run_code::Contexts;
+use crate::transport::Transport;
+
+/// Requests running on their own threads at once, across all connections.
+const MAX_IN_FLIGHT: usize = 1024;
+
+/// Streamed writes open at once on one connection.
+const MAX_OPEN_WRITES: usize = 64;
+
+/// Errors that end serving a stream.
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    /// The stream could not be split into reading and writing handles.
+    #[error("cloning the transport failed")]
+    Clone(#[source] std::io::Error),
+    /// Reading from the stream failed.
+    #[error("reading a request failed")]
+    Read(#[source] FrameError),
+}
+
+/// How an agent is set up.
+pub struct AgentConfig {
+    /// Who waits for exec's children.
+    pub reaper: Reaper,
+    /// The sandbox-wide environment execs start from.
+    pub env: Vec<(String, String)>,
+}
+
+/// The agent: state shared by all the streams it serves. Cheap to clone.
+#[derive(Clone)]
+pub struct Agent {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    execs: ExecTable,
+    contexts: Contexts,
+    env: RwLock<BTreeMap<String, String>>,
+    started: Instant,
+    in_flight: AtomicUsize,
+}
+
+/// The writing half of a stream, shared by every thread answering on it.
+struct Replies {
+    writer: Mutex<Box<dyn Write + Send>>,
+}
+
+impl Replies {
+    /// Sends one response; false when the stream is gone.
+    fn send(&self, id: u64, body: ResponseBody) -> bool {
+        let frame = match frame::encode_frame(&Response { id, body }) {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(id, error = %e, "response could not be encoded");
+                let fallback = Response {
+                    id,
+                    body: ResponseBody::Error(ErrorReply::new(
+                        ErrorCode::Io,
+                        format!("the response could not be encoded: {e}"),
+                    )),
+                };
+                match frame::encode_frame(&fallback) {
+                    Ok(f) => f,
+                    Err(_) => return false,
+                }
+            }
+        };
+        let mut w = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        w.write_all(&frame).and_then(|_| w.flush()).is_ok()
+    }
+
+    fn error(&self, id: u64, code: ErrorCode, message: impl Into<String>) -> bool {
+        self.send(id, ResponseBody::Error(ErrorReply::new(code, message)))
+    }
+}
+
+/// A streamed write under way on one connection.
+enum WriteState {
+    Open(WriteSession),
+    /// Failed and already answered; later chunks and the end are dropped silently.
+    Failed,
+}
+
+/// Per-stream state kept by the reading thread.
+struct Connection {
+    replies: Arc<Replies>,
+    handshaken: bool,
+    writes: HashMap<u64, WriteState>,
+}
+
+impl Agent {
+    /// An agent with no execs yet.
+    pub fn new(config: AgentConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                contexts: Contexts::new(config.reaper.clone()),
+                execs: ExecTable::new(config.reaper),
+                env: RwLock::new(config.env.into_iter().collect()),
+                started: Instant::now(),
+                in_flight: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// The execs of this agent.
+    pub fn execs(&self) -> &ExecTable {
+        &self.inner.execs
+    }
+
+    /// Stops every interpreter context, forwards `signal` to every running exec, waits up
+    /// to `grace` for them to end, then kills what is left.
+    pub fn stop_children(&self, signal: Signal, grace: Duration) {
+        self.inner.contexts.clear();
+        let execs = &self.inner.execs;
+        execs.signal_all(signal);
+        let deadline = Instant::now() + grace;
+        while execs.running() > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        execs.signal_all(Signal::SIGKILL);
+    }
+
+    /// Serves one stream until the peer closes it.
+    pub fn serve<T: Transport>(&self, transport: T) -> Result<(), ServerError> {
+        let write_half = transport
+            .try_clone_transport()
+            .map_err(ServerError::Clone)?;
+        let mut conn = Connection {
+            replies: Arc::new(Replies {
+                writer: Mutex::new(Box::new(write_half)),
+            }),
+            handshaken: false,
+            writes: HashMap::new(),
+        };
+        let mut reader = BufReader::with_capacity(256 * 1024, transport);
+        let mut buf = Vec::new();
+        loop {
+            match frame::read_frame(&mut reader, &mut buf) {
+                Ok(true) => match decode_request(&buf) {
+                    Ok(req) => self.handle(&mut conn, req),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "bad request");
+                        conn.replies
+                            .send(e.reply_id(), ResponseBody::Error(e.to_reply()));
+                    }
+                },
+                Ok(false) | Err(FrameError::Truncated) => return Ok(()),
+                Err(FrameError::Oversized { len, id }) => {
+                    conn.replies.error(
+                        id.unwrap_or(0),
+                        ErrorCode::TooLarge,
+                        format!("frame of {len} bytes exceeds the {MAX_FRAME_LEN}-byte limit"),
+                    );
+                }
+                Err(e) => return Err(ServerError::Read(e)),
+            }
+        }
+    }
+
+    fn env_snapshot(&self) -> Vec<(String, String)> {
+        self.inner
+            .env
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    fn handle(&self, conn: &mut Connection, req: Request) {
+        let Request { id, body } = req;
+        let replies = &conn.replies;
+        if let RequestBody::Hello { protocol } = body {
+            if protocol == PROTOCOL_VERSION {
+                conn.handshaken = true;
+                replies.send(
+                    id,
+                    ResponseBody::Hello {
+                        protocol: PROTOCOL_VERSION,
+                        agent: AGENT_VERSION.into(),
+                    },
+                );
+            } else {
+                replies.error(
+                    id,
+                    ErrorCode::VersionMismatch,
+                    format!("agent speaks protocol {PROTOCOL_VERSION}, host {protocol}"),
+                );
+            }
+            return;
+        }
+        if !conn.handshaken {
+            replies.error(id, ErrorCode::HandshakeRequired, "send Hello first");
+            return;
+        }
+        match body {
+            RequestBody::Health => {
+                replies.send(
+                    id,
+                    ResponseBody::Healthy {
+                        uptime_ms: self.inner.started.elapsed().as_millis() as u64,
+                        running_execs: self.inner.execs.running() as u32,
+                    },
+                );
+            }
+            RequestBody::Version => {
+                replies.send(
+                    id,
+                    ResponseBody::Version {
+                        protocol: PROTOCOL_VERSION,
+                        agent: AGENT_VERSION.into(),
+                    },
+                );
+            }
+            RequestBody::SetEnv { set, unset } => {
+                if set
+                    .iter()
+                    .any(|(k, v)| k.is_empty() || k.contains(['=', '\0']) || v.contains('\0'))
+                {
+                    replies.error(id, ErrorCode::InvalidArgument, "bad environment variable");
+                    return;
+                }
+                let mut env = self
+                    .inner
+                    .env
+                    .write()
+                    .unwrap_or_else(PoisonError::into_inner);
+                for k in unset {
+                    env.remove(&k);
+                }
+                env.extend(set);
+                replies.send(id, ResponseBody::Done);
+            }
+            RequestBody::ListContexts => {
+                replies.send(id, ResponseBody::Contexts(self.inner.contexts.list()));
+            }
+            RequestBody::Kill { exec_id, signal } => {
+                let body = match self.inner.execs.kill(exec_id, signal) {
+                    Ok(()) => ResponseBody::Done,
+                    Err(e) => ResponseBody::Error(e.to_reply()),
+                };
+                replies.send(id, body);
+            }
+            RequestBody::WriteStart {
+                path,
+                mode,
+                append,
+                create_parents,
+            } => {
+                if conn.writes.contains_key(&id) {
+                    replies.error(
+                        id,
+                        ErrorCode::AlreadyExists,
+                        "a write is already open under this id",
+                    );
+                } else if conn.writes.len() >= MAX_OPEN_WRITES {
+                    replies.error(
+                        id,
+                        ErrorCode::Busy,
+                        "too many writes open on this connection",
+                    );
+                    conn.writes.insert(id, WriteState::Failed);
+                } else {
+                    let state = match WriteSession::start(&path, mode, append, create_parents) {
+                        Ok(s) => WriteState::Open(s),
+                        Err(e) => {
+                            replies.send(id, ResponseBody::Error(e.to_reply()));
+                            WriteState::Failed
+                        }
+                    };
+                    conn.writes.insert(id, state);
+                }
+            }
+            RequestBody::WriteChunk { data } => match conn.writes.get_mut(&id) {
+                Some(WriteState::Open(session)) => {
+                    if let Err(e) = session.write(&data) {
+                        replies.send(id, ResponseBody::Error(e.to_reply()));
+                        conn.writes.insert(id, WriteState::Failed);
+                    }
+                }
+                Some(WriteState::Failed) => {}
+                None => {
+                    replies.error(
+                        id,
+                        ErrorCode::InvalidArgument,
+                        "no write open under this id",
+                    );
+                }
+            },
+            RequestBody::WriteEnd { sync } => match conn.writes.remove(&id) {
+                Some(WriteState::Open(session)) => {
+                    let body = match session.finish(sync) {
+                        Ok(size) => ResponseBody::Written { size },
+                        Err(e) => ResponseBody::Error(e.to_reply()),
+                    };
+                    replies.send(id, body);
+                }
+                Some(WriteState::Failed) => {}
+                None => {
+                    replies.error(
+                        id,
+                        ErrorCode::InvalidArgument,
+                        "no write open under this id",
+                    );
+                }
+            },
+            other => self.spawn_handler(Arc::clone(&conn.replies), id, other),
+        }
+    }
+
+    /// Runs a request that may block (processes, filesystem) on its own thread.
+    fn spawn_handler(&self, replies: Arc<Replies>, id: u64, body: RequestBody) {
+        if self.inner.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
+            self.inner.in_flight.fetch_sub(1, Ordering::SeqCst);
+            replies.error(id, ErrorCode::Busy, "too many requests in flight");
+            return;
+        }
+        let agent = self.clone();
+        let thread_replies = Arc::clone(&replies);
+        let spawned = std::thread::Builder::new()
+            .name(format!("request-{id}"))
+            .spawn(move || {
+                let body = agent.run_blocking(&thread_replies, id, body);
+                thread_replies.send(id, body);
+                agent.inner.in_flight.fetch_sub(1, Ordering::SeqCst);
+            });
+        if let Err(e) = spawned {
+            self.inner.in_flight.fetch_sub(1, Ordering::SeqCst);
+            replies.error(
+                id,
+                ErrorCode::Busy,
+                format!("no thread for the request: {e}"),
+            );
+        }
+    }
+
+    /// Runs one blocking request, emitting its events, and returns its final answer.
+    fn run_blocking(&self, replies: &Replies, id: u64, body: RequestBody) -> ResponseBody {
+        let mut emit = |b: ResponseBody| replies.send(id, b);
+        let done = |r: Result<(), files::FilesError>| match r {
+            Ok(()) => ResponseBody::Done,
+            Err(e) => ResponseBody::Error(e.to_reply()),
+        };
+        match body {
+            RequestBody::Exec(req) => {
+                let env = self.env_snapshot();
+                match self.inner.execs.run(id, &req, &env, &mut emit) {
+                    Ok(exit) => ResponseBody::Exited(exit),
+                    Err(e) => ResponseBody::Error(e.to_reply()),
+                }
+            }
+            RequestBody::Wait { exec_id } => match self.inner.execs.wait(exec_id) {
+                Ok(exit) => ResponseBody::Exited(exit),
+                Err(e) => ResponseBody::Error(e.to_reply()),
+            },
+            RequestBody::ReadFile { path, offset, len } => {
+                match files::read_file(&path, offset, len, &mut emit) {
+                    Ok(size) => ResponseBody::FileEnd { size },
+                    Err(e) => ResponseBody::Error(e.to_reply()),
+                }
+            }
+            RequestBody::ListDir { path, depth } => {
+                match files::list_dir(&path, depth, &mut emit) {
+                    Ok(count) => ResponseBody::ListEnd { count },
+                    Err(e) => ResponseBody::Error(e.to_reply()),
+                }
+            }
+            RequestBody::Stat { path } => match files::stat(&path) {
+                Ok(info) => ResponseBody::Stat(info),
+                Err(e) => ResponseBody::Error(e.to_reply()),
+            },
+            RequestBody::Exists { path } => match files::exists(&path) {
+                Ok(b) => ResponseBody::Exists(b),
+                Err(e) => ResponseBody::Error(e.to_reply()),
+            },
+            RequestBody::MakeDir { path, parents } => done(files::make_dir(&path, parents)),
+            RequestBody::Remove { path, recursive } => done(files::remove(&path, recursive)),
+            RequestBody::Rename { from, to } => done(files::rename(&from, &to)),
+            RequestBody::CreateContext {
+                name,
+                language,
+                cwd,
+            } => {
+                let env = self.env_snapshot();
+                match self
+                    .inner
+                    .contexts
+                    .create(&name, language, cwd.as_deref(), &env)
+                {
+                    Ok(()) => ResponseBody::Done,
+                    Err(e) => ResponseBody::Error(e.to_reply()),
+                }
+            }
+            RequestBody::RunCode {
+                context,
+                code,
+                timeout_ms,
+            } => match self.inner.contexts.run(
+                &context,
+                &code,
+                timeout_ms.map(Duration::from_millis),
+            ) {
+                Ok(result) => ResponseBody::CodeResult(result),
+                Err(e) => ResponseBody::Error(e.to_reply()),
+            },
+            RequestBody::DeleteContext { name } => match self.inner.contexts.delete(&name) {
+                Ok(()) => ResponseBody::Done,
+                Err(e) => ResponseBody::Error(e.to_reply()),
+            },
+            // Answered on the reading thread; never dispatched here.
+            RequestBody::Hello { .. }
+            | RequestBody::Health
+            | RequestBody::Version
+            | RequestBody::SetEnv { .. }
+            | RequestBody::Kill { .. }
+            | RequestBody::ListContexts
+            | RequestBody::WriteStart { .. }
+            | RequestBody::WriteChunk { .. }
+            | RequestBody::WriteEnd { .. } => ResponseBody::Error(ErrorReply::new(
+                ErrorCode::InvalidArgument,
+                "request kind not handled here",
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::client::{Client, ClientError};
+    use crate::protocol::ExecRequest;
+    use std::os::unix::net::UnixStream;
+
+    fn pair() -> (
+        Agent,
+        Client,
+        std::thread::JoinHandle<Result<(), ServerError>>,
+    ) {
+        let (a, b) = UnixStream::pair().unwrap();
+        let agent = Agent::new(AgentConfig {
+            reaper: Reaper::per_child(),
+            env: vec![("SANDBOX".into(), "1".into())],
+        });
+        let served = agent.clone();
+        let handle = std::thread::spawn(move || served.serve(a));
+        (agent, Client::new(b).unwrap(), handle)
+    }
+
+    #[test]
+    fn handshake_is_required_first() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let agent = Agent::new(AgentConfig {
+            reaper: Reaper::per_child(),
+            env: vec![],
+        });
+        let served = agent.clone();
+        std::thread::spawn(move || served.serve(a));
+        let client = Client::without_handshake(b).unwrap();
+        match client.call(RequestBody::Health) {
+            Err(ClientError::Agent(e)) => assert_eq!(e.code, ErrorCode::HandshakeRequired),
+            other => panic!("{other:?}"),
+        }
+        match client.call(RequestBody::Hello { protocol: 999 }) {
+            Err(ClientError::Agent(e)) => assert_eq!(e.code, ErrorCode::VersionMismatch),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            client.call(RequestBody::Hello {
+                protocol: PROTOCOL_VERSION
+            }),
+            Ok(ResponseBody::Hello { .. })
+        ));
+        assert!(matches!(
+            client.call(RequestBody::Health),
+            Ok(ResponseBody::Healthy { .. })
+        ));
+    }
+
+    #[test]
+    fn health_version_env_and_exec() {
+        let (_agent, client, _h) = pair();
+        assert!(matches!(
+            client.call(RequestBody::Version),
+            Ok(ResponseBody::Version {
+                protocol: PROTOCOL_VERSION,
+                ..
+            })
+        ));
+        client
+            .set_env(
+                vec![("GREETING".into(), "hi".into())],
+                vec!["SANDBOX".into()],
+            )
+            .unwrap();
+        let out = client
+            .exec(ExecRequest {
+                argv: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    "echo $GREETING-${SANDBOX:-unset}".into(),
+                ],
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(out.stdout, b"hi-unset\n");
+        assert_eq!(out.exit.code, Some(0));
+        match client.set_env(vec![("A=B".into(), "x".into())], vec![]) {
+            Err(ClientError::Agent(e)) => assert_eq!(e.code, ErrorCode::InvalidArgument),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_frames_are_answered_and_serving_goes_on() {
+        let (_agent, client, _h) = pair();
+        client.send_raw(&[3, 0, 0, 0, 0xff, 0xff, 0xff]).unwrap();
+        let resp = client.next_unsolicited(Duration::from_secs(10)).unwrap();
+        assert_eq!(resp.id, 0);
+        assert!(matches!(
+            resp.body,
+            ResponseBody::Error(ErrorReply {
+                code: ErrorCode::Malformed,
+                ..
+            })
+        ));
+        assert!(matches!(
+            client.call(RequestBody::Health),
+            Ok(ResponseBody::Healthy { .. })
+        ));
+    }
+
+    #[test]
+    fn streamed_write_errors_are_answered_once() {
+        let (_agent, client, _h) = pair();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f").to_string_lossy().into_owned();
+        let size = client.write_file(&path, &mut &b"hello"[..]).unwrap();
+        assert_eq!(size, 5);
+        let mut back = Vec::new();
+        client.read_file(&path, &mut back).unwrap();
+        assert_eq!(back, b"hello");
+        // Writing below a regular file fails at WriteStart (creating its parent finds a
+        // file there); the chunks and end that follow must not produce more answers.
+        let bad = format!("{path}/below");
+        match client.write_file(&bad, &mut &b"x"[..]) {
+            Err(ClientError::Agent(e)) => assert_eq!(e.code, ErrorCode::AlreadyExists),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            client.call(RequestBody::Health),
+            Ok(ResponseBody::Healthy { .. })
+        ));
+        assert!(matches!(
+            client.next_unsolicited(Duration::from_millis(100)),
+            Err(ClientError::Timeout)
+        ));
+        // A chunk with no write open is an error under its id.
+        match client
+            .start(RequestBody::WriteChunk { data: vec![1] })
+            .unwrap()
+            .finish()
+        {
+            Err(ClientError::Agent(e)) => assert_eq!(e.code, ErrorCode::InvalidArgument),
+            other => panic!("{other:?}"),
+        }
+    }
+}

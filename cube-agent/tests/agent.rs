@@ -1,0 +1,768 @@
+//! Runs the real agent binary over a unix socket and drives it with the client.
+
+// Test helpers outside #[test] functions panic on failure like the tests do.
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cube_agent::client::{Client, ClientError};
+use cube_agent::frame::MAX_FRAME_LEN;
+use cube_agent::protocol::{
+    ErrorCode, ErrorReply, ExecRequest, FileKind, Language, RequestBody, ResponseBody, UserSpec,
+    REQUEST_KINDS,
+};
+
+const AGENT: &str = env!("CARGO_BIN_EXE_cube-agent");
+
+/// The agent process; killed and waited for on drop.
+struct AgentProcess {
+    child: Child,
+    /// The agent's pid as the host sees it.
+    pid: i32,
+    socket: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl AgentProcess {
+    fn start() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        let child = Command::new(AGENT)
+            .arg("--listen")
+            .arg(&socket)
+            .arg("--grace-ms")
+            .arg("500")
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = child.id() as i32;
+        let agent = Self {
+            child,
+            pid,
+            socket,
+            _dir: dir,
+        };
+        agent.wait_for_socket();
+        agent
+    }
+
+    /// Starts the agent as PID 1 of a new PID namespace, or says why it cannot.
+    fn start_in_pid_namespace() -> Result<Self, String> {
+        let probe = Command::new("unshare")
+            .args(["--pid", "--fork", "--mount-proc", "true"])
+            .stderr(Stdio::null())
+            .status()
+            .map_err(|e| format!("unshare not runnable: {e}"))?;
+        if !probe.success() {
+            return Err("unshare --pid --fork --mount-proc is not permitted here".into());
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        let child = Command::new("unshare")
+            .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+            .arg(AGENT)
+            .arg("--listen")
+            .arg(&socket)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let unshare_pid = child.id() as i32;
+        let mut agent = Self {
+            child,
+            pid: 0,
+            socket,
+            _dir: dir,
+        };
+        agent.wait_for_socket();
+        agent.pid = *children_of(unshare_pid)
+            .first()
+            .ok_or("the agent is not a child of unshare")?;
+        Ok(agent)
+    }
+
+    fn wait_for_socket(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while UnixStream::connect(&self.socket).is_err() {
+            assert!(Instant::now() < deadline, "agent socket never appeared");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn client(&self) -> Client {
+        Client::connect_unix(&self.socket).unwrap()
+    }
+
+    fn vm_hwm_kib(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid)).unwrap();
+        let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+        line.split_whitespace().nth(1).unwrap().parse().unwrap()
+    }
+}
+
+impl AgentProcess {
+    /// Sends SIGTERM and waits for the process started (the agent, or unshare around it)
+    /// to exit; returns its exit code.
+    fn terminate(&mut self) -> Option<i32> {
+        // SAFETY: plain kill(2) of the agent this test started.
+        assert_eq!(unsafe { libc::kill(self.pid, libc::SIGTERM) }, 0);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                self.pid = 0;
+                return status.code();
+            }
+            assert!(Instant::now() < deadline, "the agent ignored SIGTERM");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        if self.pid > 0 {
+            // A clean shutdown first, so the agent removes what it made (context dirs).
+            // SAFETY: plain kill(2) of a process this test started.
+            unsafe { libc::kill(self.pid, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        if self.pid > 0 {
+            // SAFETY: plain kill(2) of a process this test started.
+            unsafe { libc::kill(self.pid, libc::SIGKILL) };
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// `(pid, ppid, state, pgrp)` of every process, read from /proc.
+fn processes() -> Vec<(i32, i32, char, i32)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // The command name is in parentheses and may contain spaces.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        if f.len() < 3 {
+            continue;
+        }
+        let state = f[0].chars().next().unwrap_or('?');
+        out.push((
+            pid,
+            f[1].parse().unwrap_or(0),
+            state,
+            f[2].parse().unwrap_or(0),
+        ));
+    }
+    out
+}
+
+fn children_of(ppid: i32) -> Vec<i32> {
+    processes()
+        .into_iter()
+        .filter(|p| p.1 == ppid)
+        .map(|p| p.0)
+        .collect()
+}
+
+fn is_gone_or_zombie(pid: i32) -> bool {
+    processes()
+        .into_iter()
+        .find(|p| p.0 == pid)
+        .is_none_or(|p| p.2 == 'Z' || p.2 == 'X')
+}
+
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn sh(script: &str) -> ExecRequest {
+    ExecRequest {
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    }
+}
+
+fn agent_error<T: std::fmt::Debug>(r: Result<T, ClientError>) -> ErrorReply {
+    match r {
+        Err(ClientError::Agent(e)) => e,
+        other => panic!("expected an agent error, got {other:?}"),
+    }
+}
+
+#[test]
+fn health_and_version() {
+    let agent = AgentProcess::start();
+    let client = agent.client();
+    assert!(matches!(
+        client.call(RequestBody::Health).unwrap(),
+        ResponseBody::Healthy { .. }
+    ));
+    match client.call(RequestBody::Version).unwrap() {
+        ResponseBody::Version { protocol, agent } => {
+            assert_eq!(protocol, cube_agent::protocol::PROTOCOL_VERSION);
+            assert_eq!(agent, env!("CARGO_PKG_VERSION"));
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn two_execs_stream_at_once() {
+    let agent = AgentProcess::start();
+    let client = Arc::new(agent.client());
+    // Each prints, then waits for a file the *other* one creates after printing; so each
+    // can only end if the other's output was streamed while it was still running.
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().display();
+    let script = |me: &str, other: &str| {
+        format!(
+            "echo {me}-start; touch {d}/{me}; while [ ! -e {d}/{other} ]; do sleep 0.01; done; echo {me}-end"
+        )
+    };
+    let mut a = client
+        .start(RequestBody::Exec(sh(&script("a", "b"))))
+        .unwrap();
+    let mut b = client
+        .start(RequestBody::Exec(sh(&script("b", "a"))))
+        .unwrap();
+    let collect = |call: &mut cube_agent::client::Call| {
+        let mut out = Vec::new();
+        let mut exit = None;
+        while let Some(body) = call.recv_timeout(Duration::from_secs(20)).unwrap() {
+            match body {
+                ResponseBody::Stdout(bytes) => out.extend(bytes),
+                ResponseBody::Exited(e) => exit = Some(e),
+                ResponseBody::Started { .. } => {}
+                other => panic!("{other:?}"),
+            }
+        }
+        (String::from_utf8(out).unwrap(), exit.unwrap())
+    };
+    let (out_a, exit_a) = collect(&mut a);
+    let (out_b, exit_b) = collect(&mut b);
+    assert_eq!(out_a, "a-start\na-end\n");
+    assert_eq!(out_b, "b-start\nb-end\n");
+    assert_eq!((exit_a.code, exit_b.code), (Some(0), Some(0)));
+
+    // Output arrives while the process still runs: the first chunk comes before the
+    // process is told (by a file) that it may finish.
+    let gate = dir.path().join("gate");
+    let mut call = client
+        .start(RequestBody::Exec(sh(&format!(
+            "echo ready; while [ ! -e {} ]; do sleep 0.01; done; echo done",
+            gate.display()
+        ))))
+        .unwrap();
+    assert!(matches!(
+        call.recv().unwrap(),
+        Some(ResponseBody::Started { .. })
+    ));
+    assert_eq!(
+        call.recv().unwrap(),
+        Some(ResponseBody::Stdout(b"ready\n".to_vec()))
+    );
+    std::fs::write(&gate, b"").unwrap();
+    assert_eq!(
+        call.recv().unwrap(),
+        Some(ResponseBody::Stdout(b"done\n".to_vec()))
+    );
+    assert!(matches!(
+        call.recv().unwrap(),
+        Some(ResponseBody::Exited(_))
+    ));
+}
+
+#[test]
+fn bad_frames_get_errors_and_serving_goes_on() {
+    let agent = AgentProcess::start();
+    let client = agent.client();
+
+    // Garbage: no id can be read, so the answer comes under id 0.
+    client
+        .send_raw(&[4, 0, 0, 0, 0xff, 0xff, 0xff, 0xff])
+        .unwrap();
+    let resp = client.next_unsolicited(Duration::from_secs(20)).unwrap();
+    assert_eq!(resp.id, 0);
+    assert!(matches!(
+        resp.body,
+        ResponseBody::Error(ErrorReply {
+            code: ErrorCode::Malformed,
+            ..
+        })
+    ));
+
+    // An unknown request kind: answered under its id.
+    let mut body = postcard::to_allocvec(&777u64).unwrap();
+    body.extend(postcard::to_allocvec(&(REQUEST_KINDS + 5)).unwrap());
+    let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+    frame.extend(&body);
+    client.send_raw(&frame).unwrap();
+    let resp = client.next_unsolicited(Duration::from_secs(20)).unwrap();
+    assert_eq!(resp.id, 777);
+    assert!(matches!(
+        resp.body,
+        ResponseBody::Error(ErrorReply {
+            code: ErrorCode::UnknownMessage,
+            ..
+        })
+    ));
+
+    // Oversized: skipped whole, answered under the id at its start.
+    let len = MAX_FRAME_LEN + 4096;
+    let mut frame = len.to_le_bytes().to_vec();
+    frame.extend(postcard::to_allocvec(&888u64).unwrap());
+    frame.resize(4 + len as usize, 0x5a);
+    client.send_raw(&frame).unwrap();
+    let resp = client.next_unsolicited(Duration::from_secs(20)).unwrap();
+    assert_eq!(resp.id, 888);
+    assert!(matches!(
+        resp.body,
+        ResponseBody::Error(ErrorReply {
+            code: ErrorCode::TooLarge,
+            ..
+        })
+    ));
+
+    // Still serving, on the same stream.
+    let out = client.exec(sh("echo alive")).unwrap();
+    assert_eq!(out.stdout, b"alive\n");
+}
+
+#[test]
+fn exec_env_cwd_stdin_user_and_exit() {
+    let agent = AgentProcess::start();
+    let client = agent.client();
+    let dir = tempfile::tempdir().unwrap();
+    client
+        .set_env(vec![("SANDBOX_WIDE".into(), "yes".into())], vec![])
+        .unwrap();
+    let mut req = sh("echo $SANDBOX_WIDE $MINE; pwd; tr a-z A-Z; echo err >&2; exit 4");
+    req.env = vec![("MINE".into(), "mine".into())];
+    req.cwd = Some(dir.path().display().to_string());
+    req.stdin = b"hello stdin".to_vec();
+    let out = client.exec(req).unwrap();
+    let cwd = dir.path().canonicalize().unwrap();
+    assert_eq!(
+        String::from_utf8(out.stdout).unwrap(),
+        format!("yes mine\n{}\nHELLO STDIN", cwd.display())
+    );
+    assert_eq!(out.stderr, b"err\n");
+    assert_eq!(out.exit.code, Some(4));
+
+    // Per-exec env overrides the sandbox-wide one; unset removes it.
+    let mut req = sh("echo ${SANDBOX_WIDE:-none}");
+    req.env = vec![("SANDBOX_WIDE".into(), "over".into())];
+    assert_eq!(client.exec(req).unwrap().stdout, b"over\n");
+    client.set_env(vec![], vec!["SANDBOX_WIDE".into()]).unwrap();
+    assert_eq!(
+        client
+            .exec(sh("echo ${SANDBOX_WIDE:-none}"))
+            .unwrap()
+            .stdout,
+        b"none\n"
+    );
+
+    // Running as another user works when the agent is root.
+    let mut req = sh("id -u; id -g");
+    req.user = Some(UserSpec {
+        uid: 65534,
+        gid: 65534,
+    });
+    let out = client.exec(req);
+    if nix::unistd::geteuid().is_root() {
+        assert_eq!(out.unwrap().stdout, b"65534\n65534\n");
+    } else {
+        assert_eq!(agent_error(out).code, ErrorCode::PermissionDenied);
+    }
+
+    // A program that does not exist, and an empty argv.
+    let missing = ExecRequest {
+        argv: vec!["/no/such/program".into()],
+        ..Default::default()
+    };
+    assert_eq!(agent_error(client.exec(missing)).code, ErrorCode::NotFound);
+    assert_eq!(
+        agent_error(client.exec(ExecRequest::default())).code,
+        ErrorCode::InvalidArgument
+    );
+}
+
+#[test]
+fn exec_timeout_kill_and_background() {
+    let agent = AgentProcess::start();
+    let client = agent.client();
+
+    // Timeout: the whole group dies, children included.
+    let mut req = sh("sleep 30 & echo $!; sleep 30");
+    req.timeout_ms = Some(300);
+    let out = client.exec(req).unwrap();
+    assert!(out.exit.timed_out);
+    assert_eq!(out.exit.signal, Some(libc::SIGKILL));
+    let grandchild: i32 = String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    wait_until("the timed-out grandchild is gone", || {
+        is_gone_or_zombie(grandchild)
+    });
+
+    // Background: started, left running, killed later by id with its children, waited.
+    let mut req = sh("sleep 30 & sleep 30; exit 0");
+    req.background = true;
+    let mut call = client.start(RequestBody::Exec(req)).unwrap();
+    let pgid = match call.recv().unwrap() {
+        Some(ResponseBody::Started { pid }) => pid as i32,
+        other => panic!("{other:?}"),
+    };
+    let exec_id = call.id;
+    drop(call);
+    wait_until("the background group has two sleeps", || {
+        processes().iter().filter(|p| p.3 == pgid).count() >= 3
+    });
+    client.kill(exec_id, libc::SIGTERM).unwrap();
+    let exit = client.wait(exec_id).unwrap();
+    assert_eq!(exit.signal, Some(libc::SIGTERM));
+    wait_until("the whole group is gone", || {
+        let left: Vec<_> = processes().into_iter().filter(|p| p.3 == pgid).collect();
+        left.iter().all(|p| p.2 == 'Z')
+    });
+    assert_eq!(
+        agent_error(client.kill(exec_id, libc::SIGTERM)).code,
+        ErrorCode::NoSuchExec
+    );
+
+    // Background exec that ends on its own is waited for afterwards.
+    let mut req = sh("exit 9");
+    req.background = true;
+    let call = client.start(RequestBody::Exec(req)).unwrap();
+    let id = call.id;
+    assert!(matches!(call.finish().unwrap(), ResponseBody::Exited(_)));
+    assert_eq!(client.wait(id).unwrap().code, Some(9));
+    assert_eq!(agent_error(client.wait(id)).code, ErrorCode::NoSuchExec);
+
+    // Killing an exec that has ended.
+    let mut req = sh("sleep 0.05");
+    req.background = true;
+    let call = client.start(RequestBody::Exec(req)).unwrap();
+    let id = call.id;
+    call.finish().unwrap();
+    assert_eq!(
+        agent_error(client.kill(id, libc::SIGKILL)).code,
+        ErrorCode::NotRunning
+    );
+}
+
+/// A deterministic byte stream of a given length, never held whole in memory.
+struct Pattern {
+    left: u64,
+    state: u32,
+}
+
+impl Read for Pattern {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = (buf.len() as u64).min(self.left) as usize;
+        for b in &mut buf[..n] {
+            self.state = self.state.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            *b = (self.state >> 16) as u8;
+        }
+        self.left -= n as u64;
+        Ok(n)
+    }
+}
+
+struct Crc(crc32fast::Hasher, u64);
+
+impl Write for Crc {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.update(buf);
+        self.1 += buf.len() as u64;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn files_stream_64_mib_in_bounded_memory() {
+    const SIZE: u64 = 64 * 1024 * 1024;
+    let agent = AgentProcess::start();
+    let client = agent.client();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("sub/dir/big.bin").display().to_string();
+
+    let mut expected = Crc(crc32fast::Hasher::new(), 0);
+    std::io::copy(
+        &mut Pattern {
+            left: SIZE,
+            state: 1,
+        },
+        &mut expected,
+    )
+    .unwrap();
+    let written = client
+        .write_file(
+            &path,
+            &mut Pattern {
+                left: SIZE,
+                state: 1,
+            },
+        )
+        .unwrap();
+    assert_eq!(written, SIZE);
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), SIZE);
+
+    let mut got = Crc(crc32fast::Hasher::new(), 0);
+    assert_eq!(client.read_file(&path, &mut got).unwrap(), SIZE);
+    assert_eq!(got.1, SIZE);
+    assert_eq!(got.0.finalize(), expected.0.finalize());
+
+    let hwm_kib = agent.vm_hwm_kib();
+    println!("agent peak RSS: {hwm_kib} KiB for a {SIZE}-byte round trip");
+    assert!(
+        hwm_kib * 1024 < SIZE / 4,
+        "agent peak RSS {hwm_kib} KiB is not far below the {SIZE}-byte file"
+    );
+}
+
+#[test]
+fn files_list_stat_mkdir_remove_rename_and_errors() {
+    let agent = AgentProcess::start();
+    let client = agent.client();
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().display().to_string();
+    let p = |rel: &str| format!("{root}/{rel}");
+
+    client.make_dir(&p("a/b/c"), true).unwrap();
+    client.make_dir(&p("a/b/c"), true).unwrap();
+    client.write_file(&p("a/one.txt"), &mut &b"1"[..]).unwrap();
+    client
+        .write_file(&p("a/b/two.txt"), &mut &b"22"[..])
+        .unwrap();
+    client
+        .write_file(&p("a/b/c/three.txt"), &mut &b"333"[..])
+        .unwrap();
+
+    let names = |depth| {
+        let mut v: Vec<String> = client
+            .list_dir(&p("a"), depth)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.path.strip_prefix(&p("a")).unwrap().to_string())
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(names(1), ["/b", "/one.txt"]);
+    assert_eq!(names(2), ["/b", "/b/c", "/b/two.txt", "/one.txt"]);
+    assert_eq!(
+        names(3),
+        ["/b", "/b/c", "/b/c/three.txt", "/b/two.txt", "/one.txt"]
+    );
+
+    let st = client.stat(&p("a/b/two.txt")).unwrap();
+    assert_eq!((st.kind, st.size), (FileKind::File, 2));
+    assert_eq!(client.stat(&p("a/b")).unwrap().kind, FileKind::Dir);
+    assert!(client.exists(&p("a/one.txt")).unwrap());
+    assert!(!client.exists(&p("a/nope")).unwrap());
+
+    client.rename(&p("a/one.txt"), &p("a/b/moved.txt")).unwrap();
+    assert!(!client.exists(&p("a/one.txt")).unwrap());
+    let mut back = Vec::new();
+    client.read_file(&p("a/b/moved.txt"), &mut back).unwrap();
+    assert_eq!(back, b"1");
+
+    assert_eq!(
+        agent_error(client.stat(&p("missing"))).code,
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        agent_error(client.list_dir(&p("a/b/two.txt"), 1)).code,
+        ErrorCode::NotADirectory
+    );
+    assert_eq!(
+        agent_error(client.read_file(&p("a"), &mut Vec::new())).code,
+        ErrorCode::IsADirectory
+    );
+    assert_eq!(
+        agent_error(client.remove(&p("a"), false)).code,
+        ErrorCode::NotEmpty
+    );
+    assert_eq!(
+        agent_error(client.make_dir(&p("x/y"), false)).code,
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        agent_error(client.list_dir(&p("a"), 0)).code,
+        ErrorCode::InvalidArgument
+    );
+    client.remove(&p("a"), true).unwrap();
+    assert!(!client.exists(&p("a")).unwrap());
+    assert!(!Path::new(&p("a")).exists());
+}
+
+#[test]
+fn reaps_orphans_as_subreaper() {
+    let agent = AgentProcess::start();
+    check_orphan_reaped(&agent);
+}
+
+#[test]
+fn reaps_orphans_as_pid1() {
+    let agent = match AgentProcess::start_in_pid_namespace() {
+        Ok(a) => a,
+        Err(reason) => {
+            println!("skipped: {reason}");
+            return;
+        }
+    };
+    let client = agent.client();
+    // PID 1 inside: the exec sees its own shell's parent as 1.
+    let out = client.exec(sh("echo $PPID")).unwrap();
+    assert_eq!(out.stdout, b"1\n");
+    drop(client);
+    check_orphan_reaped(&agent);
+    // PID 1 gets no default signal actions; SIGTERM from the parent namespace must
+    // still shut it down cleanly.
+    let mut agent = agent;
+    assert_eq!(agent.terminate(), Some(0));
+}
+
+fn check_orphan_reaped(agent: &AgentProcess) {
+    let client = agent.client();
+    // The orphan lets go of the exec's pipes so the exec is answered at once.
+    let out = client.exec(sh("sleep 2 >/dev/null 2>&1 & exit 0")).unwrap();
+    assert_eq!(out.exit.code, Some(0));
+    // The orphaned sleep is re-parented to the agent, then reaped when it ends.
+    let adopted = children_of(agent.pid);
+    assert!(
+        !adopted.is_empty(),
+        "the orphan was not re-parented to the agent"
+    );
+    wait_until("the orphan is reaped", || {
+        processes()
+            .iter()
+            .all(|p| !(adopted.contains(&p.0) && p.1 == agent.pid))
+    });
+    // Exec statuses still reach exec while the reaper reaps everything.
+    for code in 0..5 {
+        let out = client.exec(sh(&format!("exit {code}"))).unwrap();
+        assert_eq!(out.exit.code, Some(code));
+    }
+}
+
+#[test]
+fn sigterm_forwards_and_exits_cleanly() {
+    let mut agent = AgentProcess::start();
+    let client = agent.client();
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("got-term");
+    let mut req = sh(&format!(
+        "trap 'echo term > {}; exit 0' TERM; echo ready; sleep 30 & wait",
+        marker.display()
+    ));
+    req.background = true;
+    let mut call = client.start(RequestBody::Exec(req)).unwrap();
+    let pid = match call.recv().unwrap() {
+        Some(ResponseBody::Started { pid }) => pid as i32,
+        other => panic!("{other:?}"),
+    };
+    // The trap is set once the shell says so.
+    assert_eq!(
+        call.recv().unwrap(),
+        Some(ResponseBody::Stdout(b"ready\n".to_vec()))
+    );
+    assert_eq!(agent.terminate(), Some(0));
+    // The exec got the forwarded SIGTERM itself (not only the SIGKILL after the grace).
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "term\n");
+    wait_until("the exec is gone", || is_gone_or_zombie(pid));
+    wait_until("its group is gone", || {
+        processes().iter().all(|p| p.3 != pid || p.2 == 'Z')
+    });
+}
+
+#[test]
+fn run_code_contexts_over_the_wire() {
+    let have_python = Command::new("python3")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !have_python {
+        println!("skipped: python3 is not installed");
+        return;
+    }
+    let agent = AgentProcess::start();
+    let client = Arc::new(agent.client());
+    client
+        .create_context("one", Language::Python, None)
+        .unwrap();
+    client
+        .create_context("two", Language::Python, None)
+        .unwrap();
+    assert_eq!(
+        agent_error(client.create_context("one", Language::Python, None)).code,
+        ErrorCode::AlreadyExists
+    );
+    client.run_code("one", "n = 1", None).unwrap();
+    client.run_code("two", "n = 2", None).unwrap();
+
+    // A long cell in one context does not hold up another.
+    let slow_client = Arc::clone(&client);
+    let slow = std::thread::spawn(move || {
+        slow_client.run_code(
+            "one",
+            "import time\nwhile True:\n    time.sleep(0.01)",
+            Some(Duration::from_millis(500)),
+        )
+    });
+    let r = client.run_code("two", "n * 10", None).unwrap();
+    assert_eq!(r.value.as_deref(), Some("20"));
+    let r = slow.join().unwrap().unwrap();
+    assert!(r.timed_out);
+    assert_eq!(r.error.unwrap().name, "KeyboardInterrupt");
+    let r = client.run_code("one", "print('n is', n)\nn", None).unwrap();
+    assert_eq!(r.stdout, "n is 1\n");
+    assert_eq!(r.value.as_deref(), Some("1"));
+
+    let r = client.run_code("one", "{}['missing']", None).unwrap();
+    let e = r.error.unwrap();
+    assert_eq!(
+        (e.name.as_str(), e.value.as_str()),
+        ("KeyError", "'missing'")
+    );
+    assert!(e.traceback.contains("KeyError"));
+
+    let names: Vec<String> = client
+        .list_contexts()
+        .unwrap()
+        .into_iter()
+        .map(|c| c.name)
+        .collect();
+    assert_eq!(names, ["one", "two"]);
+    client.delete_context("one").unwrap();
+    assert_eq!(
+        agent_error(client.run_code("one", "n", None)).code,
+        ErrorCode::NoSuchContext
+    );
+}
