@@ -100,6 +100,7 @@ struct Report {
     wake_ms: f64,
     memory_overhead_mib_per_sandbox: f64,
     memory_overhead_sandboxes: usize,
+    memory_pss_mib_per_sandbox: f64,
     floor_kvm_vm_ms: f64,
     floor_kvm_vm_p95_ms: f64,
     floor_write_mib_per_s: f64,
@@ -403,7 +404,7 @@ fn run_plan(
         "memory overhead of {} idle sandboxes",
         plan.density
     ));
-    let overhead = memory_overhead(&store, template, plan.density)?;
+    let (overhead, pss) = memory_overhead(&store, template, plan.density)?;
 
     let clean = snapshot_rows.first();
     let largest = snapshot_rows.last();
@@ -471,6 +472,7 @@ fn run_plan(
         wake_ms: lifecycle.wake.0,
         memory_overhead_mib_per_sandbox: round2(overhead),
         memory_overhead_sandboxes: plan.density,
+        memory_pss_mib_per_sandbox: round2(pss),
         floor_kvm_vm_ms: round2(floor_vm_p50),
         floor_kvm_vm_p95_ms: round2(floor_vm_p95),
         floor_write_mib_per_s: round2(floor_write),
@@ -562,7 +564,11 @@ fn used_memory_mib() -> Result<f64, CliError> {
     Ok(kib / 1024.0)
 }
 
-fn memory_overhead(store: &Path, template: &str, count: usize) -> Result<f64, CliError> {
+/// Per idle sandbox: the host's used memory grown by `count` sandboxes, divided by
+/// `count` (the reference's method, which other processes on the host disturb), and the
+/// mean proportional set size of their supervisors (guest pages they wrote, their share
+/// of the template's page cache, the process itself; not KVM's kernel memory).
+fn memory_overhead(store: &Path, template: &str, count: usize) -> Result<(f64, f64), CliError> {
     // No pool here: idle pooled supervisors would be counted against the sandboxes.
     let rt = Runtime::open(RuntimeConfig {
         store_root: store.to_path_buf(),
@@ -573,20 +579,38 @@ fn memory_overhead(store: &Path, template: &str, count: usize) -> Result<f64, Cl
     std::thread::sleep(Duration::from_millis(200));
     let before = used_memory_mib()?;
     let mut sandboxes = Vec::with_capacity(count);
-    let result = (|| {
+    let result = (|| -> Result<(f64, f64), CliError> {
         for _ in 0..count {
             let mut sb = rt.create(template, ephemeral()).map_err(CliError::from)?;
             sb.guest_wait_working_set().map_err(CliError::from)?;
             sandboxes.push(sb);
         }
         std::thread::sleep(Duration::from_millis(500));
-        used_memory_mib()
+        let used = used_memory_mib()?;
+        let mut pss_kib = 0u64;
+        for sb in &mut sandboxes {
+            let pid = sb.status().map_err(CliError::from)?.pid;
+            pss_kib += proportional_set_kib(pid)?;
+        }
+        Ok((used, pss_kib as f64 / 1024.0))
     })();
     for sb in sandboxes {
         let _ = sb.destroy();
     }
-    let after = result?;
-    Ok((after - before) / count as f64)
+    let (after, pss_mib) = result?;
+    Ok(((after - before) / count as f64, pss_mib / count as f64))
+}
+
+/// `Pss` of process `pid`, KiB.
+fn proportional_set_kib(pid: u32) -> Result<u64, CliError> {
+    let path = format!("/proc/{pid}/smaps_rollup");
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| CliError::failed(format!("{path}: {e}")))?;
+    text.lines()
+        .find(|l| l.starts_with("Pss:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| CliError::failed(format!("{path} has no Pss line")))
 }
 
 fn print_markdown(r: &Report) {
@@ -663,8 +687,8 @@ fn print_markdown(r: &Report) {
     println!("| hibernate (CubeSandbox's pause) | {} | |", r.hibernate_ms);
     println!("| wake | {} | |", r.wake_ms);
     println!(
-        "\nMemory overhead: {} MiB per idle sandbox over {} sandboxes\n",
-        r.memory_overhead_mib_per_sandbox, r.memory_overhead_sandboxes
+        "\nMemory per idle sandbox over {} sandboxes: {} MiB of host memory used, {} MiB PSS of its supervisor\n",
+        r.memory_overhead_sandboxes, r.memory_overhead_mib_per_sandbox, r.memory_pss_mib_per_sandbox
     );
     println!("## Targets\n\n| Target | Value | Limit | Met |\n|---|---|---|---|");
     for t in &r.targets {
