@@ -1,5 +1,6 @@
 //! Cube's `Sandbox` API: lifecycle, the KVM microVM engine, snapshots and templates.
 
+pub mod devices;
 pub mod error_report;
 pub mod host_caps;
 pub mod sandbox;

@@ -1,0 +1,108 @@
+//! What a virtio device does behind the transport.
+//!
+//! Modelled on Firecracker's `VirtioDevice`: the transport negotiates features and
+//! collects queue geometry; once the driver sets DRIVER_OK it hands the validated queues,
+//! guest memory and the interrupt to the device, which owns them until reset.
+
+use std::sync::Arc;
+
+use super::interrupt::{InterruptError, VirtioInterrupt};
+use super::queue::{Queue, QueueError};
+use super::VirtioMemory;
+
+/// Why a device could not activate, serve a queue or restore its state.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    /// The device was given a different number of queues than it has.
+    #[error("Device has {expected} queues, was given {given}")]
+    QueueCount {
+        /// How many queues the device has.
+        expected: usize,
+        /// How many it was given.
+        given: usize,
+    },
+    /// A notification named a queue the device does not have.
+    #[error("Device has no queue {0}")]
+    NoSuchQueue(u16),
+    /// A notification arrived before the device was activated.
+    #[error("Device is not activated")]
+    NotActivated,
+    /// The device was activated twice without a reset.
+    #[error("Device is already activated")]
+    AlreadyActivated,
+    /// A ring could not be read or written.
+    #[error("Queue {index} failed")]
+    Queue {
+        /// The queue.
+        index: u16,
+        /// What went wrong.
+        #[source]
+        source: QueueError,
+    },
+    /// The guest could not be interrupted.
+    #[error("Interrupting the guest failed")]
+    Interrupt(#[source] InterruptError),
+    /// Reading host entropy failed.
+    #[error("Reading host entropy failed")]
+    Entropy(#[source] std::io::Error),
+    /// Writing into a guest buffer failed.
+    #[error("Writing guest buffer at {addr:#x} failed")]
+    GuestWrite {
+        /// Guest physical address of the write.
+        addr: u64,
+        /// The guest memory error.
+        #[source]
+        source: vm_memory::GuestMemoryError,
+    },
+    /// Saved device state does not belong to this device.
+    #[error("Device state is malformed: {0}")]
+    BadState(String),
+}
+
+/// A virtio device, driven by a transport such as [`super::mmio::MmioTransport`].
+pub trait VirtioDevice: Send {
+    /// The virtio device type (virtio spec 5), e.g. [`super::VIRTIO_ID_RNG`].
+    fn device_type(&self) -> u32;
+
+    /// The feature bits the device offers; must include VIRTIO_F_VERSION_1.
+    fn features(&self) -> u64;
+
+    /// The largest size of each queue, one entry a queue.
+    fn queue_max_sizes(&self) -> &[u16];
+
+    /// Fills `data` from device configuration space at `offset`; bytes past the end of
+    /// the space are left as they are (the transport zeroes them first).
+    fn read_config(&self, offset: u64, data: &mut [u8]);
+
+    /// Takes a driver write of `data` at `offset` of configuration space; writes to
+    /// read-only or absent fields are dropped.
+    fn write_config(&mut self, offset: u64, data: &[u8]);
+
+    /// Starts the device with the features the driver accepted, guest memory, its
+    /// queues (validated, one for each entry of [`VirtioDevice::queue_max_sizes`]) and
+    /// its interrupt.
+    fn activate(
+        &mut self,
+        acked_features: u64,
+        memory: VirtioMemory,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<(), DeviceError>;
+
+    /// Serves the buffers the driver made available in queue `index`.
+    fn process_queue(&mut self, index: u16) -> Result<(), DeviceError>;
+
+    /// The queues of an activated device (their ring positions go into snapshots), or
+    /// none before activation.
+    fn queues(&self) -> &[Queue];
+
+    /// Drops the queues, memory and interrupt and returns to the state before
+    /// activation.
+    fn reset(&mut self);
+
+    /// Device-specific state for a snapshot, in the device's own encoding.
+    fn save_state(&self) -> Vec<u8>;
+
+    /// Takes back what [`VirtioDevice::save_state`] produced, before activation.
+    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError>;
+}

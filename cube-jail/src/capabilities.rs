@@ -1,0 +1,182 @@
+//! Giving up root: the capability bounding set, ambient set, the switch to the sandbox's
+//! unprivileged uid/gid, and no_new_privs.
+//!
+//! The functions named `*_in_child` run in the freshly cloned sandbox process before
+//! `execve`, where the parent may have had other threads: they only issue raw system
+//! calls, never allocate, and report failures as an [`Errno`].
+
+use std::fs;
+
+use nix::errno::Errno;
+
+/// Errors from the parent-side preparation of the privilege drop.
+#[derive(Debug, thiserror::Error)]
+pub enum CapabilityError {
+    /// `/proc/sys/kernel/cap_last_cap` could not be read.
+    #[error("cannot read /proc/sys/kernel/cap_last_cap")]
+    LastCap(#[source] std::io::Error),
+    /// `/proc/sys/kernel/cap_last_cap` did not hold a small number.
+    #[error("malformed cap_last_cap: {0:?}")]
+    MalformedLastCap(String),
+    /// uid or gid 0 was asked for: a sandbox never runs as root.
+    #[error("sandbox processes may not run as uid or gid 0")]
+    RootIdentity,
+}
+
+/// The identity sandbox processes run as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// Real, effective and saved uid.
+    pub uid: u32,
+    /// Real, effective and saved gid, and the only supplementary group.
+    pub gid: u32,
+}
+
+impl Identity {
+    /// Refuses root.
+    pub fn validate(&self) -> Result<(), CapabilityError> {
+        if self.uid == 0 || self.gid == 0 {
+            return Err(CapabilityError::RootIdentity);
+        }
+        Ok(())
+    }
+}
+
+/// The highest capability number the running kernel knows.
+pub fn last_cap() -> Result<u32, CapabilityError> {
+    let text =
+        fs::read_to_string("/proc/sys/kernel/cap_last_cap").map_err(CapabilityError::LastCap)?;
+    text.trim()
+        .parse::<u32>()
+        .ok()
+        .filter(|n| *n < 64)
+        .ok_or(CapabilityError::MalformedLastCap(text))
+}
+
+/// Empties the bounding and ambient sets. Needs CAP_SETPCAP, so it runs before the uid
+/// switch.
+pub fn drop_bounding_and_ambient_in_child(last_cap: u32) -> Result<(), Errno> {
+    for cap in 0..=last_cap {
+        // SAFETY: prctl with integer arguments only; no memory is passed.
+        let r = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
+        if r != 0 {
+            return Err(Errno::last());
+        }
+    }
+    // SAFETY: integer-only prctl.
+    let r = unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    if r != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+/// Sets the supplementary groups to `gid` alone, then gid, then uid. Leaving uid 0
+/// clears the effective and permitted capability sets (no SECBIT_KEEP_CAPS is set).
+pub fn switch_identity_in_child(id: Identity) -> Result<(), Errno> {
+    // Raw syscalls: glibc's setgroups/set*id wrappers broadcast the change to every
+    // thread it believes exists (a signal protocol under a lock); in a child cloned from
+    // a multi-threaded parent those threads do not exist and the wrapper hangs.
+    let groups = [id.gid as libc::gid_t];
+    // SAFETY: `groups` is a live one-element array and its length is passed.
+    if unsafe { libc::syscall(libc::SYS_setgroups, 1, groups.as_ptr()) } != 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: integer arguments only.
+    if unsafe { libc::syscall(libc::SYS_setresgid, id.gid, id.gid, id.gid) } != 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: integer arguments only.
+    if unsafe { libc::syscall(libc::SYS_setresuid, id.uid, id.uid, id.uid) } != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
+/// Clears the effective, permitted and inheritable sets explicitly, so that nothing is
+/// left even if the uid switch kept something.
+pub fn clear_sets_in_child() -> Result<(), Errno> {
+    let mut header = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let data = [CapData {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    // SAFETY: header and data are live, correctly laid out (version 3 takes two data
+    // elements) and outlive the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_capset,
+            &mut header as *mut CapHeader,
+            data.as_ptr(),
+        )
+    };
+    if r != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+/// Sets no_new_privs: execve can no longer grant privileges (setuid bits, file
+/// capabilities), and seccomp filters may be installed without CAP_SYS_ADMIN.
+pub fn set_no_new_privs_in_child() -> Result<(), Errno> {
+    // SAFETY: integer-only prctl.
+    let r = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+    if r != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_last_cap() {
+        let n = last_cap().unwrap();
+        assert!(
+            n >= 36,
+            "CAP_BLOCK_SUSPEND (36) exists since Linux 3.5, got {n}"
+        );
+    }
+
+    #[test]
+    fn refuses_root_identity() {
+        assert!(Identity { uid: 0, gid: 1 }.validate().is_err());
+        assert!(Identity { uid: 1, gid: 0 }.validate().is_err());
+        assert!(Identity {
+            uid: 65534,
+            gid: 65534
+        }
+        .validate()
+        .is_ok());
+    }
+}

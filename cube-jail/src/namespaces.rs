@@ -1,0 +1,214 @@
+//! Creating the sandbox's namespaces and configuring the ones that need it (UTS hostname,
+//! loopback in the network namespace, cgroup namespace after the cgroup join).
+//!
+//! The sandbox process is made with a raw `clone` system call that creates the mount,
+//! PID, network, IPC and UTS namespaces at once, so the child is PID 1 of its PID
+//! namespace without a second fork. With a null stack pointer `clone` behaves like
+//! `fork`: the child gets a copy-on-write copy of the calling thread only. Like after
+//! `fork` in a multi-threaded program, the child may then only make async-signal-safe
+//! calls until `execve`; see `jail.rs` for how that is kept.
+//!
+//! The cgroup namespace is created later, by `unshare`, once the child has joined the
+//! sandbox cgroups, so that its cgroup root is the sandbox cgroup and not the host's.
+
+use std::ffi::CString;
+
+use nix::errno::Errno;
+
+/// Errors from namespace creation in the parent.
+#[derive(Debug, thiserror::Error)]
+pub enum NamespaceError {
+    /// The kernel refused to create the process with new namespaces.
+    #[error("clone with new namespaces failed")]
+    Clone(#[source] Errno),
+    /// The hostname is empty, too long or holds a NUL.
+    #[error("invalid hostname {0:?}")]
+    InvalidHostname(String),
+}
+
+/// Which namespaces a sandbox gets. All of them by default; network, IPC, UTS and cgroup
+/// may be turned off (e.g. to diagnose), mount and PID may not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NamespaceSet {
+    /// Own mount table.
+    pub mount: bool,
+    /// Own PID numbering; the sandbox's first process is PID 1.
+    pub pid: bool,
+    /// Own network stack with only a loopback device.
+    pub net: bool,
+    /// Own System V IPC and POSIX message queues.
+    pub ipc: bool,
+    /// Own hostname.
+    pub uts: bool,
+    /// Own view of the cgroup tree, rooted at the sandbox cgroup.
+    pub cgroup: bool,
+}
+
+impl Default for NamespaceSet {
+    fn default() -> Self {
+        NamespaceSet {
+            mount: true,
+            pid: true,
+            net: true,
+            ipc: true,
+            uts: true,
+            cgroup: true,
+        }
+    }
+}
+
+impl NamespaceSet {
+    /// Flags for the `clone` call (everything except the cgroup namespace).
+    pub fn clone_flags(&self) -> libc::c_ulong {
+        let mut flags = 0;
+        for (on, flag) in [
+            (self.mount, libc::CLONE_NEWNS),
+            (self.pid, libc::CLONE_NEWPID),
+            (self.net, libc::CLONE_NEWNET),
+            (self.ipc, libc::CLONE_NEWIPC),
+            (self.uts, libc::CLONE_NEWUTS),
+        ] {
+            if on {
+                flags |= flag;
+            }
+        }
+        flags as libc::c_ulong
+    }
+}
+
+/// Validates a hostname and turns it into the bytes `sethostname` takes.
+pub fn hostname_bytes(name: &str) -> Result<CString, NamespaceError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+    if !ok {
+        return Err(NamespaceError::InvalidHostname(name.to_owned()));
+    }
+    CString::new(name).map_err(|_| NamespaceError::InvalidHostname(name.to_owned()))
+}
+
+/// Outcome of [`clone_into_namespaces`] in each of the two processes.
+pub enum Cloned {
+    /// In the parent: the child's host PID.
+    Parent(libc::pid_t),
+    /// In the child.
+    Child,
+}
+
+/// Creates a child process in new namespaces, fork-style.
+///
+/// # Safety
+/// In a multi-threaded program the child may only make async-signal-safe calls (no
+/// allocation, no locks) until it calls `execve` or `_exit`.
+pub unsafe fn clone_into_namespaces(flags: libc::c_ulong) -> Result<Cloned, NamespaceError> {
+    // SAFETY: clone with a null stack and no CLONE_VM/CLONE_SETTLS duplicates the calling
+    // thread like fork(); the null tid pointers are unused without the *_TID flags. The
+    // caller upholds the child's async-signal-safety contract.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            flags | libc::SIGCHLD as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        )
+    };
+    match r {
+        -1 => Err(NamespaceError::Clone(Errno::last())),
+        0 => Ok(Cloned::Child),
+        pid => Ok(Cloned::Parent(pid as libc::pid_t)),
+    }
+}
+
+/// Moves the calling process into a new cgroup namespace rooted at its current cgroups.
+pub fn unshare_cgroup_in_child() -> Result<(), Errno> {
+    // SAFETY: integer-only system call.
+    if unsafe { libc::unshare(libc::CLONE_NEWCGROUP) } != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+/// Sets the UTS hostname of the calling process's namespace.
+pub fn set_hostname_in_child(name: &CString) -> Result<(), Errno> {
+    let bytes = name.as_bytes();
+    // SAFETY: pointer and length describe the live bytes of `name`.
+    if unsafe { libc::sethostname(bytes.as_ptr().cast(), bytes.len()) } != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+/// Layout of `struct ifreq` as far as SIOC[GS]IFFLAGS use it (40 bytes on Linux).
+#[repr(C)]
+struct IfreqFlags {
+    name: [u8; libc::IFNAMSIZ],
+    flags: libc::c_short,
+    _pad: [u8; 22],
+}
+
+/// Brings up `lo` in the calling process's network namespace; a fresh namespace has it
+/// down.
+pub fn loopback_up_in_child() -> Result<(), Errno> {
+    // SAFETY: plain socket creation; the descriptor is closed below on every path.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(Errno::last());
+    }
+    let mut req = IfreqFlags {
+        name: [0; libc::IFNAMSIZ],
+        flags: 0,
+        _pad: [0; 22],
+    };
+    req.name[..2].copy_from_slice(b"lo");
+    // SAFETY: `req` is a correctly sized, live ifreq the kernel reads and writes.
+    let mut r = unsafe { libc::ioctl(fd, libc::SIOCGIFFLAGS, &mut req as *mut IfreqFlags) };
+    if r == 0 {
+        req.flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short;
+        // SAFETY: as above.
+        r = unsafe { libc::ioctl(fd, libc::SIOCSIFFLAGS, &mut req as *mut IfreqFlags) };
+    }
+    let err = Errno::last();
+    // SAFETY: `fd` was opened above and is not used after this.
+    unsafe { libc::close(fd) };
+    if r != 0 {
+        return Err(err);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validates_hostnames() {
+        assert!(hostname_bytes("sandbox-1").is_ok());
+        assert!(hostname_bytes("").is_err());
+        assert!(hostname_bytes("a/b").is_err());
+        assert!(hostname_bytes(&"x".repeat(65)).is_err());
+    }
+
+    #[test]
+    fn default_set_has_every_namespace() {
+        let f = NamespaceSet::default().clone_flags();
+        for flag in [
+            libc::CLONE_NEWNS,
+            libc::CLONE_NEWPID,
+            libc::CLONE_NEWNET,
+            libc::CLONE_NEWIPC,
+            libc::CLONE_NEWUTS,
+        ] {
+            assert_ne!(f & flag as libc::c_ulong, 0);
+        }
+        assert_eq!(f & libc::CLONE_NEWCGROUP as libc::c_ulong, 0);
+    }
+
+    #[test]
+    fn ifreq_has_the_kernel_size() {
+        assert_eq!(std::mem::size_of::<IfreqFlags>(), 40);
+    }
+}

@@ -1,0 +1,746 @@
+//! The sandbox's root filesystem: a per-sandbox directory (the writable layer), the
+//! template (the host's userland bound read-only, or template trees under an overlay),
+//! fresh /proc, a minimal /dev, private /tmp, then `pivot_root`.
+//!
+//! The parent prepares everything that needs allocation: it creates the sandbox
+//! directory and the mount points in it, and turns the mounts into a [`MountPlan`] of
+//! ready-made C strings. The child, inside its new mount namespace, executes the plan
+//! with raw system calls. All mounts therefore exist only in the sandbox's mount
+//! namespace (propagation is made private first) and vanish with its last process; the
+//! host's mount table never sees them.
+
+use std::ffi::{CStr, CString};
+use std::fs;
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+
+use crate::capabilities::Identity;
+
+/// Errors from preparing or removing a sandbox root.
+#[derive(Debug, thiserror::Error)]
+pub enum RootfsError {
+    /// The sandbox directory exists already; each sandbox needs a fresh one.
+    #[error("sandbox directory {0} already exists")]
+    StateDirExists(PathBuf),
+    /// A path is not absolute, or holds a character overlayfs options cannot carry
+    /// (`,`, `:`, NUL) or that is not UTF-8.
+    #[error("unusable path {0}")]
+    InvalidPath(PathBuf),
+    /// A template tree does not exist or is not a directory.
+    #[error("template tree {0} is not a directory")]
+    MissingTemplate(PathBuf),
+    /// A file operation while preparing or removing the root failed.
+    #[error("cannot {action} {path}")]
+    Io {
+        /// What was being done.
+        action: &'static str,
+        /// On which path.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// A mount under the sandbox directory could not be detached.
+    #[error("cannot unmount {path}")]
+    Unmount {
+        /// The mount point.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: Errno,
+    },
+}
+
+type Result<T> = std::result::Result<T, RootfsError>;
+
+/// What a sandbox's root filesystem is made of.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum RootSpec {
+    /// The host's own userland, read-only: /usr (and the /bin, /lib... links or dirs next
+    /// to it) and selected files of /etc, bound from the host; ready at once on a
+    /// Debian-like host, with python3. Everything else (/, /home/user) lives in the
+    /// sandbox directory.
+    #[default]
+    HostUserland,
+    /// Template trees under an overlayfs whose upper and work directories are in the
+    /// sandbox directory: writes are copied up, the templates stay untouched. The first
+    /// tree is the topmost.
+    Overlay {
+        /// Template trees, topmost first.
+        lower: Vec<PathBuf>,
+        /// Also bind the host userland read-only on top, as [`RootSpec::HostUserland`]
+        /// does: for templates that carry data but no programs.
+        host_userland: bool,
+    },
+}
+
+/// Directories of /etc (or files) taken from the host by [`RootSpec::HostUserland`].
+/// Secrets (shadow, gshadow, ssh, sudoers, machine-id) are deliberately absent.
+pub const HOST_ETC_ENTRIES: &[&str] = &[
+    "passwd",
+    "group",
+    "nsswitch.conf",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "timezone",
+    "alternatives",
+    "ssl",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "mime.types",
+    "os-release",
+    "debian_version",
+    "lsb-release",
+    "profile",
+    "profile.d",
+    "bash.bashrc",
+    "environment",
+    "shells",
+    "inputrc",
+    "protocols",
+    "services",
+    "networks",
+    "host.conf",
+    "gai.conf",
+    "locale.alias",
+    "python3",
+    "python3.11",
+    "magic",
+    "magic.mime",
+];
+
+/// Top-level host directories bound read-only by [`RootSpec::HostUserland`]; on
+/// merged-/usr hosts most are symlinks, which are copied as symlinks.
+pub const HOST_TOP_DIRS: &[&str] = &["usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32"];
+
+/// The sandbox user's home and default working directory, inside the sandbox.
+pub const HOME: &str = "/home/user";
+
+/// Device nodes of the minimal /dev: name, major, minor.
+const DEVICES: &[(&str, u32, u32)] = &[
+    ("null", 1, 3),
+    ("zero", 1, 5),
+    ("full", 1, 7),
+    ("random", 1, 8),
+    ("urandom", 1, 9),
+    ("tty", 5, 0),
+];
+
+/// One step of the child's mount set-up.
+#[derive(Debug)]
+pub(crate) enum Step {
+    Mount {
+        source: Option<CString>,
+        target: CString,
+        fstype: Option<CString>,
+        flags: libc::c_ulong,
+        data: Option<CString>,
+    },
+    Mkdir {
+        path: CString,
+        mode: libc::mode_t,
+    },
+    Mknod {
+        path: CString,
+        mode: libc::mode_t,
+        dev: libc::dev_t,
+    },
+    Symlink {
+        target: CString,
+        link: CString,
+    },
+}
+
+/// The mounts and nodes the child creates, in order, and where it pivots to.
+#[derive(Debug)]
+pub struct MountPlan {
+    steps: Vec<Step>,
+    descriptions: Vec<String>,
+    root: CString,
+}
+
+impl MountPlan {
+    fn push(&mut self, step: Step, description: String) {
+        self.steps.push(step);
+        self.descriptions.push(description);
+    }
+
+    /// Number of steps.
+    pub fn len(&self) -> usize {
+        self.steps.len()
+    }
+
+    /// Whether the plan is empty (never for a prepared root).
+    pub fn is_empty(&self) -> bool {
+        self.steps.is_empty()
+    }
+
+    /// Human-readable description of step `index`, for error messages.
+    pub fn describe(&self, index: usize) -> &str {
+        self.descriptions
+            .get(index)
+            .map(String::as_str)
+            .unwrap_or("unknown step")
+    }
+
+    fn mount(
+        &mut self,
+        source: Option<&Path>,
+        target: &Path,
+        fstype: Option<&str>,
+        flags: libc::c_ulong,
+        data: Option<&str>,
+    ) -> Result<()> {
+        let description = format!(
+            "mount {} on {} ({})",
+            source
+                .map(|s| s.display().to_string())
+                .unwrap_or_else(|| "-".into()),
+            target.display(),
+            fstype.unwrap_or("bind/remount")
+        );
+        let step = Step::Mount {
+            source: source.map(cpath).transpose()?,
+            target: cpath(target)?,
+            fstype: fstype.map(cstr).transpose()?,
+            flags,
+            data: data.map(cstr).transpose()?,
+        };
+        self.push(step, description);
+        Ok(())
+    }
+
+    fn bind_readonly(&mut self, source: &Path, target: &Path) -> Result<()> {
+        self.mount(
+            Some(source),
+            target,
+            None,
+            libc::MS_BIND | libc::MS_REC,
+            None,
+        )?;
+        self.mount(
+            None,
+            target,
+            None,
+            libc::MS_REMOUNT | libc::MS_BIND | libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV,
+            None,
+        )
+    }
+
+    /// Executes the plan in the child (inside its own mount namespace), then makes the
+    /// prepared root the process's `/` with `pivot_root` and detaches the old root.
+    /// On failure returns the index of the failed step (`len()` for the pivot) and the
+    /// error. Async-signal-safe.
+    pub(crate) fn execute_in_child(&self) -> std::result::Result<(), (usize, Errno)> {
+        for (i, step) in self.steps.iter().enumerate() {
+            run_step(step).map_err(|e| (i, e))?;
+        }
+        pivot_in_child(&self.root).map_err(|e| (self.steps.len(), e))
+    }
+}
+
+fn opt_ptr(s: &Option<CString>) -> *const libc::c_char {
+    s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr())
+}
+
+fn check(r: libc::c_int) -> std::result::Result<(), Errno> {
+    if r != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+fn run_step(step: &Step) -> std::result::Result<(), Errno> {
+    match step {
+        Step::Mount {
+            source,
+            target,
+            fstype,
+            flags,
+            data,
+        } => {
+            // SAFETY: every pointer is null or a live NUL-terminated string of `step`.
+            check(unsafe {
+                libc::mount(
+                    opt_ptr(source),
+                    target.as_ptr(),
+                    opt_ptr(fstype),
+                    *flags,
+                    opt_ptr(data).cast(),
+                )
+            })
+        }
+        // SAFETY: `path` is a live NUL-terminated string.
+        Step::Mkdir { path, mode } => check(unsafe { libc::mkdir(path.as_ptr(), *mode) }),
+        Step::Mknod { path, mode, dev } => {
+            // SAFETY: `path` is a live NUL-terminated string.
+            check(unsafe { libc::mknod(path.as_ptr(), *mode, *dev) })
+        }
+        Step::Symlink { target, link } => {
+            // SAFETY: both are live NUL-terminated strings.
+            check(unsafe { libc::symlink(target.as_ptr(), link.as_ptr()) })
+        }
+    }
+}
+
+fn pivot_in_child(root: &CStr) -> std::result::Result<(), Errno> {
+    let dot = c".";
+    // SAFETY: live NUL-terminated string.
+    check(unsafe { libc::chdir(root.as_ptr()) })?;
+    // pivot_root(".", ".") stacks the old root on top of the new one; detaching "."
+    // then leaves only the new root, without needing a put_old directory.
+    // SAFETY: live NUL-terminated strings.
+    let r = unsafe { libc::syscall(libc::SYS_pivot_root, dot.as_ptr(), dot.as_ptr()) };
+    if r != 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: live NUL-terminated string.
+    check(unsafe { libc::umount2(dot.as_ptr(), libc::MNT_DETACH) })?;
+    // SAFETY: live NUL-terminated string.
+    check(unsafe { libc::chdir(c"/".as_ptr()) })
+}
+
+fn cpath(p: &Path) -> Result<CString> {
+    CString::new(p.as_os_str().as_bytes()).map_err(|_| RootfsError::InvalidPath(p.to_path_buf()))
+}
+
+fn cstr(s: &str) -> Result<CString> {
+    CString::new(s).map_err(|_| RootfsError::InvalidPath(PathBuf::from(s)))
+}
+
+fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> RootfsError + 'a {
+    move |source| RootfsError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Paths of one sandbox's directory. Dropping it removes the directory (after detaching
+/// any mount found under it); [`RootfsLayout::remove`] does the same and reports errors.
+#[derive(Debug)]
+pub struct RootfsLayout {
+    state_dir: PathBuf,
+    root: PathBuf,
+    removed: bool,
+}
+
+impl RootfsLayout {
+    /// The sandbox's own directory (writable layer, overlay work dir, root mount point).
+    pub fn state_dir(&self) -> &Path {
+        &self.state_dir
+    }
+
+    /// The directory that becomes `/` inside the sandbox.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Detaches whatever is mounted under the sandbox directory (normally nothing: the
+    /// mounts lived in the sandbox's namespace) and deletes the directory.
+    pub fn remove(mut self) -> Result<()> {
+        self.remove_inner()
+    }
+
+    fn remove_inner(&mut self) -> Result<()> {
+        if self.removed {
+            return Ok(());
+        }
+        let mut mounts = mounts_under(&self.state_dir)?;
+        mounts.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
+        for m in mounts {
+            let c = cpath(&m)?;
+            // SAFETY: live NUL-terminated string.
+            if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
+                return Err(RootfsError::Unmount {
+                    path: m,
+                    source: Errno::last(),
+                });
+            }
+        }
+        match fs::remove_dir_all(&self.state_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err("remove", &self.state_dir)(e)),
+        }
+        self.removed = true;
+        Ok(())
+    }
+}
+
+impl Drop for RootfsLayout {
+    fn drop(&mut self) {
+        if let Err(e) = self.remove_inner() {
+            tracing::warn!(error = %e, dir = %self.state_dir.display(), "leaving a sandbox directory behind");
+        }
+    }
+}
+
+/// Mount points in this process's mount namespace at or below `dir`.
+pub fn mounts_under(dir: &Path) -> Result<Vec<PathBuf>> {
+    let info = Path::new("/proc/self/mountinfo");
+    let text = fs::read_to_string(info).map_err(io_err("read", info))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|p| PathBuf::from(p.replace("\\040", " ")))
+        .filter(|p| p.starts_with(dir))
+        .collect())
+}
+
+/// Creates the sandbox directory `state_dir` and everything the child needs in it, and
+/// returns its layout with the plan the child executes.
+pub fn prepare(
+    state_dir: &Path,
+    spec: &RootSpec,
+    identity: Identity,
+    hostname: &str,
+) -> Result<(RootfsLayout, MountPlan)> {
+    validate_path(state_dir)?;
+    if let RootSpec::Overlay { lower, .. } = spec {
+        if lower.is_empty() {
+            return Err(RootfsError::MissingTemplate(PathBuf::new()));
+        }
+        for l in lower {
+            validate_path(l)?;
+            if !l.is_dir() {
+                return Err(RootfsError::MissingTemplate(l.clone()));
+            }
+        }
+    }
+    match fs::DirBuilder::new().mode(0o700).create(state_dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+            return Err(RootfsError::StateDirExists(state_dir.to_path_buf()))
+        }
+        Err(e) => return Err(io_err("create", state_dir)(e)),
+    }
+    // From here on the layout owns the directory and removes it on error.
+    let layout = RootfsLayout {
+        state_dir: state_dir.to_path_buf(),
+        root: state_dir.join("root"),
+        removed: false,
+    };
+    let root = layout.root.clone();
+    mkdir(&root, 0o755)?;
+    let mut plan = MountPlan {
+        steps: Vec::new(),
+        descriptions: Vec::new(),
+        root: cpath(&root)?,
+    };
+    // Nothing the sandbox mounts may propagate back to the host.
+    plan.mount(
+        None,
+        Path::new("/"),
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )?;
+
+    // `prep` is where the parent creates mount points and files: the root itself, or
+    // the overlay's upper directory, whose contents show through the merged root.
+    let prep = match spec {
+        RootSpec::HostUserland => {
+            plan.mount(Some(&root), &root, None, libc::MS_BIND | libc::MS_REC, None)?;
+            plan.mount(
+                None,
+                &root,
+                None,
+                libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NODEV,
+                None,
+            )?;
+            root.clone()
+        }
+        RootSpec::Overlay { lower, .. } => {
+            let upper = state_dir.join("upper");
+            let work = state_dir.join("work");
+            mkdir(&upper, 0o755)?;
+            mkdir(&work, 0o700)?;
+            let lowers: Vec<String> = lower.iter().map(|p| p.display().to_string()).collect();
+            let data = format!(
+                "lowerdir={},upperdir={},workdir={}",
+                lowers.join(":"),
+                upper.display(),
+                work.display()
+            );
+            plan.mount(
+                Some(Path::new("overlay")),
+                &root,
+                Some("overlay"),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                Some(&data),
+            )?;
+            upper
+        }
+    };
+
+    if matches!(
+        spec,
+        RootSpec::HostUserland
+            | RootSpec::Overlay {
+                host_userland: true,
+                ..
+            }
+    ) {
+        add_host_userland(&mut plan, &prep, &root, hostname)?;
+    }
+
+    // Home of the sandbox user: the one place in / it may write.
+    mkdir_all(&prep.join("home"), 0o755)?;
+    let home = prep.join(HOME.trim_start_matches('/'));
+    mkdir(&home, 0o700)?;
+    std::os::unix::fs::chown(&home, Some(identity.uid), Some(identity.gid))
+        .map_err(io_err("chown", &home))?;
+
+    // Fresh /proc of the sandbox's PID namespace, with the kernel knobs read-only.
+    let proc_dir = root.join("proc");
+    mkdir_all(&prep.join("proc"), 0o555)?;
+    plan.mount(
+        Some(Path::new("proc")),
+        &proc_dir,
+        Some("proc"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        None,
+    )?;
+    for knob in ["sys", "sysrq-trigger"] {
+        // Same kernel inside and out: what the host's /proc lacks, the sandbox's does too.
+        if !Path::new("/proc").join(knob).exists() {
+            continue;
+        }
+        let p = proc_dir.join(knob);
+        plan.bind_readonly(&p, &p)?;
+    }
+
+    // Minimal /dev on its own tmpfs: a few character devices, private ptys, shm.
+    let dev = root.join("dev");
+    mkdir_all(&prep.join("dev"), 0o755)?;
+    plan.mount(
+        Some(Path::new("tmpfs")),
+        &dev,
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some("mode=755,size=64k"),
+    )?;
+    for (name, major, minor) in DEVICES {
+        let path = dev.join(name);
+        plan.push(
+            Step::Mknod {
+                path: cpath(&path)?,
+                mode: libc::S_IFCHR | 0o666,
+                dev: libc::makedev(*major, *minor),
+            },
+            format!("mknod {}", path.display()),
+        );
+    }
+    for (name, mode) in [("pts", 0o755), ("shm", 0o1777)] {
+        let path = dev.join(name);
+        plan.push(
+            Step::Mkdir {
+                path: cpath(&path)?,
+                mode,
+            },
+            format!("mkdir {}", path.display()),
+        );
+    }
+    plan.mount(
+        Some(Path::new("devpts")),
+        &dev.join("pts"),
+        Some("devpts"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )?;
+    plan.mount(
+        Some(Path::new("tmpfs")),
+        &dev.join("shm"),
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        Some("mode=1777"),
+    )?;
+    for (link, target) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        let path = dev.join(link);
+        plan.push(
+            Step::Symlink {
+                target: cstr(target)?,
+                link: cpath(&path)?,
+            },
+            format!("symlink {}", path.display()),
+        );
+    }
+
+    // Private /tmp; its pages are charged to the sandbox's memory cgroup.
+    mkdir_all(&prep.join("tmp"), 0o1777)?;
+    plan.mount(
+        Some(Path::new("tmpfs")),
+        &root.join("tmp"),
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV,
+        Some("mode=1777"),
+    )?;
+    Ok((layout, plan))
+}
+
+fn add_host_userland(plan: &mut MountPlan, prep: &Path, root: &Path, hostname: &str) -> Result<()> {
+    let host_root = Path::new("/");
+    for name in HOST_TOP_DIRS {
+        mirror_host_entry(
+            plan,
+            &host_root.join(name),
+            &prep.join(name),
+            &root.join(name),
+        )?;
+    }
+    let etc = prep.join("etc");
+    mkdir(&etc, 0o755)?;
+    for name in HOST_ETC_ENTRIES {
+        mirror_host_entry(
+            plan,
+            &Path::new("/etc").join(name),
+            &etc.join(name),
+            &root.join("etc").join(name),
+        )?;
+    }
+    for (name, content) in [
+        ("hostname", format!("{hostname}\n")),
+        (
+            "hosts",
+            format!("127.0.0.1\tlocalhost {hostname}\n::1\tlocalhost\n"),
+        ),
+        ("resolv.conf", String::new()),
+    ] {
+        let p = etc.join(name);
+        fs::write(&p, content).map_err(io_err("write", &p))?;
+    }
+    Ok(())
+}
+
+/// Copies a host symlink as a symlink, or creates a mount point and a read-only bind of
+/// a host file or directory. Entries the host lacks are skipped.
+fn mirror_host_entry(plan: &mut MountPlan, host: &Path, prep: &Path, target: &Path) -> Result<()> {
+    let meta = match fs::symlink_metadata(host) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io_err("inspect", host)(e)),
+    };
+    if meta.file_type().is_symlink() {
+        let dest = fs::read_link(host).map_err(io_err("read link", host))?;
+        std::os::unix::fs::symlink(&dest, prep).map_err(io_err("create symlink", prep))?;
+        return Ok(());
+    }
+    if meta.is_dir() {
+        mkdir(prep, 0o755)?;
+    } else if meta.is_file() {
+        fs::write(prep, b"").map_err(io_err("create", prep))?;
+        fs::set_permissions(prep, fs::Permissions::from_mode(0o644))
+            .map_err(io_err("chmod", prep))?;
+    } else {
+        return Ok(());
+    }
+    plan.bind_readonly(host, target)
+}
+
+fn mkdir(path: &Path, mode: u32) -> Result<()> {
+    fs::DirBuilder::new()
+        .mode(mode)
+        .create(path)
+        .map_err(io_err("create", path))?;
+    // The umask may have narrowed the mode (sticky /tmp, world-readable dirs).
+    fs::set_permissions(path, fs::Permissions::from_mode(mode)).map_err(io_err("chmod", path))
+}
+
+fn mkdir_all(path: &Path, mode: u32) -> Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => Ok(()),
+        _ => mkdir(path, mode),
+    }
+}
+
+fn validate_path(p: &Path) -> Result<()> {
+    let ok = p.is_absolute()
+        && p.to_str()
+            .is_some_and(|s| !s.contains([',', ':', '\0', '\n', ' ']));
+    if !ok {
+        return Err(RootfsError::InvalidPath(p.to_path_buf()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id() -> Identity {
+        Identity {
+            uid: 65534,
+            gid: 65534,
+        }
+    }
+
+    #[test]
+    fn prepares_and_removes_a_host_userland_root() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("sb");
+        let (layout, plan) = prepare(&dir, &RootSpec::HostUserland, id(), "box").unwrap();
+        assert!(plan.len() > 10);
+        assert!(layout.root().join("home/user").is_dir());
+        assert_eq!(
+            fs::read_to_string(layout.root().join("etc/hostname")).unwrap(),
+            "box\n"
+        );
+        assert!(!layout.root().join("etc/shadow").exists());
+        assert!(plan.describe(0).contains("mount"));
+        layout.remove().unwrap();
+        assert!(!dir.exists());
+    }
+
+    #[test]
+    fn refuses_an_existing_state_dir_and_bad_paths() {
+        let tmp = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            prepare(tmp.path(), &RootSpec::HostUserland, id(), "h"),
+            Err(RootfsError::StateDirExists(_))
+        ));
+        assert!(matches!(
+            prepare(Path::new("relative"), &RootSpec::HostUserland, id(), "h"),
+            Err(RootfsError::InvalidPath(_))
+        ));
+        let spec = RootSpec::Overlay {
+            lower: vec![tmp.path().join("missing")],
+            host_userland: false,
+        };
+        assert!(matches!(
+            prepare(&tmp.path().join("sb"), &spec, id(), "h"),
+            Err(RootfsError::MissingTemplate(_))
+        ));
+        assert!(!tmp.path().join("sb").exists());
+    }
+
+    #[test]
+    fn overlay_root_prepares_upper_and_work() {
+        let tmp = tempfile::tempdir().unwrap();
+        let lower = tmp.path().join("tpl");
+        fs::create_dir(&lower).unwrap();
+        let dir = tmp.path().join("sb");
+        let spec = RootSpec::Overlay {
+            lower: vec![lower.clone()],
+            host_userland: false,
+        };
+        let (layout, plan) = prepare(&dir, &spec, id(), "h").unwrap();
+        assert!(dir.join("upper/home/user").is_dir());
+        assert!(dir.join("work").is_dir());
+        assert!((0..plan.len()).any(|i| plan.describe(i).contains("overlay")));
+        drop(layout);
+        assert!(!dir.exists(), "drop removes the sandbox directory");
+    }
+}

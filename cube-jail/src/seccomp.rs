@@ -1,0 +1,362 @@
+//! The seccomp filter of sandbox processes: a deny list of system calls a sandbox never
+//! needs, each answered with EPERM, built with `seccompiler` in the parent and installed
+//! in the child just before `execve`.
+//!
+//! A deny list (not an allow list) keeps arbitrary user programs working; what it refuses
+//! is kernel attack surface and host-global state: modules, kexec, BPF, perf, keyrings,
+//! the clock, swap, reboot, new mounts and namespaces, ptrace, userfaultfd, io_uring,
+//! and personas other than plain Linux (which could turn off ASLR).
+//! x32-ABI numbers (which would alias the x86-64 calls past a deny list) are refused
+//! with ENOSYS, and so is `clone3`, whose flags live in memory a filter cannot read, so
+//! that libc falls back to `clone`, whose namespace flags the filter does check.
+
+use std::collections::BTreeMap;
+
+use nix::errno::Errno;
+use seccompiler::{
+    BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
+    SeccompRule, TargetArch,
+};
+
+/// Errors from building the filter.
+#[derive(Debug, thiserror::Error)]
+pub enum SeccompError {
+    /// seccompiler rejected the rules.
+    #[error("cannot build the seccomp filter")]
+    Build(#[source] seccompiler::BackendError),
+    /// This CPU architecture is not supported by the filter.
+    #[error("seccomp filters are built for x86-64 only")]
+    UnsupportedArch,
+}
+
+/// System calls refused with EPERM, with the reason they are refused.
+pub const DENIED: &[(&str, libc::c_long, &str)] = &[
+    ("init_module", libc::SYS_init_module, "kernel modules"),
+    ("finit_module", libc::SYS_finit_module, "kernel modules"),
+    ("delete_module", libc::SYS_delete_module, "kernel modules"),
+    ("kexec_load", libc::SYS_kexec_load, "replaces the kernel"),
+    (
+        "kexec_file_load",
+        libc::SYS_kexec_file_load,
+        "replaces the kernel",
+    ),
+    ("bpf", libc::SYS_bpf, "kernel attack surface"),
+    (
+        "perf_event_open",
+        libc::SYS_perf_event_open,
+        "kernel attack surface, side channels",
+    ),
+    ("add_key", libc::SYS_add_key, "keyrings are not namespaced"),
+    (
+        "request_key",
+        libc::SYS_request_key,
+        "keyrings are not namespaced",
+    ),
+    ("keyctl", libc::SYS_keyctl, "keyrings are not namespaced"),
+    ("reboot", libc::SYS_reboot, "host-global"),
+    ("swapon", libc::SYS_swapon, "host-global"),
+    ("swapoff", libc::SYS_swapoff, "host-global"),
+    (
+        "clock_settime",
+        libc::SYS_clock_settime,
+        "the clock is host-global",
+    ),
+    (
+        "clock_adjtime",
+        libc::SYS_clock_adjtime,
+        "the clock is host-global",
+    ),
+    (
+        "settimeofday",
+        libc::SYS_settimeofday,
+        "the clock is host-global",
+    ),
+    ("adjtimex", libc::SYS_adjtimex, "the clock is host-global"),
+    ("mount", libc::SYS_mount, "no new mounts after set-up"),
+    ("umount2", libc::SYS_umount2, "no new mounts after set-up"),
+    (
+        "pivot_root",
+        libc::SYS_pivot_root,
+        "no new mounts after set-up",
+    ),
+    ("chroot", libc::SYS_chroot, "no new mounts after set-up"),
+    (
+        "open_tree",
+        libc::SYS_open_tree,
+        "no new mounts after set-up",
+    ),
+    (
+        "move_mount",
+        libc::SYS_move_mount,
+        "no new mounts after set-up",
+    ),
+    ("fsopen", libc::SYS_fsopen, "no new mounts after set-up"),
+    ("fsconfig", libc::SYS_fsconfig, "no new mounts after set-up"),
+    ("fsmount", libc::SYS_fsmount, "no new mounts after set-up"),
+    ("fspick", libc::SYS_fspick, "no new mounts after set-up"),
+    (
+        "mount_setattr",
+        libc::SYS_mount_setattr,
+        "no new mounts after set-up",
+    ),
+    (
+        "unshare",
+        libc::SYS_unshare,
+        "no new namespaces (user namespaces widen the attack surface)",
+    ),
+    ("setns", libc::SYS_setns, "no joining other namespaces"),
+    (
+        "open_by_handle_at",
+        libc::SYS_open_by_handle_at,
+        "bypasses the mount tree",
+    ),
+    (
+        "name_to_handle_at",
+        libc::SYS_name_to_handle_at,
+        "file handles leak host inode identity",
+    ),
+    (
+        "ptrace",
+        libc::SYS_ptrace,
+        "kernel attack surface; seccomp bypass on old kernels",
+    ),
+    (
+        "process_vm_writev",
+        libc::SYS_process_vm_writev,
+        "pairs with ptrace",
+    ),
+    (
+        "userfaultfd",
+        libc::SYS_userfaultfd,
+        "widens kernel race windows",
+    ),
+    (
+        "io_uring_setup",
+        libc::SYS_io_uring_setup,
+        "bypasses seccomp, large attack surface",
+    ),
+    (
+        "io_uring_enter",
+        libc::SYS_io_uring_enter,
+        "bypasses seccomp, large attack surface",
+    ),
+    (
+        "io_uring_register",
+        libc::SYS_io_uring_register,
+        "bypasses seccomp, large attack surface",
+    ),
+    ("iopl", libc::SYS_iopl, "raw hardware access"),
+    ("ioperm", libc::SYS_ioperm, "raw hardware access"),
+    ("acct", libc::SYS_acct, "host-global"),
+    ("quotactl", libc::SYS_quotactl, "host-global"),
+    (
+        "syslog",
+        libc::SYS_syslog,
+        "kernel log leaks host addresses",
+    ),
+    ("vhangup", libc::SYS_vhangup, "host terminals"),
+    (
+        "lookup_dcookie",
+        libc::SYS_lookup_dcookie,
+        "kernel profiling",
+    ),
+    (
+        "fanotify_init",
+        libc::SYS_fanotify_init,
+        "host-wide file events",
+    ),
+    ("kcmp", libc::SYS_kcmp, "kernel pointer ordering leaks"),
+    ("uselib", libc::SYS_uselib, "obsolete"),
+    (
+        "sethostname",
+        libc::SYS_sethostname,
+        "hostname is fixed at set-up",
+    ),
+    (
+        "setdomainname",
+        libc::SYS_setdomainname,
+        "hostname is fixed at set-up",
+    ),
+];
+
+/// Namespace flags whose use in `clone` is refused.
+const NAMESPACE_FLAGS: &[u64] = &[
+    libc::CLONE_NEWNS as u64,
+    libc::CLONE_NEWUSER as u64,
+    libc::CLONE_NEWPID as u64,
+    libc::CLONE_NEWNET as u64,
+    libc::CLONE_NEWIPC as u64,
+    libc::CLONE_NEWUTS as u64,
+    libc::CLONE_NEWCGROUP as u64,
+];
+
+/// `personality(0xffffffff)` reads the persona without changing it.
+const PERSONALITY_QUERY: u64 = 0xffff_ffff;
+
+/// First system call number of the x32 ABI.
+const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+
+/// Compiled filters, ready to install in a child process without allocating.
+#[derive(Debug)]
+pub struct SeccompProgram {
+    filters: Vec<Vec<libc::sock_filter>>,
+}
+
+impl SeccompProgram {
+    /// Builds the sandbox filters.
+    pub fn build() -> Result<Self, SeccompError> {
+        let arch = TargetArch::x86_64;
+        if std::env::consts::ARCH != "x86_64" {
+            return Err(SeccompError::UnsupportedArch);
+        }
+        let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
+            DENIED.iter().map(|(_, nr, _)| (*nr, Vec::new())).collect();
+        let clone_rules = NAMESPACE_FLAGS
+            .iter()
+            .map(|flag| {
+                let cond = SeccompCondition::new(
+                    0,
+                    SeccompCmpArgLen::Qword,
+                    SeccompCmpOp::MaskedEq(*flag),
+                    *flag,
+                )?;
+                SeccompRule::new(vec![cond])
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(SeccompError::Build)?;
+        rules.insert(libc::SYS_clone, clone_rules);
+        // personality may only query (0xffffffff) or set plain PER_LINUX: other
+        // personas can disable ASLR or map page zero.
+        let personality = [PERSONALITY_QUERY, 0]
+            .into_iter()
+            .map(|v| SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, v))
+            .collect::<Result<Vec<_>, _>>()
+            .and_then(SeccompRule::new)
+            .map_err(SeccompError::Build)?;
+        rules.insert(libc::SYS_personality, vec![personality]);
+        let deny: BpfProgram = SeccompFilter::new(
+            rules,
+            SeccompAction::Allow,
+            SeccompAction::Errno(libc::EPERM as u32),
+            arch,
+        )
+        .and_then(TryInto::try_into)
+        .map_err(SeccompError::Build)?;
+        let clone3: BpfProgram = SeccompFilter::new(
+            [(libc::SYS_clone3, Vec::new())].into_iter().collect(),
+            SeccompAction::Allow,
+            SeccompAction::Errno(libc::ENOSYS as u32),
+            arch,
+        )
+        .and_then(TryInto::try_into)
+        .map_err(SeccompError::Build)?;
+
+        // x32 numbers alias x86-64 system calls with the 0x40000000 bit set; a deny list
+        // must refuse the whole range. This prefix loads the number and returns ENOSYS
+        // for it before seccompiler's program (jumps are relative, so prepending is safe).
+        let mut x32_guard = vec![
+            stmt(
+                (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16,
+                0, // offsetof(struct seccomp_data, nr)
+            ),
+            jump(
+                (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16,
+                X32_SYSCALL_BIT,
+                0,
+                1,
+            ),
+            stmt(
+                (libc::BPF_RET | libc::BPF_K) as u16,
+                libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
+            ),
+        ];
+        x32_guard.extend(deny.iter().map(convert));
+        Ok(SeccompProgram {
+            filters: vec![x32_guard, clone3.iter().map(convert).collect()],
+        })
+    }
+
+    /// Total number of BPF instructions.
+    pub fn len(&self) -> usize {
+        self.filters.iter().map(Vec::len).sum()
+    }
+
+    /// Whether the program has no instructions (never true for a built program).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Installs the filters into the calling thread. no_new_privs must be set already.
+    /// Async-signal-safe: raw system calls over memory prepared by [`Self::build`].
+    pub fn install_in_child(&self) -> Result<(), Errno> {
+        for filter in &self.filters {
+            let prog = libc::sock_fprog {
+                len: filter.len() as libc::c_ushort,
+                filter: filter.as_ptr() as *mut libc::sock_filter,
+            };
+            // SAFETY: `prog` points at `filter`, which lives as long as `self`; the kernel
+            // copies the program during the call and does not write through the pointer.
+            let r = unsafe {
+                libc::syscall(
+                    libc::SYS_seccomp,
+                    libc::SECCOMP_SET_MODE_FILTER,
+                    0,
+                    &prog as *const libc::sock_fprog,
+                )
+            };
+            if r != 0 {
+                return Err(Errno::last());
+            }
+        }
+        Ok(())
+    }
+}
+
+fn stmt(code: u16, k: u32) -> libc::sock_filter {
+    libc::sock_filter {
+        code,
+        jt: 0,
+        jf: 0,
+        k,
+    }
+}
+
+fn jump(code: u16, k: u32, jt: u8, jf: u8) -> libc::sock_filter {
+    libc::sock_filter { code, jt, jf, k }
+}
+
+fn convert(i: &seccompiler::sock_filter) -> libc::sock_filter {
+    libc::sock_filter {
+        code: i.code,
+        jt: i.jt,
+        jf: i.jf,
+        k: i.k,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn builds_a_program_covering_every_denied_call() {
+        let p = SeccompProgram::build().unwrap();
+        assert!(!p.is_empty());
+        // Every deny-list number must appear as a comparison constant in the filter.
+        for (name, nr, _) in DENIED {
+            assert!(
+                p.filters[0].iter().any(|i| i.k == *nr as u32),
+                "{name} missing from the filter"
+            );
+        }
+        assert!(p.filters[1].iter().any(|i| i.k == libc::SYS_clone3 as u32));
+    }
+
+    #[test]
+    fn deny_list_has_no_duplicates() {
+        let mut nrs: Vec<_> = DENIED.iter().map(|d| d.1).collect();
+        nrs.sort();
+        nrs.dedup();
+        assert_eq!(nrs.len(), DENIED.len());
+    }
+}

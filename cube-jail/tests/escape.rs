@@ -1,0 +1,216 @@
+//! Escape attempts from inside a jail; each one must fail.
+
+mod common;
+
+use std::fs;
+use std::process::Command;
+
+use cube_jail::{Jail, JailExit, Stdio};
+
+#[test]
+fn cannot_see_or_signal_host_processes() {
+    if common::skip() {
+        return;
+    }
+    let mut host_sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+    let host_pid = host_sleeper.id();
+    let tmp = tempfile::tempdir().unwrap();
+    let c = common::config(tmp.path(), "procs");
+    let out = common::run_sh(
+        &c,
+        &format!(
+            "ps -e -o pid= | wc -l; ls /proc | grep -c '^[0-9]'; \
+             kill -9 {host_pid} && echo KILLED; kill -9 {me} && echo KILLED; \
+             kill -9 -1; echo survived",
+            me = std::process::id()
+        ),
+    );
+    assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    // sh, ps and wc (and the pipe's subshell at most): nothing of the host.
+    let ps_count: usize = lines[0].trim().parse().unwrap();
+    assert!(
+        ps_count <= 4,
+        "ps sees {ps_count} processes: {}",
+        out.stdout
+    );
+    let proc_count: usize = lines[1].trim().parse().unwrap();
+    assert!(proc_count <= 4, "/proc lists {proc_count} processes");
+    assert!(!out.stdout.contains("KILLED"), "{}", out.stdout);
+    assert!(out.stdout.contains("survived"));
+    assert!(out.stderr.contains("No such process"), "{}", out.stderr);
+    assert!(
+        host_sleeper.try_wait().unwrap().is_none(),
+        "the host process was killed from inside the jail"
+    );
+    host_sleeper.kill().unwrap();
+    host_sleeper.wait().unwrap();
+}
+
+#[test]
+fn cannot_read_or_write_outside_the_sandbox() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    // A host file the jail must neither read nor change (host /tmp is not the jail's).
+    let secret = tmp.path().join("host-secret");
+    fs::write(&secret, "secret").unwrap();
+    let passwd_before = fs::read("/etc/passwd").unwrap();
+    let c = common::config(tmp.path(), "fs");
+    let probe = format!("/usr/cube-jail-probe-{}", std::process::id());
+    let out = common::run_sh(
+        &c,
+        &format!(
+            "cat {secret} && echo READ-SECRET; ls /root && echo SAW-ROOT; \
+             cat /etc/shadow && echo READ-SHADOW; \
+             echo x > {probe} && echo WROTE-USR; echo x >> /etc/passwd && echo WROTE-ETC; \
+             echo x > /escape && echo WROTE-ROOT; \
+             echo ok > /home/user/mine && echo ok > /tmp/mine && cat /home/user/mine /tmp/mine",
+            secret = secret.display()
+        ),
+    );
+    assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
+    for marker in [
+        "READ-SECRET",
+        "SAW-ROOT",
+        "READ-SHADOW",
+        "WROTE-USR",
+        "WROTE-ETC",
+        "WROTE-ROOT",
+    ] {
+        assert!(!out.stdout.contains(marker), "{marker}: {}", out.stdout);
+    }
+    assert_eq!(out.stdout, "ok\nok\n", "the writable layer works");
+    assert_eq!(fs::read_to_string(&secret).unwrap(), "secret");
+    assert_eq!(fs::read("/etc/passwd").unwrap(), passwd_before);
+    assert!(!std::path::Path::new(&probe).exists());
+    assert!(!std::path::Path::new("/escape").exists());
+}
+
+#[test]
+fn module_loading_and_other_kernel_surface_fail_with_eperm() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    if common::skip_without_python() {
+        return;
+    }
+    let c = common::config(tmp.path(), "sys");
+    // Each call prints its errno. unshare(CLONE_NEWUSER) and keyctl are allowed to an
+    // unprivileged process outside the jail, so EPERM there is the filter's doing.
+    let script = r#"
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def call(name, nr, *args):
+    ctypes.set_errno(0)
+    r = libc.syscall(nr, *args)
+    print(name, r, ctypes.get_errno())
+call("finit_module", 313, -1, b"", 0)
+call("init_module", 175, None, 0, b"")
+call("delete_module", 176, b"loop", 0)
+call("unshare_user", 272, 0x10000000)
+call("keyctl", 250, 0, -3, 0)
+call("bpf", 321, 0, None, 0)
+call("mount", 165, b"none", b"/tmp", b"tmpfs", 0, None)
+call("x32_finit_module", 0x40000000 + 313, -1, b"", 0)
+call("clone_newuser", 56, 0x10000000 | 17, None, None, None, None)
+call("personality_no_aslr", 135, 0x0040000)
+call("allowed_personality_query", 135, 0xffffffff)
+"#;
+    let mut jail = Jail::spawn(&c, &["/usr/bin/python3", "-c", script]).unwrap();
+    let out = common::collect(&mut jail);
+    jail.destroy().unwrap();
+    assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
+    for line in out.stdout.lines() {
+        let f: Vec<&str> = line.split(' ').collect();
+        if f[0].starts_with("allowed_") {
+            assert_ne!(f[1], "-1", "{line}");
+            continue;
+        }
+        let expected = if f[0].starts_with("x32") {
+            libc::ENOSYS
+        } else {
+            libc::EPERM
+        };
+        assert_eq!(f[1], "-1", "{line}");
+        assert_eq!(f[2], expected.to_string(), "{line}");
+    }
+    assert_eq!(out.stdout.lines().count(), 11, "{}", out.stdout);
+}
+
+#[test]
+fn two_jails_cannot_see_each_others_files() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut a_cfg = common::config(tmp.path(), "a");
+    a_cfg.stdout = Stdio::Null;
+    a_cfg.stderr = Stdio::Null;
+    let a = Jail::spawn(
+        &a_cfg,
+        &[
+            "/bin/sh",
+            "-c",
+            "echo a > /home/user/a-secret; echo a > /tmp/a-secret; sleep 30",
+        ],
+    )
+    .unwrap();
+    let a_root = a.root_dir().unwrap().to_path_buf();
+    // Wait until A has written (its home is a host directory).
+    for _ in 0..500 {
+        if a_root.join("home/user/a-secret").exists() {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(a_root.join("home/user/a-secret").exists());
+    let b_cfg = common::config(tmp.path(), "b");
+    let out = common::run_sh(
+        &b_cfg,
+        &format!(
+            "cat /home/user/a-secret && echo SAW; cat /tmp/a-secret && echo SAW; \
+             cat {}/home/user/a-secret && echo SAW; ls /home/user | wc -l",
+            a_root.display()
+        ),
+    );
+    a.destroy().unwrap();
+    assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
+    assert!(!out.stdout.contains("SAW"), "{}", out.stdout);
+    assert_eq!(out.stdout.trim(), "0");
+}
+
+#[test]
+fn network_is_loopback_only() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    if common::skip_without_python() {
+        return;
+    }
+    let c = common::config(tmp.path(), "net");
+    let script = r#"
+import socket
+s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+c = socket.create_connection(s.getsockname(), timeout=2)
+a, _ = s.accept(); c.sendall(b"ping"); print(a.recv(4).decode())
+names = [l.split(":")[0].strip() for l in open("/proc/net/dev").readlines()[2:]]
+print(",".join(names))
+try:
+    socket.create_connection(("10.0.0.1", 80), timeout=2)
+    print("REACHED")
+except OSError as e:
+    print("unreachable", e.errno)
+"#;
+    let mut jail = Jail::spawn(&c, &["/usr/bin/python3", "-c", script]).unwrap();
+    let out = common::collect(&mut jail);
+    jail.destroy().unwrap();
+    assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    assert_eq!(lines[0], "ping");
+    assert_eq!(lines[1], "lo");
+    assert_eq!(lines[2], format!("unreachable {}", libc::ENETUNREACH));
+}

@@ -1,0 +1,117 @@
+//! Destroy leaves nothing behind; overlay roots copy on write.
+
+mod common;
+
+use std::fs;
+use std::path::Path;
+
+use cube_jail::{Jail, JailExit, RootSpec, Stdio};
+
+#[test]
+fn destroy_leaves_no_process_mount_cgroup_or_file() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = common::config(tmp.path(), "destroy");
+    c.stdout = Stdio::Null;
+    c.stderr = Stdio::Null;
+    let jail = Jail::spawn(
+        &c,
+        &[
+            "/bin/sh",
+            "-c",
+            "sleep 60 & sleep 60 & (sleep 60 &) ; echo x > /tmp/f; sleep 60",
+        ],
+    )
+    .unwrap();
+    let cg = jail.cgroup().unwrap();
+    let mut pids = Vec::new();
+    for _ in 0..500 {
+        pids = cg.procs().unwrap();
+        if pids.len() >= 5 {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(pids.len() >= 5, "expected sh and 4 sleeps, got {pids:?}");
+    let cgroup_dirs: Vec<_> = cg.dirs().map(Path::to_path_buf).collect();
+    let state_dir = jail.state_dir().unwrap().to_path_buf();
+    // The sandbox's mounts live in its own namespace: the host never sees them.
+    assert!(common::host_mounts_under(&state_dir).is_empty());
+    jail.destroy().unwrap();
+    for pid in pids {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "process {pid} survived destroy"
+        );
+    }
+    assert!(common::host_mounts_under(&state_dir).is_empty());
+    for d in cgroup_dirs {
+        assert!(!d.exists(), "cgroup {} survived destroy", d.display());
+    }
+    assert!(!state_dir.exists(), "sandbox directory survived destroy");
+}
+
+#[test]
+fn dropping_a_jail_destroys_it() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = common::config(tmp.path(), "drop");
+    c.stdout = Stdio::Null;
+    c.stderr = Stdio::Null;
+    let jail = Jail::spawn(&c, &["/bin/sleep", "60"]).unwrap();
+    let pid = jail.pid();
+    let dirs: Vec<_> = jail
+        .cgroup()
+        .unwrap()
+        .dirs()
+        .map(Path::to_path_buf)
+        .collect();
+    drop(jail);
+    assert!(!Path::new(&format!("/proc/{pid}")).exists());
+    assert!(dirs.iter().all(|d| !d.exists()));
+    assert!(!c.state_dir.exists());
+}
+
+#[test]
+fn overlay_root_copies_on_write_and_keeps_the_template() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let template = tmp.path().join("template");
+    fs::create_dir_all(template.join("data")).unwrap();
+    fs::write(template.join("data/file"), "template\n").unwrap();
+    let mut perms = fs::metadata(template.join("data/file"))
+        .unwrap()
+        .permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o666);
+    fs::set_permissions(template.join("data/file"), perms).unwrap();
+    let mut c = common::config(tmp.path(), "overlay");
+    c.root = RootSpec::Overlay {
+        lower: vec![template.clone()],
+        host_userland: true,
+    };
+    let mut jail = Jail::spawn(
+        &c,
+        &[
+            "/bin/sh",
+            "-c",
+            "cat /data/file; echo sandbox > /data/file; cat /data/file",
+        ],
+    )
+    .unwrap();
+    let upper = jail.state_dir().unwrap().join("upper/data/file");
+    let out = common::collect(&mut jail);
+    assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
+    assert_eq!(out.stdout, "template\nsandbox\n");
+    assert_eq!(fs::read_to_string(&upper).unwrap(), "sandbox\n");
+    jail.destroy().unwrap();
+    assert_eq!(
+        fs::read_to_string(template.join("data/file")).unwrap(),
+        "template\n"
+    );
+}
