@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 
+use super::protocol::{read_frame, Response};
+
 /// Environment variable naming the supervisor binary.
 pub const SUPERVISOR_ENV: &str = "CUBE_SUPERVISOR";
 /// File name of the supervisor binary.
@@ -27,6 +29,9 @@ pub enum PoolError {
     /// The process could not be started.
     #[error("Starting {0}")]
     Spawn(String, #[source] std::io::Error),
+    /// The supervisor could not get ready.
+    #[error("Sandbox supervisor failed to start: {0}")]
+    NotReady(String),
     /// The launcher process failed.
     #[error("Supervisor launcher exited with {0}")]
     Launcher(std::process::ExitStatus),
@@ -101,7 +106,15 @@ pub fn spawn_supervisor(exe: &Path) -> Result<IdleSupervisor, PoolError> {
     if !status.success() {
         return Err(PoolError::Launcher(status));
     }
-    Ok(IdleSupervisor { stream: ours })
+    // The supervisor says when it is warm (KVM open, a VM pre-built) or why it cannot be.
+    match read_frame::<Response>(&mut &ours) {
+        Ok(Response::Ok) => Ok(IdleSupervisor { stream: ours }),
+        Ok(Response::Error(message)) => Err(PoolError::NotReady(message)),
+        Ok(other) => Err(PoolError::NotReady(format!(
+            "unexpected greeting {other:?}"
+        ))),
+        Err(e) => Err(PoolError::NotReady(crate::error_report::chain(&e))),
+    }
 }
 
 struct PoolState {

@@ -73,7 +73,16 @@ impl State {
 /// Runs a supervisor whose spawner holds the other end of `control`. Returns when the
 /// sandbox is destroyed (or the spawner went away before adopting it).
 pub fn run(control: UnixStream) -> Result<(), ServerError> {
-    let ctx = Arc::new(KvmContext::open().map_err(ServerError::Kvm)?);
+    let mut reader = BufReader::new(control.try_clone().map_err(ProtocolError::Io)?);
+    let mut writer = BufWriter::new(control);
+    let ctx = match KvmContext::open() {
+        Ok(ctx) => Arc::new(ctx),
+        Err(e) => {
+            // Tell the spawner why, so the user sees it instead of a closed socket.
+            let _ = reply(&mut writer, &Response::Error(error_chain(&e)));
+            return Err(ServerError::Kvm(e));
+        }
+    };
     // Probe and build a VM while idle in the pool, not on the create path.
     crate::vmm::dirty_tracking::warm_up();
     let shell = match Machine::shell(&ctx, MachineConfig::default()) {
@@ -83,8 +92,8 @@ pub fn run(control: UnixStream) -> Result<(), ServerError> {
             None
         }
     };
-    let mut reader = BufReader::new(control.try_clone().map_err(ProtocolError::Io)?);
-    let mut writer = BufWriter::new(control);
+    // Warm: the pool hands this supervisor out only after this message.
+    reply(&mut writer, &Response::Ok)?;
     let request: Request = match read_frame(&mut reader) {
         Ok(r) => r,
         // The spawner went away without using us: nothing to clean up.
