@@ -218,8 +218,10 @@ impl Runtime {
         let id = Store::new_id("sb")?;
         let dir = self.store.sandbox_dir(&id)?;
         std::fs::create_dir(&dir).map_err(io_error(format!("creating {}", dir.display())))?;
+        let start = std::time::Instant::now();
         let result = (|| {
             prepare(&dir)?;
+            tracing::debug!(elapsed = ?start.elapsed(), "create: directory prepared");
             let meta = SandboxMeta {
                 id: id.clone(),
                 engine: Engine::Vm,
@@ -227,8 +229,18 @@ impl Runtime {
                 created_unix: metadata::now_unix(),
                 ephemeral: options.ephemeral,
             };
-            cube_storage::write_atomic(&dir.join(SANDBOX_META), SANDBOX_META_KIND, &meta)?;
+            // A sandbox does not outlive a host restart (its supervisor does not), so
+            // its record needs no sync on the create path.
+            let record = serde_json::to_vec(&meta)
+                .map_err(|e| SandboxError::Io("encoding the sandbox record".into(), e.into()))?;
+            cube_storage::write_atomic_bytes_with(
+                &dir.join(SANDBOX_META),
+                SANDBOX_META_KIND,
+                &record,
+                cube_storage::Durability::Deferred,
+            )?;
             let supervisor = self.pool.take()?;
+            tracing::debug!(elapsed = ?start.elapsed(), "create: supervisor taken");
             let mut sandbox = Sandbox {
                 id: id.clone(),
                 dir: dir.clone(),
@@ -247,6 +259,7 @@ impl Runtime {
                 source,
                 ephemeral: options.ephemeral,
             })?;
+            tracing::debug!(elapsed = ?start.elapsed(), "create: sandbox running");
             Ok(sandbox)
         })();
         if result.is_err() {

@@ -161,7 +161,10 @@ impl SupervisorPool {
         self.refill();
         match taken {
             Some(s) => Ok(s),
-            None => spawn_supervisor(&self.exe),
+            None => {
+                tracing::debug!("supervisor pool empty: starting one on the create path");
+                spawn_supervisor(&self.exe)
+            }
         }
     }
 
