@@ -28,7 +28,7 @@ fi
 
 echo "setup: building (release)"
 cargo build --release --workspace --bins --locked
-install -m 0755 target/release/cube target/release/cube-supervisor /usr/local/bin/
+install -m 0755 target/release/cube target/release/cube-supervisor target/release/cube-agent /usr/local/bin/
 
 echo "setup: store"
 # The store must reflink for fast snapshots; on ext4 (as here) it gets an XFS image

@@ -3,6 +3,7 @@
 mod bench;
 mod debug_cmd;
 mod doctor;
+mod run_cmd;
 mod sandbox_cmd;
 mod store_cmd;
 
@@ -45,6 +46,17 @@ enum Command {
     /// Manage sandboxes that live across invocations.
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCommand),
+    /// Run one command in a fresh sandbox that is destroyed when it ends; exits with
+    /// the command's exit code (128+N when signal N killed it, 124 on --timeout).
+    ///
+    /// Example: cube run --engine jail -- python3 -c 'print(6*7)'
+    Run(run_cmd::RunArgs),
+    /// Run one code cell in a fresh sandbox; prints its output and, for Python, the
+    /// value of its last expression; exits 1 when it raises. Nothing is kept between
+    /// invocations: each one is a new sandbox.
+    ///
+    /// Example: cube code '1+1'
+    Code(run_cmd::CodeArgs),
     /// Look inside the VMM.
     #[command(subcommand)]
     Debug(debug_cmd::DebugCommand),
@@ -63,16 +75,19 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    let store = cli.store.as_deref();
     let result = match cli.command {
-        Command::Doctor { json } => doctor::run(cli.store.as_deref(), json),
-        Command::Bench(args) => bench::run(cli.store.as_deref(), &args),
-        Command::Store(cmd) => store_cmd::run(cli.store.as_deref(), cmd),
-        Command::Template(cmd) => sandbox_cmd::run_template(cli.store.as_deref(), cmd),
-        Command::Sandbox(cmd) => sandbox_cmd::run_sandbox(cli.store.as_deref(), cmd),
-        Command::Debug(cmd) => debug_cmd::run(cmd),
+        Command::Doctor { json } => doctor::run(store, json).map(|()| 0),
+        Command::Bench(args) => bench::run(store, &args).map(|()| 0),
+        Command::Store(cmd) => store_cmd::run(store, cmd).map(|()| 0),
+        Command::Template(cmd) => sandbox_cmd::run_template(store, cmd).map(|()| 0),
+        Command::Sandbox(cmd) => sandbox_cmd::run_sandbox(store, cmd).map(|()| 0),
+        Command::Run(args) => run_cmd::run(store, &args),
+        Command::Code(args) => run_cmd::code(store, &args),
+        Command::Debug(cmd) => debug_cmd::run(cmd).map(|()| 0),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("cube: {}", e.message);
             if let Some(hint) = e.hint {

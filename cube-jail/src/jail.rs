@@ -20,7 +20,7 @@ use std::ffi::{CString, OsStr, OsString};
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::Read;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
@@ -30,7 +30,7 @@ use nix::fcntl::OFlag;
 use crate::capabilities::{self, CapabilityError, Identity};
 use crate::cgroup::{CgroupError, CgroupLayout, Limits, SandboxCgroup};
 use crate::namespaces::{self, Cloned, NamespaceError, NamespaceSet};
-use crate::rootfs::{self, MountPlan, RootSpec, RootfsError, RootfsLayout};
+use crate::rootfs::{self, MountPlan, ReadOnlyBind, RootSpec, RootfsError, RootfsLayout};
 use crate::seccomp::{SeccompError, SeccompProgram};
 
 /// The uid and gid sandbox processes run as by default: the host's `nobody`/`nogroup`,
@@ -39,6 +39,9 @@ pub const DEFAULT_IDENTITY: Identity = Identity {
     uid: 65534,
     gid: 65534,
 };
+
+/// The highest descriptor number [`Jail::spawn_with_fds`] installs a passed fd at.
+pub const MAX_PASSED_FD: RawFd = 1023;
 
 /// `PATH` inside the sandbox unless the configuration sets one.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -105,6 +108,10 @@ pub enum JailError {
     /// Waiting for the sandbox's first process failed.
     #[error("cannot wait for the sandbox process")]
     Wait(#[source] Errno),
+    /// A descriptor to pass in targets stdio (0-2), is above [`MAX_PASSED_FD`], or is
+    /// named twice.
+    #[error("cannot pass a descriptor as fd {0}")]
+    InvalidPassedFd(RawFd),
     /// Signalling the sandbox's first process failed.
     #[error("cannot kill the sandbox process")]
     Kill(#[source] Errno),
@@ -142,12 +149,14 @@ pub enum SetupStage {
     NoNewPrivs,
     /// Installing the seccomp filter.
     Seccomp,
+    /// Installing a passed descriptor at its number.
+    PassFd,
     /// Executing the program.
     Exec,
 }
 
 impl SetupStage {
-    const ALL: [SetupStage; 14] = [
+    const ALL: [SetupStage; 15] = [
         SetupStage::JoinCgroup,
         SetupStage::CgroupNamespace,
         SetupStage::Mount,
@@ -161,6 +170,7 @@ impl SetupStage {
         SetupStage::ClearCapabilities,
         SetupStage::NoNewPrivs,
         SetupStage::Seccomp,
+        SetupStage::PassFd,
         SetupStage::Exec,
     ];
 
@@ -185,6 +195,7 @@ impl fmt::Display for SetupStage {
             SetupStage::ClearCapabilities => "clearing capabilities",
             SetupStage::NoNewPrivs => "setting no_new_privs",
             SetupStage::Seccomp => "installing the seccomp filter",
+            SetupStage::PassFd => "installing a passed descriptor",
             SetupStage::Exec => "executing the program",
         };
         f.write_str(s)
@@ -231,6 +242,8 @@ pub struct JailConfig {
     pub stderr: Stdio,
     /// Namespaces to create.
     pub namespaces: NamespaceSet,
+    /// Host files and directories shown read-only inside the sandbox, mounted last.
+    pub binds: Vec<ReadOnlyBind>,
 }
 
 impl JailConfig {
@@ -250,6 +263,7 @@ impl JailConfig {
             stdout: Stdio::Null,
             stderr: Stdio::Null,
             namespaces: NamespaceSet::default(),
+            binds: Vec::new(),
         }
     }
 
@@ -329,6 +343,8 @@ struct ChildPlan<'a> {
     argv: Vec<*const libc::c_char>,
     envp: Vec<*const libc::c_char>,
     report_fd: RawFd,
+    /// (source, target): sources are close-on-exec and above every target.
+    passed: Vec<(RawFd, RawFd)>,
 }
 
 type ChildFailure = (SetupStage, usize, Errno);
@@ -432,6 +448,15 @@ fn child_setup(p: &ChildPlan<'_>) -> std::result::Result<Never, ChildFailure> {
             libc::CLOSE_RANGE_CLOEXEC,
         )
     };
+    // After close_range, so the targets are the only descriptors besides stdio that
+    // survive exec: dup2 leaves close-on-exec clear on the new descriptor, and the
+    // sources, above every target, stay close-on-exec.
+    for &(source, target) in &p.passed {
+        // SAFETY: dup2 between descriptors; no memory effects.
+        if unsafe { libc::dup2(source, target) } < 0 {
+            return Err((SetupStage::PassFd, target as usize, Errno::last()));
+        }
+    }
     let mut err = Errno::ENOENT;
     for path in &p.exec_candidates {
         // SAFETY: path is a live C string; argv and envp are NULL-terminated arrays of
@@ -463,7 +488,33 @@ impl Jail {
     /// Creates the sandbox described by `config` and runs `argv` as its PID 1. Returns
     /// once the program has been executed (or with the reason it could not be).
     pub fn spawn<S: AsRef<OsStr>>(config: &JailConfig, argv: &[S]) -> Result<Jail> {
+        Self::spawn_with_fds(config, argv, &[])
+    }
+
+    /// Like [`Jail::spawn`], and the program also finds each `(fd, number)` of `fds`
+    /// open at `number` (3 to [`MAX_PASSED_FD`]): how a connected socket reaches the
+    /// sandbox's agent. Every other descriptor of the caller stays out of the sandbox.
+    /// The caller keeps its descriptors; the sandbox gets duplicates.
+    pub fn spawn_with_fds<S: AsRef<OsStr>>(
+        config: &JailConfig,
+        argv: &[S],
+        fds: &[(BorrowedFd<'_>, RawFd)],
+    ) -> Result<Jail> {
         config.validate()?;
+        let mut targets: Vec<RawFd> = fds.iter().map(|(_, t)| *t).collect();
+        targets.sort_unstable();
+        for (i, t) in targets.iter().enumerate() {
+            if !(3..=MAX_PASSED_FD).contains(t) || (i > 0 && targets[i - 1] == *t) {
+                return Err(JailError::InvalidPassedFd(*t));
+            }
+        }
+        // Sources (and the report pipe, which is written after the passed descriptors
+        // are installed) sit above every target, so no dup2 overwrites one of them.
+        let floor = targets.last().map_or(3, |t| t + 1);
+        let passed_sources = fds
+            .iter()
+            .map(|(fd, _)| dup_at_least(fd.as_raw_fd(), floor))
+            .collect::<Result<Vec<OwnedFd>>>()?;
         if argv.is_empty() {
             return Err(JailError::InvalidArgv("argv is empty"));
         }
@@ -499,6 +550,7 @@ impl Jail {
             &config.root,
             config.identity,
             &config.hostname,
+            &config.binds,
         )?;
 
         let procs_files = cgroup
@@ -541,6 +593,14 @@ impl Jail {
             }
         }
         let (report_read, report_write) = pipe()?;
+        let report_write = if fds.is_empty() {
+            report_write
+        } else {
+            // The original must close here: the parent reads until every write end is.
+            let moved = dup_at_least(report_write.as_raw_fd(), floor)?;
+            drop(report_write);
+            moved
+        };
 
         let mut argv_p: Vec<*const libc::c_char> = argv_c.iter().map(|c| c.as_ptr()).collect();
         argv_p.push(std::ptr::null());
@@ -561,6 +621,11 @@ impl Jail {
             argv: argv_p,
             envp: envp_p,
             report_fd: report_write.as_raw_fd(),
+            passed: passed_sources
+                .iter()
+                .zip(fds)
+                .map(|(s, (_, t))| (s.as_raw_fd(), *t))
+                .collect(),
         };
 
         // SAFETY: the child only runs `child_main`, which makes raw system calls over
@@ -571,6 +636,7 @@ impl Jail {
                 Cloned::Parent(pid) => pid,
             };
         drop(report_write);
+        drop(passed_sources);
         drop(child_ends);
         drop(procs_files);
 
@@ -799,6 +865,20 @@ fn read_report(fd: OwnedFd, record: &mut Vec<u8>) -> Result<()> {
     }
 }
 
+/// A close-on-exec duplicate of `fd` numbered `floor` or higher.
+fn dup_at_least(fd: RawFd, floor: RawFd) -> Result<OwnedFd> {
+    // SAFETY: F_DUPFD_CLOEXEC only creates a new descriptor; no memory effects.
+    let new = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, floor) };
+    if new < 0 {
+        return Err(JailError::Io {
+            action: "duplicate a descriptor for the sandbox",
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: `new` was just created by fcntl and nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(new) })
+}
+
 fn pipe() -> Result<(OwnedFd, OwnedFd)> {
     nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| JailError::Io {
         action: "create a pipe",
@@ -842,7 +922,7 @@ fn decode_report(record: &[u8], mounts: &MountPlan) -> JailError {
     let detail = match stage {
         SetupStage::Mount => mounts.describe(index).to_owned(),
         SetupStage::JoinCgroup => format!("cgroup hierarchy #{index}"),
-        SetupStage::Stdio => format!("fd {index}"),
+        SetupStage::Stdio | SetupStage::PassFd => format!("fd {index}"),
         _ => String::from("-"),
     };
     JailError::Setup {
@@ -911,6 +991,7 @@ mod tests {
             &RootSpec::HostUserland,
             DEFAULT_IDENTITY,
             "h",
+            &[],
         )
         .unwrap();
         let mut rec = [0u8; 12];

@@ -28,6 +28,11 @@
 //!   private, so they disappear with its last process.
 //! - **cgroups**: v2 where it has the controller, v1 otherwise; the v2 hierarchy is
 //!   joined whenever mounted for `cgroup.freeze`/`cgroup.kill`.
+//! - **Hosting an agent**: [`JailConfig::binds`] shows host files (such as the agent
+//!   binary) read-only at chosen paths, their mount points made in the writable layer;
+//!   [`Jail::spawn_with_fds`] installs caller descriptors (a connected socket) at fixed
+//!   numbers of PID 1, right before exec and after everything else was made
+//!   close-on-exec, so nothing else of the caller leaks in.
 //! - **seccomp**: a deny list (see [`seccomp::DENIED`]) returning EPERM, plus namespace
 //!   flags in `clone`, ENOSYS for `clone3` and the x32 ABI.
 
@@ -40,6 +45,6 @@ pub mod seccomp;
 
 pub use capabilities::Identity;
 pub use cgroup::{CgroupLayout, Limits, SandboxCgroup};
-pub use jail::{Jail, JailConfig, JailError, JailExit, SetupStage, Stdio};
+pub use jail::{Jail, JailConfig, JailError, JailExit, SetupStage, Stdio, MAX_PASSED_FD};
 pub use namespaces::NamespaceSet;
-pub use rootfs::RootSpec;
+pub use rootfs::{ReadOnlyBind, RootSpec};

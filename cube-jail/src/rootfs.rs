@@ -44,6 +44,14 @@ pub enum RootfsError {
         #[source]
         source: io::Error,
     },
+    /// A read-only bind's target is not an absolute path of the writable layer: it is
+    /// relative, `/`, has `..`, or lies in a mount of the root itself (/proc, /dev, /tmp,
+    /// the host userland) where no mount point can be made.
+    #[error("cannot bind onto {0} in the sandbox")]
+    InvalidBindTarget(PathBuf),
+    /// A read-only bind's source is not a regular file or directory on the host.
+    #[error("bind source {0} is not a file or directory")]
+    InvalidBindSource(PathBuf),
     /// A mount under the sandbox directory could not be detached.
     #[error("cannot unmount {path}")]
     Unmount {
@@ -76,6 +84,16 @@ pub enum RootSpec {
         /// does: for templates that carry data but no programs.
         host_userland: bool,
     },
+}
+
+/// A host file or directory shown read-only inside the sandbox: how a jail gets host
+/// programs (such as the agent) that are not part of its root.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadOnlyBind {
+    /// The host path.
+    pub source: PathBuf,
+    /// Where it appears, an absolute path inside the sandbox.
+    pub target: PathBuf,
 }
 
 /// Directories of /etc (or files) taken from the host by [`RootSpec::HostUserland`].
@@ -401,6 +419,7 @@ pub fn prepare(
     spec: &RootSpec,
     identity: Identity,
     hostname: &str,
+    binds: &[ReadOnlyBind],
 ) -> Result<(RootfsLayout, MountPlan)> {
     validate_path(state_dir)?;
     if let RootSpec::Overlay { lower, .. } = spec {
@@ -588,7 +607,63 @@ pub fn prepare(
         libc::MS_NOSUID | libc::MS_NODEV,
         Some("mode=1777"),
     )?;
+    for bind in binds {
+        add_bind(&mut plan, &prep, &root, bind)?;
+    }
     Ok((layout, plan))
+}
+
+/// Makes the mount point of `bind` in the writable layer (`prep`) and adds the bind to
+/// the plan. A target inside a mount the plan already makes is refused: its mount
+/// point would be hidden by that mount, or could not be created at all.
+fn add_bind(plan: &mut MountPlan, prep: &Path, root: &Path, bind: &ReadOnlyBind) -> Result<()> {
+    let bad_target = || RootfsError::InvalidBindTarget(bind.target.clone());
+    let relative = bind.target.strip_prefix("/").map_err(|_| bad_target())?;
+    let components: Vec<&std::ffi::OsStr> = relative
+        .components()
+        .map(|c| match c {
+            std::path::Component::Normal(n) => Ok(n),
+            _ => Err(bad_target()),
+        })
+        .collect::<Result<_>>()?;
+    let Some((last, parents)) = components.split_last() else {
+        return Err(bad_target());
+    };
+    let target = root.join(relative);
+    for step in &plan.steps {
+        if let Step::Mount { target: m, .. } = step {
+            let m = Path::new(std::ffi::OsStr::from_bytes(m.as_bytes()));
+            // The root's own mounts (and the host-wide `/` one) hold the writable layer.
+            if m != root && m.starts_with(root) && target.starts_with(m) {
+                return Err(bad_target());
+            }
+        }
+    }
+    let meta = fs::metadata(&bind.source)
+        .map_err(|_| RootfsError::InvalidBindSource(bind.source.clone()))?;
+    let mut dir = prep.to_path_buf();
+    for part in parents {
+        dir.push(part);
+        match fs::symlink_metadata(&dir) {
+            Ok(m) if m.is_dir() => {}
+            // A symlink could lead the mount point out of the sandbox directory.
+            Ok(_) => return Err(bad_target()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => mkdir(&dir, 0o755)?,
+            Err(e) => return Err(io_err("inspect", &dir)(e)),
+        }
+    }
+    let point = dir.join(last);
+    if fs::symlink_metadata(&point).is_ok() {
+        return Err(bad_target());
+    }
+    if meta.is_dir() {
+        mkdir(&point, 0o755)?;
+    } else if meta.is_file() {
+        fs::write(&point, b"").map_err(io_err("create", &point))?;
+    } else {
+        return Err(RootfsError::InvalidBindSource(bind.source.clone()));
+    }
+    plan.bind_readonly(&bind.source, &target)
 }
 
 fn add_host_userland(plan: &mut MountPlan, prep: &Path, root: &Path, hostname: &str) -> Result<()> {
@@ -691,7 +766,7 @@ mod tests {
     fn prepares_and_removes_a_host_userland_root() {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().join("sb");
-        let (layout, plan) = prepare(&dir, &RootSpec::HostUserland, id(), "box").unwrap();
+        let (layout, plan) = prepare(&dir, &RootSpec::HostUserland, id(), "box", &[]).unwrap();
         assert!(plan.len() > 10);
         assert!(layout.root().join("home/user").is_dir());
         assert_eq!(
@@ -708,11 +783,17 @@ mod tests {
     fn refuses_an_existing_state_dir_and_bad_paths() {
         let tmp = tempfile::tempdir().unwrap();
         assert!(matches!(
-            prepare(tmp.path(), &RootSpec::HostUserland, id(), "h"),
+            prepare(tmp.path(), &RootSpec::HostUserland, id(), "h", &[]),
             Err(RootfsError::StateDirExists(_))
         ));
         assert!(matches!(
-            prepare(Path::new("relative"), &RootSpec::HostUserland, id(), "h"),
+            prepare(
+                Path::new("relative"),
+                &RootSpec::HostUserland,
+                id(),
+                "h",
+                &[]
+            ),
             Err(RootfsError::InvalidPath(_))
         ));
         let spec = RootSpec::Overlay {
@@ -720,7 +801,7 @@ mod tests {
             host_userland: false,
         };
         assert!(matches!(
-            prepare(&tmp.path().join("sb"), &spec, id(), "h"),
+            prepare(&tmp.path().join("sb"), &spec, id(), "h", &[]),
             Err(RootfsError::MissingTemplate(_))
         ));
         assert!(!tmp.path().join("sb").exists());
@@ -736,11 +817,65 @@ mod tests {
             lower: vec![lower.clone()],
             host_userland: false,
         };
-        let (layout, plan) = prepare(&dir, &spec, id(), "h").unwrap();
+        let (layout, plan) = prepare(&dir, &spec, id(), "h", &[]).unwrap();
         assert!(dir.join("upper/home/user").is_dir());
         assert!(dir.join("work").is_dir());
         assert!((0..plan.len()).any(|i| plan.describe(i).contains("overlay")));
         drop(layout);
         assert!(!dir.exists(), "drop removes the sandbox directory");
+    }
+
+    #[test]
+    fn read_only_binds_get_mount_points_and_bad_targets_are_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let file = tmp.path().join("prog");
+        fs::write(&file, b"#!/bin/sh\n").unwrap();
+        let bind = |target: &str| ReadOnlyBind {
+            source: file.clone(),
+            target: PathBuf::from(target),
+        };
+        let dir = tmp.path().join("sb");
+        let (layout, plan) = prepare(
+            &dir,
+            &RootSpec::HostUserland,
+            id(),
+            "h",
+            &[
+                bind("/.cube/agent"),
+                ReadOnlyBind {
+                    source: tmp.path().to_path_buf(),
+                    target: PathBuf::from("/opt/data"),
+                },
+            ],
+        )
+        .unwrap();
+        assert!(layout.root().join(".cube/agent").is_file());
+        assert!(layout.root().join("opt/data").is_dir());
+        assert!((0..plan.len()).any(|i| plan.describe(i).contains("/.cube/agent")));
+        drop(layout);
+        for target in [
+            "relative",
+            "/",
+            "/tmp/x",
+            "/proc/x",
+            "/usr/bin/x",
+            "/a/../b",
+            "/dev/x",
+        ] {
+            let r = prepare(&dir, &RootSpec::HostUserland, id(), "h", &[bind(target)]);
+            assert!(
+                matches!(r, Err(RootfsError::InvalidBindTarget(_))),
+                "{target}: {r:?}"
+            );
+            assert!(!dir.exists(), "a refused bind leaves no sandbox directory");
+        }
+        let missing = ReadOnlyBind {
+            source: tmp.path().join("missing"),
+            target: PathBuf::from("/x"),
+        };
+        assert!(matches!(
+            prepare(&dir, &RootSpec::HostUserland, id(), "h", &[missing]),
+            Err(RootfsError::InvalidBindSource(_))
+        ));
     }
 }

@@ -97,6 +97,13 @@ fn main() -> ExitCode {
                 eprintln!("fd {fd} is not open");
                 return ExitCode::from(2);
             }
+            // The host channel must not leak into the commands the agent runs: they
+            // could read or forge its frames.
+            // SAFETY: F_SETFD on a descriptor checked open above; no memory involved.
+            if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } < 0 {
+                eprintln!("fd {fd}: cannot set close-on-exec");
+                return ExitCode::from(2);
+            }
             // SAFETY: the fd was handed to this process for the agent's exclusive use,
             // is open (checked above) and nothing else in this process owns it.
             let stream = UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) });
