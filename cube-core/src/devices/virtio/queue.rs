@@ -282,9 +282,12 @@ pub fn parse_chain<M: GuestMemoryBackend>(
             return Err(ChainError::ReadableAfterWritable { index });
         }
         seen_writable |= writable;
+        // An empty buffer must still point into guest memory: vm-memory accepts any
+        // address for an empty range, and a device would pass it on. (Found by the
+        // virtio_chain fuzz target.)
         let inside = desc.addr.checked_add(u64::from(desc.len)).is_some()
             && usize::try_from(desc.len).is_ok_and(|len| {
-                GuestMemoryBackend::check_range(mem, GuestAddress(desc.addr), len)
+                GuestMemoryBackend::check_range(mem, GuestAddress(desc.addr), len.max(1))
             });
         if !inside {
             return Err(ChainError::OutsideMemory {
@@ -479,6 +482,27 @@ impl Queue {
 mod tests {
     use super::*;
     use crate::devices::virtio::test_driver::{memory, Ring, BUF, HIGH_REGION, REGION_SIZE};
+
+    #[test]
+    fn an_empty_buffer_outside_memory_is_refused() {
+        let mem =
+            vm_memory::GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x1_0000)]).unwrap();
+        let layout = QueueLayout {
+            size: 4,
+            desc_table: 0x1000,
+            avail_ring: 0x2000,
+            used_ring: 0x3000,
+        };
+        // addr far outside memory, len 0, WRITE.
+        let mut desc = [0u8; 16];
+        desc[..8].copy_from_slice(&0x300_0000_0000u64.to_le_bytes());
+        desc[12..14].copy_from_slice(&VIRTQ_DESC_F_WRITE.to_le_bytes());
+        mem.write_slice(&desc, GuestAddress(0x1000)).unwrap();
+        assert!(matches!(
+            parse_chain(&mem, &layout, 0),
+            Err(ChainError::OutsideMemory { .. })
+        ));
+    }
 
     const W: u16 = VIRTQ_DESC_F_WRITE;
     const N: u16 = VIRTQ_DESC_F_NEXT;
