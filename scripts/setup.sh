@@ -13,7 +13,7 @@ fi
 echo "setup: system packages"
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for pkg in xfsprogs util-linux gcc make pkg-config lz4 xz-utils zstd; do
+for pkg in xfsprogs util-linux gcc make pkg-config python3 lz4 xz-utils zstd; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ]; then
