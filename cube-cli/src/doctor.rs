@@ -30,6 +30,26 @@ struct Report {
     notes: Vec<String>,
 }
 
+/// Starts a jail running `/bin/true` and destroys it: the engine works only if that does.
+fn probe_jail() -> Result<(), String> {
+    let name = format!("doctor-{}", std::process::id());
+    let dir = std::env::temp_dir().join(&name);
+    let config = cube_jail::JailConfig::new(&name, &dir);
+    let result = cube_jail::Jail::spawn(&config, &["/bin/true"])
+        .map_err(|e| chain(&e))
+        .and_then(|mut jail| {
+            let exit = jail.wait().map_err(|e| chain(&e));
+            let destroyed = jail.destroy().map_err(|e| chain(&e));
+            match (exit, destroyed) {
+                (Ok(exit), Ok(())) if exit.success() => Ok(()),
+                (Ok(exit), Ok(())) => Err(format!("a jailed /bin/true ended with {exit:?}")),
+                (Err(e), _) | (_, Err(e)) => Err(e),
+            }
+        });
+    let _ = std::fs::remove_dir_all(&dir);
+    result
+}
+
 pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
     let host = HostCapabilities::probe();
     let root = store_root(store)?;
@@ -55,6 +75,18 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
             );
         }
         KvmKind::None => notes.push("no usable /dev/kvm: the vm engine is unavailable".to_string()),
+    }
+    match probe_jail() {
+        Ok(()) => {
+            engines.push("jail");
+            notes.push(
+                "the jail engine isolates with namespaces, cgroups, dropped capabilities, an \
+                 unprivileged uid and seccomp on the host's own kernel: weaker than a VM, where \
+                 one kernel bug can cross sandboxes"
+                    .to_string(),
+            );
+        }
+        Err(reason) => notes.push(format!("the jail engine is unavailable: {reason}")),
     }
     if !reflink {
         notes.push(format!(

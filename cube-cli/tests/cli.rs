@@ -68,6 +68,15 @@ fn doctor_json_has_the_documented_keys() {
     assert!(["hardware", "pvm", "none"].contains(&kvm));
     assert!(["v1", "v2", "hybrid"].contains(&v["cgroup"].as_str().unwrap_or("v2")));
     assert!(v["engines"].is_array());
+    // As root on a Linux host the jail engine is proven by starting one.
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } == 0 {
+        assert!(
+            v["engines"].as_array().unwrap().iter().any(|e| e == "jail"),
+            "{out}"
+        );
+        assert!(v["notes"].to_string().contains("weaker than a VM"), "{out}");
+    }
     // The table form prints the same facts for people.
     let table = ok(store.path(), &["doctor"]);
     assert!(table.contains("kvm") && table.contains(kvm));
