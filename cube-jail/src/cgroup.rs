@@ -581,7 +581,15 @@ impl SandboxCgroup {
             Freezer::V1(dir) => {
                 let state = dir.join("freezer.state");
                 write(&state, "FROZEN")?;
-                wait_for(dir, "frozen", || Ok(read(&state)?.trim() == "FROZEN"))
+                // The v1 freezer can stay in FREEZING when a task was forking or in the
+                // middle of a signal; asking again restarts the freeze, as runc does.
+                wait_for(dir, "frozen", || {
+                    if read(&state)?.trim() == "FROZEN" {
+                        return Ok(true);
+                    }
+                    write(&state, "FROZEN")?;
+                    Ok(false)
+                })
             }
         }
     }
