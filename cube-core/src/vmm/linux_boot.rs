@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cube_mem::{GuestMemory, MemoryLayout};
+use cube_mem::GuestMemory;
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
 use linux_loader::cmdline::Cmdline;
 use linux_loader::configurator::pvh::PvhBootConfigurator;
@@ -20,6 +20,7 @@ use linux_loader::loader::KernelLoader;
 use vm_memory::{Bytes, GuestAddress};
 
 use super::layout::ram_ranges;
+use super::machine::{memory_layout, register_guest_memory};
 use super::serial::LegacyPorts;
 use super::vcpu_runner::{PortIo, VcpuHandle, VcpuRunnerError};
 use crate::vstate::vcpu::Vcpu;
@@ -117,11 +118,7 @@ pub fn boot(
     console: Box<dyn Write + Send>,
 ) -> Result<LinuxVm, BootError> {
     let ram = ram_ranges(config.memory_bytes)?;
-    let regions: Vec<(GuestAddress, usize)> = ram
-        .iter()
-        .map(|r| (GuestAddress(r.guest_addr), r.size as usize))
-        .collect();
-    let memory = GuestMemory::anonymous(MemoryLayout::new(&regions)?)?;
+    let memory = GuestMemory::anonymous(memory_layout(&ram)?)?;
     let vm = Vm::new(
         ctx,
         &VmConfig {
@@ -129,18 +126,8 @@ pub fn boot(
             irqchip: true,
         },
     )?;
-    for region in memory.regions() {
-        // SAFETY: `memory` lives in the returned LinuxVm, dropped after the VM.
-        unsafe {
-            vm.register_memory_slot(
-                region.slot,
-                region.guest_addr.0,
-                region.host_addr,
-                region.size as u64,
-                false,
-            )?;
-        }
-    }
+    // SAFETY: `memory` moves into the returned LinuxVm, which drops it after the VM.
+    unsafe { register_guest_memory(&vm, &memory, false)? };
     let entry = load_kernel(&memory, &config.kernel)?;
     let mut modules = Vec::new();
     if let Some(initrd) = &config.initrd {

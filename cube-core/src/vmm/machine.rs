@@ -102,12 +102,38 @@ pub struct Machine {
     running: bool,
 }
 
-fn memory_layout(ram: &[RamRange]) -> Result<MemoryLayout, MachineError> {
+/// The memory layout of `ram`, regions in memory-file order.
+pub(crate) fn memory_layout(ram: &[RamRange]) -> Result<MemoryLayout, cube_mem::MemoryError> {
     let regions: Vec<(GuestAddress, usize)> = ram
         .iter()
         .map(|r| (GuestAddress(r.guest_addr), r.size as usize))
         .collect();
-    Ok(MemoryLayout::new(&regions)?)
+    MemoryLayout::new(&regions)
+}
+
+/// Registers every region of `memory` as a KVM memslot of `vm` (slot = region index).
+///
+/// # Safety
+/// `memory` must stay mapped until `vm` is closed or the slots are removed: KVM keeps
+/// the host addresses and the guest would otherwise reach whatever is mapped there next.
+pub(crate) unsafe fn register_guest_memory(
+    vm: &Vm,
+    memory: &GuestMemory,
+    log_dirty: bool,
+) -> Result<(), crate::vstate::vm::VmError> {
+    for region in memory.regions() {
+        // SAFETY: the caller keeps the mapping alive as long as the VM uses it.
+        unsafe {
+            vm.register_memory_slot(
+                region.slot,
+                region.guest_addr.0,
+                region.host_addr,
+                region.size as u64,
+                log_dirty,
+            )?;
+        }
+    }
+    Ok(())
 }
 
 impl Machine {
@@ -129,18 +155,10 @@ impl Machine {
         )?;
         tracing::debug!("assemble: VM created");
         let tracking = dirty_tracking::chosen_kind()?;
-        for region in memory.regions() {
-            // SAFETY: the mapping belongs to `memory`, which the returned Machine owns
-            // and drops only after the VM (field order), so KVM never sees it unmapped.
-            unsafe {
-                vm.register_memory_slot(
-                    region.slot,
-                    region.guest_addr.0,
-                    region.host_addr,
-                    region.size as u64,
-                    tracking == DirtyTrackerKind::KvmDirtyLog,
-                )?;
-            }
+        // SAFETY: `memory` is moved into the returned Machine, which drops it only after
+        // the VM (field order), so KVM never sees the mapping gone.
+        unsafe {
+            register_guest_memory(&vm, &memory, tracking == DirtyTrackerKind::KvmDirtyLog)?;
         }
         tracing::debug!("assemble: VM created, memory registered");
         let tracker = dirty_tracking::start(tracking, &vm, &memory)?;
