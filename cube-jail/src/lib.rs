@@ -38,6 +38,8 @@
 
 pub mod capabilities;
 pub mod cgroup;
+pub mod checkpoint;
+pub mod criu;
 pub mod jail;
 pub mod namespaces;
 pub mod rootfs;
@@ -45,6 +47,8 @@ pub mod seccomp;
 
 pub use capabilities::Identity;
 pub use cgroup::{CgroupLayout, Limits, SandboxCgroup};
+pub use checkpoint::{Checkpoint, CheckpointError, DumpOptions};
+pub use criu::{Criu, CriuError};
 pub use jail::{Jail, JailConfig, JailError, JailExit, SetupStage, Stdio, MAX_PASSED_FD};
 pub use namespaces::NamespaceSet;
 pub use rootfs::{ReadOnlyBind, RootSpec};
