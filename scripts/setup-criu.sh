@@ -4,10 +4,16 @@
 # (the vDSO `[vvar_vclock]` area), so this builds Debian trixie's CRIU source package.
 # The source comes from the Debian archive through apt with a private sources list, so
 # the host's apt configuration is untouched, and is checked against the SHA-256 in the
-# signed Sources index. Idempotent; run as root.
+# signed Sources index. One patch is applied (criu-rlimit-fallback.patch: read another
+# task's rlimits from /proc/PID/limits where prlimit() is refused because root lacks
+# CAP_SYS_RESOURCE, as in these hosts' containers). Idempotent; run as root.
 set -euo pipefail
 
 CRIU_BIN=/usr/local/sbin/criu
+# Cube's patches to CRIU; the stamp records which were built in, so a changed patch set
+# rebuilds even where a working criu is installed.
+PATCHES=("$(cd "$(dirname "$0")" && pwd)/criu-rlimit-fallback.patch")
+CRIU_STAMP=/usr/local/lib/cube/criu.stamp
 CRIU_SUITE="${CUBE_CRIU_SUITE:-trixie}"
 CRIU_MIRROR="${CUBE_CRIU_MIRROR:-http://deb.debian.org/debian}"
 
@@ -16,9 +22,12 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
 fi
 
-# True when $CRIU_BIN is version >= 4 and passes `criu check` on this kernel.
+stamp="$(cat "${PATCHES[@]}" | sha256sum | cut -d' ' -f1)"
+
+# True when $CRIU_BIN is version >= 4 with this patch set and passes `criu check`.
 criu_works() {
     [ -x "$CRIU_BIN" ] || return 1
+    [ "$(cat "$CRIU_STAMP" 2>/dev/null)" = "$stamp" ] || return 1
     local version major
     version="$("$CRIU_BIN" --version 2>/dev/null | sed -n 's/^Version: *//p')"
     major="${version%%.*}"
@@ -33,7 +42,7 @@ fi
 
 echo "setup-criu: build dependencies"
 export DEBIAN_FRONTEND=noninteractive
-deps=(build-essential pkgconf xz-utils libbsd-dev libcap-dev libgnutls28-dev libnet1-dev
+deps=(build-essential patch pkgconf xz-utils libbsd-dev libcap-dev libgnutls28-dev libnet1-dev
     libnftables-dev libnl-3-dev libprotobuf-c-dev libprotobuf-dev protobuf-c-compiler
     protobuf-compiler uuid-dev python3 iproute2 iptables)
 need=()
@@ -82,8 +91,12 @@ srcdir="$(find "$work/src" -mindepth 1 -maxdepth 1 -type d -name 'criu-*' | head
     exit 1
 }
 
-echo "setup-criu: building criu with $(nproc) jobs"
 cd "$srcdir"
+for p in "${PATCHES[@]}"; do
+    echo "setup-criu: applying $(basename "$p")"
+    patch -p1 --quiet <"$p"
+done
+echo "setup-criu: building criu with $(nproc) jobs"
 # Only the criu binary is built (no docs, no python tools, no libcriu). WERROR=0: newer compilers warn where the release did not expect it.
 make -j"$(nproc)" WERROR=0 criu >"$work/build.log" 2>&1 || {
     tail -n 40 "$work/build.log" >&2
@@ -91,6 +104,8 @@ make -j"$(nproc)" WERROR=0 criu >"$work/build.log" 2>&1 || {
     exit 1
 }
 install -D -m 0755 criu/criu "$CRIU_BIN"
+install -d /usr/local/lib/cube
+echo "$stamp" >"$CRIU_STAMP"
 
 echo "setup-criu: $("$CRIU_BIN" --version | head -n1)"
 if "$CRIU_BIN" check; then

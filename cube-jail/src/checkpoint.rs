@@ -24,15 +24,19 @@
 //!   external mounts `--external mnt[<mount point>]:<key>` and bound again from the
 //!   host path at restore (the configuration's bind source when it names that target).
 //! - **Descriptors from the host** (stdio, passed descriptors such as the agent's
-//!   socket): `--external unix[ino]`/`file[mnt:ino]` at dump, and at restore the jail
+//!   pipes): `--external file[mnt:ino]` at dump, and at restore the jail
 //!   configuration's stdio and the caller's new descriptors go in with `--inherit-fd`.
 //! - **cgroups**: restore creates the target's cgroups with its limits, and CRIU
 //!   (`--manage-cgroups`) moves the tasks there, its `--cgroup-root` per controller
 //!   pointing the dumped sandbox cgroup at the new one; the cgroup namespace is rebuilt
 //!   rooted there.
-//! - **Process tree**: `--shell-job` (PID 1 shares its session with the launcher),
-//!   `--restore-detached --restore-sibling`, so the restored PID 1 becomes a child of the
-//!   caller, which can wait for and kill it like a spawned jail's.
+//! - **Process tree**: the jail's PID 1 leads its own session, so CRIU finds the whole
+//!   tree inside the PID namespace; `--restore-detached --restore-sibling` make the
+//!   restored PID 1 a child of the caller, which waits for and kills it like a spawned
+//!   jail's.
+//! - **Host descriptors must be pipes or files**: CRIU finds sockets through the dumped
+//!   network namespace, and a socket the host made before the sandbox existed is not
+//!   there, so [`dump`] refuses it up front.
 //!
 //! Only [`crate::RootSpec::HostUserland`] roots are supported: an overlay root's
 //! upper/work directories would need the overlay rebuilt at restore, which is not done.
@@ -121,15 +125,14 @@ pub enum CheckpointError {
     /// The jail configuration is invalid, or pausing/resuming the jail failed.
     #[error(transparent)]
     Jail(#[from] JailError),
-    /// The criu process failed; `reason` is its most telling log line.
-    #[error("criu {action} failed: {reason} (log: {log})")]
+    /// The criu process failed. Its log went with the partial image or sandbox
+    /// directory; `reason` keeps its first error lines.
+    #[error("criu {action} failed: {reason}")]
     Criu {
         /// "dump" or "restore".
         action: &'static str,
-        /// The last error line of criu's log.
+        /// The first error lines of criu's log.
         reason: String,
-        /// The full log.
-        log: PathBuf,
     },
     /// The directory holds no manifest: it is no checkpoint, or an incomplete one.
     #[error("{0} is not a complete checkpoint (no {MANIFEST})")]
@@ -161,7 +164,10 @@ pub enum CheckpointError {
 
 type Result<T> = std::result::Result<T, CheckpointError>;
 
-fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> CheckpointError + 'a {
+fn io_err<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(io::Error) -> CheckpointError + 'a {
     move |source| CheckpointError::Io {
         action,
         path: path.to_path_buf(),
@@ -188,8 +194,6 @@ pub struct DumpOptions {
 enum HostFd {
     /// A pipe; CRIU names it `pipe:[ino]`.
     Pipe { ino: u64 },
-    /// A socket whose peer is outside; `socket:[ino]`.
-    Socket { ino: u64 },
     /// A file on a mount the sandbox does not have (the host's /dev/null);
     /// `file[mnt_id:ino]`, both in hex.
     File { mnt_id: u64, ino: u64 },
@@ -199,7 +203,6 @@ impl HostFd {
     fn resource(&self) -> String {
         match self {
             HostFd::Pipe { ino } => format!("pipe:[{ino}]"),
-            HostFd::Socket { ino } => format!("socket:[{ino}]"),
             HostFd::File { mnt_id, ino } => format!("file[{mnt_id:x}:{ino:x}]"),
         }
     }
@@ -231,7 +234,10 @@ struct Manifest {
 impl Manifest {
     fn validate(&self) -> std::result::Result<(), String> {
         if self.format != FORMAT {
-            return Err(format!("format {} (this build reads {FORMAT})", self.format));
+            return Err(format!(
+                "format {} (this build reads {FORMAT})",
+                self.format
+            ));
         }
         for m in &self.mounts {
             for p in [&m.target, &m.source] {
@@ -240,7 +246,12 @@ impl Manifest {
                 }
             }
             // The key is the target; CRIU's `mnt[key]:path` syntax cannot carry these.
-            if m.target.as_os_str().as_bytes().iter().any(|b| b"[]:".contains(b)) {
+            if m.target
+                .as_os_str()
+                .as_bytes()
+                .iter()
+                .any(|b| b"[]:".contains(b))
+            {
                 return Err(format!("bad mount target {}", m.target.display()));
             }
         }
@@ -251,7 +262,9 @@ impl Manifest {
         }
         for (ctrl, path) in &self.cgroups {
             if ctrl.is_empty()
-                || !ctrl.bytes().all(|b| b.is_ascii_alphanumeric() || b"_,=".contains(&b))
+                || !ctrl
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"_,=".contains(&b))
                 || !path.starts_with('/')
                 || path.contains(['\0', '\n'])
             {
@@ -513,12 +526,16 @@ impl Drop for DirGuard<'_> {
 ///
 /// Command line (paths shortened):
 /// `criu dump --tree <pid1> --images-dir <dir>/images --work-dir <dir> --log-file
-/// dump.log --shell-job --manage-cgroups --freeze-cgroup <freezer cgroup>
-/// [--leave-running] --external mnt[<target>]:<target>... --external unix[<ino>]...
-/// --external file[<mnt_id>:<ino>]...`
-pub fn dump(criu: &Criu, jail: &Jail, image_dir: &Path, options: &DumpOptions) -> Result<Checkpoint> {
-    let (Some(cgroup), Some(root_dir)) = (jail.cgroup(), jail.root_dir())
-    else {
+/// dump.log --manage-cgroups --freeze-cgroup <freezer cgroup>
+/// [--leave-running] --external mnt[<target>]:<target>... --external
+/// file[<mnt_id>:<ino>]...`
+pub fn dump(
+    criu: &Criu,
+    jail: &Jail,
+    image_dir: &Path,
+    options: &DumpOptions,
+) -> Result<Checkpoint> {
+    let (Some(cgroup), Some(root_dir)) = (jail.cgroup(), jail.root_dir()) else {
         return Err(CheckpointError::NotRunning);
     };
     let pid = jail.pid();
@@ -563,7 +580,7 @@ pub fn dump(criu: &Criu, jail: &Jail, image_dir: &Path, options: &DumpOptions) -
     };
     manifest
         .validate()
-        .map_err(|reason| CheckpointError::UnsupportedRoot(reason))?;
+        .map_err(CheckpointError::UnsupportedRoot)?;
 
     match fs::DirBuilder::new().mode(0o700).create(image_dir) {
         Ok(()) => {}
@@ -572,7 +589,7 @@ pub fn dump(criu: &Criu, jail: &Jail, image_dir: &Path, options: &DumpOptions) -
         }
         Err(e) => return Err(io_err("create", image_dir)(e)),
     }
-    let mut guard = DirGuard(if std::env::var_os("CUBE_KEEP").is_some() { None } else { Some(image_dir) });
+    let mut guard = DirGuard(Some(image_dir));
     let images = image_dir.join(IMAGES);
     fs::DirBuilder::new()
         .mode(0o700)
@@ -603,10 +620,6 @@ pub fn dump(criu: &Criu, jail: &Jail, image_dir: &Path, options: &DumpOptions) -
     }
     for fd in manifest.host_fds.values() {
         match fd {
-            HostFd::Socket { ino } => {
-                arg(&"--external");
-                arg(&format!("unix[{ino}]"));
-            }
             HostFd::File { .. } => {
                 arg(&"--external");
                 arg(&fd.resource());
@@ -671,11 +684,9 @@ fn run_criu(
     let text = fs::read_to_string(log)
         .unwrap_or_else(|_| String::from_utf8_lossy(&out.stderr).into_owned());
     tracing::debug!(action, log = %text, "criu failed");
-    if std::env::var_os("CUBE_KEEP").is_some() { let _ = fs::write("/tmp/criu-last.log", &text); }
     Err(CheckpointError::Criu {
         action,
         reason: error_summary(&text),
-        log: log.to_path_buf(),
     })
 }
 
@@ -695,7 +706,7 @@ struct Inherited {
 ///
 /// The restored PID 1 is a child of the calling process. Command line (paths shortened):
 /// `criu restore --images-dir <dir>/images --work-dir <state>/criu --log-file
-/// restore.log --root <state>/root --shell-job --restore-detached --restore-sibling
+/// restore.log --root <state>/root --restore-detached --restore-sibling
 /// --pidfile <state>/criu/pid --manage-cgroups --cgroup-root <ctrl>:<new cgroup>...
 /// --external mnt[<target>]:<host path>... --inherit-fd fd[<n>]:<resource>...`,
 /// run in a private mount namespace where `<state>/root` is bound onto itself.
@@ -713,8 +724,7 @@ pub fn restore(
     }
     let mut given: BTreeMap<RawFd, BorrowedFd<'_>> = BTreeMap::new();
     for (fd, number) in fds {
-        if *number <= 2 || !manifest.host_fds.contains_key(number) || given.contains_key(number)
-        {
+        if *number <= 2 || !manifest.host_fds.contains_key(number) || given.contains_key(number) {
             return Err(CheckpointError::UnexpectedFd(*number));
         }
         given.insert(*number, *fd);
@@ -747,13 +757,13 @@ pub fn restore(
                     .try_clone_to_owned()
                     .map_err(io_err("duplicate", Path::new("/dev/stdin")))?,
                 Stdio::Pipe => {
-                    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(
-                        |e| CheckpointError::Io {
+                    let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| {
+                        CheckpointError::Io {
                             action: "create a pipe for",
                             path: PathBuf::from(format!("fd {number}")),
                             source: e.into(),
-                        },
-                    )?;
+                        }
+                    })?;
                     let (child, parent) = if number == 0 { (r, w) } else { (w, r) };
                     parent_ends[number as usize] = Some(File::from(parent));
                     child
@@ -857,7 +867,14 @@ pub fn restore(
                     return Err(io::Error::last_os_error());
                 }
                 let none = std::ptr::null();
-                if libc::mount(none, c"/".as_ptr(), none, libc::MS_REC | libc::MS_PRIVATE, none.cast()) != 0 {
+                if libc::mount(
+                    none,
+                    c"/".as_ptr(),
+                    none,
+                    libc::MS_REC | libc::MS_PRIVATE,
+                    none.cast(),
+                ) != 0
+                {
                     return Err(io::Error::last_os_error());
                 }
                 // pivot_root, which CRIU does into --root, needs a mount point.
@@ -929,7 +946,6 @@ mod tests {
     #[test]
     fn resources_use_criu_names() {
         assert_eq!(HostFd::Pipe { ino: 12 }.resource(), "pipe:[12]");
-        assert_eq!(HostFd::Socket { ino: 7 }.resource(), "socket:[7]");
         assert_eq!(
             HostFd::File {
                 mnt_id: 26,
@@ -949,7 +965,7 @@ mod tests {
                 target: "/usr".into(),
                 source: "/usr".into(),
             }],
-            host_fds: BTreeMap::from([(3, HostFd::Socket { ino: 5 })]),
+            host_fds: BTreeMap::from([(3, HostFd::Pipe { ino: 5 })]),
             cgroups: BTreeMap::from([("pids".into(), "/cube/a".into())]),
         }
     }

@@ -213,19 +213,31 @@ impl Criu {
     }
 }
 
-/// The most telling part of criu's output: its first error line (the cause; later ones
-/// are consequences such as "Dumping FAILED"), else the last non-empty line.
+/// Error lines criu prints on every run where root lacks CAP_SYS_RESOURCE; they are
+/// not why anything failed.
+const BENIGN: &[&str] = &["Can't setup RLIMIT_NOFILE for self"];
+
+/// The telling part of criu's output: its first error lines (the cause and its first
+/// consequences; the last is usually a bare "Dumping FAILED"), else the last non-empty
+/// line.
 pub(crate) fn error_summary(text: &str) -> String {
     let lines: Vec<&str> = text
         .lines()
         .map(str::trim)
-        .filter(|l| !l.is_empty())
+        .filter(|l| !l.is_empty() && !BENIGN.iter().any(|b| l.contains(b)))
         .collect();
-    lines
+    let errors: Vec<&str> = lines
         .iter()
-        .find(|l| l.starts_with("Error") || l.contains("error:") || l.contains("Error ("))
-        .or(lines.last())
-        .map_or_else(|| "no output".to_owned(), |l| (*l).to_owned())
+        .copied()
+        .filter(|l| l.starts_with("Error") || l.contains("error:"))
+        .take(3)
+        .collect();
+    if errors.is_empty() {
+        return lines
+            .last()
+            .map_or_else(|| "no output".to_owned(), |l| (*l).to_owned());
+    }
+    errors.join("; ")
 }
 
 #[cfg(test)]
@@ -246,11 +258,13 @@ mod tests {
         assert_eq!(v.to_string(), "4.1.1");
         let v = parse_version("Version: 3.17\n").unwrap();
         assert_eq!((v.major, v.minor, v.patch), (3, 17, 0));
-        assert!(v < CriuVersion {
-            major: 4,
-            minor: 0,
-            patch: 0
-        });
+        assert!(
+            v < CriuVersion {
+                major: 4,
+                minor: 0,
+                patch: 0
+            }
+        );
         assert_eq!(parse_version("criu 4.1"), None);
         assert_eq!(parse_version("Version: x.y"), None);
         assert_eq!(parse_version(""), None);
@@ -259,10 +273,16 @@ mod tests {
     #[test]
     fn picks_the_error_line() {
         let text = "Warn  (criu/kerndat.c:1285): Can't keep kdat cache\n\
+                    Error (criu/util.c:1533): rlimit: Can't setup RLIMIT_NOFILE for self: x\n\
                     Error (criu/cr-check.c:1): vdso: [vvar_vclock] unsupported\n\
                     Error (criu/cr-check.c:2): check failed\n\
                     Looks bad.\n";
-        assert!(error_summary(text).contains("vvar_vclock"));
+        let summary = error_summary(text);
+        assert!(
+            summary.starts_with("Error (criu/cr-check.c:1)"),
+            "{summary}"
+        );
+        assert!(!summary.contains("RLIMIT"), "{summary}");
         assert_eq!(error_summary("only this\n\n"), "only this");
         assert_eq!(error_summary(""), "no output");
     }

@@ -7,13 +7,15 @@
 //! restore the supervisor hands in new pipes. (Pipes, not a socketpair: CRIU finds
 //! sockets through the dumped network namespace and cannot see a socket made outside.)
 
+// Helpers outside #[test] functions panic like the tests they serve.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod common;
 
 use std::fs::File;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 use cube_jail::checkpoint::{self, CheckpointError, DumpOptions};
 use cube_jail::{Criu, Jail, JailConfig, Stdio};
@@ -131,7 +133,12 @@ fn dump_options(leave_running: bool) -> DumpOptions {
 /// Destroys `jail` and checks that none of its processes, cgroups or files remain.
 fn destroy_and_check(jail: Jail) {
     let state_dir = jail.state_dir().unwrap().to_path_buf();
-    let cgroups: Vec<PathBuf> = jail.cgroup().unwrap().dirs().map(Path::to_path_buf).collect();
+    let cgroups: Vec<PathBuf> = jail
+        .cgroup()
+        .unwrap()
+        .dirs()
+        .map(Path::to_path_buf)
+        .collect();
     let pid = jail.pid();
     jail.destroy().unwrap();
     assert!(!state_dir.exists(), "{} is left", state_dir.display());
@@ -292,7 +299,10 @@ fn a_damaged_image_is_refused_and_the_sandbox_keeps_running() {
     // Each failed restore left nothing behind, and the source still runs.
     assert!(!target.state_dir.exists());
     let layout = cube_jail::CgroupLayout::detect().unwrap();
-    let v2 = layout.v2.as_ref().map(|h| h.mount.join("cube").join(&target.name));
+    let v2 = layout
+        .v2
+        .as_ref()
+        .map(|h| h.mount.join("cube").join(&target.name));
     assert!(v2.is_none_or(|d| !d.exists()));
     assert_eq!(a.eval("y"), "'kept'");
 
