@@ -79,7 +79,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         passed_fds: vec![3, 4],
     };
     for i in 0..runs {
-        let config = JailConfig::new(format!("ckpt-{}-{i}", std::process::id()), tmp.join(format!("s{i}")));
+        let config = JailConfig::new(
+            format!("ckpt-{}-{i}", std::process::id()),
+            tmp.join(format!("s{i}")),
+        );
         let mut ends = pipes()?;
         // Spawn to first answer: the floor a restore competes with.
         let t = Instant::now();
@@ -99,7 +102,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
         // Restore to first answer.
         let mut fresh = pipes()?;
-        let clone = JailConfig::new(format!("ckpt-{}-{i}-r", std::process::id()), tmp.join(format!("r{i}")));
+        let clone = JailConfig::new(
+            format!("ckpt-{}-{i}-r", std::process::id()),
+            tmp.join(format!("r{i}")),
+        );
         let t = Instant::now();
         let fds = [(fresh.theirs[0].as_fd(), 3), (fresh.theirs[1].as_fd(), 4)];
         let restored = checkpoint::restore(&criu, &tmp.join(format!("img{i}")), &clone, &fds)?;
