@@ -73,6 +73,8 @@ const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 /// Descriptor numbers, in the criu process, where inherited descriptors are placed:
 /// high enough to collide with nothing the launcher has open.
 const INHERIT_BASE: RawFd = 900;
+/// The manifest's name for the v2 hierarchy (CRIU's is the empty string).
+const V2_NAME: &str = "unified";
 /// Filesystem types the sandbox mounts itself; every other non-root mount is a host
 /// bind and becomes an external mount.
 const SANDBOX_FS_TYPES: &[&str] = &["proc", "tmpfs", "devpts", "sysfs", "mqueue", "cgroup2"];
@@ -408,7 +410,7 @@ fn host_source(entry: &MountEntry, host: &[MountEntry]) -> Option<PathBuf> {
 fn criu_controller_name(layout: &CgroupLayout, dir: &Path) -> Option<String> {
     if let Some(v2) = &layout.v2 {
         if dir.starts_with(&v2.mount) {
-            return Some("unified".to_owned());
+            return Some(V2_NAME.to_owned());
         }
     }
     layout
@@ -708,6 +710,7 @@ struct Inherited {
 /// `criu restore --images-dir <dir>/images --work-dir <state>/criu --log-file
 /// restore.log --root <state>/root --restore-detached --restore-sibling
 /// --pidfile <state>/criu/pid --manage-cgroups --cgroup-root <ctrl>:<new cgroup>...
+/// (`:<new cgroup>` for the v2 hierarchy)
 /// --external mnt[<target>]:<host path>... --inherit-fd fd[<n>]:<resource>...`,
 /// run in a private mount namespace where `<state>/root` is bound onto itself.
 pub fn restore(
@@ -812,8 +815,10 @@ pub fn restore(
     let new_roots = cgroup_roots(&layout, &cgroup);
     for (ctrl, path) in &new_roots {
         if manifest.cgroups.contains_key(ctrl) {
+            // CRIU names the v2 hierarchy by the empty controller name.
+            let criu_name = if ctrl == V2_NAME { "" } else { ctrl.as_str() };
             arg(&"--cgroup-root");
-            arg(&format!("{ctrl}:{path}"));
+            arg(&format!("{criu_name}:{path}"));
         }
     }
     for m in &manifest.mounts {

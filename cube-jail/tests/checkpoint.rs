@@ -222,6 +222,17 @@ fn a_clone_starts_from_the_snapshot_and_diverges_from_its_source() {
     assert_eq!(clone.name(), clone_config.name);
     assert_eq!(b.eval("x"), "[1]");
     assert_eq!(b.eval("open('/home/user/f').read()"), "'a'");
+    // Each in its own cgroups: the clone's limits and freezer apply to the clone alone.
+    let procs = |j: &Jail| {
+        let mut p = j.cgroup().unwrap().procs().unwrap();
+        p.dedup();
+        p
+    };
+    assert_eq!(procs(&clone), vec![clone.pid()]);
+    assert_eq!(procs(&source), vec![source.pid()]);
+    clone.pause().unwrap();
+    assert_eq!(a.eval("x"), "[1]", "pausing the clone froze the source");
+    clone.resume().unwrap();
 
     assert_eq!(b.eval("x.append(2)"), "None");
     assert_eq!(b.eval("open('/home/user/f', 'w').write('bb')"), "2");
