@@ -323,3 +323,110 @@ fn a_damaged_image_is_refused_and_the_sandbox_keeps_running() {
     destroy_and_check(clone);
     destroy_and_check(source);
 }
+
+/// The cube-agent binary: `$CUBE_AGENT`, else next to this test's target directory.
+fn agent_binary() -> Option<PathBuf> {
+    let path = match std::env::var_os("CUBE_AGENT") {
+        Some(p) => PathBuf::from(p),
+        None => std::env::current_exe()
+            .ok()?
+            .parent()?
+            .parent()?
+            .join("cube-agent"),
+    };
+    path.is_file().then_some(path)
+}
+
+/// Connects to the agent listening on `/tmp/agent.sock` of the sandbox whose PID 1 is
+/// `pid`, through that process's root, retrying while the socket is being bound.
+fn connect_agent(pid: i32) -> cube_agent::client::Client {
+    let path = PathBuf::from(format!("/proc/{pid}/root/tmp/agent.sock"));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        match cube_agent::client::Client::connect_unix(&path) {
+            Ok(c) => return c,
+            Err(e) if std::time::Instant::now() > deadline => panic!("agent: {e}"),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(10)),
+        }
+    }
+}
+
+/// Waits until PID 1 holds no socket but its listener: the host's connections are
+/// gone, which CRIU needs (it cannot dump a connection whose far end is outside).
+fn wait_for_disconnect(pid: i32) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let sockets = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.unwrap().path()).ok())
+            .filter(|l| l.to_string_lossy().starts_with("socket:"))
+            .count();
+        if sockets <= 1 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the agent kept {sockets} sockets"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// The agent as PID 1, listening inside the sandbox, with a Python context: the way
+/// the Sandbox API runs code. The context's variable survives a dump and shows in a
+/// clone, which diverges from the source.
+#[test]
+fn an_agent_python_context_survives_dump_and_clone() {
+    let Some(criu) = criu() else { return };
+    let Some(agent) = agent_binary() else {
+        println!("skipped: the cube-agent binary is not built (cargo build -p cube-agent)");
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = config(tmp.path(), "agent");
+    c.stderr = Stdio::Null;
+    c.binds.push(cube_jail::ReadOnlyBind {
+        source: agent,
+        target: PathBuf::from("/.cube/cube-agent"),
+    });
+    let source = Jail::spawn(&c, &["/.cube/cube-agent", "--listen", "/tmp/agent.sock"]).unwrap();
+    let client = connect_agent(source.pid());
+    client
+        .create_context("py", cube_agent::protocol::Language::Python, None)
+        .unwrap();
+    let r = client.run_code("py", "x = 41", None).unwrap();
+    assert!(r.error.is_none(), "{r:?}");
+    drop(client);
+    wait_for_disconnect(source.pid());
+
+    let image = tmp.path().join("image");
+    checkpoint::dump(
+        &criu,
+        &source,
+        &image,
+        &DumpOptions {
+            leave_running: true,
+            passed_fds: Vec::new(),
+        },
+    )
+    .unwrap();
+
+    let clone_config = {
+        let mut cc = config(tmp.path(), "agentclone");
+        cc.stderr = Stdio::Null;
+        cc.binds = c.binds.clone();
+        cc
+    };
+    let clone = checkpoint::restore(&criu, &image, &clone_config, &[]).unwrap();
+    let b = connect_agent(clone.pid());
+    let r = b.run_code("py", "x + 1", None).unwrap();
+    assert_eq!(r.value.as_deref(), Some("42"), "{r:?}");
+    b.run_code("py", "x = 'clone'", None).unwrap();
+
+    let a = connect_agent(source.pid());
+    let r = a.run_code("py", "x", None).unwrap();
+    assert_eq!(r.value.as_deref(), Some("41"), "{r:?}");
+    drop((a, b));
+    destroy_and_check(clone);
+    destroy_and_check(source);
+}
