@@ -38,8 +38,11 @@
 //!   network namespace, and a socket the host made before the sandbox existed is not
 //!   there, so [`dump`] refuses it up front.
 //!
-//! Only [`crate::RootSpec::HostUserland`] roots are supported: an overlay root's
-//! upper/work directories would need the overlay rebuilt at restore, which is not done.
+//! Both root kinds work. For [`crate::RootSpec::Overlay`] the layer is the overlay's
+//! upper directory, and restore mounts a new overlay (the configuration's template
+//! trees under the copied upper directory) as `--root`. Extended attributes are not
+//! copied with the layer, so a directory that overlayfs marked opaque (deleted, then
+//! made again in the sandbox) shows the template's entries again after a restore.
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -65,6 +68,9 @@ pub const MANIFEST: &str = "cube-checkpoint.json";
 pub const FORMAT: u32 = 1;
 const IMAGES: &str = "images";
 const LAYER: &str = "layer";
+/// The overlay directories in a sandbox directory, as `rootfs::prepare` makes them.
+const OVERLAY_UPPER: &str = "upper";
+const OVERLAY_WORK: &str = "work";
 const DUMP_LOG: &str = "dump.log";
 /// Directory, in the restored sandbox's state directory, for CRIU's restore log.
 const RESTORE_WORK: &str = "criu";
@@ -225,6 +231,8 @@ struct Manifest {
     format: u32,
     criu_version: String,
     source_name: String,
+    /// The root was an overlay whose upper directory is the layer.
+    overlay: bool,
     mounts: Vec<ExternalMount>,
     /// Host descriptors of PID 1, by number.
     host_fds: BTreeMap<RawFd, HostFd>,
@@ -551,9 +559,13 @@ pub fn dump(
         .iter()
         .find(|m| m.mount_point == Path::new("/"))
         .ok_or(CheckpointError::NotRunning)?;
-    if root.fs_type == "overlay" {
-        return Err(CheckpointError::UnsupportedRoot("an overlay".into()));
-    }
+    let overlay = root.fs_type == "overlay";
+    // The writable layer: the root directory itself, or the overlay's upper directory.
+    let layer = match (overlay, jail.state_dir()) {
+        (false, _) => root_dir.to_path_buf(),
+        (true, Some(state_dir)) => state_dir.join(OVERLAY_UPPER),
+        (true, None) => return Err(CheckpointError::NotRunning),
+    };
     let mut mounts = Vec::new();
     for m in &sandbox_mounts {
         if m.mount_point == Path::new("/") || SANDBOX_FS_TYPES.contains(&m.fs_type.as_str()) {
@@ -576,6 +588,7 @@ pub fn dump(
         format: FORMAT,
         criu_version: criu.version().to_string(),
         source_name: jail.name().to_owned(),
+        overlay,
         mounts,
         host_fds,
         cgroups: cgroup_roots(&layout, cgroup),
@@ -632,8 +645,8 @@ pub fn dump(
 
     // Frozen from before the layer copy until CRIU has the tasks: one instant for both.
     jail.pause()?;
-    let dumped = fs::canonicalize(root_dir)
-        .map_err(io_err("resolve", root_dir))
+    let dumped = fs::canonicalize(&layer)
+        .map_err(io_err("resolve", &layer))
         .and_then(|root| {
             cube_storage::reflink::clone_tree(&root, &image_dir.join(LAYER))
                 .map_err(CheckpointError::Layer)
@@ -692,6 +705,15 @@ fn run_criu(
     })
 }
 
+/// How the restored sandbox's root directory is made a mount point for `--root`.
+#[derive(Clone)]
+enum RootMount {
+    /// Bound onto itself (a host-userland root, whose layer is the directory).
+    Bind,
+    /// An overlay with these mount options.
+    Overlay(CString),
+}
+
 /// A descriptor criu inherits, and the resource it stands for.
 struct Inherited {
     fd: OwnedFd,
@@ -722,9 +744,20 @@ pub fn restore(
     let checkpoint = Checkpoint::open(image_dir)?;
     let manifest = &checkpoint.manifest;
     config.validate()?;
-    if !matches!(config.root, crate::RootSpec::HostUserland) {
-        return Err(CheckpointError::UnsupportedRoot("an overlay".into()));
-    }
+    let lower = match (&config.root, manifest.overlay) {
+        (crate::RootSpec::HostUserland, false) => None,
+        (crate::RootSpec::Overlay { lower, .. }, true) => Some(lower),
+        (_, true) => {
+            return Err(CheckpointError::UnsupportedRoot(
+                "not an overlay; the checkpoint's was".into(),
+            ))
+        }
+        (_, false) => {
+            return Err(CheckpointError::UnsupportedRoot(
+                "an overlay; the checkpoint's was not".into(),
+            ))
+        }
+    };
     let mut given: BTreeMap<RawFd, BorrowedFd<'_>> = BTreeMap::new();
     for (fd, number) in fds {
         if *number <= 2 || !manifest.host_fds.contains_key(number) || given.contains_key(number) {
@@ -787,8 +820,45 @@ pub fn restore(
     let cgroup = SandboxCgroup::create(&layout, &config.name, &config.limits)?;
     let rootfs = RootfsLayout::create_empty(&config.state_dir)?;
     let state_dir = rootfs.state_dir().to_path_buf();
-    cube_storage::reflink::clone_tree(&image_dir.join(LAYER), rootfs.root())
-        .map_err(CheckpointError::Layer)?;
+    // The root directory becomes a mount point: a bind of itself, or the overlay.
+    let root_mount: RootMount = match lower {
+        None => {
+            cube_storage::reflink::clone_tree(&image_dir.join(LAYER), rootfs.root())
+                .map_err(CheckpointError::Layer)?;
+            RootMount::Bind
+        }
+        Some(lower) => {
+            let upper = state_dir.join(OVERLAY_UPPER);
+            let work = state_dir.join(OVERLAY_WORK);
+            cube_storage::reflink::clone_tree(&image_dir.join(LAYER), &upper)
+                .map_err(CheckpointError::Layer)?;
+            for (dir, mode) in [(&work, 0o700), (&rootfs.root().to_path_buf(), 0o755)] {
+                fs::DirBuilder::new()
+                    .mode(mode)
+                    .create(dir)
+                    .map_err(io_err("create", dir))?;
+            }
+            let mut paths = lower.clone();
+            paths.push(upper.clone());
+            paths.push(work.clone());
+            for p in &paths {
+                // overlayfs options cannot carry these.
+                if !p.is_absolute() || p.to_str().is_none_or(|s| s.contains([',', ':', '\0'])) {
+                    return Err(RootfsError::InvalidPath(p.clone()).into());
+                }
+            }
+            let lowers: Vec<String> = lower.iter().map(|p| p.display().to_string()).collect();
+            let data = format!(
+                "lowerdir={},upperdir={},workdir={}",
+                lowers.join(":"),
+                upper.display(),
+                work.display()
+            );
+            RootMount::Overlay(
+                CString::new(data).map_err(|_| RootfsError::InvalidPath(upper.clone()))?,
+            )
+        }
+    };
     let work = state_dir.join(RESTORE_WORK);
     fs::DirBuilder::new()
         .mode(0o700)
@@ -863,6 +933,7 @@ pub fn restore(
     let restored = run_criu(criu, "restore", &args, &work.join("restore.log"), |cmd| {
         let root_c = root_c.clone();
         let dups = dups.clone();
+        let root_mount = root_mount.clone();
         // SAFETY: the closure runs in the forked child before exec and only makes
         // async-signal-safe system calls on memory prepared above.
         unsafe {
@@ -883,14 +954,23 @@ pub fn restore(
                     return Err(io::Error::last_os_error());
                 }
                 // pivot_root, which CRIU does into --root, needs a mount point.
-                if libc::mount(
-                    root_c.as_ptr(),
-                    root_c.as_ptr(),
-                    none,
-                    libc::MS_BIND | libc::MS_REC,
-                    none.cast(),
-                ) != 0
-                {
+                let mounted = match &root_mount {
+                    RootMount::Bind => libc::mount(
+                        root_c.as_ptr(),
+                        root_c.as_ptr(),
+                        none,
+                        libc::MS_BIND | libc::MS_REC,
+                        none.cast(),
+                    ),
+                    RootMount::Overlay(data) => libc::mount(
+                        c"overlay".as_ptr(),
+                        root_c.as_ptr(),
+                        c"overlay".as_ptr(),
+                        libc::MS_NOSUID | libc::MS_NODEV,
+                        data.as_ptr().cast(),
+                    ),
+                };
+                if mounted != 0 {
                     return Err(io::Error::last_os_error());
                 }
                 for (source, target) in &dups {
@@ -966,6 +1046,7 @@ mod tests {
             format: FORMAT,
             criu_version: "4.1.1".into(),
             source_name: "a".into(),
+            overlay: false,
             mounts: vec![ExternalMount {
                 target: "/usr".into(),
                 source: "/usr".into(),

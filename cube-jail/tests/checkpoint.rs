@@ -430,3 +430,62 @@ fn an_agent_python_context_survives_dump_and_clone() {
     destroy_and_check(clone);
     destroy_and_check(source);
 }
+
+/// A sandbox on an overlay root (template trees under a per-sandbox upper directory):
+/// the clone gets the template through a new overlay and the source's upper layer as
+/// it was at the dump.
+#[test]
+fn an_overlay_root_sandbox_clones() {
+    let Some(criu) = criu() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let template = tmp.path().join("template");
+    std::fs::create_dir_all(template.join("srv")).unwrap();
+    std::fs::write(template.join("srv/hello.txt"), "from the template").unwrap();
+    let overlay = |test: &str| {
+        let mut c = config(tmp.path(), test);
+        c.root = cube_jail::RootSpec::Overlay {
+            lower: vec![template.clone()],
+            host_userland: true,
+        };
+        c
+    };
+    let c = overlay("ovl");
+    let (source, mut a) = spawn_repl(&c);
+    assert_eq!(a.eval("x = 5"), "None");
+    assert_eq!(a.eval("open('/home/user/f', 'w').write('layer')"), "5");
+    assert_eq!(
+        a.eval("open('/srv/hello.txt').read()"),
+        "'from the template'"
+    );
+    let image = tmp.path().join("image");
+    checkpoint::dump(&criu, &source, &image, &dump_options(true)).unwrap();
+
+    // The checkpoint's root kind and the configuration's must agree.
+    let (_r, ends) = Repl::new();
+    let mismatch = checkpoint::restore(&criu, &image, &config(tmp.path(), "plain"), &ends.fds());
+    assert!(
+        matches!(mismatch, Err(CheckpointError::UnsupportedRoot(_))),
+        "{mismatch:?}"
+    );
+
+    let (clone, mut b) = restore_repl(&criu, &image, &overlay("ovlclone"));
+    assert_eq!(b.eval("x"), "5");
+    assert_eq!(b.eval("open('/home/user/f').read()"), "'layer'");
+    assert_eq!(
+        b.eval("open('/srv/hello.txt').read()"),
+        "'from the template'"
+    );
+    assert_eq!(b.eval("open('/home/user/f', 'w').write('clone')"), "5");
+    assert_eq!(a.eval("open('/home/user/f').read()"), "'layer'");
+    let root = b.eval(
+        "[l.split(' - ')[1].split()[0] for l in open('/proc/self/mountinfo') \
+         if l.split()[4] == '/']",
+    );
+    assert_eq!(root, "['overlay']");
+    destroy_and_check(clone);
+    destroy_and_check(source);
+    assert_eq!(
+        std::fs::read_to_string(template.join("srv/hello.txt")).unwrap(),
+        "from the template"
+    );
+}
