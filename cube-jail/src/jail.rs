@@ -267,7 +267,7 @@ impl JailConfig {
         }
     }
 
-    fn validate(&self) -> Result<()> {
+    pub(crate) fn validate(&self) -> Result<()> {
         let n = &self.name;
         if n.is_empty()
             || n.len() > 64
@@ -380,6 +380,12 @@ fn child_setup(p: &ChildPlan<'_>) -> std::result::Result<Never, ChildFailure> {
     // Modes of mount points and device nodes are exact; restored before exec.
     // SAFETY: umask has no failure mode and no memory effects.
     unsafe { libc::umask(0) };
+    // A session of its own: no controlling terminal of the host's (whose TIOCSTI could
+    // push keystrokes into it), and a process tree CRIU can checkpoint, which needs the
+    // session leader inside the PID namespace. Cannot fail: a fresh child leads no
+    // process group.
+    // SAFETY: integer-only system call.
+    unsafe { libc::setsid() };
     for (i, fd) in p.cgroup_procs.iter().enumerate() {
         // SAFETY: writes one byte from a static string to an open descriptor.
         let r = unsafe { libc::write(*fd, b"0".as_ptr().cast(), 1) };
@@ -661,6 +667,31 @@ impl Jail {
         // The child failed and exits; reap it before `jail` is dropped and cleans up.
         let _ = jail.wait();
         Err(decode_report(&record, &mounts))
+    }
+
+    /// A jail around a process tree that was made some other way than [`Jail::spawn`]:
+    /// restored from a checkpoint (see [`crate::checkpoint::restore`]). `pid` must be an
+    /// unreaped child of the calling process and PID 1 of the sandbox's PID namespace;
+    /// `cgroup` and `rootfs` are the sandbox's, and are removed by [`Jail::destroy`] as
+    /// for a spawned jail. `stdio` holds the parent ends of piped standard streams.
+    pub fn from_restored(
+        name: String,
+        pid: libc::pid_t,
+        cgroup: SandboxCgroup,
+        rootfs: RootfsLayout,
+        stdio: [Option<File>; 3],
+    ) -> Jail {
+        let [stdin, stdout, stderr] = stdio;
+        Jail {
+            name,
+            pid,
+            exit: None,
+            cgroup: Some(cgroup),
+            rootfs: Some(rootfs),
+            stdin,
+            stdout,
+            stderr,
+        }
     }
 
     /// Host PID of the sandbox's PID 1.

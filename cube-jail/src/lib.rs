@@ -33,11 +33,18 @@
 //!   [`Jail::spawn_with_fds`] installs caller descriptors (a connected socket) at fixed
 //!   numbers of PID 1, right before exec and after everything else was made
 //!   close-on-exec, so nothing else of the caller leaks in.
+//! - **Checkpoints**: [`checkpoint::dump`]/[`checkpoint::restore`] carry a sandbox's
+//!   full process state through CRIU ≥ 4 ([`Criu::probe`] finds one and says why not
+//!   when it cannot), with its writable layer copied alongside; a restore under another
+//!   name and directory is a clone. PID 1 leads its own session for this (and so holds
+//!   no controlling terminal of the host's).
 //! - **seccomp**: a deny list (see [`seccomp::DENIED`]) returning EPERM, plus namespace
 //!   flags in `clone`, ENOSYS for `clone3` and the x32 ABI.
 
 pub mod capabilities;
 pub mod cgroup;
+pub mod checkpoint;
+pub mod criu;
 pub mod jail;
 pub mod namespaces;
 pub mod rootfs;
@@ -45,6 +52,8 @@ pub mod seccomp;
 
 pub use capabilities::Identity;
 pub use cgroup::{CgroupLayout, Limits, SandboxCgroup};
+pub use checkpoint::{Checkpoint, CheckpointError, DumpOptions};
+pub use criu::{Criu, CriuError};
 pub use jail::{Jail, JailConfig, JailError, JailExit, SetupStage, Stdio, MAX_PASSED_FD};
 pub use namespaces::NamespaceSet;
 pub use rootfs::{ReadOnlyBind, RootSpec};

@@ -400,6 +400,27 @@ impl Drop for RootfsLayout {
     }
 }
 
+impl RootfsLayout {
+    /// Creates an empty sandbox directory `state_dir` (it must not exist) whose root
+    /// directory is to be filled by the caller, e.g. with a checkpoint's writable layer.
+    /// Like a prepared layout it is removed on drop.
+    pub fn create_empty(state_dir: &Path) -> Result<RootfsLayout> {
+        validate_path(state_dir)?;
+        match fs::DirBuilder::new().mode(0o700).create(state_dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {
+                return Err(RootfsError::StateDirExists(state_dir.to_path_buf()))
+            }
+            Err(e) => return Err(io_err("create", state_dir)(e)),
+        }
+        Ok(RootfsLayout {
+            state_dir: state_dir.to_path_buf(),
+            root: state_dir.join("root"),
+            removed: false,
+        })
+    }
+}
+
 /// Mount points in this process's mount namespace at or below `dir`.
 pub fn mounts_under(dir: &Path) -> Result<Vec<PathBuf>> {
     let info = Path::new("/proc/self/mountinfo");
