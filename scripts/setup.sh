@@ -13,13 +13,20 @@ fi
 echo "setup: system packages"
 export DEBIAN_FRONTEND=noninteractive
 need=()
-for pkg in xfsprogs util-linux gcc make pkg-config python3 lz4 xz-utils zstd; do
+# debootstrap builds template root filesystems; bubblewrap is the peer `cube bench
+# --engine jail` measures `cube run` against.
+for pkg in xfsprogs util-linux gcc make pkg-config python3 lz4 xz-utils zstd debootstrap bubblewrap; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ]; then
     apt-get update -qq
     apt-get install -y -qq "${need[@]}" >/dev/null
 fi
+
+echo "setup: CRIU (full-state jail snapshots)"
+# Debian 12's CRIU 3.17 fails on current kernels; this builds 4.1.1 from Debian's source.
+# Without it jail snapshots hold the file system only, and say so.
+bash scripts/setup-criu.sh || echo "setup: full-state jail snapshots unavailable (see above)" >&2
 
 if ! command -v cargo >/dev/null 2>&1; then
     echo "setup: cargo not found: install a Rust toolchain (rustup, Rust >= 1.85) first" >&2
