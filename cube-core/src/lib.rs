@@ -6,6 +6,7 @@ pub mod host_caps;
 pub mod sandbox;
 pub mod snapshot;
 pub mod supervisor;
+pub mod template_rootfs;
 pub mod test_guest;
 pub mod vmm;
 pub mod vstate;
