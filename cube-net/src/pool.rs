@@ -1,0 +1,979 @@
+//! The device pool: veth pairs (jail engine) and TAPs (VM engine) created ahead of
+//! time, handed to sandboxes with their datapath state, taken back on release, and
+//! rebuilt from what is on the host after a crash.
+//!
+//! Device names: `<prefix><slot>h` (host end of a veth), `<prefix><slot>g` (its
+//! guest end while in the pool), `<prefix><slot>t` (a TAP). All datapath state sits
+//! in maps pinned at `<bpffs>/cube-net/<pool>/maps`, attachments at `.../links`,
+//! so a fresh process finds everything a crashed one left.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::net::Ipv4Addr;
+use std::ops::RangeInclusive;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::addressing::{GATEWAY_ADDR, GUEST_ADDR, GUEST_IFNAME, GUEST_PREFIX};
+use crate::datapath::{
+    self, ConfigRecord, CounterRecord, Datapath, DatapathError, ExposeEntry, ExposeKey, Hook,
+    Program, SandboxRecord, SANDBOX_INTERNET,
+};
+use crate::netlink::{Link, NetlinkError, Rtnl};
+use crate::netns::{Netns, NetnsError, NetnsRef};
+use crate::policy::EgressPolicy;
+use crate::tap::{self, TapError};
+
+/// Errors of the pool.
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    /// The configuration is unusable.
+    #[error("bad pool configuration: {0}")]
+    Config(String),
+    /// bpffs is not mounted and could not be mounted.
+    #[error("mount bpffs at {0}")]
+    Bpffs(PathBuf, #[source] nix::Error),
+    /// A state directory could not be made or removed.
+    #[error("pool directory {0}")]
+    Dir(PathBuf, #[source] io::Error),
+    /// A sysctl of a pool device could not be written.
+    #[error("sysctl {0}")]
+    Sysctl(PathBuf, #[source] io::Error),
+    /// A netlink request failed.
+    #[error(transparent)]
+    Netlink(#[from] NetlinkError),
+    /// A network namespace could not be opened or entered.
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+    /// The datapath failed.
+    #[error(transparent)]
+    Datapath(#[from] DatapathError),
+    /// A TAP could not be created.
+    #[error(transparent)]
+    Tap(#[from] TapError),
+    /// Another sandbox already exposes this host port.
+    #[error("host port {0}/{1} is already exposed")]
+    PortTaken(u16, Protocol),
+    /// The device is not attached to a sandbox of this pool.
+    #[error("{0} is not attached to a sandbox of this pool")]
+    NotAttached(String),
+    /// A pool lock was poisoned by a panic.
+    #[error("pool lock poisoned")]
+    Poisoned,
+}
+
+type Result<T> = std::result::Result<T, PoolError>;
+
+/// Transport protocol of an exposed port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Protocol {
+    /// TCP.
+    Tcp,
+    /// UDP.
+    Udp,
+}
+
+impl Protocol {
+    fn number(self) -> u8 {
+        match self {
+            Self::Tcp => libc::IPPROTO_TCP as u8,
+            Self::Udp => libc::IPPROTO_UDP as u8,
+        }
+    }
+}
+
+impl std::fmt::Display for Protocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Tcp => "tcp",
+            Self::Udp => "udp",
+        })
+    }
+}
+
+/// How a pool is sized and where it keeps its state.
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    /// Pool name: its pins live in `<bpffs>/cube-net/<name>`.
+    pub name: String,
+    /// Device name prefix (at most 8 characters; names are `<prefix><slot>h|g|t`).
+    pub prefix: String,
+    /// veth pairs kept ready.
+    pub veths: usize,
+    /// TAPs kept ready.
+    pub taps: usize,
+    /// Interfaces whose ingress carries replies and exposed ports to sandboxes.
+    /// `None`: every interface with an IPv4 address except lo and pool devices.
+    pub uplinks: Option<Vec<String>>,
+    /// Source ports for NAT; keep it outside `net.ipv4.ip_local_port_range` so NAT
+    /// never takes a port the host's own connections use.
+    pub nat_ports: RangeInclusive<u16>,
+    /// Idle timeout of open TCP flows.
+    pub tcp_timeout: Duration,
+    /// Idle timeout of TCP flows after FIN or RST.
+    pub tcp_closing_timeout: Duration,
+    /// Idle timeout of UDP flows.
+    pub udp_timeout: Duration,
+    /// Where bpffs is (mounted there if it is not).
+    pub bpffs: PathBuf,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            name: "default".to_string(),
+            prefix: "cube".to_string(),
+            veths: 16,
+            taps: 0,
+            uplinks: None,
+            nat_ports: 61000..=65535,
+            tcp_timeout: Duration::from_secs(7200),
+            tcp_closing_timeout: Duration::from_secs(10),
+            udp_timeout: Duration::from_secs(60),
+            bpffs: PathBuf::from("/sys/fs/bpf"),
+        }
+    }
+}
+
+impl PoolConfig {
+    fn validate(&self) -> Result<()> {
+        let bad = |why: String| Err(PoolError::Config(why));
+        if self.name.is_empty()
+            || !self
+                .name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return bad(format!(
+                "name {:?}: use letters, digits, '-' and '_'",
+                self.name
+            ));
+        }
+        if self.prefix.is_empty()
+            || self.prefix.len() > 8
+            || !self
+                .prefix
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-')
+        {
+            return bad(format!(
+                "prefix {:?}: 1 to 8 letters, digits or '-'",
+                self.prefix
+            ));
+        }
+        if self.veths + self.taps > 65536 {
+            return bad("more than 65536 devices".to_string());
+        }
+        if self.nat_ports.is_empty() || *self.nat_ports.start() < 1024 {
+            return bad(format!(
+                "NAT ports {:?}: a non-empty range above 1023",
+                self.nat_ports
+            ));
+        }
+        Ok(())
+    }
+
+    fn pin_dir(&self) -> PathBuf {
+        self.bpffs.join("cube-net").join(&self.name)
+    }
+}
+
+/// The engine a device serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// A veth pair; its guest end goes into a jail's network namespace.
+    Veth,
+    /// A TAP; a VMM opens it by name.
+    Tap,
+}
+
+#[derive(Debug, Clone)]
+struct Slot {
+    number: u32,
+    kind: DeviceKind,
+    host: Link,
+    /// Guest end of a veth while it sits in the host namespace.
+    guest: Option<Link>,
+}
+
+impl Slot {
+    fn guest_name(prefix: &str, number: u32) -> String {
+        format!("{prefix}{number}g")
+    }
+}
+
+/// A sandbox's network: which device it holds and what the guest side is.
+#[derive(Debug)]
+pub struct Attachment {
+    slot: Slot,
+    guest_mac: [u8; 6],
+    netns: Option<Netns>,
+}
+
+impl Attachment {
+    /// Host-side device name (a veth's host end or the TAP).
+    pub fn host_ifname(&self) -> &str {
+        &self.slot.host.name
+    }
+
+    /// Host-side ifindex, the datapath's key for this sandbox.
+    pub fn host_ifindex(&self) -> u32 {
+        self.slot.host.index
+    }
+
+    /// The device's kind.
+    pub fn kind(&self) -> DeviceKind {
+        self.slot.kind
+    }
+
+    /// The guest's MAC address.
+    pub fn guest_mac(&self) -> [u8; 6] {
+        self.guest_mac
+    }
+
+    /// The TAP a VMM opens (with [`tap::TAP_FLAGS`]); `None` for a veth.
+    pub fn tap_name(&self) -> Option<&str> {
+        (self.slot.kind == DeviceKind::Tap).then_some(self.slot.host.name.as_str())
+    }
+}
+
+/// A sandbox's traffic as the datapath counted it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Packets the sandbox sent.
+    pub tx_packets: u64,
+    /// Bytes the sandbox sent.
+    pub tx_bytes: u64,
+    /// Packets delivered to the sandbox.
+    pub rx_packets: u64,
+    /// Bytes delivered to the sandbox.
+    pub rx_bytes: u64,
+    /// Packets from the sandbox the policy or parser dropped.
+    pub dropped: u64,
+}
+
+impl From<CounterRecord> for Counters {
+    fn from(record: CounterRecord) -> Self {
+        Self {
+            tx_packets: record.tx_packets,
+            tx_bytes: record.tx_bytes,
+            rx_packets: record.rx_packets,
+            rx_bytes: record.rx_bytes,
+            dropped: record.dropped,
+        }
+    }
+}
+
+/// What is left of one sandbox device in the datapath (all zero after release).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Residue {
+    /// Programs attached by tcx to the device's hooks.
+    pub programs: usize,
+    /// Link pins for the device.
+    pub pins: usize,
+    /// Policy entries.
+    pub policy_entries: usize,
+    /// Exposed ports.
+    pub exposed_ports: usize,
+    /// Connection-tracking entries.
+    pub flows: usize,
+    /// Whether the device is still registered as a sandbox.
+    pub registered: bool,
+}
+
+struct State {
+    datapath: Datapath,
+    free_veths: Vec<Slot>,
+    free_taps: Vec<Slot>,
+    attached: BTreeMap<String, Slot>,
+    uplinks: Vec<String>,
+}
+
+/// A pool of sandbox network devices and the datapath serving them.
+pub struct Pool {
+    config: PoolConfig,
+    record: ConfigRecord,
+    host_netns: Netns,
+    state: Mutex<State>,
+}
+
+fn mac6(mac: &[u8]) -> [u8; 6] {
+    let mut out = [0u8; 6];
+    let n = mac.len().min(6);
+    out[..n].copy_from_slice(&mac[..n]);
+    out
+}
+
+/// Mounts bpffs at `path` unless it is already there.
+fn ensure_bpffs(path: &Path) -> Result<()> {
+    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+    if let Ok(stat) = nix::sys::statfs::statfs(path) {
+        if stat.filesystem_type().0 as i64 == BPF_FS_MAGIC {
+            return Ok(());
+        }
+    }
+    std::fs::create_dir_all(path).map_err(|error| PoolError::Dir(path.to_path_buf(), error))?;
+    nix::mount::mount(
+        Some("bpf"),
+        path,
+        Some("bpf"),
+        nix::mount::MsFlags::empty(),
+        Some("mode=0700"),
+    )
+    .map_err(|error| PoolError::Bpffs(path.to_path_buf(), error))
+}
+
+fn write_sysctl(path: PathBuf, value: &str) -> Result<()> {
+    std::fs::write(&path, value).map_err(|error| PoolError::Sysctl(path, error))
+}
+
+impl Pool {
+    /// Opens (or, after a crash, rebuilds) the pool in the calling thread's network
+    /// namespace: loads the datapath, attaches it to the uplinks and lo, adopts the
+    /// pool devices already on the host, and creates the missing ones.
+    pub fn open(config: PoolConfig) -> Result<Self> {
+        config.validate()?;
+        ensure_bpffs(&config.bpffs)?;
+        let pin_dir = config.pin_dir();
+        std::fs::create_dir_all(&pin_dir)
+            .map_err(|error| PoolError::Dir(pin_dir.clone(), error))?;
+        let host_netns = Netns::current()?;
+        let mut rtnl = Rtnl::open()?;
+        let lo = rtnl.link("lo")?;
+        let record = ConfigRecord {
+            tcp_timeout_ns: config.tcp_timeout.as_nanos() as u64,
+            tcp_closing_timeout_ns: config.tcp_closing_timeout.as_nanos() as u64,
+            udp_timeout_ns: config.udp_timeout.as_nanos() as u64,
+            guest_addr: u32::from(GUEST_ADDR).to_be(),
+            gateway_addr: u32::from(GATEWAY_ADDR).to_be(),
+            nat_port_min: *config.nat_ports.start(),
+            nat_port_max: *config.nat_ports.end(),
+            lo_ifindex: lo.index,
+        };
+        let mut datapath = Datapath::load(&pin_dir)?;
+        datapath.set_config(&record)?;
+
+        let pool = Self {
+            config,
+            record,
+            host_netns,
+            state: Mutex::new(State {
+                datapath,
+                free_veths: Vec::new(),
+                free_taps: Vec::new(),
+                attached: BTreeMap::new(),
+                uplinks: Vec::new(),
+            }),
+        };
+        pool.rebuild(&mut rtnl)?;
+        pool.refresh_host()?;
+        pool.refill()?;
+        Ok(pool)
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        self.state.lock().map_err(|_| PoolError::Poisoned)
+    }
+
+    /// The pool's configuration.
+    pub fn config(&self) -> &PoolConfig {
+        &self.config
+    }
+
+    /// Parses a pool device name into (slot, suffix).
+    fn parse_name(&self, name: &str) -> Option<(u32, char)> {
+        let rest = name.strip_prefix(&self.config.prefix)?;
+        let suffix = rest.chars().last()?;
+        let number = rest[..rest.len() - 1].parse::<u32>().ok()?;
+        matches!(suffix, 'h' | 'g' | 't').then_some((number, suffix))
+    }
+
+    /// Adopts the devices on the host: free ones back into the pool, attached ones
+    /// (registered in the datapath) as attached, broken ones deleted; and clears
+    /// datapath state of devices that are gone.
+    fn rebuild(&self, rtnl: &mut Rtnl) -> Result<()> {
+        let mut state = self.lock()?;
+        let links = rtnl.links()?;
+        let registered: BTreeSet<u32> = state
+            .datapath
+            .sandboxes()?
+            .into_iter()
+            .map(|(ifindex, _)| ifindex)
+            .collect();
+        let mut by_slot: BTreeMap<u32, (Option<Link>, Option<Link>, Option<Link>)> =
+            BTreeMap::new();
+        for link in links {
+            if let Some((number, suffix)) = self.parse_name(&link.name) {
+                let entry = by_slot.entry(number).or_default();
+                match suffix {
+                    'h' => entry.0 = Some(link),
+                    'g' => entry.1 = Some(link),
+                    _ => entry.2 = Some(link),
+                }
+            }
+        }
+        let mut live = BTreeSet::new();
+        for (number, (host, guest, tap)) in by_slot {
+            if let Some(tap) = tap {
+                let slot = Slot {
+                    number,
+                    kind: DeviceKind::Tap,
+                    host: tap,
+                    guest: None,
+                };
+                live.insert(slot.host.index);
+                if registered.contains(&slot.host.index) {
+                    state.attached.insert(slot.host.name.clone(), slot);
+                } else {
+                    state.free_taps.push(slot);
+                }
+            }
+            match (host, guest) {
+                (Some(host), Some(guest)) if !registered.contains(&host.index) => {
+                    live.insert(host.index);
+                    state.free_veths.push(Slot {
+                        number,
+                        kind: DeviceKind::Veth,
+                        host,
+                        guest: Some(guest),
+                    });
+                }
+                (Some(host), None) if registered.contains(&host.index) => {
+                    live.insert(host.index);
+                    state.attached.insert(
+                        host.name.clone(),
+                        Slot {
+                            number,
+                            kind: DeviceKind::Veth,
+                            host,
+                            guest: None,
+                        },
+                    );
+                }
+                // Half-made or half-released: start the slot over.
+                (Some(host), _) => rtnl.delete_link(host.index)?,
+                (None, Some(guest)) => rtnl.delete_link(guest.index)?,
+                (None, None) => {}
+            }
+        }
+        for ifindex in registered.difference(&live) {
+            state.datapath.purge(*ifindex)?;
+        }
+        // Pins of sandbox devices that are gone; the uplinks are re-pinned later.
+        let attached_names: BTreeSet<String> = state.attached.keys().cloned().collect();
+        for pin in state.datapath.link_pins()? {
+            let device = pin.rsplit_once('-').map(|(device, _)| device).unwrap_or("");
+            if self.parse_name(device).is_some() && !attached_names.contains(device) {
+                state.datapath.remove_link_pin(&pin)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Re-reads the host's addresses (refused to sandboxes by default, and where
+    /// exposed ports are served) and re-attaches the uplink programs.
+    pub fn refresh_host(&self) -> Result<()> {
+        let mut rtnl = Rtnl::open()?;
+        let links = rtnl.links()?;
+        let addresses = rtnl.ipv4_addresses()?;
+        let mut state = self.lock()?;
+        let host_addrs: Vec<Ipv4Addr> = addresses.iter().map(|(_, addr, _)| *addr).collect();
+        state.datapath.set_host_addrs(&host_addrs)?;
+        let uplinks: Vec<String> = match &self.config.uplinks {
+            Some(uplinks) => uplinks.clone(),
+            None => links
+                .iter()
+                .filter(|link| link.name != "lo" && self.parse_name(&link.name).is_none())
+                .filter(|link| addresses.iter().any(|(index, _, _)| *index == link.index))
+                .map(|link| link.name.clone())
+                .collect(),
+        };
+        for uplink in &uplinks {
+            state
+                .datapath
+                .attach(Program::ToHost, uplink, Hook::Ingress)?;
+        }
+        state.datapath.attach(Program::ToHost, "lo", Hook::Egress)?;
+        state.uplinks = uplinks;
+        Ok(())
+    }
+
+    fn used_numbers(state: &State) -> BTreeSet<u32> {
+        state
+            .free_veths
+            .iter()
+            .chain(state.free_taps.iter())
+            .chain(state.attached.values())
+            .map(|slot| slot.number)
+            .collect()
+    }
+
+    fn new_veth(&self, rtnl: &mut Rtnl, number: u32) -> Result<Slot> {
+        let host_name = format!("{}{number}h", self.config.prefix);
+        let guest_name = Slot::guest_name(&self.config.prefix, number);
+        rtnl.add_veth(&host_name, &guest_name)?;
+        let host = rtnl.link(&host_name)?;
+        let guest = rtnl.link(&guest_name)?;
+        // The datapath's FIB lookups need forwarding on the device packets enter by.
+        write_sysctl(
+            PathBuf::from(format!("/proc/sys/net/ipv4/conf/{host_name}/forwarding")),
+            "1",
+        )?;
+        rtnl.set_up(host.index, true)?;
+        Ok(Slot {
+            number,
+            kind: DeviceKind::Veth,
+            host,
+            guest: Some(guest),
+        })
+    }
+
+    fn new_tap(&self, rtnl: &mut Rtnl, number: u32) -> Result<Slot> {
+        let name = format!("{}{number}t", self.config.prefix);
+        tap::create_persistent(&name)?;
+        let host = rtnl.link(&name)?;
+        write_sysctl(
+            PathBuf::from(format!("/proc/sys/net/ipv4/conf/{name}/forwarding")),
+            "1",
+        )?;
+        rtnl.set_up(host.index, true)?;
+        Ok(Slot {
+            number,
+            kind: DeviceKind::Tap,
+            host,
+            guest: None,
+        })
+    }
+
+    fn next_number(state: &State) -> u32 {
+        let used = Self::used_numbers(state);
+        (0..)
+            .find(|number| !used.contains(number))
+            .unwrap_or(u32::MAX)
+    }
+
+    /// Creates devices until the configured number are free. Call it off the
+    /// create path (after attaches) to keep attaching fast.
+    pub fn refill(&self) -> Result<()> {
+        let mut rtnl = Rtnl::open()?;
+        loop {
+            let mut state = self.lock()?;
+            let kind = if state.free_veths.len() < self.config.veths {
+                DeviceKind::Veth
+            } else if state.free_taps.len() < self.config.taps {
+                DeviceKind::Tap
+            } else {
+                return Ok(());
+            };
+            let number = Self::next_number(&state);
+            match kind {
+                DeviceKind::Veth => {
+                    let slot = self.new_veth(&mut rtnl, number)?;
+                    state.free_veths.push(slot);
+                }
+                DeviceKind::Tap => {
+                    let slot = self.new_tap(&mut rtnl, number)?;
+                    state.free_taps.push(slot);
+                }
+            }
+        }
+    }
+
+    /// Free devices of each kind (veths, TAPs).
+    pub fn free(&self) -> Result<(usize, usize)> {
+        let state = self.lock()?;
+        Ok((state.free_veths.len(), state.free_taps.len()))
+    }
+
+    /// Host-side names of the devices attached to sandboxes.
+    pub fn attached(&self) -> Result<Vec<String>> {
+        Ok(self.lock()?.attached.keys().cloned().collect())
+    }
+
+    /// The uplinks the datapath serves.
+    pub fn uplinks(&self) -> Result<Vec<String>> {
+        Ok(self.lock()?.uplinks.clone())
+    }
+
+    fn take_slot(&self, kind: DeviceKind) -> Result<Slot> {
+        let mut state = self.lock()?;
+        let free = match kind {
+            DeviceKind::Veth => state.free_veths.pop(),
+            DeviceKind::Tap => state.free_taps.pop(),
+        };
+        if let Some(slot) = free {
+            return Ok(slot);
+        }
+        // Pool empty: make one on the create path rather than fail.
+        tracing::warn!(pool = %self.config.name, ?kind, "device pool empty, creating a device on demand");
+        let number = Self::next_number(&state);
+        // Reserve the number while the lock is held.
+        let mut rtnl = Rtnl::open()?;
+        match kind {
+            DeviceKind::Veth => self.new_veth(&mut rtnl, number),
+            DeviceKind::Tap => self.new_tap(&mut rtnl, number),
+        }
+    }
+
+    fn give_back(&self, slot: Slot) {
+        if let Ok(mut state) = self.lock() {
+            match slot.kind {
+                DeviceKind::Veth => state.free_veths.push(slot),
+                DeviceKind::Tap => state.free_taps.push(slot),
+            }
+        }
+    }
+
+    /// Gives a jail its network: a veth from the pool whose guest end becomes
+    /// `eth0` (169.254.0.2/30, default route via 169.254.0.1) in `netns`, with
+    /// `policy` in force.
+    pub fn attach_veth(&self, netns: &NetnsRef, policy: &EgressPolicy) -> Result<Attachment> {
+        let target = netns.open()?;
+        let slot = self.take_slot(DeviceKind::Veth)?;
+        let guest = match &slot.guest {
+            Some(guest) => guest.clone(),
+            None => return Err(PoolError::NotAttached(slot.host.name.clone())),
+        };
+        let moved = (|| -> Result<Link> {
+            let mut rtnl = Rtnl::open()?;
+            rtnl.move_to_netns(guest.index, target.fd().as_raw_fd())?;
+            target.run(|| -> Result<Link> {
+                let mut inside = Rtnl::open()?;
+                let link = inside.link(&guest.name)?;
+                inside.rename(link.index, GUEST_IFNAME)?;
+                inside.add_address(link.index, GUEST_ADDR, GUEST_PREFIX)?;
+                inside.set_up(link.index, true)?;
+                inside.add_default_route(link.index, GATEWAY_ADDR)?;
+                Ok(link)
+            })?
+        })();
+        let guest = match moved {
+            Ok(guest) => guest,
+            Err(error) => {
+                // Whatever state the device is in, start its slot over.
+                let _ = Rtnl::open().and_then(|mut rtnl| rtnl.delete_link(slot.host.index));
+                return Err(error);
+            }
+        };
+        let attachment = Attachment {
+            guest_mac: mac6(&guest.mac),
+            slot: Slot {
+                guest: None,
+                ..slot
+            },
+            netns: Some(target),
+        };
+        match self.enable(&attachment, policy) {
+            Ok(()) => Ok(attachment),
+            Err(error) => {
+                let _ = self.release(attachment);
+                Err(error)
+            }
+        }
+    }
+
+    /// Gives a VM its network: a TAP from the pool for a guest NIC with `guest_mac`
+    /// (the guest configures 169.254.0.2/30 via 169.254.0.1 itself).
+    pub fn attach_tap(&self, guest_mac: [u8; 6], policy: &EgressPolicy) -> Result<Attachment> {
+        let slot = self.take_slot(DeviceKind::Tap)?;
+        let attachment = Attachment {
+            slot,
+            guest_mac,
+            netns: None,
+        };
+        match self.enable(&attachment, policy) {
+            Ok(()) => Ok(attachment),
+            Err(error) => {
+                let _ = self.release(attachment);
+                Err(error)
+            }
+        }
+    }
+
+    /// Registers the device in the datapath and attaches the program to it.
+    fn enable(&self, attachment: &Attachment, policy: &EgressPolicy) -> Result<()> {
+        let ifindex = attachment.host_ifindex();
+        let mut state = self.lock()?;
+        state.datapath.purge(ifindex)?;
+        state.datapath.reset_counters(ifindex)?;
+        apply_policy(&mut state.datapath, ifindex, policy)?;
+        state.datapath.set_sandbox(
+            ifindex,
+            &SandboxRecord {
+                guest_mac: attachment.guest_mac,
+                host_mac: mac6(&attachment.slot.host.mac),
+                flags: if policy.internet { SANDBOX_INTERNET } else { 0 },
+            },
+        )?;
+        state.datapath.attach(
+            Program::FromSandbox,
+            attachment.host_ifname(),
+            Hook::Ingress,
+        )?;
+        state.attached.insert(
+            attachment.host_ifname().to_string(),
+            attachment.slot.clone(),
+        );
+        Ok(())
+    }
+
+    /// Replaces a live sandbox's egress policy; new flows see it at once.
+    pub fn set_policy(&self, attachment: &Attachment, policy: &EgressPolicy) -> Result<()> {
+        let ifindex = attachment.host_ifindex();
+        let mut state = self.lock()?;
+        if !state.attached.contains_key(attachment.host_ifname()) {
+            return Err(PoolError::NotAttached(attachment.host_ifname().to_string()));
+        }
+        apply_policy(&mut state.datapath, ifindex, policy)?;
+        state.datapath.set_sandbox(
+            ifindex,
+            &SandboxRecord {
+                guest_mac: attachment.guest_mac,
+                host_mac: mac6(&attachment.slot.host.mac),
+                flags: if policy.internet { SANDBOX_INTERNET } else { 0 },
+            },
+        )?;
+        Ok(())
+    }
+
+    /// Exposes `guest_port` of the sandbox as `host_port` on the host's addresses.
+    pub fn expose(
+        &self,
+        attachment: &Attachment,
+        host_port: u16,
+        guest_port: u16,
+        protocol: Protocol,
+    ) -> Result<()> {
+        let mut state = self.lock()?;
+        if !state.attached.contains_key(attachment.host_ifname()) {
+            return Err(PoolError::NotAttached(attachment.host_ifname().to_string()));
+        }
+        let key = ExposeKey {
+            host_port: host_port.to_be(),
+            proto: protocol.number(),
+            pad: 0,
+        };
+        let entry = ExposeEntry {
+            ifindex: attachment.host_ifindex(),
+            guest_port: guest_port.to_be(),
+            pad: 0,
+        };
+        if !state.datapath.expose(key, entry)? {
+            return Err(PoolError::PortTaken(host_port, protocol));
+        }
+        Ok(())
+    }
+
+    /// Withdraws an exposed port of the sandbox.
+    pub fn unexpose(
+        &self,
+        attachment: &Attachment,
+        host_port: u16,
+        protocol: Protocol,
+    ) -> Result<()> {
+        let key = ExposeKey {
+            host_port: host_port.to_be(),
+            proto: protocol.number(),
+            pad: 0,
+        };
+        self.lock()?
+            .datapath
+            .unexpose(key, attachment.host_ifindex())?;
+        Ok(())
+    }
+
+    /// The sandbox's traffic counters.
+    pub fn counters(&self, attachment: &Attachment) -> Result<Counters> {
+        Ok(self
+            .lock()?
+            .datapath
+            .counters(attachment.host_ifindex())?
+            .into())
+    }
+
+    /// Deletes connection-tracking entries idle past their timeouts; returns how
+    /// many went. Run it periodically (the maps are LRU, so it only frees room).
+    pub fn sweep_conntrack(&self) -> Result<usize> {
+        let now = datapath::monotonic_now_ns();
+        Ok(self.lock()?.datapath.sweep(&self.record, now)?)
+    }
+
+    /// What the datapath still holds for a device (all zero once released).
+    pub fn residue(&self, host_ifname: &str, host_ifindex: u32) -> Result<Residue> {
+        let mut state = self.lock()?;
+        let (allow, deny) = state.datapath.policy_entries(host_ifindex)?;
+        let pins = state
+            .datapath
+            .link_pins()?
+            .into_iter()
+            .filter(|pin| pin.rsplit_once('-').map(|(device, _)| device) == Some(host_ifname))
+            .count();
+        let programs = match datapath::tcx_programs(host_ifname, Hook::Ingress) {
+            Ok(programs) => programs,
+            // The device itself is gone: nothing can be attached to it.
+            Err(_) if Rtnl::open()?.link(host_ifname).is_err() => 0,
+            Err(error) => return Err(error.into()),
+        };
+        Ok(Residue {
+            programs,
+            pins,
+            policy_entries: allow.len() + deny.len(),
+            exposed_ports: state.datapath.exposed(host_ifindex)?.len(),
+            flows: state.datapath.flows(host_ifindex)?,
+            registered: state
+                .datapath
+                .sandboxes()?
+                .iter()
+                .any(|(ifindex, _)| *ifindex == host_ifindex),
+        })
+    }
+
+    /// Takes a sandbox's network back: detaches the program, removes every map
+    /// entry, moves a veth's guest end home and returns the device to the pool (or,
+    /// when the device is beyond reuse, deletes it and the next refill replaces it).
+    pub fn release(&self, attachment: Attachment) -> Result<()> {
+        let Attachment { slot, netns, .. } = attachment;
+        self.release_slot(slot, netns)
+    }
+
+    /// Releases a device by its host-side name, as a process that did not attach it
+    /// does (after a restart); `netns` is the sandbox's namespace if it still exists.
+    pub fn release_by_name(&self, host_ifname: &str, netns: Option<&NetnsRef>) -> Result<()> {
+        let slot = self
+            .lock()?
+            .attached
+            .get(host_ifname)
+            .cloned()
+            .ok_or_else(|| PoolError::NotAttached(host_ifname.to_string()))?;
+        let netns = match netns {
+            Some(netns) => netns.open().ok(),
+            None => None,
+        };
+        self.release_slot(slot, netns)
+    }
+
+    fn release_slot(&self, slot: Slot, netns: Option<Netns>) -> Result<()> {
+        {
+            let mut state = self.lock()?;
+            state.attached.remove(&slot.host.name);
+            state
+                .datapath
+                .detach(Program::FromSandbox, &slot.host.name, Hook::Ingress)?;
+            state.datapath.purge(slot.host.index)?;
+        }
+        match slot.kind {
+            DeviceKind::Tap => {
+                self.give_back(slot);
+                Ok(())
+            }
+            DeviceKind::Veth => {
+                let guest_name = Slot::guest_name(&self.config.prefix, slot.number);
+                let host_fd = self.host_netns.fd().as_raw_fd();
+                let returned = match &netns {
+                    Some(netns) => netns
+                        .run(|| -> Result<()> {
+                            let mut inside = Rtnl::open()?;
+                            let link = inside.link(GUEST_IFNAME)?;
+                            inside.set_up(link.index, false)?;
+                            inside.rename(link.index, &guest_name)?;
+                            inside.move_to_netns(link.index, host_fd)?;
+                            Ok(())
+                        })
+                        .map_err(PoolError::from)
+                        .and_then(|result| result),
+                    None => Err(PoolError::NotAttached(guest_name.clone())),
+                };
+                let mut rtnl = Rtnl::open()?;
+                let guest = match returned {
+                    Ok(()) => rtnl.link(&guest_name).ok(),
+                    Err(_) => None,
+                };
+                match guest {
+                    Some(guest) => {
+                        self.give_back(Slot {
+                            guest: Some(guest),
+                            ..slot
+                        });
+                    }
+                    None => {
+                        // The namespace is gone (and the pair with it) or would not
+                        // give the device back: delete whatever is left of the slot.
+                        match rtnl.delete_link(slot.host.index) {
+                            Ok(()) => {}
+                            Err(NetlinkError::Request { source, .. })
+                                if source.raw_os_error() == Some(libc::ENODEV) => {}
+                            Err(error) => return Err(error.into()),
+                        }
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Removes the whole pool from the host: every device (attached or free),
+    /// every attachment, map and pin.
+    pub fn destroy(self) -> Result<()> {
+        let mut rtnl = Rtnl::open()?;
+        let mut guard = self.lock()?;
+        let state = &mut *guard;
+        let uplinks = std::mem::take(&mut state.uplinks);
+        for uplink in &uplinks {
+            state
+                .datapath
+                .detach(Program::ToHost, uplink, Hook::Ingress)?;
+        }
+        state.datapath.detach(Program::ToHost, "lo", Hook::Egress)?;
+        let slots: Vec<Slot> = state
+            .free_veths
+            .drain(..)
+            .chain(state.free_taps.drain(..))
+            .chain(std::mem::take(&mut state.attached).into_values())
+            .collect();
+        for slot in slots {
+            state
+                .datapath
+                .detach(Program::FromSandbox, &slot.host.name, Hook::Ingress)?;
+            state.datapath.purge(slot.host.index)?;
+            match rtnl.delete_link(slot.host.index) {
+                Ok(()) => {}
+                Err(NetlinkError::Request { source, .. })
+                    if source.raw_os_error() == Some(libc::ENODEV) => {}
+                Err(error) => return Err(error.into()),
+            }
+        }
+        for pin in state.datapath.link_pins()? {
+            state.datapath.remove_link_pin(&pin)?;
+        }
+        drop(guard);
+        let pin_dir = self.config.pin_dir();
+        Datapath::unpin_maps(&pin_dir.join("maps"))?;
+        for dir in [pin_dir.join("maps"), pin_dir.join("links"), pin_dir.clone()] {
+            match std::fs::remove_dir(&dir) {
+                Ok(()) => {}
+                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                Err(error) => return Err(PoolError::Dir(dir, error)),
+            }
+        }
+        Ok(())
+    }
+}
+
+fn apply_policy(datapath: &mut Datapath, ifindex: u32, policy: &EgressPolicy) -> Result<()> {
+    let allow: Vec<(Ipv4Addr, u8)> = policy
+        .allow
+        .iter()
+        .map(|cidr| (cidr.addr(), cidr.prefix()))
+        .collect();
+    let deny: Vec<(Ipv4Addr, u8)> = policy
+        .deny
+        .iter()
+        .map(|cidr| (cidr.addr(), cidr.prefix()))
+        .collect();
+    // Deny first: during the switch a flow may be refused, never wrongly allowed.
+    datapath.set_policy_list(false, ifindex, &deny)?;
+    datapath.set_policy_list(true, ifindex, &allow)?;
+    Ok(())
+}
