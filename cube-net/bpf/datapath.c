@@ -700,7 +700,9 @@ int to_host(struct __sk_buff *skb)
 	int verdict = reverse_nat(skb, cfg, &pkt, now);
 	if (verdict >= 0)
 		return verdict;
-	if (!is_host_addr(pkt.daddr))
+	// Exposed ports are served on the host's addresses, not on 127.0.0.0/8: a
+	// sandbox would drop a packet from a loopback source as a martian.
+	if ((pkt.daddr & bpf_htonl(0xff000000)) == bpf_htonl(0x7f000000) || !is_host_addr(pkt.daddr))
 		return TC_ACT_OK;
 	verdict = expose_nat(skb, cfg, &pkt, now);
 	if (verdict >= 0)

@@ -14,7 +14,7 @@ use netlink_packet_core::{
 };
 use netlink_packet_route::address::{AddressAttribute, AddressMessage};
 use netlink_packet_route::link::{
-    InfoData, InfoKind, InfoVeth, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+    InfoData, InfoKind, InfoVeth, LinkAttribute, LinkFlags, LinkInfo, LinkMessage, State,
 };
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType,
@@ -60,6 +60,9 @@ pub struct Link {
     pub mac: Vec<u8>,
     /// Whether the link is administratively up.
     pub up: bool,
+    /// Whether the kernel reports the link operationally up (carrier, and its
+    /// qdisc activated).
+    pub running: bool,
 }
 
 /// A blocking rtnetlink connection in the namespace it was opened in.
@@ -358,11 +361,13 @@ fn link_from(message: LinkMessage) -> Link {
         name: String::new(),
         mac: Vec::new(),
         up: message.header.flags.contains(LinkFlags::Up),
+        running: false,
     };
     for attribute in message.attributes {
         match attribute {
             LinkAttribute::IfName(name) => link.name = name,
             LinkAttribute::Address(mac) => link.mac = mac,
+            LinkAttribute::OperState(state) => link.running = state == State::Up,
             _ => {}
         }
     }

@@ -76,6 +76,26 @@ impl Netns {
         &self.fd
     }
 
+    /// Whether the calling thread is in this namespace.
+    pub fn is_current(&self) -> bool {
+        let Ok(current) = nix::sys::stat::stat("/proc/thread-self/ns/net") else {
+            return false;
+        };
+        match nix::sys::stat::fstat(&self.fd) {
+            Ok(own) => own.st_dev == current.st_dev && own.st_ino == current.st_ino,
+            Err(_) => false,
+        }
+    }
+
+    /// Runs `work` in this namespace: right here when the calling thread is in it
+    /// already, else on a thread that enters it.
+    pub fn enter<T: Send, F: FnOnce() -> T + Send>(&self, work: F) -> Result<T, NetnsError> {
+        if self.is_current() {
+            return Ok(work());
+        }
+        self.run(work)
+    }
+
     /// Runs `work` on a thread inside this namespace and returns its result.
     pub fn run<T: Send, F: FnOnce() -> T + Send>(&self, work: F) -> Result<T, NetnsError> {
         std::thread::scope(|scope| {

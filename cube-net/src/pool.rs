@@ -59,6 +59,9 @@ pub enum PoolError {
     /// The device is not attached to a sandbox of this pool.
     #[error("{0} is not attached to a sandbox of this pool")]
     NotAttached(String),
+    /// A device did not come up in time.
+    #[error("{0} did not come up")]
+    NotRunning(String),
     /// A pool lock was poisoned by a panic.
     #[error("pool lock poisoned")]
     Poisoned,
@@ -373,6 +376,12 @@ impl Pool {
         Ok(pool)
     }
 
+    /// Runs `work` in the pool's host namespace: netlink, interface names and
+    /// /proc/sys/net all resolve in the caller's namespace, and must mean the host's.
+    fn in_host<T: Send>(&self, work: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+        self.host_netns.enter(work)?
+    }
+
     fn lock(&self) -> Result<MutexGuard<'_, State>> {
         self.state.lock().map_err(|_| PoolError::Poisoned)
     }
@@ -475,6 +484,10 @@ impl Pool {
     /// Re-reads the host's addresses (refused to sandboxes by default, and where
     /// exposed ports are served) and re-attaches the uplink programs.
     pub fn refresh_host(&self) -> Result<()> {
+        self.in_host(|| self.refresh_host_here())
+    }
+
+    fn refresh_host_here(&self) -> Result<()> {
         let mut rtnl = Rtnl::open()?;
         let links = rtnl.links()?;
         let addresses = rtnl.ipv4_addresses()?;
@@ -496,6 +509,14 @@ impl Pool {
                 .attach(Program::ToHost, uplink, Hook::Ingress)?;
         }
         state.datapath.attach(Program::ToHost, "lo", Hook::Egress)?;
+        // Packets the datapath hands to the host's own stack come in through lo
+        // with a host address as source (a sandbox's NAT address, or the host's own
+        // address for replies from exposed ports); without accept_local the
+        // kernel would drop them as martians. Only lo is affected.
+        write_sysctl(
+            PathBuf::from("/proc/sys/net/ipv4/conf/lo/accept_local"),
+            "1",
+        )?;
         state.uplinks = uplinks;
         Ok(())
     }
@@ -557,6 +578,10 @@ impl Pool {
     /// Creates devices until the configured number are free. Call it off the
     /// create path (after attaches) to keep attaching fast.
     pub fn refill(&self) -> Result<()> {
+        self.in_host(|| self.refill_here())
+    }
+
+    fn refill_here(&self) -> Result<()> {
         let mut rtnl = Rtnl::open()?;
         loop {
             let mut state = self.lock()?;
@@ -630,6 +655,10 @@ impl Pool {
     /// `eth0` (169.254.0.2/30, default route via 169.254.0.1) in `netns`, with
     /// `policy` in force.
     pub fn attach_veth(&self, netns: &NetnsRef, policy: &EgressPolicy) -> Result<Attachment> {
+        self.in_host(|| self.attach_veth_here(netns, policy))
+    }
+
+    fn attach_veth_here(&self, netns: &NetnsRef, policy: &EgressPolicy) -> Result<Attachment> {
         let target = netns.open()?;
         let slot = self.take_slot(DeviceKind::Veth)?;
         let guest = match &slot.guest {
@@ -643,12 +672,27 @@ impl Pool {
                 let mut inside = Rtnl::open()?;
                 let link = inside.link(&guest.name)?;
                 inside.rename(link.index, GUEST_IFNAME)?;
+                // The datapath carries IPv4 only; without IPv6 the guest does not
+                // send router solicitations that would only be dropped.
+                write_sysctl(
+                    PathBuf::from(format!(
+                        "/proc/sys/net/ipv6/conf/{GUEST_IFNAME}/disable_ipv6"
+                    )),
+                    "1",
+                )?;
                 inside.add_address(link.index, GUEST_ADDR, GUEST_PREFIX)?;
                 inside.set_up(link.index, true)?;
                 inside.add_default_route(link.index, GATEWAY_ADDR)?;
                 Ok(link)
             })?
         })();
+        // The host end's qdisc is activated by linkwatch, asynchronously, once the
+        // guest end brings the carrier up; until then packets into the sandbox
+        // would be dropped. The kernel sets operstate in the same step.
+        let moved = moved.and_then(|guest| {
+            self.wait_running(&slot.host.name)?;
+            Ok(guest)
+        });
         let guest = match moved {
             Ok(guest) => guest,
             Err(error) => {
@@ -668,15 +712,33 @@ impl Pool {
         match self.enable(&attachment, policy) {
             Ok(()) => Ok(attachment),
             Err(error) => {
-                let _ = self.release(attachment);
+                let _ = self.release_here(attachment);
                 Err(error)
             }
+        }
+    }
+
+    fn wait_running(&self, ifname: &str) -> Result<()> {
+        let mut rtnl = Rtnl::open()?;
+        let deadline = std::time::Instant::now() + Duration::from_secs(2);
+        loop {
+            if rtnl.link(ifname)?.running {
+                return Ok(());
+            }
+            if std::time::Instant::now() > deadline {
+                return Err(PoolError::NotRunning(ifname.to_string()));
+            }
+            std::thread::sleep(Duration::from_micros(100));
         }
     }
 
     /// Gives a VM its network: a TAP from the pool for a guest NIC with `guest_mac`
     /// (the guest configures 169.254.0.2/30 via 169.254.0.1 itself).
     pub fn attach_tap(&self, guest_mac: [u8; 6], policy: &EgressPolicy) -> Result<Attachment> {
+        self.in_host(|| self.attach_tap_here(guest_mac, policy))
+    }
+
+    fn attach_tap_here(&self, guest_mac: [u8; 6], policy: &EgressPolicy) -> Result<Attachment> {
         let slot = self.take_slot(DeviceKind::Tap)?;
         let attachment = Attachment {
             slot,
@@ -686,7 +748,7 @@ impl Pool {
         match self.enable(&attachment, policy) {
             Ok(()) => Ok(attachment),
             Err(error) => {
-                let _ = self.release(attachment);
+                let _ = self.release_here(attachment);
                 Err(error)
             }
         }
@@ -738,7 +800,9 @@ impl Pool {
         Ok(())
     }
 
-    /// Exposes `guest_port` of the sandbox as `host_port` on the host's addresses.
+    /// Exposes `guest_port` of the sandbox as `host_port` on the host's addresses
+    /// (not on 127.0.0.0/8), to the outside, to the host and to sandboxes whose
+    /// policy allows the host address.
     pub fn expose(
         &self,
         attachment: &Attachment,
@@ -802,6 +866,10 @@ impl Pool {
 
     /// What the datapath still holds for a device (all zero once released).
     pub fn residue(&self, host_ifname: &str, host_ifindex: u32) -> Result<Residue> {
+        self.in_host(|| self.residue_here(host_ifname, host_ifindex))
+    }
+
+    fn residue_here(&self, host_ifname: &str, host_ifindex: u32) -> Result<Residue> {
         let mut state = self.lock()?;
         let (allow, deny) = state.datapath.policy_entries(host_ifindex)?;
         let pins = state
@@ -834,6 +902,10 @@ impl Pool {
     /// entry, moves a veth's guest end home and returns the device to the pool (or,
     /// when the device is beyond reuse, deletes it and the next refill replaces it).
     pub fn release(&self, attachment: Attachment) -> Result<()> {
+        self.in_host(|| self.release_here(attachment))
+    }
+
+    fn release_here(&self, attachment: Attachment) -> Result<()> {
         let Attachment { slot, netns, .. } = attachment;
         self.release_slot(slot, netns)
     }
@@ -841,6 +913,10 @@ impl Pool {
     /// Releases a device by its host-side name, as a process that did not attach it
     /// does (after a restart); `netns` is the sandbox's namespace if it still exists.
     pub fn release_by_name(&self, host_ifname: &str, netns: Option<&NetnsRef>) -> Result<()> {
+        self.in_host(|| self.release_by_name_here(host_ifname, netns))
+    }
+
+    fn release_by_name_here(&self, host_ifname: &str, netns: Option<&NetnsRef>) -> Result<()> {
         let slot = self
             .lock()?
             .attached
@@ -916,6 +992,10 @@ impl Pool {
     /// Removes the whole pool from the host: every device (attached or free),
     /// every attachment, map and pin.
     pub fn destroy(self) -> Result<()> {
+        self.in_host(|| self.destroy_here())
+    }
+
+    fn destroy_here(&self) -> Result<()> {
         let mut rtnl = Rtnl::open()?;
         let mut guard = self.lock()?;
         let state = &mut *guard;
