@@ -4,7 +4,7 @@
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use nix::sched::{setns, CloneFlags};
 
@@ -20,6 +20,9 @@ pub enum NetnsError {
     /// setns(2) into the namespace failed.
     #[error("enter network namespace")]
     Enter(#[source] nix::Error),
+    /// A namespace could not be created, pinned or unpinned.
+    #[error("create or pin network namespace")]
+    Create(#[source] nix::Error),
     /// The thread that entered the namespace panicked.
     #[error("network namespace worker panicked")]
     Worker,
@@ -69,6 +72,47 @@ impl Netns {
     /// The namespace of the calling thread.
     pub fn current() -> Result<Self, NetnsError> {
         NetnsRef::Path(PathBuf::from("/proc/thread-self/ns/net")).open()
+    }
+
+    /// Creates a new, empty network namespace with lo up, kept alive by a bind
+    /// mount at `pin` (an empty file this creates) so another process can find it.
+    pub fn create_pinned(pin: &Path) -> Result<Self, NetnsError> {
+        std::fs::File::create(pin).map_err(|error| NetnsError::Open(pin.to_path_buf(), error))?;
+        let made = std::thread::scope(|scope| {
+            scope
+                .spawn(|| -> Result<(), NetnsError> {
+                    nix::sched::unshare(CloneFlags::CLONE_NEWNET).map_err(NetnsError::Create)?;
+                    nix::mount::mount(
+                        Some("/proc/thread-self/ns/net"),
+                        pin,
+                        None::<&str>,
+                        nix::mount::MsFlags::MS_BIND,
+                        None::<&str>,
+                    )
+                    .map_err(NetnsError::Create)
+                })
+                .join()
+                .map_err(|_| NetnsError::Worker)?
+        });
+        if let Err(error) = made {
+            let _ = std::fs::remove_file(pin);
+            return Err(error);
+        }
+        NetnsRef::Path(pin.to_path_buf()).open()
+    }
+
+    /// Removes a namespace pin made by [`Netns::create_pinned`]; the namespace
+    /// itself goes when nothing else holds it.
+    pub fn remove_pin(pin: &Path) -> Result<(), NetnsError> {
+        match nix::mount::umount2(pin, nix::mount::MntFlags::MNT_DETACH) {
+            Ok(()) | Err(nix::Error::EINVAL) | Err(nix::Error::ENOENT) => {}
+            Err(error) => return Err(NetnsError::Create(error)),
+        }
+        match std::fs::remove_file(pin) {
+            Ok(()) => Ok(()),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(error) => Err(NetnsError::Open(pin.to_path_buf(), error)),
+        }
     }
 
     /// The namespace's file descriptor.

@@ -230,15 +230,41 @@ fn release_and_destroy_leave_nothing_behind() {
             !lab.ip_output("sb", &["-o", "link"]).contains("eth0"),
             "guest device left in the sandbox"
         );
-        assert_eq!(pool.free().unwrap(), (1, 1), "devices back in the pool");
+        assert!(
+            !lab.ip_output("host", &["-o", "link"])
+                .contains(&format!(": {name}@")),
+            "veth left"
+        );
+        assert_eq!(
+            pool.free().unwrap(),
+            (1, 1),
+            "the prepared namespace and the TAP wait in the pool"
+        );
+
+        // A prepared namespace: handed out, used, released with its pin.
+        let prepared = pool.attach_prepared(&EgressPolicy::default()).unwrap();
+        let pin = prepared.netns_pin().unwrap().to_path_buf();
+        let (name, index) = (prepared.host_ifname().to_string(), prepared.host_ifindex());
+        pool.release(prepared).unwrap();
+        assert_clean(pool.residue(&name, index).unwrap());
+        assert!(!pin.exists(), "namespace pin left at {}", pin.display());
+        pool.refill().unwrap();
+        assert_eq!(pool.free().unwrap(), (1, 1));
     }
 
-    let pin_dir = std::path::Path::new("/sys/fs/bpf/cube-net").join(&guard.pool().config().name);
+    let pool_name = guard.pool().config().name.clone();
+    let pin_dir = std::path::Path::new("/sys/fs/bpf/cube-net").join(&pool_name);
     assert!(pin_dir.join("maps/cube_ct_out").exists());
     guard.0.take().unwrap().destroy().unwrap();
     assert!(!pin_dir.exists(), "pins left in {}", pin_dir.display());
     let links = lab.ip_output("host", &["-o", "link"]);
     assert!(!links.contains(": cn"), "pool devices left: {links}");
+    let netns_dir = std::path::Path::new("/run/cube-net").join(&pool_name);
+    assert!(
+        !netns_dir.exists(),
+        "namespace pins left in {}",
+        netns_dir.display()
+    );
     let host = lab.netns("host");
     for (device, hook) in [
         ("up0", cube_net::datapath::Hook::Ingress),
@@ -294,7 +320,11 @@ fn pool_rebuilds_after_a_crash() {
     let guard = PoolGuard(lab.open_pool(config));
     let pool = guard.pool();
     assert_eq!(pool.attached().unwrap(), vec![alive_name.clone()]);
-    assert_eq!(pool.free().unwrap().0, 2, "the dead slot was replaced");
+    assert_eq!(
+        pool.free().unwrap().0,
+        2,
+        "prepared namespaces survive a crash"
+    );
     assert_clean(pool.residue(&dead_name, dead_index).unwrap());
     let body = lab.http_get("alive", OUT_ADDR, 80).unwrap();
     assert!(
@@ -302,10 +332,9 @@ fn pool_rebuilds_after_a_crash() {
         "surviving sandbox lost its network"
     );
 
-    pool.release_by_name(&alive_name, Some(&lab.netns_ref("alive")))
-        .unwrap();
+    pool.release_by_name(&alive_name).unwrap();
     assert!(pool.attached().unwrap().is_empty());
-    assert_eq!(pool.free().unwrap().0, 3);
+    assert!(!lab.ip_output("alive", &["-o", "link"]).contains("eth0"));
 }
 
 #[test]
@@ -336,5 +365,31 @@ fn finished_flows_expire_from_conntrack() {
             .flows,
         0
     );
+    pool.release(net).unwrap();
+}
+
+#[test]
+fn prepared_namespace_carries_traffic() {
+    let (mut lab, guard) = lab_and_pool!("prep", 1, 0);
+    let pool = guard.pool();
+    lab.serve_http("out", 80, "outside");
+    let net = pool.attach_prepared(&EgressPolicy::default()).unwrap();
+    // What a jail does: join the namespace, then talk.
+    let body = net
+        .netns()
+        .unwrap()
+        .run(|| {
+            use std::io::{Read, Write};
+            let target = SocketAddr::from((OUT_ADDR, 80));
+            let mut stream =
+                std::net::TcpStream::connect_timeout(&target, Duration::from_secs(2)).unwrap();
+            stream.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+            let mut response = String::new();
+            stream.read_to_string(&mut response).unwrap();
+            response
+        })
+        .unwrap();
+    assert!(body.contains("outside "), "{body}");
+    assert!(pool.counters(&net).unwrap().rx_packets > 0);
     pool.release(net).unwrap();
 }

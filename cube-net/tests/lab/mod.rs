@@ -30,7 +30,7 @@ pub struct Lab {
     servers: Vec<JoinHandle<()>>,
 }
 
-fn ip(args: &[&str]) -> io::Result<()> {
+pub fn ip(args: &[&str]) -> io::Result<()> {
     let output = Command::new("ip").args(args).output()?;
     if output.status.success() {
         Ok(())
