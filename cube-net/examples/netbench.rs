@@ -1,8 +1,8 @@
 //! cube-net's benchmark, in network namespaces it builds and removes (tests/lab):
 //!
-//! - attach: a veth from the pool into a fresh namespace (p50/p95), against the same
-//!   attach when the pool is empty and the device is made on the create path;
-//!   release; a TAP attach.
+//! - attach: a prepared namespace from the pool (p50/p95), against a veth made on
+//!   the create path straight into a namespace the jail already has; release; a
+//!   TAP from the pool.
 //! - TCP through Cube's datapath (sandbox → eBPF NAT → outside) against a plain veth
 //!   path through the same host namespace with kernel forwarding and no NAT:
 //!   round-trip latency on one connection, connect+request+close latency, and bulk
@@ -52,11 +52,11 @@ fn start_servers(out: Netns, stop: Arc<AtomicBool>) -> Vec<std::thread::JoinHand
         handles.push(std::thread::spawn(move || {
             nix::sched::setns(&fd, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
             let listener = TcpListener::bind(("0.0.0.0", port)).unwrap();
-            listener.set_nonblocking(true).unwrap();
             ready.send(()).unwrap();
+            // Blocking accept: polling would add its sleep to every connect. The
+            // thread ends with the process.
             while !stop.load(Ordering::Relaxed) {
                 let Ok((mut stream, _)) = listener.accept() else {
-                    std::thread::sleep(Duration::from_millis(1));
                     continue;
                 };
                 stream.set_nonblocking(false).unwrap();
@@ -209,22 +209,29 @@ fn main() {
     let guard = PoolGuard(lab.open_pool(config.clone()));
     let Some(pool) = guard.0.as_ref() else { return };
 
-    // Attach from the pool vs on the create path (empty pool), into fresh namespaces.
+    // Attach: a prepared namespace from the pool vs a veth made on the create path
+    // straight into a namespace the jail already has; release; a TAP from the pool.
     let mut warm = Vec::new();
     let mut cold = Vec::new();
     let mut release = Vec::new();
     let mut tap = Vec::new();
     for i in 0..attaches {
-        let which = format!("a{i}");
-        lab.add_namespace(&which).unwrap();
-        let target = lab.netns_ref(&which);
         let start = Instant::now();
-        let net = pool.attach_veth(&target, &EgressPolicy::default()).unwrap();
+        let net = pool.attach_prepared(&EgressPolicy::default()).unwrap();
         warm.push(start.elapsed().as_secs_f64() * 1e3);
         let start = Instant::now();
         pool.release(net).unwrap();
         release.push(start.elapsed().as_secs_f64() * 1e3);
         pool.refill().unwrap();
+
+        let which = format!("a{i}");
+        lab.add_namespace(&which).unwrap();
+        let target = lab.netns_ref(&which);
+        let start = Instant::now();
+        let net = pool.attach_veth(&target, &EgressPolicy::default()).unwrap();
+        cold.push(start.elapsed().as_secs_f64() * 1e3);
+        pool.release(net).unwrap();
+        lab.remove_namespace(&which);
 
         let start = Instant::now();
         let net = pool
@@ -232,31 +239,7 @@ fn main() {
             .unwrap();
         tap.push(start.elapsed().as_secs_f64() * 1e3);
         pool.release(net).unwrap();
-        lab.remove_namespace(&which);
     }
-    // Cold: a pool sized zero makes each device on the create path; trim deletes
-    // it again after release.
-    let mut cold_config = lab.pool_config(0, 0);
-    cold_config.name = format!("bench-cold-{}", std::process::id());
-    cold_config.prefix = "cc".to_string();
-    let cold_guard = PoolGuard(lab.open_pool(cold_config));
-    let Some(cold_pool) = cold_guard.0.as_ref() else {
-        return;
-    };
-    for i in 0..attaches {
-        let which = format!("c{i}");
-        lab.add_namespace(&which).unwrap();
-        let target = lab.netns_ref(&which);
-        let start = Instant::now();
-        let net = cold_pool
-            .attach_veth(&target, &EgressPolicy::default())
-            .unwrap();
-        cold.push(start.elapsed().as_secs_f64() * 1e3);
-        cold_pool.release(net).unwrap();
-        cold_pool.trim().unwrap();
-        lab.remove_namespace(&which);
-    }
-    drop(cold_guard);
 
     // Throughput and latency: NAT path vs plain path.
     lab.add_namespace("sb").unwrap();
@@ -273,9 +256,7 @@ fn main() {
     let plain_numbers = measure_path(&plain_ns, rounds, connects, bulk_mib);
     let nat_numbers = measure_path(&nat_ns, rounds, connects, bulk_mib);
     stop.store(true, Ordering::Relaxed);
-    for server in servers {
-        let _ = server.join();
-    }
+    drop(servers);
     let counters = pool.counters(&sandbox).unwrap();
     pool.release(sandbox).unwrap();
 
@@ -285,11 +266,11 @@ fn main() {
     let tap = stats(tap);
     println!("cube-net netbench ({attaches} attaches, {rounds} round trips, {connects} connects, {bulk_mib} MiB x3)");
     println!(
-        "  attach veth from pool    p50 {:8.3} ms  p95 {:8.3} ms",
+        "  attach prepared netns    p50 {:8.3} ms  p95 {:8.3} ms",
         warm.p50, warm.p95
     );
     println!(
-        "  attach veth, empty pool  p50 {:8.3} ms  p95 {:8.3} ms  (pool/empty p50 {:.2}x)",
+        "  attach veth into netns   p50 {:8.3} ms  p95 {:8.3} ms  (prepared/into p50 {:.2}x)",
         cold.p50,
         cold.p95,
         warm.p50 / cold.p50
@@ -323,7 +304,7 @@ fn main() {
     );
     println!("  sandbox counters: {counters:?}");
     println!(
-        "netbench-json: {{\"attach_pool_ms\":{{\"p50\":{:.4},\"p95\":{:.4}}},\"attach_empty_ms\":{{\"p50\":{:.4},\"p95\":{:.4}}},\"release_ms\":{{\"p50\":{:.4},\"p95\":{:.4}}},\"attach_tap_ms\":{{\"p50\":{:.4},\"p95\":{:.4}}},\"rr_us\":{{\"plain_p50\":{:.2},\"cube_p50\":{:.2},\"plain_p95\":{:.2},\"cube_p95\":{:.2},\"ratio_p50\":{:.3},\"ratio_p95\":{:.3}}},\"crr_us\":{{\"plain_p50\":{:.2},\"cube_p50\":{:.2},\"ratio_p50\":{:.3},\"ratio_p95\":{:.3}}},\"gbit\":{{\"plain\":{:.3},\"cube\":{:.3},\"ratio\":{:.3}}}}}",
+        "netbench-json: {{\"attach_pool_ms\":{{\"p50\":{:.4},\"p95\":{:.4}}},\"attach_into_netns_ms\":{{\"p50\":{:.4},\"p95\":{:.4}}},\"release_ms\":{{\"p50\":{:.4},\"p95\":{:.4}}},\"attach_tap_ms\":{{\"p50\":{:.4},\"p95\":{:.4}}},\"rr_us\":{{\"plain_p50\":{:.2},\"cube_p50\":{:.2},\"plain_p95\":{:.2},\"cube_p95\":{:.2},\"ratio_p50\":{:.3},\"ratio_p95\":{:.3}}},\"crr_us\":{{\"plain_p50\":{:.2},\"cube_p50\":{:.2},\"ratio_p50\":{:.3},\"ratio_p95\":{:.3}}},\"gbit\":{{\"plain\":{:.3},\"cube\":{:.3},\"ratio\":{:.3}}}}}",
         warm.p50, warm.p95, cold.p50, cold.p95, release.p50, release.p95, tap.p50, tap.p95,
         plain_numbers.rr.p50, nat_numbers.rr.p50, plain_numbers.rr.p95, nat_numbers.rr.p95,
         nat_numbers.rr.p50 / plain_numbers.rr.p50, nat_numbers.rr.p95 / plain_numbers.rr.p95,

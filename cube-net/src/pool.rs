@@ -486,13 +486,34 @@ impl Pool {
                 }
             }
         }
-        // Link pins of sandbox devices that are gone; the uplinks are re-pinned later.
-        let attached_names: BTreeSet<String> = state.attached.keys().cloned().collect();
-        for pin in state.datapath.link_pins()? {
+        // Link pins of devices that are gone; the uplinks are re-pinned later.
+        let known: BTreeSet<String> = state
+            .attached
+            .keys()
+            .cloned()
+            .chain(state.free_veths.iter().map(|slot| slot.host.name.clone()))
+            .chain(state.free_taps.iter().map(|slot| slot.host.name.clone()))
+            .collect();
+        let pins = state.datapath.link_pins()?;
+        for pin in &pins {
             let device = pin.rsplit_once('-').map(|(device, _)| device).unwrap_or("");
-            if self.parse_name(device).is_some() && !attached_names.contains(device) {
-                state.datapath.remove_link_pin(&pin)?;
+            if self.parse_name(device).is_some() && !known.contains(device) {
+                state.datapath.remove_link_pin(pin)?;
             }
+        }
+        // Free devices whose program went missing (a crash between make and arm).
+        let unarmed: Vec<Slot> = state
+            .free_veths
+            .iter()
+            .chain(state.free_taps.iter())
+            .filter(|slot| {
+                let pin = state.datapath.link_pin(&slot.host.name, Hook::Ingress);
+                datapath::tcx_supported() && !pin.exists()
+            })
+            .cloned()
+            .collect();
+        for slot in unarmed {
+            Self::arm(&mut state, &slot)?;
         }
         Ok(())
     }
@@ -663,10 +684,12 @@ impl Pool {
             match kind {
                 DeviceKind::Veth => {
                     let slot = self.new_prepared(&mut rtnl, number)?;
+                    Self::arm(&mut state, &slot)?;
                     state.free_veths.push(slot);
                 }
                 DeviceKind::Tap => {
                     let slot = self.new_tap(&mut rtnl, number)?;
+                    Self::arm(&mut state, &slot)?;
                     state.free_taps.push(slot);
                 }
             }
@@ -734,10 +757,22 @@ impl Pool {
         let number = Self::next_number(&state);
         // Reserve the number while the lock is held.
         let mut rtnl = Rtnl::open()?;
-        match kind {
-            DeviceKind::Veth => self.new_prepared(&mut rtnl, number),
-            DeviceKind::Tap => self.new_tap(&mut rtnl, number),
-        }
+        let slot = match kind {
+            DeviceKind::Veth => self.new_prepared(&mut rtnl, number)?,
+            DeviceKind::Tap => self.new_tap(&mut rtnl, number)?,
+        };
+        Self::arm(&mut state, &slot)?;
+        Ok(slot)
+    }
+
+    /// Attaches the datapath to a slot's device while it waits in the pool: the
+    /// attach (a tcx link waits for an RCU grace period) stays off the create path,
+    /// and the program drops every packet until a sandbox is registered.
+    fn arm(state: &mut State, slot: &Slot) -> Result<()> {
+        state
+            .datapath
+            .attach(Program::FromSandbox, &slot.host.name, Hook::Ingress)?;
+        Ok(())
     }
 
     fn give_back(&self, slot: Slot) {
@@ -767,16 +802,23 @@ impl Pool {
             number
         };
         let made = self.new_veth_into(&mut rtnl, number, &target);
-        self.lock()?.reserved.remove(&number);
-        let host = made?;
+        let mut state = self.lock()?;
+        state.reserved.remove(&number);
+        let slot = Slot {
+            number,
+            kind: DeviceKind::Veth,
+            host: made?,
+            netns_pin: None,
+        };
+        if let Err(error) = Self::arm(&mut state, &slot) {
+            drop(state);
+            self.discard(slot);
+            return Err(error);
+        }
+        drop(state);
         let attachment = Attachment {
             guest_mac: [0; 6],
-            slot: Slot {
-                number,
-                kind: DeviceKind::Veth,
-                host,
-                netns_pin: None,
-            },
+            slot,
             netns: Some(target),
         };
         self.hand_out(attachment, policy)
@@ -896,11 +938,6 @@ impl Pool {
                 host_mac: mac6(&attachment.slot.host.mac),
                 flags: if policy.internet { SANDBOX_INTERNET } else { 0 },
             },
-        )?;
-        state.datapath.attach(
-            Program::FromSandbox,
-            attachment.host_ifname(),
-            Hook::Ingress,
         )?;
         state.attached.insert(
             attachment.host_ifname().to_string(),
@@ -1056,9 +1093,12 @@ impl Pool {
         {
             let mut state = self.lock()?;
             state.attached.remove(&slot.host.name);
-            state
-                .datapath
-                .detach(Program::FromSandbox, &slot.host.name, Hook::Ingress)?;
+            // A TAP goes back to the pool armed (see `arm`); a veth is deleted below.
+            if slot.kind == DeviceKind::Veth {
+                state
+                    .datapath
+                    .detach(Program::FromSandbox, &slot.host.name, Hook::Ingress)?;
+            }
             state.datapath.purge(slot.host.index)?;
         }
         match slot.kind {

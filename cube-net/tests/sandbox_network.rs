@@ -225,7 +225,13 @@ fn release_and_destroy_leave_nothing_behind() {
         assert_clean(pool.residue(&name, index).unwrap());
         let (tap_name, tap_index) = (tap.host_ifname().to_string(), tap.host_ifindex());
         pool.release(tap).unwrap();
-        assert_clean(pool.residue(&tap_name, tap_index).unwrap());
+        // The TAP waits in the pool armed: program attached, nothing of the sandbox.
+        let armed = Residue {
+            programs: 1,
+            pins: 1,
+            ..Residue::default()
+        };
+        assert_eq!(pool.residue(&tap_name, tap_index).unwrap(), armed);
         assert!(
             !lab.ip_output("sb", &["-o", "link"]).contains("eth0"),
             "guest device left in the sandbox"
