@@ -7,7 +7,9 @@ fn main() {
     let source = "bpf/datapath.c";
     println!("cargo:rerun-if-changed={source}");
     println!("cargo:rerun-if-env-changed=CLANG");
-    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let Some(out) = std::env::var_os("OUT_DIR").map(PathBuf::from) else {
+        panic!("OUT_DIR unset: build.rs runs under cargo");
+    };
     let object = out.join("datapath.o");
     let clang = std::env::var("CLANG").unwrap_or_else(|_| "clang".to_string());
     // Debian keeps asm/ under the multiarch include directory.

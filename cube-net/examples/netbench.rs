@@ -11,6 +11,8 @@
 //! Run as root: `cargo run --release -p cube-net --example netbench [-- --quick]`.
 //! Prints a table and one JSON line (prefixed `netbench-json:`) for `cube bench`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 #[path = "../tests/lab/mod.rs"]
 mod lab;
 

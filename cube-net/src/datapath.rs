@@ -58,6 +58,9 @@ pub enum DatapathError {
 
 type Result<T> = std::result::Result<T, DatapathError>;
 
+/// A network as (address, prefix length).
+pub type Cidr = (Ipv4Addr, u8);
+
 /// The datapath's programs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Program {
@@ -604,10 +607,7 @@ impl Datapath {
     }
 
     /// Policy entries of a sandbox (allow, deny) as (address, prefix) pairs.
-    pub fn policy_entries(
-        &mut self,
-        ifindex: u32,
-    ) -> Result<(Vec<(Ipv4Addr, u8)>, Vec<(Ipv4Addr, u8)>)> {
+    pub fn policy_entries(&mut self, ifindex: u32) -> Result<(Vec<Cidr>, Vec<Cidr>)> {
         let mut lists = (Vec::new(), Vec::new());
         for (name, list) in [("cube_allow", &mut lists.0), ("cube_deny", &mut lists.1)] {
             let trie = self.lpm(name)?;
@@ -857,4 +857,39 @@ pub fn monotonic_now_ns() -> u64 {
     // SAFETY: clock_gettime writes one timespec into the valid, owned `now`.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
     now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::size_of;
+
+    /// Sizes of the C structs as clang lays them out for BPF (x86-64 the same);
+    /// a mirror that drifts from its C struct would corrupt every map access.
+    #[test]
+    fn mirrors_match_the_c_layouts() {
+        assert_eq!(size_of::<ConfigRecord>(), 40);
+        assert_eq!(size_of::<SandboxRecord>(), 16);
+        assert_eq!(size_of::<CounterRecord>(), 40);
+        assert_eq!(size_of::<PolicyData>(), 8);
+        assert_eq!(size_of::<FlowKey>(), 16);
+        assert_eq!(size_of::<NatEntry>(), 16);
+        assert_eq!(size_of::<ReverseKey>(), 16);
+        assert_eq!(size_of::<ReverseEntry>(), 16);
+        assert_eq!(size_of::<ExposeKey>(), 4);
+        assert_eq!(size_of::<ExposeEntry>(), 8);
+        assert_eq!(size_of::<ExposedKey>(), 16);
+        assert_eq!(size_of::<ExposedEntry>(), 16);
+    }
+
+    #[test]
+    fn the_object_holds_every_program_and_map() {
+        let object = aya_obj::Object::parse(OBJECT).unwrap();
+        for program in ["from_sandbox", "to_host"] {
+            assert!(object.programs.contains_key(program), "{program}");
+        }
+        for map in MAP_NAMES {
+            assert!(object.maps.contains_key(map), "{map}");
+        }
+    }
 }

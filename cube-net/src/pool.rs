@@ -336,9 +336,8 @@ fn mac6(mac: &[u8]) -> [u8; 6] {
 
 /// Mounts bpffs at `path` unless it is already there.
 fn ensure_bpffs(path: &Path) -> Result<()> {
-    const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
     if let Ok(stat) = nix::sys::statfs::statfs(path) {
-        if stat.filesystem_type().0 as i64 == BPF_FS_MAGIC {
+        if stat.filesystem_type() == nix::sys::statfs::FsType(libc::BPF_FS_MAGIC) {
             return Ok(());
         }
     }

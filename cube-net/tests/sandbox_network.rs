@@ -3,6 +3,8 @@
 //! exposed ports from the host and from outside, isolation between sandboxes, crash
 //! rebuild, conntrack timeouts, the TAP path, and that release leaves nothing.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod lab;
 
 use std::net::{Ipv4Addr, SocketAddr};

@@ -3,6 +3,8 @@
 //! UDP datagram goes out through NAT to a server in the lab's outside namespace and
 //! its answer comes back into the TAP addressed to the guest.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod lab;
 
 use std::fs::{File, OpenOptions};

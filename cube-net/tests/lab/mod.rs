@@ -3,7 +3,7 @@
 //! beyond the host's uplink (198.51.100.2, and 203.0.113.2 behind it), and sandbox
 //! namespaces. Nothing leaves these namespaces; all of them go on drop.
 
-#![allow(dead_code)]
+#![allow(dead_code, clippy::expect_used, clippy::unwrap_used)]
 
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
