@@ -259,7 +259,8 @@ static __always_inline int expired(const struct config *cfg, __u8 proto, __u8 st
 	__u64 timeout = cfg->udp_timeout_ns;
 	if (proto == IPPROTO_TCP)
 		timeout = state == STATE_CLOSING ? cfg->tcp_closing_timeout_ns : cfg->tcp_timeout_ns;
-	return now - last_seen > timeout;
+	// Another CPU may have stamped last_seen after this one read `now`.
+	return now > last_seen && now - last_seen > timeout;
 }
 
 static __always_inline struct counters *counters(__u32 ifindex)

@@ -6,7 +6,8 @@
 //! - TCP through Cube's datapath (sandbox → eBPF NAT → outside) against a plain veth
 //!   path through the same host namespace with kernel forwarding and no NAT:
 //!   round-trip latency on one connection, connect+request+close latency, and bulk
-//!   throughput, each as a ratio nat/plain measured in the same run.
+//!   throughput (best of five), each as a ratio cube/plain measured in the same run,
+//!   the two paths measured in alternating slices.
 //!
 //! Run as root: `cargo run --release -p cube-net --example netbench [-- --quick]`.
 //! Prints a table and one JSON line (prefixed `netbench-json:`) for `cube bench`.
@@ -93,69 +94,107 @@ fn start_servers(out: Netns, stop: Arc<AtomicBool>) -> Vec<std::thread::JoinHand
     handles
 }
 
+/// Round trips of 64 bytes on one connection, in microseconds.
+fn round_trips(from: &Netns, rounds: usize) -> Vec<f64> {
+    from.run(|| {
+        let target = SocketAddr::from((OUT_ADDR, RR_PORT));
+        let mut stream = TcpStream::connect_timeout(&target, Duration::from_secs(2)).unwrap();
+        stream.set_nodelay(true).unwrap();
+        let mut buf = [7u8; 64];
+        for _ in 0..100 {
+            stream.write_all(&buf).unwrap();
+            stream.read_exact(&mut buf).unwrap();
+        }
+        (0..rounds)
+            .map(|_| {
+                let start = Instant::now();
+                stream.write_all(&buf).unwrap();
+                stream.read_exact(&mut buf).unwrap();
+                start.elapsed().as_secs_f64() * 1e6
+            })
+            .collect()
+    })
+    .unwrap()
+}
+
+/// A new connection per request, like short HTTP calls, in microseconds.
+fn connect_requests(from: &Netns, connects: usize) -> Vec<f64> {
+    from.run(|| {
+        let target = SocketAddr::from((OUT_ADDR, RR_PORT));
+        let mut buf = [7u8; 64];
+        (0..connects)
+            .map(|_| {
+                let start = Instant::now();
+                let mut stream =
+                    TcpStream::connect_timeout(&target, Duration::from_secs(2)).unwrap();
+                stream.set_nodelay(true).unwrap();
+                stream.write_all(&buf).unwrap();
+                stream.read_exact(&mut buf).unwrap();
+                drop(stream);
+                start.elapsed().as_secs_f64() * 1e6
+            })
+            .collect()
+    })
+    .unwrap()
+}
+
+/// Bulk send of `mib` MiB until the server has read it all, in Gbit/s.
+fn bulk(from: &Netns, mib: usize) -> f64 {
+    from.run(|| {
+        let target = SocketAddr::from((OUT_ADDR, BULK_PORT));
+        let chunk = vec![0x5au8; 1 << 20];
+        let mut stream = TcpStream::connect_timeout(&target, Duration::from_secs(2)).unwrap();
+        let start = Instant::now();
+        for _ in 0..mib {
+            stream.write_all(&chunk).unwrap();
+        }
+        stream.shutdown(std::net::Shutdown::Write).unwrap();
+        let mut ack = [0u8; 1];
+        stream.read_exact(&mut ack).unwrap();
+        (mib as f64 * 8.0 * 1024.0 * 1024.0) / start.elapsed().as_secs_f64() / 1e9
+    })
+    .unwrap()
+}
+
 struct PathNumbers {
     rr: Stats,
     crr: Stats,
     gbit: f64,
 }
 
-/// Runs the TCP measurements from inside namespace `from` to the outside server.
-fn measure_path(from: &Netns, rounds: usize, connects: usize, bulk_mib: usize) -> PathNumbers {
-    from.run(|| {
-        let rr_target = SocketAddr::from((OUT_ADDR, RR_PORT));
-        let bulk_target = SocketAddr::from((OUT_ADDR, BULK_PORT));
-        // Round trips on one connection.
-        let mut stream = TcpStream::connect_timeout(&rr_target, Duration::from_secs(2)).unwrap();
-        stream.set_nodelay(true).unwrap();
-        let mut buf = [7u8; 64];
-        for _ in 0..200 {
-            stream.write_all(&buf).unwrap();
-            stream.read_exact(&mut buf).unwrap();
-        }
-        let mut rr = Vec::with_capacity(rounds);
-        for _ in 0..rounds {
-            let start = Instant::now();
-            stream.write_all(&buf).unwrap();
-            stream.read_exact(&mut buf).unwrap();
-            rr.push(start.elapsed().as_secs_f64() * 1e6);
-        }
-        drop(stream);
-        // A new connection per request, like short HTTP calls.
-        let mut crr = Vec::with_capacity(connects);
-        for _ in 0..connects {
-            let start = Instant::now();
-            let mut stream =
-                TcpStream::connect_timeout(&rr_target, Duration::from_secs(2)).unwrap();
-            stream.set_nodelay(true).unwrap();
-            stream.write_all(&buf).unwrap();
-            stream.read_exact(&mut buf).unwrap();
-            drop(stream);
-            crr.push(start.elapsed().as_secs_f64() * 1e6);
-        }
-        // Bulk: best of three.
-        let chunk = vec![0x5au8; 1 << 20];
-        let mut best = 0f64;
-        for _ in 0..3 {
-            let mut stream =
-                TcpStream::connect_timeout(&bulk_target, Duration::from_secs(2)).unwrap();
-            let start = Instant::now();
-            for _ in 0..bulk_mib {
-                stream.write_all(&chunk).unwrap();
-            }
-            stream.shutdown(std::net::Shutdown::Write).unwrap();
-            let mut ack = [0u8; 1];
-            stream.read_exact(&mut ack).unwrap();
-            let gbit =
-                (bulk_mib as f64 * 8.0 * 1024.0 * 1024.0) / start.elapsed().as_secs_f64() / 1e9;
-            best = best.max(gbit);
-        }
+/// Measures both paths in alternating slices, so drift in the host's load (other
+/// builds on a shared machine) hits both alike.
+fn measure_paths(
+    plain: &Netns,
+    cube: &Netns,
+    rounds: usize,
+    connects: usize,
+    mib: usize,
+) -> (PathNumbers, PathNumbers) {
+    const SLICES: usize = 5;
+    let (mut plain_rr, mut cube_rr, mut plain_crr, mut cube_crr) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut plain_gbit, mut cube_gbit) = (0f64, 0f64);
+    for _ in 0..SLICES {
+        plain_rr.extend(round_trips(plain, rounds / SLICES));
+        cube_rr.extend(round_trips(cube, rounds / SLICES));
+        plain_crr.extend(connect_requests(plain, connects / SLICES));
+        cube_crr.extend(connect_requests(cube, connects / SLICES));
+        plain_gbit = plain_gbit.max(bulk(plain, mib));
+        cube_gbit = cube_gbit.max(bulk(cube, mib));
+    }
+    (
         PathNumbers {
-            rr: stats(rr),
-            crr: stats(crr),
-            gbit: best,
-        }
-    })
-    .unwrap()
+            rr: stats(plain_rr),
+            crr: stats(plain_crr),
+            gbit: plain_gbit,
+        },
+        PathNumbers {
+            rr: stats(cube_rr),
+            crr: stats(cube_crr),
+            gbit: cube_gbit,
+        },
+    )
 }
 
 fn main() {
@@ -163,7 +202,7 @@ fn main() {
     let (attaches, rounds, connects, bulk_mib) = if quick {
         (30, 2000, 100, 64)
     } else {
-        (200, 20000, 1000, 512)
+        (200, 20000, 1000, 256)
     };
     let Some(mut lab) = Lab::new("bench") else {
         return;
@@ -252,11 +291,10 @@ fn main() {
     let servers = start_servers(lab.netns("out"), stop.clone());
     let plain_ns = lab.netns("plain");
     let nat_ns = lab.netns("sb");
-    // Warm both paths once, then alternate so drift in host load hits both alike.
-    let _ = measure_path(&plain_ns, 100, 10, 8);
-    let _ = measure_path(&nat_ns, 100, 10, 8);
-    let plain_numbers = measure_path(&plain_ns, rounds, connects, bulk_mib);
-    let nat_numbers = measure_path(&nat_ns, rounds, connects, bulk_mib);
+    // Warm both paths once.
+    let _ = measure_paths(&plain_ns, &nat_ns, 500, 50, 8);
+    let (plain_numbers, nat_numbers) =
+        measure_paths(&plain_ns, &nat_ns, rounds, connects, bulk_mib);
     stop.store(true, Ordering::Relaxed);
     drop(servers);
     let counters = pool.counters(&sandbox).unwrap();
@@ -266,7 +304,7 @@ fn main() {
     let cold = stats(cold);
     let release = stats(release);
     let tap = stats(tap);
-    println!("cube-net netbench ({attaches} attaches, {rounds} round trips, {connects} connects, {bulk_mib} MiB x3)");
+    println!("cube-net netbench ({attaches} attaches, {rounds} round trips, {connects} connects, {bulk_mib} MiB x5, best)");
     println!(
         "  attach prepared netns    p50 {:8.3} ms  p95 {:8.3} ms",
         warm.p50, warm.p95
