@@ -401,3 +401,52 @@ fn prepared_namespace_carries_traffic() {
     assert!(pool.counters(&net).unwrap().rx_packets > 0);
     pool.release(net).unwrap();
 }
+
+#[test]
+fn bulk_transfer_through_nat_arrives_whole() {
+    use std::io::{Read, Write};
+    let (mut lab, guard) = lab_and_pool!("bulk", 1, 0);
+    let pool = guard.pool();
+    lab.add_namespace("sb").unwrap();
+    let net = pool
+        .attach_veth(&lab.netns_ref("sb"), &EgressPolicy::default())
+        .unwrap();
+    let listener = lab
+        .netns("out")
+        .run(|| std::net::TcpListener::bind(("0.0.0.0", 7100)).unwrap())
+        .unwrap();
+    let sink = std::thread::spawn(move || {
+        let (mut stream, _) = listener.accept().unwrap();
+        let mut total = 0u64;
+        let mut buf = vec![0u8; 1 << 16];
+        loop {
+            match stream.read(&mut buf).unwrap() {
+                0 => break,
+                n => total += n as u64,
+            }
+        }
+        stream.write_all(&total.to_be_bytes()).unwrap();
+    });
+    // Large GSO segments on both CPUs: the flow must keep its NAT port throughout.
+    let sent = 64u64 << 20;
+    let received = lab
+        .netns("sb")
+        .run(move || {
+            let target = SocketAddr::from((OUT_ADDR, 7100));
+            let mut stream =
+                std::net::TcpStream::connect_timeout(&target, Duration::from_secs(2)).unwrap();
+            let chunk = vec![0xa5u8; 1 << 20];
+            for _ in 0..(sent >> 20) {
+                stream.write_all(&chunk).unwrap();
+            }
+            stream.shutdown(std::net::Shutdown::Write).unwrap();
+            let mut total = [0u8; 8];
+            stream.read_exact(&mut total).unwrap();
+            u64::from_be_bytes(total)
+        })
+        .unwrap();
+    sink.join().unwrap();
+    assert_eq!(received, sent);
+    assert!(pool.counters(&net).unwrap().tx_bytes > sent);
+    pool.release(net).unwrap();
+}
