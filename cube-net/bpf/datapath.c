@@ -10,8 +10,8 @@
 //                 flows and connections to exposed ports are rewritten and redirected
 //                 into their sandbox; all other traffic passes untouched.
 //
-// Only IPv4 TCP and UDP without IP options or fragments leave a sandbox; ARP for the
-// gateway is answered here; everything else from a sandbox is dropped.
+// Only IPv4 TCP, UDP and ICMP echo without IP options or fragments leave a sandbox;
+// ARP for the gateway is answered here; everything else from a sandbox is dropped.
 //
 // The structs below are mirrored in src/datapath.rs (#[repr(C)], same padding).
 
@@ -36,6 +36,9 @@
 #define IP_DST_OFF (IP_OFF + offsetof(struct iphdr, daddr))
 #define SPORT_OFF L4_OFF
 #define DPORT_OFF (L4_OFF + 2)
+// An ICMP echo's identifier plays both ports' part: NAT rewrites it.
+#define ICMP_ID_OFF (L4_OFF + offsetof(struct icmp_echo, id))
+#define ICMP_CSUM_OFF (L4_OFF + offsetof(struct icmp_echo, checksum))
 #define TCP_CSUM_OFF (L4_OFF + offsetof(struct tcphdr, check))
 #define UDP_CSUM_OFF (L4_OFF + offsetof(struct udphdr, check))
 
@@ -49,6 +52,17 @@ struct arphdr {
 	unsigned char ar_hln;
 	unsigned char ar_pln;
 	__be16 ar_op;
+};
+
+// From linux/icmp.h (same reason): the echo header.
+#define ICMP_ECHOREPLY 0
+#define ICMP_ECHO 8
+struct icmp_echo {
+	__u8 type;
+	__u8 code;
+	__sum16 checksum;
+	__be16 id;
+	__be16 sequence;
 };
 
 #define SANDBOX_INTERNET 1u
@@ -207,7 +221,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 262144);
+	__uint(max_entries, 65536); // PoolConfig::max_flows overrides
 	__type(key, struct flow_key);
 	__type(value, struct nat_entry);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
@@ -215,7 +229,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 262144);
+	__uint(max_entries, 65536); // PoolConfig::max_flows overrides
 	__type(key, struct reverse_key);
 	__type(value, struct reverse_entry);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
@@ -231,7 +245,7 @@ struct {
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
-	__uint(max_entries, 262144);
+	__uint(max_entries, 65536); // PoolConfig::max_flows overrides
 	__type(key, struct exposed_key);
 	__type(value, struct exposed_entry);
 	__uint(pinning, LIBBPF_PIN_BY_NAME);
@@ -292,7 +306,7 @@ static __always_inline int parse(struct __sk_buff *skb, struct packet *pkt)
 	}
 	if (eth->h_proto != bpf_htons(ETH_P_IP) || ip->ihl != 5 || (ip->frag_off & bpf_htons(0x3fff)))
 		return -1;
-	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP)
+	if (ip->protocol != IPPROTO_TCP && ip->protocol != IPPROTO_UDP && ip->protocol != IPPROTO_ICMP)
 		return -1;
 	__u32 need = L4_OFF + (ip->protocol == IPPROTO_TCP ? sizeof(struct tcphdr) : sizeof(struct udphdr));
 	if (data + need > data_end) {
@@ -315,6 +329,20 @@ static __always_inline int parse(struct __sk_buff *skb, struct packet *pkt)
 		pkt->sport = tcp->source;
 		pkt->dport = tcp->dest;
 		pkt->closing = tcp->fin || tcp->rst;
+	} else if (ip->protocol == IPPROTO_ICMP) {
+		// Echo requests carry the flow's "source port", replies its "destination".
+		struct icmp_echo *icmp = data + L4_OFF;
+		if ((void *)(icmp + 1) > data_end)
+			return -1;
+		if (icmp->type == ICMP_ECHO) {
+			pkt->sport = icmp->id;
+			pkt->dport = 0;
+		} else if (icmp->type == ICMP_ECHOREPLY) {
+			pkt->sport = 0;
+			pkt->dport = icmp->id;
+		} else {
+			return -1;
+		}
 	} else {
 		struct udphdr *udp = data + L4_OFF;
 		if ((void *)(udp + 1) > data_end)
@@ -327,7 +355,19 @@ static __always_inline int parse(struct __sk_buff *skb, struct packet *pkt)
 
 static __always_inline int l4_csum_off(__u8 proto)
 {
+	if (proto == IPPROTO_ICMP)
+		return ICMP_CSUM_OFF;
 	return proto == IPPROTO_TCP ? TCP_CSUM_OFF : UDP_CSUM_OFF;
+}
+
+static __always_inline int sport_off(__u8 proto)
+{
+	return proto == IPPROTO_ICMP ? ICMP_ID_OFF : SPORT_OFF;
+}
+
+static __always_inline int dport_off(__u8 proto)
+{
+	return proto == IPPROTO_ICMP ? ICMP_ID_OFF : DPORT_OFF;
 }
 
 static __always_inline __u64 l4_csum_flags(__u8 proto)
@@ -339,7 +379,9 @@ static __always_inline int rewrite_addr(struct __sk_buff *skb, __u8 proto, int o
 {
 	if (old == new)
 		return 0;
-	if (bpf_l4_csum_replace(skb, l4_csum_off(proto), old, new, BPF_F_PSEUDO_HDR | sizeof(new) | l4_csum_flags(proto)))
+	// ICMP's checksum covers no pseudo-header: addresses do not enter it.
+	if (proto != IPPROTO_ICMP &&
+	    bpf_l4_csum_replace(skb, l4_csum_off(proto), old, new, BPF_F_PSEUDO_HDR | sizeof(new) | l4_csum_flags(proto)))
 		return -1;
 	if (bpf_l3_csum_replace(skb, IP_CSUM_OFF, old, new, sizeof(new)))
 		return -1;
@@ -401,7 +443,7 @@ static __always_inline int reverse_nat(struct __sk_buff *skb, const struct confi
 	__u32 ifindex = re->ifindex;
 	__u16 guest_port = re->guest_port;
 	if (rewrite_addr(skb, pkt->proto, IP_DST_OFF, pkt->daddr, cfg->guest_addr) ||
-	    rewrite_port(skb, pkt->proto, DPORT_OFF, pkt->dport, guest_port))
+	    rewrite_port(skb, pkt->proto, dport_off(pkt->proto), pkt->dport, guest_port))
 		return TC_ACT_SHOT;
 	return into_sandbox(skb, ifindex);
 }
@@ -432,7 +474,7 @@ static __always_inline int expose_nat(struct __sk_buff *skb, const struct config
 	};
 	bpf_map_update_elem(&cube_ct_exposed, &xk, &xe, BPF_ANY);
 	if (rewrite_addr(skb, pkt->proto, IP_DST_OFF, pkt->daddr, cfg->guest_addr) ||
-	    rewrite_port(skb, pkt->proto, DPORT_OFF, pkt->dport, guest_port))
+	    rewrite_port(skb, pkt->proto, dport_off(pkt->proto), pkt->dport, guest_port))
 		return TC_ACT_SHOT;
 	return into_sandbox(skb, ifindex);
 }
@@ -605,7 +647,7 @@ static __always_inline int snat(struct __sk_buff *skb, const struct config *cfg,
 			return TC_ACT_SHOT;
 	}
 	if (rewrite_addr(skb, pkt->proto, IP_SRC_OFF, pkt->saddr, nat_addr) ||
-	    rewrite_port(skb, pkt->proto, SPORT_OFF, pkt->sport, nat_port))
+	    rewrite_port(skb, pkt->proto, sport_off(pkt->proto), pkt->sport, nat_port))
 		return TC_ACT_SHOT;
 	if (is_host_addr(pkt->daddr)) {
 		// Hairpin: a sandbox reaching another sandbox's exposed port on a host address.
@@ -666,7 +708,7 @@ int from_sandbox(struct __sk_buff *skb)
 		__u32 host_addr = xe->host_addr;
 		__u16 host_port = xe->host_port;
 		if (rewrite_addr(skb, pkt.proto, IP_SRC_OFF, pkt.saddr, host_addr) ||
-		    rewrite_port(skb, pkt.proto, SPORT_OFF, pkt.sport, host_port))
+		    rewrite_port(skb, pkt.proto, sport_off(pkt.proto), pkt.sport, host_port))
 			return TC_ACT_SHOT;
 		if (is_host_addr(pkt.daddr)) {
 			struct packet local = pkt;

@@ -345,8 +345,9 @@ fn map_error(name: &'static str) -> impl Fn(MapError) -> DatapathError {
 
 impl Datapath {
     /// Loads the datapath, reusing maps pinned in `pin_dir/maps` (created there on
-    /// first use) and keeping link pins in `pin_dir/links`.
-    pub fn load(pin_dir: &Path) -> Result<Self> {
+    /// first use, each connection-tracking map sized for `max_flows` flows) and
+    /// keeping link pins in `pin_dir/links`.
+    pub fn load(pin_dir: &Path, max_flows: u32) -> Result<Self> {
         let maps_dir = pin_dir.join("maps");
         let links_dir = pin_dir.join("links");
         for dir in [&maps_dir, &links_dir] {
@@ -354,6 +355,9 @@ impl Datapath {
         }
         let mut ebpf = EbpfLoader::new()
             .map_pin_path(&maps_dir)
+            .set_max_entries("cube_ct_out", max_flows)
+            .set_max_entries("cube_ct_in", max_flows)
+            .set_max_entries("cube_ct_exposed", max_flows)
             .load(OBJECT)
             .map_err(|error| DatapathError::Load(Box::new(error)))?;
         for program in [Program::FromSandbox, Program::ToHost] {

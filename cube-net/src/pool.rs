@@ -124,6 +124,10 @@ pub struct PoolConfig {
     /// Source ports for NAT; keep it outside `net.ipv4.ip_local_port_range` so NAT
     /// never takes a port the host's own connections use.
     pub nat_ports: RangeInclusive<u16>,
+    /// Flows each connection-tracking map holds (LRU: the least recently used
+    /// flow makes room). Preallocated: about 100 bytes each, three maps. Fixed
+    /// when the pool's maps are first made.
+    pub max_flows: u32,
     /// Idle timeout of open TCP flows.
     pub tcp_timeout: Duration,
     /// Idle timeout of TCP flows after FIN or RST.
@@ -145,6 +149,7 @@ impl Default for PoolConfig {
             taps: 0,
             uplinks: None,
             nat_ports: 61000..=65535,
+            max_flows: 65536,
             tcp_timeout: Duration::from_secs(7200),
             tcp_closing_timeout: Duration::from_secs(10),
             udp_timeout: Duration::from_secs(60),
@@ -182,6 +187,9 @@ impl PoolConfig {
         }
         if self.veths + self.taps > 65536 {
             return bad("more than 65536 devices".to_string());
+        }
+        if self.max_flows < 64 {
+            return bad(format!("max_flows {}: at least 64", self.max_flows));
         }
         if self.nat_ports.is_empty() || *self.nat_ports.start() < 1024 {
             return bad(format!(
@@ -379,7 +387,7 @@ impl Pool {
             nat_port_max: *config.nat_ports.end(),
             lo_ifindex: lo.index,
         };
-        let mut datapath = Datapath::load(&pin_dir)?;
+        let mut datapath = Datapath::load(&pin_dir, config.max_flows)?;
         datapath.set_config(&record)?;
 
         let pool = Self {
@@ -418,10 +426,7 @@ impl Pool {
 
     /// Parses a pool device name into (slot, suffix).
     fn parse_name(&self, name: &str) -> Option<(u32, char)> {
-        let rest = name.strip_prefix(&self.config.prefix)?;
-        let suffix = rest.chars().last()?;
-        let number = rest[..rest.len() - 1].parse::<u32>().ok()?;
-        matches!(suffix, 'h' | 'g' | 't').then_some((number, suffix))
+        parse_device_name(&self.config.prefix, name)
     }
 
     /// Adopts the devices on the host: free ones back into the pool, attached ones
@@ -1187,6 +1192,14 @@ impl Pool {
     }
 }
 
+/// Splits `<prefix><slot><h|g|t>` into (slot, suffix); `None` for other names.
+fn parse_device_name(prefix: &str, name: &str) -> Option<(u32, char)> {
+    let rest = name.strip_prefix(prefix)?;
+    let suffix = rest.chars().last()?;
+    let number = rest[..rest.len() - suffix.len_utf8()].parse::<u32>().ok()?;
+    matches!(suffix, 'h' | 'g' | 't').then_some((number, suffix))
+}
+
 fn apply_policy(datapath: &mut Datapath, ifindex: u32, policy: &EgressPolicy) -> Result<()> {
     let allow: Vec<(Ipv4Addr, u8)> = policy
         .allow
@@ -1202,4 +1215,61 @@ fn apply_policy(datapath: &mut Datapath, ifindex: u32, policy: &EgressPolicy) ->
     datapath.set_policy_list(false, ifindex, &deny)?;
     datapath.set_policy_list(true, ifindex, &allow)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_config_is_valid() {
+        PoolConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn rejects_bad_configs() {
+        let bad = [
+            PoolConfig {
+                name: String::new(),
+                ..PoolConfig::default()
+            },
+            PoolConfig {
+                name: "a/b".to_string(),
+                ..PoolConfig::default()
+            },
+            PoolConfig {
+                prefix: "far-too-long".to_string(),
+                ..PoolConfig::default()
+            },
+            PoolConfig {
+                prefix: String::new(),
+                ..PoolConfig::default()
+            },
+            PoolConfig {
+                nat_ports: 80..=1000,
+                ..PoolConfig::default()
+            },
+            PoolConfig {
+                max_flows: 10,
+                ..PoolConfig::default()
+            },
+        ];
+        for config in bad {
+            assert!(
+                matches!(config.validate(), Err(PoolError::Config(_))),
+                "{config:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn parses_only_its_own_device_names() {
+        let parse = |name: &str| parse_device_name("cube", name);
+        assert_eq!(parse("cube12h"), Some((12, 'h')));
+        assert_eq!(parse("cube3t"), Some((3, 't')));
+        assert_eq!(parse("cubeh"), None);
+        assert_eq!(parse("cube1x"), None);
+        assert_eq!(parse("eth0"), None);
+        assert_eq!(parse("cubeé"), None);
+    }
 }

@@ -450,3 +450,49 @@ fn bulk_transfer_through_nat_arrives_whole() {
     assert!(pool.counters(&net).unwrap().tx_bytes > sent);
     pool.release(net).unwrap();
 }
+
+/// Sends one ICMP echo from namespace `which` (a ping socket) and waits for the reply.
+fn ping(lab: &Lab, which: &str, to: Ipv4Addr) -> bool {
+    use std::os::fd::FromRawFd;
+    lab.netns(which)
+        .run(move || {
+            std::fs::write("/proc/sys/net/ipv4/ping_group_range", "0 0").unwrap();
+            // SAFETY: plain socket(2); the fd is handed to UdpSocket, which owns it.
+            let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, libc::IPPROTO_ICMP) };
+            assert!(fd >= 0, "ping socket: {}", std::io::Error::last_os_error());
+            // SAFETY: `fd` is a fresh, open socket owned by nobody else.
+            let socket = unsafe { std::net::UdpSocket::from_raw_fd(fd) };
+            socket
+                .set_read_timeout(Some(Duration::from_millis(700)))
+                .unwrap();
+            // Echo request: type 8, code 0; the kernel fills checksum and identifier.
+            let request = [8u8, 0, 0, 0, 0, 0, 0, 1, b'c', b'u', b'b', b'e'];
+            socket.send_to(&request, (to, 0)).unwrap();
+            let mut reply = [0u8; 64];
+            match socket.recv_from(&mut reply) {
+                Ok((n, from)) => {
+                    n == request.len()
+                        && reply[0] == 0
+                        && reply[8..n] == request[8..]
+                        && from.ip() == to
+                }
+                Err(_) => false,
+            }
+        })
+        .unwrap()
+}
+
+#[test]
+fn ping_goes_through_nat_and_obeys_policy() {
+    let (mut lab, guard) = lab_and_pool!("icmp", 1, 0);
+    let pool = guard.pool();
+    lab.add_namespace("sb").unwrap();
+    let denying = EgressPolicy::default().deny(cidr("203.0.113.0/24"));
+    let net = pool.attach_veth(&lab.netns_ref("sb"), &denying).unwrap();
+    assert!(ping(&lab, "sb", OUT_ADDR), "no echo reply through NAT");
+    assert!(!ping(&lab, "sb", FAR_ADDR), "denied address answered");
+    assert!(!ping(&lab, "sb", HOST_ADDR), "the host answered");
+    pool.set_policy(&net, &EgressPolicy::default()).unwrap();
+    assert!(ping(&lab, "sb", FAR_ADDR), "lifted deny not in force");
+    pool.release(net).unwrap();
+}
