@@ -1,4 +1,8 @@
 //! Compiles the eBPF datapath (bpf/datapath.c) with clang for the BPF target.
+//!
+//! Without clang the crate still builds, with an empty object: loading the datapath
+//! then fails with `DatapathError::NotBuilt` and the tests skip, naming the reason.
+//! A datapath that clang rejects fails the build.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -22,11 +26,16 @@ fn main() {
         .status();
     match status {
         Ok(status) if status.success() => {}
-        Ok(status) => {
-            panic!("{clang} failed on {source} ({status}); needs libbpf-dev: scripts/setup-net.sh")
-        }
+        Ok(status) => panic!(
+            "{clang} failed on {source} ({status}); bpf/bpf_helpers.h comes with libbpf-dev (scripts/setup-net.sh)"
+        ),
         Err(error) => {
-            panic!("cannot run {clang} for {source}: {error}; install clang: scripts/setup-net.sh")
+            println!(
+                "cargo:warning=cube-net: cannot run {clang} ({error}): building without the eBPF datapath; run scripts/setup-net.sh"
+            );
+            if let Err(error) = std::fs::write(&object, []) {
+                panic!("write {}: {error}", object.display());
+            }
         }
     }
 }
