@@ -688,12 +688,18 @@ impl Pool {
             match kind {
                 DeviceKind::Veth => {
                     let slot = self.new_prepared(&mut rtnl, number)?;
-                    Self::arm(&mut state, &slot)?;
+                    if let Err(error) = Self::arm(&mut state, &slot) {
+                        self.discard(slot);
+                        return Err(error);
+                    }
                     state.free_veths.push(slot);
                 }
                 DeviceKind::Tap => {
                     let slot = self.new_tap(&mut rtnl, number)?;
-                    Self::arm(&mut state, &slot)?;
+                    if let Err(error) = Self::arm(&mut state, &slot) {
+                        self.discard(slot);
+                        return Err(error);
+                    }
                     state.free_taps.push(slot);
                 }
             }
@@ -765,7 +771,11 @@ impl Pool {
             DeviceKind::Veth => self.new_prepared(&mut rtnl, number)?,
             DeviceKind::Tap => self.new_tap(&mut rtnl, number)?,
         };
-        Self::arm(&mut state, &slot)?;
+        if let Err(error) = Self::arm(&mut state, &slot) {
+            drop(state);
+            self.discard(slot);
+            return Err(error);
+        }
         Ok(slot)
     }
 
