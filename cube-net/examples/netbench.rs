@@ -6,7 +6,8 @@
 //! - TCP through Cube's datapath (sandbox → eBPF NAT → outside) against a plain veth
 //!   path through the same host namespace with kernel forwarding and no NAT:
 //!   round-trip latency on one connection, connect+request+close latency, and bulk
-//!   throughput (best of five), each as a ratio cube/plain measured in the same run,
+//!   throughput (median of seven; ratio: median of the pairwise ratios), each as a
+//!   ratio cube/plain measured in the same run,
 //!   the two paths measured in alternating slices.
 //!
 //! Run as root: `cargo run --release -p cube-net --example netbench [-- --quick]`.
@@ -159,41 +160,51 @@ fn bulk(from: &Netns, mib: usize) -> f64 {
 struct PathNumbers {
     rr: Stats,
     crr: Stats,
+    /// Median throughput over the slices.
     gbit: f64,
 }
 
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}
+
 /// Measures both paths in alternating slices, so drift in the host's load (other
-/// builds on a shared machine) hits both alike.
+/// builds on a shared machine) hits both alike. Also returns the median of the
+/// slices' cube/plain throughput ratios, steadier than a ratio of two medians.
 fn measure_paths(
     plain: &Netns,
     cube: &Netns,
     rounds: usize,
     connects: usize,
     mib: usize,
-) -> (PathNumbers, PathNumbers) {
-    const SLICES: usize = 5;
+) -> (PathNumbers, PathNumbers, f64) {
+    const SLICES: usize = 7;
     let (mut plain_rr, mut cube_rr, mut plain_crr, mut cube_crr) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    let (mut plain_gbit, mut cube_gbit) = (0f64, 0f64);
+    let (mut plain_gbit, mut cube_gbit, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..SLICES {
         plain_rr.extend(round_trips(plain, rounds / SLICES));
         cube_rr.extend(round_trips(cube, rounds / SLICES));
         plain_crr.extend(connect_requests(plain, connects / SLICES));
         cube_crr.extend(connect_requests(cube, connects / SLICES));
-        plain_gbit = plain_gbit.max(bulk(plain, mib));
-        cube_gbit = cube_gbit.max(bulk(cube, mib));
+        let (p, c) = (bulk(plain, mib), bulk(cube, mib));
+        plain_gbit.push(p);
+        cube_gbit.push(c);
+        ratios.push(c / p);
     }
     (
         PathNumbers {
             rr: stats(plain_rr),
             crr: stats(plain_crr),
-            gbit: plain_gbit,
+            gbit: median(plain_gbit),
         },
         PathNumbers {
             rr: stats(cube_rr),
             crr: stats(cube_crr),
-            gbit: cube_gbit,
+            gbit: median(cube_gbit),
         },
+        median(ratios),
     )
 }
 
@@ -291,9 +302,19 @@ fn main() {
     let servers = start_servers(lab.netns("out"), stop.clone());
     let plain_ns = lab.netns("plain");
     let nat_ns = lab.netns("sb");
+    if std::env::var_os("NETBENCH_BULK_PAIRS").is_some() {
+        // Diagnostic: alternating bulk transfers only, each pair printed.
+        for _ in 0..10 {
+            let plain = bulk(&plain_ns, bulk_mib);
+            let cube = bulk(&nat_ns, bulk_mib);
+            println!("bulk plain {plain:6.2} cube {cube:6.2} Gbit/s");
+        }
+        pool.release(sandbox).unwrap();
+        return;
+    }
     // Warm both paths once.
     let _ = measure_paths(&plain_ns, &nat_ns, 500, 50, 8);
-    let (plain_numbers, nat_numbers) =
+    let (plain_numbers, nat_numbers, gbit_ratio) =
         measure_paths(&plain_ns, &nat_ns, rounds, connects, bulk_mib);
     stop.store(true, Ordering::Relaxed);
     drop(servers);
@@ -304,7 +325,7 @@ fn main() {
     let cold = stats(cold);
     let release = stats(release);
     let tap = stats(tap);
-    println!("cube-net netbench ({attaches} attaches, {rounds} round trips, {connects} connects, {bulk_mib} MiB x5, best)");
+    println!("cube-net netbench ({attaches} attaches, {rounds} round trips, {connects} connects, {bulk_mib} MiB x7, median)");
     println!(
         "  attach prepared netns    p50 {:8.3} ms  p95 {:8.3} ms",
         warm.p50, warm.p95
@@ -339,8 +360,7 @@ fn main() {
     );
     println!(
         "  TCP throughput   cube    {:8.2} Gbit/s  (cube/plain {:.2}x)",
-        nat_numbers.gbit,
-        nat_numbers.gbit / plain_numbers.gbit
+        nat_numbers.gbit, gbit_ratio
     );
     println!("  sandbox counters: {counters:?}");
     println!(
@@ -349,6 +369,6 @@ fn main() {
         plain_numbers.rr.p50, nat_numbers.rr.p50, plain_numbers.rr.p95, nat_numbers.rr.p95,
         nat_numbers.rr.p50 / plain_numbers.rr.p50, nat_numbers.rr.p95 / plain_numbers.rr.p95,
         plain_numbers.crr.p50, nat_numbers.crr.p50, nat_numbers.crr.p50 / plain_numbers.crr.p50, nat_numbers.crr.p95 / plain_numbers.crr.p95,
-        plain_numbers.gbit, nat_numbers.gbit, nat_numbers.gbit / plain_numbers.gbit,
+        plain_numbers.gbit, nat_numbers.gbit, gbit_ratio,
     );
 }
