@@ -151,6 +151,37 @@ fn exposed_port_is_reachable_from_the_host_and_from_outside() {
     // Not served on loopback (documented): the connection must not reach the sandbox.
     assert!(lab.http_get("host", Ipv4Addr::LOCALHOST, 18080).is_err());
 
+    // UDP: an echo in the sandbox, exposed on another host port.
+    let echo = lab
+        .netns("sb")
+        .run(|| std::net::UdpSocket::bind(("0.0.0.0", 5300)).unwrap())
+        .unwrap();
+    echo.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    pool.expose(&net, 15300, 5300, Protocol::Udp).unwrap();
+    let client = lab
+        .netns("out")
+        .run(|| std::net::UdpSocket::bind(("0.0.0.0", 0)).unwrap())
+        .unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
+    client.send_to(b"question", (HOST_ADDR, 15300)).unwrap();
+    let mut buf = [0u8; 32];
+    let (n, asker) = echo
+        .recv_from(&mut buf)
+        .expect("UDP never reached the sandbox");
+    assert_eq!(&buf[..n], b"question");
+    assert_eq!(asker.ip(), std::net::IpAddr::V4(OUT_ADDR));
+    echo.send_to(b"answer", asker).unwrap();
+    let (n, from) = client
+        .recv_from(&mut buf)
+        .expect("UDP answer never came back");
+    assert_eq!(&buf[..n], b"answer");
+    assert_eq!(
+        from,
+        SocketAddr::from((HOST_ADDR, 15300)),
+        "answer from the exposed address"
+    );
     pool.unexpose(&net, 18080, Protocol::Tcp).unwrap();
     assert!(
         lab.http_get("out", HOST_ADDR, 18080).is_err(),
@@ -173,6 +204,13 @@ fn sandboxes_cannot_reach_each_other_unless_allowed() {
         .unwrap();
     lab.serve_http("b", 8000, "b");
     pool.expose(&b, 18081, 8000, Protocol::Tcp).unwrap();
+    assert!(
+        matches!(
+            pool.expose(&a, 18081, 9000, Protocol::Tcp),
+            Err(cube_net::PoolError::PortTaken(18081, Protocol::Tcp))
+        ),
+        "a took b's exposed port"
+    );
     assert!(
         lab.http_get("out", HOST_ADDR, 18081).is_ok(),
         "b's exposed port is up"
