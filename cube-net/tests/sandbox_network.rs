@@ -534,3 +534,70 @@ fn ping_goes_through_nat_and_obeys_policy() {
     assert!(ping(&lab, "sb", FAR_ADDR), "lifted deny not in force");
     pool.release(net).unwrap();
 }
+
+/// Kills and reaps a helper process on every path.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn attaches_into_a_process_namespace_by_pid() {
+    let (mut lab, guard) = lab_and_pool!("pid", 1, 0);
+    let pool = guard.pool();
+    lab.serve_http("out", 80, "outside");
+    // A stand-in for a jail's init: a process in a network namespace of its own.
+    let Ok(child) = std::process::Command::new("unshare")
+        .args(["-n", "sleep", "60"])
+        .spawn()
+    else {
+        eprintln!("skipping: unshare(1) is missing");
+        return;
+    };
+    let child = Child(child);
+    let pid = child.0.id() as i32;
+    let own = std::fs::read_link("/proc/self/ns/net").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while std::fs::read_link(format!("/proc/{pid}/ns/net"))
+        .ok()
+        .as_ref()
+        == Some(&own)
+        || std::fs::read_link(format!("/proc/{pid}/exe"))
+            .map(|exe| !exe.ends_with("sleep"))
+            .unwrap_or(true)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "unshare never entered its namespace"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+
+    let net = pool
+        .attach_veth(&cube_net::NetnsRef::Pid(pid), &EgressPolicy::default())
+        .unwrap();
+    let body = net
+        .netns()
+        .unwrap()
+        .run(|| {
+            use std::io::{Read, Write};
+            let target = SocketAddr::from((OUT_ADDR, 80));
+            let mut stream =
+                std::net::TcpStream::connect_timeout(&target, Duration::from_secs(2)).unwrap();
+            stream.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+            let mut response = String::new();
+            stream.read_to_string(&mut response).unwrap();
+            response
+        })
+        .unwrap();
+    assert!(body.contains("outside "), "{body}");
+    let name = net.host_ifname().to_string();
+    pool.release(net).unwrap();
+    assert!(!lab
+        .ip_output("host", &["-o", "link"])
+        .contains(&format!(": {name}@")));
+}
