@@ -28,6 +28,9 @@ echo "setup: CRIU (full-state jail snapshots)"
 # Without it jail snapshots hold the file system only, and say so.
 bash scripts/setup-criu.sh || echo "setup: full-state jail snapshots unavailable (see above)" >&2
 
+echo "setup: networking (eBPF toolchain, bpffs)"
+bash scripts/setup-net.sh  # clang + libbpf-dev for cube-net's eBPF datapath, bpffs
+
 if ! command -v cargo >/dev/null 2>&1; then
     echo "setup: cargo not found: install a Rust toolchain (rustup, Rust >= 1.85) first" >&2
     exit 1
