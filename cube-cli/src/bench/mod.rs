@@ -216,7 +216,7 @@ fn timed<T>(
 }
 
 fn ephemeral() -> CreateOptions {
-    CreateOptions { ephemeral: true }
+    CreateOptions::new(true)
 }
 
 fn run_plan(

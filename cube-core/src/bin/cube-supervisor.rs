@@ -5,12 +5,19 @@ use std::os::unix::net::UnixStream;
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
-    let fd = match args.as_slice() {
-        [_, flag, fd] if flag == "--control-fd" => fd.parse::<i32>().ok(),
-        _ => None,
+    let (fd, scratch) = match args.as_slice() {
+        [_, flag, fd] if flag == "--control-fd" => (fd.parse::<i32>().ok(), None),
+        [_, flag, fd, scratch_flag, dir]
+            if flag == "--control-fd" && scratch_flag == "--scratch" =>
+        {
+            (fd.parse::<i32>().ok(), Some(std::path::PathBuf::from(dir)))
+        }
+        _ => (None, None),
     };
     let Some(fd) = fd.filter(|fd| *fd >= 3) else {
-        eprintln!("usage: cube-supervisor --control-fd N (started by the cube library)");
+        eprintln!(
+            "usage: cube-supervisor --control-fd N [--scratch DIR] (started by the cube library)"
+        );
         std::process::exit(2);
     };
     // Detach before any thread exists: the launcher exits, the supervisor is
@@ -40,7 +47,7 @@ fn main() {
     // SAFETY: the spawner passed us this descriptor (a connected unix stream) as `fd`
     // and nothing else in this process owns it.
     let control = unsafe { UnixStream::from_raw_fd(fd) };
-    if let Err(e) = cube_core::supervisor::server::run(control) {
+    if let Err(e) = cube_core::supervisor::server::run(control, scratch.as_deref()) {
         tracing::error!("supervisor: {e}");
         std::process::exit(1);
     }

@@ -65,6 +65,15 @@ pub struct IdleSupervisor {
 /// Starts one supervisor. It detaches (double fork, new session), so it is never this
 /// process's child and can outlive it.
 pub fn spawn_supervisor(exe: &Path) -> Result<IdleSupervisor, PoolError> {
+    spawn_supervisor_with_scratch(exe, None)
+}
+
+/// Like [`spawn_supervisor`]; with `scratch` (a directory on the store's filesystem)
+/// the supervisor also starts a jail there ahead of time.
+pub fn spawn_supervisor_with_scratch(
+    exe: &Path,
+    scratch: Option<&Path>,
+) -> Result<IdleSupervisor, PoolError> {
     let (ours, theirs) = UnixStream::pair().map_err(PoolError::SocketPair)?;
     let theirs: OwnedFd = theirs.into();
     let fd = theirs.as_raw_fd();
@@ -74,6 +83,9 @@ pub fn spawn_supervisor(exe: &Path) -> Result<IdleSupervisor, PoolError> {
         .arg("3")
         .stdin(Stdio::null())
         .stdout(Stdio::null());
+    if let Some(dir) = scratch {
+        command.arg("--scratch").arg(dir);
+    }
     match std::env::var_os(SUPERVISOR_LOG_ENV).and_then(|p| {
         std::fs::OpenOptions::new()
             .create(true)
@@ -88,7 +100,13 @@ pub fn spawn_supervisor(exe: &Path) -> Result<IdleSupervisor, PoolError> {
     // async-signal-safe; dup2 clears FD_CLOEXEC on the new descriptor 3.
     unsafe {
         command.pre_exec(move || {
-            if libc::dup2(fd, 3) < 0 {
+            // dup2 onto itself would keep FD_CLOEXEC: clear it explicitly then.
+            let r = if fd == 3 {
+                libc::fcntl(3, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(fd, 3)
+            };
+            if r < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -125,6 +143,7 @@ struct PoolState {
 /// A pool of idle supervisors, refilled in the background.
 pub struct SupervisorPool {
     exe: PathBuf,
+    scratch: Option<PathBuf>,
     target: usize,
     state: Arc<(Mutex<PoolState>, Condvar)>,
 }
@@ -132,8 +151,15 @@ pub struct SupervisorPool {
 impl SupervisorPool {
     /// A pool that keeps `target` supervisors of `exe` ready (0 disables pooling).
     pub fn new(exe: PathBuf, target: usize) -> Self {
+        Self::with_scratch(exe, target, None)
+    }
+
+    /// Like [`SupervisorPool::new`]; each supervisor also starts a jail ahead of time
+    /// in `scratch` (a directory on the store's filesystem).
+    pub fn with_scratch(exe: PathBuf, target: usize, scratch: Option<PathBuf>) -> Self {
         let pool = SupervisorPool {
             exe,
+            scratch,
             target,
             state: Arc::new((
                 Mutex::new(PoolState {
@@ -163,7 +189,7 @@ impl SupervisorPool {
             Some(s) => Ok(s),
             None => {
                 tracing::debug!("supervisor pool empty: starting one on the create path");
-                spawn_supervisor(&self.exe)
+                spawn_supervisor_with_scratch(&self.exe, self.scratch.as_deref())
             }
         }
     }
@@ -190,6 +216,7 @@ impl SupervisorPool {
         }
         let state = Arc::clone(&self.state);
         let exe = self.exe.clone();
+        let scratch = self.scratch.clone();
         let target = self.target;
         let spawned = std::thread::Builder::new()
             .name("supervisor-pool".into())
@@ -201,7 +228,7 @@ impl SupervisorPool {
                     cond.notify_all();
                     return;
                 }
-                match spawn_supervisor(&exe) {
+                match spawn_supervisor_with_scratch(&exe, scratch.as_deref()) {
                     Ok(s) => lock
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
