@@ -2,48 +2,40 @@
 //! PID 1 is Cube's agent; the sandbox is destroyed when the command ends, fails or is
 //! interrupted, so nothing (process, mount, cgroup, file) outlives the invocation.
 //!
-//! The jail gets the agent binary bound read-only at [`AGENT_PATH`] and one end of a
-//! socket pair at fd 3; this process talks to the agent over the other end. Each
-//! invocation is a new sandbox: nothing, not even a `cube code` variable, carries over
-//! to the next one.
+//! Both go through the Sandbox API like every other client: an ephemeral sandbox
+//! (its supervisor destroys it if this process dies), its agent reached on the
+//! sandbox's agent socket. Each invocation is a new sandbox: nothing, not even a
+//! `cube code` variable, carries over to the next one.
 
 use std::io::{Read, Write};
-use std::os::fd::AsFd;
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use cube_agent::client::{Client, ClientError};
 use cube_agent::protocol::{ErrorCode, ExecRequest, ExitInfo, Language, RequestBody, ResponseBody};
-use cube_jail::{Jail, JailConfig, ReadOnlyBind, Stdio};
+use cube_core::{CreateOptions, EngineChoice, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
 
 use crate::{chain, store_root, CliError};
-
-/// Where the agent binary appears inside the sandbox.
-const AGENT_PATH: &str = "/.cube/cube-agent";
-
-/// The descriptor number the agent's socket gets inside the sandbox.
-const AGENT_FD: i32 = 3;
-
-/// Environment variable naming the agent binary, when it is not next to `cube`.
-const AGENT_ENV: &str = "CUBE_AGENT";
 
 /// How long past `--timeout` this process waits for the agent's own timeout report
 /// before giving up on it (the sandbox is destroyed either way).
 const TIMEOUT_GRACE: Duration = Duration::from_secs(5);
 
 /// Exit code for a command that ran out of time, as coreutils `timeout` uses.
-const EXIT_TIMEOUT: u8 = 124;
+pub const EXIT_TIMEOUT: u8 = 124;
 
 /// Exit code after Ctrl-C or SIGTERM.
 const EXIT_INTERRUPTED: i32 = 130;
 
+/// Largest standard input forwarded to a command (it travels in one agent message).
+const MAX_STDIN: u64 = 3 << 20;
+
 /// Which engine runs the sandbox.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
 pub enum Engine {
-    /// The best engine this host can run commands with (today: jail).
+    /// The template's engine (the default template, host, is a jail).
     #[default]
     Auto,
     /// Linux namespaces, cgroups and seccomp around the host's userland.
@@ -52,12 +44,25 @@ pub enum Engine {
     Vm,
 }
 
+impl From<Engine> for EngineChoice {
+    fn from(e: Engine) -> EngineChoice {
+        match e {
+            Engine::Auto => EngineChoice::Auto,
+            Engine::Jail => EngineChoice::Jail,
+            Engine::Vm => EngineChoice::Vm,
+        }
+    }
+}
+
 /// Options shared by `cube run` and `cube code`.
 #[derive(Args, Debug)]
 pub struct SandboxArgs {
     /// Engine to run the sandbox with.
     #[arg(long, value_enum, default_value_t = Engine::Auto)]
     engine: Engine,
+    /// Template to start from.
+    #[arg(long, default_value = HOST_TEMPLATE)]
+    template: String,
     /// Kill the command after this many seconds and exit 124.
     #[arg(long, value_name = "S")]
     timeout: Option<f64>,
@@ -85,6 +90,15 @@ pub enum CodeLanguage {
     Bash,
 }
 
+impl From<CodeLanguage> for Language {
+    fn from(l: CodeLanguage) -> Language {
+        match l {
+            CodeLanguage::Python => Language::Python,
+            CodeLanguage::Bash => Language::Bash,
+        }
+    }
+}
+
 /// `cube code`.
 #[derive(Args, Debug)]
 pub struct CodeArgs {
@@ -101,8 +115,9 @@ pub struct CodeArgs {
 pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
     check_engine(args.sandbox.engine)?;
     let timeout = timeout(&args.sandbox)?;
+    let stdin = forwarded_stdin()?;
     let session = Session::start(store, &args.sandbox)?;
-    let result = session.exec(&args.command, timeout);
+    let result = stream_exec(&session.client, &args.command, timeout, stdin);
     let destroyed = session.finish();
     let code = result?;
     destroyed?;
@@ -113,25 +128,31 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
 pub fn code(store: Option<&Path>, args: &CodeArgs) -> Result<u8, CliError> {
     check_engine(args.sandbox.engine)?;
     let timeout = timeout(&args.sandbox)?;
-    let code = if args.code == "-" {
-        let mut s = String::new();
-        std::io::stdin()
-            .read_to_string(&mut s)
-            .map_err(|e| CliError::failed(format!("reading the code from stdin: {e}")))?;
-        s
-    } else {
-        args.code.clone()
-    };
-    let language = match args.language {
-        CodeLanguage::Python => Language::Python,
-        CodeLanguage::Bash => Language::Bash,
-    };
+    let code = read_code(&args.code)?;
     let session = Session::start(store, &args.sandbox)?;
-    let result = session.run_cell(language, &code, timeout);
+    let result = run_cell(
+        &session.client,
+        "main",
+        args.language.into(),
+        &code,
+        timeout,
+    );
     let destroyed = session.finish();
     let code = result?;
     destroyed?;
     Ok(code)
+}
+
+/// The code argument, or standard input for `-`.
+pub fn read_code(arg: &str) -> Result<String, CliError> {
+    if arg != "-" {
+        return Ok(arg.to_string());
+    }
+    let mut s = String::new();
+    std::io::stdin()
+        .read_to_string(&mut s)
+        .map_err(|e| CliError::failed(format!("reading the code from stdin: {e}")))?;
+    Ok(s)
 }
 
 fn check_engine(engine: Engine) -> Result<(), CliError> {
@@ -146,7 +167,12 @@ fn check_engine(engine: Engine) -> Result<(), CliError> {
 }
 
 fn timeout(args: &SandboxArgs) -> Result<Option<Duration>, CliError> {
-    match args.timeout {
+    parse_timeout(args.timeout)
+}
+
+/// A `--timeout` value: positive, finite seconds.
+pub fn parse_timeout(seconds: Option<f64>) -> Result<Option<Duration>, CliError> {
+    match seconds {
         None => Ok(None),
         Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
         Some(s) => Err(CliError::failed(format!(
@@ -155,32 +181,37 @@ fn timeout(args: &SandboxArgs) -> Result<Option<Duration>, CliError> {
     }
 }
 
-/// The agent binary: `$CUBE_AGENT`, else `cube-agent` next to this executable.
-fn agent_binary() -> Result<PathBuf, CliError> {
-    let path = match std::env::var_os(AGENT_ENV) {
-        Some(p) => PathBuf::from(p),
-        None => std::env::current_exe()
-            .map_err(|e| CliError::failed(format!("locating the cube executable: {e}")))?
-            .with_file_name("cube-agent"),
+/// Standard input to hand the command: all of it when it is a pipe or a file (the
+/// agent takes stdin as one message, so a terminal, which never ends, is not read).
+pub fn forwarded_stdin() -> Result<Vec<u8>, CliError> {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(meta) = std::fs::metadata("/proc/self/fd/0") else {
+        return Ok(Vec::new());
     };
-    if !path.is_file() {
-        return Err(CliError::not_found(format!(
-            "the agent binary {} does not exist",
-            path.display()
-        ))
-        .hint(format!(
-            "build it (cargo build -p cube-agent) or set {AGENT_ENV} to its path"
+    let kind = meta.file_type();
+    if !(kind.is_fifo() || kind.is_file()) {
+        return Ok(Vec::new());
+    }
+    let mut data = Vec::new();
+    std::io::stdin()
+        .take(MAX_STDIN + 1)
+        .read_to_end(&mut data)
+        .map_err(|e| CliError::failed(format!("reading standard input: {e}")))?;
+    if data.len() as u64 > MAX_STDIN {
+        return Err(CliError::failed(format!(
+            "standard input is larger than the {} MiB a command can be given",
+            MAX_STDIN >> 20
         )));
     }
-    Ok(path)
+    Ok(data)
 }
 
 /// The running sandbox: shared with the interrupt watcher, which destroys it on Ctrl-C.
-type SharedJail = Arc<Mutex<Option<Jail>>>;
+type SharedSandbox = Arc<Mutex<Option<Sandbox>>>;
 
-/// One sandbox with its agent connected. Dropping it destroys the sandbox.
+/// One ephemeral sandbox with its agent connected. Dropping it destroys the sandbox.
 struct Session {
-    jail: SharedJail,
+    sandbox: SharedSandbox,
     client: Client,
 }
 
@@ -193,180 +224,179 @@ impl Session {
             )
             .hint("run cube as root"));
         }
-        let agent = agent_binary()?;
-        let jail: SharedJail = Arc::new(Mutex::new(None));
+        let sandbox: SharedSandbox = Arc::new(Mutex::new(None));
         // Before any other thread exists, so the mask holds in all of them.
-        destroy_on_interrupt(Arc::clone(&jail))?;
+        destroy_on_interrupt(Arc::clone(&sandbox))?;
         // A closed stdout (`cube run ... | head`) must end in a clean destroy, not in
         // death by SIGPIPE; the agent restores the default for the command itself.
         // SAFETY: installs no handler; no memory effects.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
 
-        let tmp = store_root(store)?.join("tmp");
-        std::fs::create_dir_all(&tmp)
-            .map_err(|e| CliError::failed(format!("creating {}: {e}", tmp.display())))?;
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let name = format!("run-{}-{nanos}", std::process::id());
-        let mut config = JailConfig::new(&name, tmp.join(&name));
-        config.binds.push(ReadOnlyBind {
-            source: agent,
-            target: PathBuf::from(AGENT_PATH),
-        });
-        config.env.push(("RUST_LOG".into(), "warn".into()));
-        config.stderr = Stdio::Pipe;
-        config.limits.memory_bytes = args.memory_mib.map(|m| m << 20);
-
-        let (ours, theirs) = UnixStream::pair()
-            .map_err(|e| CliError::failed(format!("creating the agent socket: {e}")))?;
-        {
-            // Held across the spawn: an interrupt meanwhile waits, then destroys it.
-            let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
-            let mut spawned = Jail::spawn_with_fds(
-                &config,
-                &[AGENT_PATH, "--fd", "3"],
-                &[(theirs.as_fd(), AGENT_FD)],
-            )
-            .map_err(|e| CliError::failed(format!("creating the sandbox: {}", chain(&e))))?;
-            if let Some(log) = spawned.take_stderr() {
-                forward_agent_log(log);
-            }
-            *slot = Some(spawned);
-        }
-        drop(theirs);
-        let client = match Client::new(ours) {
+        let rt = Runtime::open(RuntimeConfig {
+            store_root: store_root(store)?,
+            pool_size: 0,
+            supervisor: None,
+        })?;
+        let options = CreateOptions {
+            ephemeral: true,
+            engine: args.engine.into(),
+            memory_mib: args.memory_mib,
+            ..CreateOptions::default()
+        };
+        let client = {
+            // Held across the create: an interrupt meanwhile waits, then destroys it.
+            let mut slot = sandbox.lock().unwrap_or_else(PoisonError::into_inner);
+            let created = rt.create(&args.template, options)?;
+            let client = created.agent();
+            *slot = Some(created);
+            client
+        };
+        let client = match client {
             Ok(c) => c,
             Err(e) => {
-                let _ = destroy(&jail);
+                let _ = destroy(&sandbox);
                 return Err(CliError::failed(format!(
                     "the sandbox's agent did not answer: {}",
                     chain(&e)
                 )));
             }
         };
-        Ok(Session { jail, client })
-    }
-
-    /// Runs `argv` to its end, streaming its output; returns its exit code.
-    fn exec(&self, argv: &[String], timeout: Option<Duration>) -> Result<u8, CliError> {
-        let req = ExecRequest {
-            argv: argv.to_vec(),
-            timeout_ms: timeout.map(|t| t.as_millis().clamp(1, u64::MAX.into()) as u64),
-            ..ExecRequest::default()
-        };
-        let mut call = self
-            .client
-            .start(RequestBody::Exec(req))
-            .map_err(agent_error)?;
-        let deadline = timeout.map(|t| Instant::now() + t + TIMEOUT_GRACE);
-        let mut stdout = std::io::stdout();
-        let mut stderr = std::io::stderr();
-        loop {
-            let next = match deadline {
-                Some(d) => call.recv_timeout(d.saturating_duration_since(Instant::now())),
-                None => call.recv(),
-            };
-            let body = match next {
-                Ok(Some(body)) => body,
-                Ok(None) => return Err(CliError::failed("the agent gave no exit status")),
-                Err(ClientError::Timeout) => return Ok(EXIT_TIMEOUT),
-                Err(e) => return Err(agent_error(e)),
-            };
-            match body {
-                ResponseBody::Started { .. } => {}
-                ResponseBody::Stdout(b) => {
-                    if stdout.write_all(&b).and_then(|()| stdout.flush()).is_err() {
-                        // Nobody reads our output any more: end as a shell pipeline would.
-                        return Ok(128 + libc::SIGPIPE as u8);
-                    }
-                }
-                ResponseBody::Stderr(b) => {
-                    let _ = stderr.write_all(&b);
-                }
-                ResponseBody::Exited(exit) => return Ok(exit_code(&exit)),
-                ResponseBody::Error(e) => {
-                    let code = match e.code {
-                        ErrorCode::NotFound => 127,
-                        ErrorCode::PermissionDenied => 126,
-                        _ => 1,
-                    };
-                    eprintln!("cube: cannot run {}: {}", argv[0], e.message);
-                    return Ok(code);
-                }
-                other => {
-                    return Err(CliError::failed(format!(
-                        "unexpected answer from the agent: {other:?}"
-                    )))
-                }
-            }
-        }
-    }
-
-    /// Runs one cell in a new context and prints what it produced; 1 when it raised.
-    fn run_cell(
-        &self,
-        language: Language,
-        code: &str,
-        timeout: Option<Duration>,
-    ) -> Result<u8, CliError> {
-        self.client
-            .create_context("main", language, None)
-            .map_err(agent_error)?;
-        let r = self
-            .client
-            .run_code("main", code, timeout)
-            .map_err(agent_error)?;
-        let mut stdout = std::io::stdout();
-        let mut stderr = std::io::stderr();
-        let _ = stdout.write_all(r.stdout.as_bytes());
-        let _ = stderr.write_all(r.stderr.as_bytes());
-        if let Some(v) = &r.value {
-            let _ = writeln!(stdout, "{v}");
-        }
-        let _ = stdout.flush();
-        if r.timed_out {
-            eprintln!("cube: the cell ran out of time");
-            return Ok(EXIT_TIMEOUT);
-        }
-        if let Some(e) = &r.error {
-            if e.traceback.is_empty() {
-                eprintln!("{}: {}", e.name, e.value);
-            } else {
-                eprint!("{}", e.traceback);
-                if !e.traceback.ends_with('\n') {
-                    eprintln!();
-                }
-            }
-            return Ok(1);
-        }
-        Ok(match r.exit_status {
-            Some(s) if s != 0 => (s & 0xff) as u8,
-            _ => 0,
-        })
+        Ok(Session { sandbox, client })
     }
 
     /// Destroys the sandbox and reports whether everything went.
     fn finish(self) -> Result<(), CliError> {
-        destroy(&self.jail)
+        destroy(&self.sandbox)
     }
 }
 
 impl Drop for Session {
     fn drop(&mut self) {
         // After `finish` this finds nothing left to do.
-        if let Err(e) = destroy(&self.jail) {
+        if let Err(e) = destroy(&self.sandbox) {
             eprintln!("cube: {}", e.message);
         }
     }
 }
 
+/// Runs `argv` to its end, streaming its output; returns its exit code.
+pub fn stream_exec(
+    client: &Client,
+    argv: &[String],
+    timeout: Option<Duration>,
+    stdin: Vec<u8>,
+) -> Result<u8, CliError> {
+    let req = ExecRequest {
+        argv: argv.to_vec(),
+        timeout_ms: timeout.map(|t| t.as_millis().clamp(1, u64::MAX.into()) as u64),
+        stdin,
+        ..ExecRequest::default()
+    };
+    let mut call = client.start(RequestBody::Exec(req)).map_err(agent_error)?;
+    let deadline = timeout.map(|t| Instant::now() + t + TIMEOUT_GRACE);
+    let mut stdout = std::io::stdout();
+    let mut stderr = std::io::stderr();
+    loop {
+        let next = match deadline {
+            Some(d) => call.recv_timeout(d.saturating_duration_since(Instant::now())),
+            None => call.recv(),
+        };
+        let body = match next {
+            Ok(Some(body)) => body,
+            Ok(None) => return Err(CliError::failed("the agent gave no exit status")),
+            Err(ClientError::Timeout) => return Ok(EXIT_TIMEOUT),
+            Err(e) => return Err(agent_error(e)),
+        };
+        match body {
+            ResponseBody::Started { .. } => {}
+            ResponseBody::Stdout(b) => {
+                if stdout.write_all(&b).and_then(|()| stdout.flush()).is_err() {
+                    // Nobody reads our output any more: end as a shell pipeline would.
+                    return Ok(128 + libc::SIGPIPE as u8);
+                }
+            }
+            ResponseBody::Stderr(b) => {
+                let _ = stderr.write_all(&b);
+            }
+            ResponseBody::Exited(exit) => return Ok(exit_code(&exit)),
+            ResponseBody::Error(e) => {
+                let code = match e.code {
+                    ErrorCode::NotFound => 127,
+                    ErrorCode::PermissionDenied => 126,
+                    _ => 1,
+                };
+                eprintln!("cube: cannot run {}: {}", argv[0], e.message);
+                return Ok(code);
+            }
+            other => {
+                return Err(CliError::failed(format!(
+                    "unexpected answer from the agent: {other:?}"
+                )))
+            }
+        }
+    }
+}
+
+/// Runs one cell in context `context` (made if missing) and prints what it produced;
+/// 1 when it raised.
+pub fn run_cell(
+    client: &Client,
+    context: &str,
+    language: Language,
+    code: &str,
+    timeout: Option<Duration>,
+) -> Result<u8, CliError> {
+    let contexts = client.list_contexts().map_err(agent_error)?;
+    match contexts.iter().find(|c| c.name == context) {
+        Some(c) if c.language != language => {
+            return Err(CliError::failed(format!(
+                "context {context} runs {:?}, not {language:?}",
+                c.language
+            )))
+        }
+        Some(_) => {}
+        None => client
+            .create_context(context, language, None)
+            .map_err(agent_error)?,
+    }
+    let r = client
+        .run_code(context, code, timeout)
+        .map_err(agent_error)?;
+    let mut stdout = std::io::stdout();
+    let mut stderr = std::io::stderr();
+    let _ = stdout.write_all(r.stdout.as_bytes());
+    let _ = stderr.write_all(r.stderr.as_bytes());
+    if let Some(v) = &r.value {
+        let _ = writeln!(stdout, "{v}");
+    }
+    let _ = stdout.flush();
+    if r.timed_out {
+        eprintln!("cube: the cell ran out of time");
+        return Ok(EXIT_TIMEOUT);
+    }
+    if let Some(e) = &r.error {
+        if e.traceback.is_empty() {
+            eprintln!("{}: {}", e.name, e.value);
+        } else {
+            eprint!("{}", e.traceback);
+            if !e.traceback.ends_with('\n') {
+                eprintln!();
+            }
+        }
+        return Ok(1);
+    }
+    Ok(match r.exit_status {
+        Some(s) if s != 0 => (s & 0xff) as u8,
+        _ => 0,
+    })
+}
+
 /// Destroys the sandbox, holding the lock throughout so an interrupt arriving meanwhile
 /// waits for the destroy instead of exiting under it.
-fn destroy(jail: &SharedJail) -> Result<(), CliError> {
-    let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
+fn destroy(sandbox: &SharedSandbox) -> Result<(), CliError> {
+    let mut slot = sandbox.lock().unwrap_or_else(PoisonError::into_inner);
     match slot.take() {
-        Some(j) => j
+        Some(s) => s
             .destroy()
             .map_err(|e| CliError::failed(format!("destroying the sandbox: {}", chain(&e)))),
         None => Ok(()),
@@ -376,7 +406,7 @@ fn destroy(jail: &SharedJail) -> Result<(), CliError> {
 /// On Ctrl-C or SIGTERM, destroys the sandbox and exits 130. Must run before any other
 /// thread starts, so that every thread inherits the blocked signals and only the
 /// watcher receives them.
-fn destroy_on_interrupt(jail: SharedJail) -> Result<(), CliError> {
+fn destroy_on_interrupt(sandbox: SharedSandbox) -> Result<(), CliError> {
     use nix::sys::signal::{SigSet, Signal};
     let mut signals = SigSet::empty();
     signals.add(Signal::SIGINT);
@@ -392,11 +422,11 @@ fn destroy_on_interrupt(jail: SharedJail) -> Result<(), CliError> {
             }
             eprintln!("cube: interrupted, destroying the sandbox");
             // The lock stays held until the exit, so the main thread, whose every path
-            // after the spawn goes through `destroy`, cannot end the process first with
-            // another code (or report the agent's death as an error).
-            let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(j) = slot.take() {
-                if let Err(e) = j.destroy() {
+            // after the create goes through `destroy`, cannot end the process first
+            // with another code (or report the agent's death as an error).
+            let mut slot = sandbox.lock().unwrap_or_else(PoisonError::into_inner);
+            if let Some(s) = slot.take() {
+                if let Err(e) = s.destroy() {
                     eprintln!("cube: destroying the sandbox: {}", chain(&e));
                 }
             }
@@ -406,26 +436,9 @@ fn destroy_on_interrupt(jail: SharedJail) -> Result<(), CliError> {
     Ok(())
 }
 
-/// Copies the agent's own diagnostics to our stderr, marked as its; ends with the
-/// sandbox.
-fn forward_agent_log(log: std::fs::File) {
-    let spawned = std::thread::Builder::new()
-        .name("agent-log".into())
-        .spawn(move || {
-            use std::io::BufRead;
-            for line in std::io::BufReader::new(log).lines() {
-                let Ok(line) = line else { break };
-                eprintln!("cube-agent: {line}");
-            }
-        });
-    if let Err(e) = spawned {
-        tracing::warn!(error = %e, "the agent's diagnostics will not be shown");
-    }
-}
-
 /// The shell's convention: the exit code, or 128 + the signal that killed it; 124 when
 /// the agent's timeout killed it.
-fn exit_code(exit: &ExitInfo) -> u8 {
+pub fn exit_code(exit: &ExitInfo) -> u8 {
     if exit.timed_out {
         return EXIT_TIMEOUT;
     }
@@ -436,7 +449,8 @@ fn exit_code(exit: &ExitInfo) -> u8 {
     }
 }
 
-fn agent_error(e: ClientError) -> CliError {
+/// A failed exchange with a sandbox's agent.
+pub fn agent_error(e: ClientError) -> CliError {
     CliError::failed(format!("talking to the sandbox's agent: {}", chain(&e)))
 }
 
@@ -459,14 +473,10 @@ mod tests {
 
     #[test]
     fn timeouts_must_be_positive_and_finite() {
-        let a = |t| SandboxArgs {
-            engine: Engine::Auto,
-            timeout: Some(t),
-            memory_mib: None,
-        };
-        assert!(matches!(timeout(&a(0.5)), Ok(Some(_))));
+        assert!(matches!(parse_timeout(Some(0.5)), Ok(Some(_))));
+        assert!(matches!(parse_timeout(None), Ok(None)));
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            assert!(timeout(&a(bad)).is_err());
+            assert!(parse_timeout(Some(bad)).is_err());
         }
     }
 

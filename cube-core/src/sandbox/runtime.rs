@@ -13,6 +13,7 @@ use crate::snapshot::format::ROOTFS_FILE;
 use crate::snapshot::MachineConfig;
 use crate::supervisor::jail_sandbox::LAYER_DIR;
 use crate::supervisor::protocol::{Request, Settings, Source, PROTOCOL_VERSION};
+use crate::supervisor::server::WarmFor;
 use crate::supervisor::server::SOCKET_FILE;
 use crate::supervisor::{locate_supervisor, SupervisorClient, SupervisorPool};
 use crate::test_guest::WorkingSet;
@@ -123,10 +124,11 @@ impl Runtime {
         };
         // Pooled supervisors start a host-template jail in the store's scratch
         // directory (renamed into the sandbox on adoption) where the host can.
-        let scratch = store.root().join("tmp");
+        // Only pooled ones: on the create path it would cost what it saves.
+        let scratch = (config.pool_size > 0).then(|| store.root().join("tmp"));
         Ok(Runtime {
             store,
-            pool: SupervisorPool::with_scratch(exe, config.pool_size, Some(scratch)),
+            pool: SupervisorPool::with_scratch(exe, config.pool_size, scratch),
         })
     }
 
@@ -203,16 +205,16 @@ impl Runtime {
         Ok(meta)
     }
 
-    /// Templates: the built-in [`HOST_TEMPLATE`] first, then those in the store.
+    /// Templates: those in the store, then the built-in [`HOST_TEMPLATE`].
     pub fn templates(&self) -> Result<Vec<TemplateMeta>, SandboxError> {
         let names = self.store.list_templates()?;
-        let mut templates = vec![host_template()];
-        templates.extend(self.read_records(
+        let mut templates: Vec<TemplateMeta> = self.read_records(
             names,
             |n| self.store.template_dir(n),
             TEMPLATE_META,
             TEMPLATE_META_KIND,
-        )?);
+        )?;
+        templates.push(host_template());
         Ok(templates)
     }
 
@@ -357,7 +359,10 @@ impl Runtime {
                 &record,
                 cube_storage::Durability::Deferred,
             )?;
-            let supervisor = self.pool.take()?;
+            let supervisor = self.pool.take_for(match engine {
+                Engine::Vm => WarmFor::Vm,
+                Engine::Jail => WarmFor::Jail,
+            })?;
             tracing::debug!(elapsed = ?start.elapsed(), "create: supervisor taken");
             let mut sandbox = Sandbox {
                 id: id.clone(),

@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::protocol::{read_frame, Response};
+use super::server::WarmFor;
 
 /// Environment variable naming the supervisor binary.
 pub const SUPERVISOR_ENV: &str = "CUBE_SUPERVISOR";
@@ -65,14 +66,15 @@ pub struct IdleSupervisor {
 /// Starts one supervisor. It detaches (double fork, new session), so it is never this
 /// process's child and can outlive it.
 pub fn spawn_supervisor(exe: &Path) -> Result<IdleSupervisor, PoolError> {
-    spawn_supervisor_with_scratch(exe, None)
+    spawn_supervisor_with_scratch(exe, None, WarmFor::Any)
 }
 
 /// Like [`spawn_supervisor`]; with `scratch` (a directory on the store's filesystem)
-/// the supervisor also starts a jail there ahead of time.
+/// the supervisor also starts a jail there ahead of time; it prepares for `warm_for`.
 pub fn spawn_supervisor_with_scratch(
     exe: &Path,
     scratch: Option<&Path>,
+    warm_for: WarmFor,
 ) -> Result<IdleSupervisor, PoolError> {
     let (ours, theirs) = UnixStream::pair().map_err(PoolError::SocketPair)?;
     let theirs: OwnedFd = theirs.into();
@@ -85,6 +87,15 @@ pub fn spawn_supervisor_with_scratch(
         .stdout(Stdio::null());
     if let Some(dir) = scratch {
         command.arg("--scratch").arg(dir);
+    }
+    match warm_for {
+        WarmFor::Any => {}
+        WarmFor::Vm => {
+            command.arg("--warm").arg("vm");
+        }
+        WarmFor::Jail => {
+            command.arg("--warm").arg("jail");
+        }
     }
     match std::env::var_os(SUPERVISOR_LOG_ENV).and_then(|p| {
         std::fs::OpenOptions::new()
@@ -180,6 +191,12 @@ impl SupervisorPool {
 
     /// Takes a ready supervisor, or starts one if none is ready.
     pub fn take(&self) -> Result<IdleSupervisor, PoolError> {
+        self.take_for(WarmFor::Any)
+    }
+
+    /// Like [`SupervisorPool::take`]; a supervisor started on the spot prepares only
+    /// for `engine` (a jail's needs no KVM warm-up).
+    pub fn take_for(&self, engine: WarmFor) -> Result<IdleSupervisor, PoolError> {
         let taken = {
             let mut state = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
             state.idle.pop_front()
@@ -189,7 +206,7 @@ impl SupervisorPool {
             Some(s) => Ok(s),
             None => {
                 tracing::debug!("supervisor pool empty: starting one on the create path");
-                spawn_supervisor_with_scratch(&self.exe, self.scratch.as_deref())
+                spawn_supervisor_with_scratch(&self.exe, None, engine)
             }
         }
     }
@@ -228,7 +245,7 @@ impl SupervisorPool {
                     cond.notify_all();
                     return;
                 }
-                match spawn_supervisor_with_scratch(&exe, scratch.as_deref()) {
+                match spawn_supervisor_with_scratch(&exe, scratch.as_deref(), WarmFor::Any) {
                     Ok(s) => lock
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())

@@ -109,16 +109,58 @@ impl State {
     }
 }
 
-/// What a pooled supervisor prepared before anyone asked for a sandbox.
+/// What a supervisor prepares before its first request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WarmFor {
+    /// Either engine (a pooled supervisor): KVM where it opens, and a jail ahead of
+    /// time where a scratch directory was given.
+    #[default]
+    Any,
+    /// A VM sandbox follows: open KVM and pre-build a VM.
+    Vm,
+    /// A jail sandbox follows: nothing to warm (KVM stays closed).
+    Jail,
+}
+
+impl std::str::FromStr for WarmFor {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "any" => Ok(WarmFor::Any),
+            "vm" => Ok(WarmFor::Vm),
+            "jail" => Ok(WarmFor::Jail),
+            other => Err(format!("unknown warm-up {other:?} (any, vm or jail)")),
+        }
+    }
+}
+
+/// KVM and a pre-built VM, or why KVM cannot be used here.
+type WarmKvm = Result<(Arc<KvmContext>, Option<Machine>), String>;
+
+/// What a supervisor prepared before anyone asked for a sandbox.
 struct Warm {
-    /// KVM and a pre-built VM, or why KVM cannot be used here.
-    kvm: Result<(Arc<KvmContext>, Option<Machine>), String>,
+    /// None: not tried (opened on demand if a VM is asked for after all).
+    kvm: Option<WarmKvm>,
     /// A host-template jail with its agent already running.
     jail: Option<PrespawnedJail>,
 }
 
-fn warm_up(scratch: Option<&Path>) -> Warm {
-    let kvm = match KvmContext::open() {
+fn warm_up(scratch: Option<&Path>, warm_for: WarmFor) -> Warm {
+    let kvm = (warm_for != WarmFor::Jail).then(open_kvm);
+    let scratch = scratch.filter(|_| warm_for != WarmFor::Vm);
+    let jail = scratch.and_then(|dir| match PrespawnedJail::start(dir) {
+        Ok(j) => Some(j),
+        Err(e) => {
+            tracing::debug!("no jail started ahead: {e}");
+            None
+        }
+    });
+    Warm { kvm, jail }
+}
+
+fn open_kvm() -> WarmKvm {
+    match KvmContext::open() {
         Ok(ctx) => {
             // Probe and build a VM while idle in the pool, not on the create path.
             crate::vmm::dirty_tracking::warm_up();
@@ -134,25 +176,21 @@ fn warm_up(scratch: Option<&Path>) -> Warm {
         }
         // A host without KVM still runs jail sandboxes: say why only if a VM is asked for.
         Err(e) => Err(error_chain(&e)),
-    };
-    let jail = scratch.and_then(|dir| match PrespawnedJail::start(dir) {
-        Ok(j) => Some(j),
-        Err(e) => {
-            tracing::debug!("no jail started ahead: {e}");
-            None
-        }
-    });
-    Warm { kvm, jail }
+    }
 }
 
 /// Runs a supervisor whose spawner holds the other end of `control`. Returns when the
 /// sandbox is destroyed (or the spawner went away before adopting it). With
 /// `scratch` (a directory on the store's filesystem), a jail is started ahead of time
-/// there.
-pub fn run(control: UnixStream, scratch: Option<&Path>) -> Result<(), ServerError> {
+/// there; `warm_for` says which engine to prepare for.
+pub fn run(
+    control: UnixStream,
+    scratch: Option<&Path>,
+    warm_for: WarmFor,
+) -> Result<(), ServerError> {
     let mut reader = BufReader::new(control.try_clone().map_err(ProtocolError::Io)?);
     let mut writer = BufWriter::new(control);
-    let warm = warm_up(scratch);
+    let warm = warm_up(scratch, warm_for);
     // Warm: the pool hands this supervisor out only after this message.
     reply(&mut writer, &Response::Ok)?;
     let request: Request = match read_frame(&mut reader) {
@@ -304,7 +342,7 @@ fn adopt(
     settings: Settings,
 ) -> Result<Held, String> {
     if let Source::Jail { layer } = source {
-        retire(warm.kvm.ok().and_then(|(_, shell)| shell));
+        retire(warm.kvm.and_then(Result::ok).and_then(|(_, shell)| shell));
         // The jail started ahead has an empty layer and no CPU controller.
         let fits = layer.is_none() && settings.cpu_millis.is_none();
         let sandbox = match warm.jail {
@@ -319,6 +357,7 @@ fn adopt(
     retire_jail(warm.jail);
     let (ctx, shell) = warm
         .kvm
+        .unwrap_or_else(open_kvm)
         .map_err(|why| format!("the vm engine needs KVM, which this host lacks: {why}"))?;
     let machine = start_machine(&ctx, &source, shell)?;
     Ok(Held::Vm(Sandbox {
