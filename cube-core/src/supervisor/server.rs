@@ -370,15 +370,31 @@ fn adopt(
     }))
 }
 
+/// Teardowns of unneeded pre-started jails still under way; joined before the
+/// supervisor exits, so that none leaves its directory or cgroups behind.
+static RETIRING_JAILS: Mutex<Vec<std::thread::JoinHandle<()>>> = Mutex::new(Vec::new());
+
 /// Tears an unneeded pre-started jail down off the request path.
 fn retire_jail(jail: Option<PrespawnedJail>) {
     if let Some(jail) = jail {
         let spawned = std::thread::Builder::new()
             .name("retire-jail".into())
             .spawn(move || drop(jail));
-        if let Err(e) = spawned {
-            tracing::warn!("retiring a jail inline: {e}");
+        match spawned {
+            Ok(handle) => RETIRING_JAILS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(handle),
+            // The jail was dropped (destroyed) with the closure.
+            Err(e) => tracing::warn!("retiring a jail inline: {e}"),
         }
+    }
+}
+
+fn join_retired_jails() {
+    let handles = std::mem::take(&mut *RETIRING_JAILS.lock().unwrap_or_else(|e| e.into_inner()));
+    for handle in handles {
+        let _ = handle.join();
     }
 }
 
@@ -417,6 +433,7 @@ fn start_machine(
 
 fn destroy(state: &State) {
     state.lock().destroy();
+    join_retired_jails();
 }
 
 fn remove_files(state: &State, id: &str) {
