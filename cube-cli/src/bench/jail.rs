@@ -288,13 +288,18 @@ fn measure(
     }
     let mut api = Vec::new();
     let mut direct = Vec::new();
+    let (mut api_destroy, mut direct_destroy) = (Vec::new(), Vec::new());
     for _ in 0..repeats {
         let start = Instant::now();
         let sb = host(unpooled)?;
         exec_true(&sb.agent()?)?;
+        let destroy_start = Instant::now();
         sb.destroy()?;
+        api_destroy.push(destroy_start.elapsed());
         api.push(start.elapsed());
-        direct.push(direct_true(root)?);
+        let (total, destroy) = direct_true(root)?;
+        direct.push(total);
+        direct_destroy.push(destroy);
     }
     let run_row = |what, samples: &[Duration]| {
         let (p50, p95) = percentiles_ms(samples);
@@ -310,6 +315,8 @@ fn measure(
         run_row("bwrap true", &bwrap),
         run_row("in-process: Sandbox API (no pool) + exec true", &api),
         run_row("in-process: cube-jail directly + exec true", &direct),
+        run_row("in-process: Sandbox API destroy", &api_destroy),
+        run_row("in-process: cube-jail directly, destroy", &direct_destroy),
     ];
     let run_vs_bwrap = run_rows[0].p50_ms / run_rows[1].p50_ms.max(1e-9);
     let api_vs_direct = run_rows[2].p50_ms / run_rows[3].p50_ms.max(1e-9);
@@ -408,8 +415,9 @@ fn time_command(command: &mut Command) -> Result<Duration, CliError> {
 }
 
 /// The path `cube run` took before it used the Sandbox API: cube-jail in this
-/// process, the agent on one end of a socket pair, `true` through it, destroy.
-fn direct_true(root: &Path) -> Result<Duration, CliError> {
+/// process, the agent on one end of a socket pair, `true` through it, destroy. Returns
+/// the whole and the destroy's share.
+fn direct_true(root: &Path) -> Result<(Duration, Duration), CliError> {
     use std::os::fd::AsFd;
     let agent = std::env::current_exe()
         .map_err(failed)?
@@ -432,8 +440,9 @@ fn direct_true(root: &Path) -> Result<Duration, CliError> {
     let client = Client::new(ours).map_err(failed)?;
     exec_true(&client)?;
     drop(client);
+    let destroy_start = Instant::now();
     jail.destroy().map_err(failed)?;
-    Ok(start.elapsed())
+    Ok((start.elapsed(), destroy_start.elapsed()))
 }
 
 fn proportional_set_kib(pid: u32) -> u64 {
