@@ -420,6 +420,7 @@ fn hibernate_keeps_the_files_and_wake_starts_again() {
         "processes outlived hibernate"
     );
     assert!(jail_status(&mut sb).pid.is_none());
+    assert!(matches!(sb.agent(), Err(SandboxError::Hibernated(_))));
     // A snapshot of a hibernated sandbox copies the kept layer.
     let snap = sb.snapshot().unwrap();
     assert_eq!(snap.kind, SnapshotKind::Filesystem);

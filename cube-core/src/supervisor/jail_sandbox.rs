@@ -176,9 +176,9 @@ impl JailSandbox {
                 Ok(())
             }
             Err(e) => {
-                // A failed spawn removes the jail directory; a seed it did not move
-                // in would be left over.
-                if let Some(seed) = seed {
+                // A failed spawn gives the seed back: a copy made for this start goes,
+                // a hibernated layer stays for the next wake.
+                if let Some(seed) = seed.filter(|s| *s == self.dir.join(SEED_LAYER)) {
                     let _ = std::fs::remove_dir_all(seed);
                 }
                 Err(format!("starting the jail: {}", error_chain(&e)))
