@@ -541,8 +541,7 @@ fn supervisors_without_kvm_serve_jails() {
             cube_core::test_guest::WorkingSet::default(),
             0,
         )
-        .err()
-        .expect("a VM cannot start without KVM");
+        .expect_err("a VM cannot start without KVM");
     let message = cube_core::error_report::chain(&err);
     assert!(message.contains("needs KVM"), "{message}");
     drop(rt);
