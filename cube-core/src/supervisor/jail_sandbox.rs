@@ -467,23 +467,23 @@ impl Drop for SocketFile {
 }
 
 impl PrespawnedJail {
-    /// Starts a default jail in `<scratch>/jail-<pid>` with its socket next to it.
+    /// Starts a default jail in a scratch entry of `scratch` with its socket next to it.
     /// `scratch` must be on the store's filesystem (it is renamed into a sandbox).
     pub fn start(scratch: &Path) -> Result<PrespawnedJail, String> {
         let agent = locate_agent()?;
-        let pid = std::process::id();
-        let socket = scratch.join(format!("agent-{pid}.sock"));
-        let _ = std::fs::remove_file(&socket);
+        // Named as the store's scratch entries of a live process, so that no clean-up
+        // of stale scratch removes them under a running jail.
+        let entry = |purpose| {
+            cube_storage::scratch_entry_name(purpose)
+                .map(|n| scratch.join(n))
+                .map_err(|e| error_chain(&e))
+        };
+        let socket = entry("agentsock")?;
+        let state_dir = entry("jail")?;
         let listener = UnixListener::bind(&socket)
             .map_err(|e| format!("binding {}: {e}", socket.display()))?;
-        let name = format!("pool-{pid}");
-        let config = jail_config(
-            &name,
-            &scratch.join(format!("jail-{pid}")),
-            &agent,
-            &Settings::default(),
-            None,
-        )?;
+        let name = format!("pool-{}", std::process::id());
+        let config = jail_config(&name, &state_dir, &agent, &Settings::default(), None)?;
         let jail = Jail::spawn_with_fds(
             &config,
             &[AGENT_PATH, "--listen-fd", "3"],
