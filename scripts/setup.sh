@@ -31,6 +31,9 @@ bash scripts/setup-criu.sh || echo "setup: full-state jail snapshots unavailable
 echo "setup: networking (eBPF toolchain, bpffs)"
 bash scripts/setup-net.sh  # clang + libbpf-dev for cube-net's eBPF datapath, bpffs
 
+echo "setup: jail engine peers"
+bash scripts/setup-jail.sh
+
 if ! command -v cargo >/dev/null 2>&1; then
     echo "setup: cargo not found: install a Rust toolchain (rustup, Rust >= 1.85) first" >&2
     exit 1

@@ -30,4 +30,4 @@ pub use reflink::{
     clone_file, clone_tree, filesystem_name, supports_reflink, CloneError, CloneMethod,
     TreeCloneStats,
 };
-pub use store::{is_valid_name, StagingDir, Store, StoreError};
+pub use store::{is_valid_name, scratch_entry_name, StagingDir, Store, StoreError};

@@ -527,6 +527,13 @@ impl ScratchOwner {
     }
 }
 
+/// A name for an entry of the store's `tmp/` that this process owns while it lives:
+/// [`Store::clean_stale_staging`] leaves it alone until then. `purpose` must hold no
+/// `-`.
+pub fn scratch_entry_name(purpose: &str) -> Result<String, StoreError> {
+    scratch_name(purpose)
+}
+
 /// `<purpose>-<pid>-<start ticks>-<random>`: unique, and says who made it.
 fn scratch_name(purpose: &str) -> Result<String, StoreError> {
     let me = own_identity()?;
@@ -856,6 +863,9 @@ mod tests {
         let started = process_start_time().unwrap();
         assert!(started <= SystemTime::now());
         assert!(own_identity().unwrap().is_alive());
+        let name = scratch_entry_name("jail").unwrap();
+        let owner = parse_scratch_owner(&name).unwrap();
+        assert!(owner.is_alive(), "{name} names this live process");
         let me = own_identity().unwrap();
         let name = scratch_name("stage").unwrap();
         assert_eq!(parse_scratch_owner(&name).as_ref(), Some(me));
