@@ -98,7 +98,7 @@ pub fn run(
 ) -> PyResult<Outcome> {
     let timeout = req.timeout_ms.map(Duration::from_millis);
     let mut call = py
-        .detach(|| client.start(RequestBody::Exec(req)))
+        .detach(|| client.start_with_id(crate::exec_id::next(), RequestBody::Exec(req)))
         .map_err(agent_error)?;
     let deadline = timeout.map(|t| Instant::now() + t + TIMEOUT_GRACE);
     let mut collected = Collected::default();
@@ -162,7 +162,7 @@ pub fn start(
 ) -> PyResult<Background> {
     req.background = true;
     let mut call = py
-        .detach(|| client.start(RequestBody::Exec(req)))
+        .detach(|| client.start_with_id(crate::exec_id::next(), RequestBody::Exec(req)))
         .map_err(agent_error)?;
     let pid = match next(py, &mut call, None)? {
         Next::Body(ResponseBody::Started { pid }) => pid,

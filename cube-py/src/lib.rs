@@ -10,6 +10,7 @@ mod code;
 mod commands;
 mod engine;
 mod errors;
+mod exec_id;
 mod files;
 mod interrupt;
 mod sandbox;

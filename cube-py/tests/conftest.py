@@ -12,6 +12,7 @@ import cubesandbox
 from cubesandbox import Sandbox
 
 ENGINE = os.environ.get("CUBE_TEST_ENGINE", "auto")
+TEMPLATE = os.environ.get("CUBE_TEST_TEMPLATE") or cubesandbox.DEFAULT_TEMPLATE
 
 _created: List[Sandbox] = []
 
@@ -25,6 +26,7 @@ def new_sandbox(**kwargs: object) -> Sandbox:
     """A sandbox that the session kills at its end if the test did not."""
     _needs_root()
     kwargs.setdefault("engine", ENGINE)
+    kwargs.setdefault("template", TEMPLATE)
     try:
         sb = Sandbox.create(**kwargs)  # type: ignore[arg-type]
     except cubesandbox.EngineUnavailable as e:

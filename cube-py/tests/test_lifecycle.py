@@ -10,7 +10,7 @@ import pytest
 
 import cubesandbox
 from cubesandbox import Sandbox
-from conftest import new_sandbox
+from conftest import TEMPLATE, new_sandbox
 
 
 def test_rollback_returns_to_the_snapshot(sandbox: Sandbox) -> None:
@@ -101,7 +101,7 @@ def test_list_shows_metadata_and_connect_reattaches() -> None:
         info = listed[sb.sandbox_id]
         assert info.metadata == {"owner": "pytest", "purpose": "list"}
         assert info.engine == sb.engine
-        assert info.template == cubesandbox.DEFAULT_TEMPLATE
+        assert info.template == TEMPLATE
 
         again = Sandbox.connect(sb.sandbox_id)
         assert again.sandbox_id == sb.sandbox_id
