@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use cube_agent::client::Client;
 use cube_agent::protocol::ExecRequest;
@@ -16,6 +17,13 @@ use crate::engine;
 use crate::errors::{agent_error, raise, sandbox_error};
 use crate::files;
 use crate::interrupt::seconds;
+
+/// How long a new connection to the agent is retried (the agent restarts with the
+/// sandbox's processes after a file-system rollback).
+const AGENT_RESTART_WAIT: Duration = Duration::from_secs(3);
+
+/// Pause between two connection attempts.
+const AGENT_RETRY_INTERVAL: Duration = Duration::from_millis(50);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -75,7 +83,17 @@ impl NativeSandbox {
         if let Some(c) = lock(&self.agent).as_ref() {
             return Ok(Arc::clone(c));
         }
-        let client = Arc::new(self.with_handle(py, |sb| engine::agent(sb))?);
+        let client = Arc::new(self.with_handle(py, |sb| {
+            // After a rollback or wake the agent is restarting: give it a moment to
+            // listen again before giving up.
+            let deadline = Instant::now() + AGENT_RESTART_WAIT;
+            loop {
+                match engine::agent(sb) {
+                    Err(_) if Instant::now() < deadline => std::thread::sleep(AGENT_RETRY_INTERVAL),
+                    other => return other,
+                }
+            }
+        })?);
         let mut cached = lock(&self.agent);
         Ok(Arc::clone(cached.get_or_insert(client)))
     }

@@ -13,21 +13,25 @@ from cubesandbox import Sandbox
 from conftest import TEMPLATE, new_sandbox
 
 
+# State that must survive a file-system snapshot lives outside /tmp and /dev/shm, which
+# are memory file systems (they are part of a full snapshot only).
+
+
 def test_rollback_returns_to_the_snapshot(sandbox: Sandbox) -> None:
     sandbox.run_code("x = 'before'")
-    sandbox.files.write("/tmp/state.txt", "before")
+    sandbox.files.write("/home/user/state.txt", "before")
     snap = sandbox.create_snapshot()
     assert snap.id and snap.sandbox_id == sandbox.sandbox_id
     assert snap.kind in ("full", "filesystem")
 
     sandbox.run_code("x = 'after'")
-    sandbox.files.write("/tmp/state.txt", "after")
-    sandbox.files.write("/tmp/new.txt", "created after the snapshot")
+    sandbox.files.write("/home/user/state.txt", "after")
+    sandbox.files.write("/home/user/new.txt", "created after the snapshot")
 
     sandbox.rollback(snap)
     assert sandbox.sandbox_id == snap.sandbox_id
-    assert sandbox.files.read("/tmp/state.txt") == "before"
-    assert not sandbox.files.exists("/tmp/new.txt")
+    assert sandbox.files.read("/home/user/state.txt") == "before"
+    assert not sandbox.files.exists("/home/user/new.txt")
     if snap.is_full:
         # Memory came back too: the interpreter has the old value.
         assert sandbox.run_code("x").text == "'before'"
@@ -50,17 +54,17 @@ def test_a_snapshot_of_another_sandbox_is_refused(sandbox: Sandbox) -> None:
 
 
 def test_clones_start_from_the_parent_and_diverge(sandbox: Sandbox) -> None:
-    sandbox.files.write("/tmp/origin.txt", "parent")
+    sandbox.files.write("/home/user/origin.txt", "parent")
     clones = sandbox.clone(2)
     try:
         assert len(clones) == 2
         ids = {c.sandbox_id for c in clones}
         assert len(ids) == 2 and sandbox.sandbox_id not in ids
         for i, c in enumerate(clones):
-            assert c.files.read("/tmp/origin.txt") == "parent"
-            c.files.write("/tmp/origin.txt", f"clone {i}")
-        assert [c.files.read("/tmp/origin.txt") for c in clones] == ["clone 0", "clone 1"]
-        assert sandbox.files.read("/tmp/origin.txt") == "parent"
+            assert c.files.read("/home/user/origin.txt") == "parent"
+            c.files.write("/home/user/origin.txt", f"clone {i}")
+        assert [c.files.read("/home/user/origin.txt") for c in clones] == ["clone 0", "clone 1"]
+        assert sandbox.files.read("/home/user/origin.txt") == "parent"
     finally:
         for c in clones:
             c.kill()
@@ -82,13 +86,13 @@ def test_a_paused_sandbox_answers_only_after_resume(sandbox: Sandbox) -> None:
 
 
 def test_hibernate_and_wake_keep_the_files(sandbox: Sandbox) -> None:
-    sandbox.files.write("/tmp/kept.txt", "kept")
+    sandbox.files.write("/home/user/kept.txt", "kept")
     try:
         sandbox.hibernate()
     except cubesandbox.EngineUnavailable as e:
         pytest.skip(f"skipping: this host cannot hibernate a sandbox: {e}")
     sandbox.wake()
-    assert sandbox.files.read("/tmp/kept.txt") == "kept"
+    assert sandbox.files.read("/home/user/kept.txt") == "kept"
     assert sandbox.commands.run("echo awake").stdout == "awake\n"
 
 
