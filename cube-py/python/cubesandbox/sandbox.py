@@ -213,9 +213,8 @@ class Files:
             return [self.write(entry["path"], entry["data"]) for entry in path]
         if data is None:
             raise InvalidArgument("no data to write")
-        if hasattr(data, "read"):
-            data = data.read()  # type: ignore[union-attr]
-        raw = data.encode("utf-8") if isinstance(data, str) else bytes(data)  # type: ignore[arg-type]
+        content: Any = data.read() if hasattr(data, "read") else data
+        raw = content.encode("utf-8") if isinstance(content, str) else bytes(content)
         size = self._native.write_file(path, raw)
         return WriteInfo(path=path, size=int(size))
 
@@ -410,7 +409,8 @@ class Sandbox:
                 raise InvalidArgument(
                     f"context {context.id} runs {context.language}, not {language}"
                 )
-            language, ctx = context.language, context.id
+            language = context.language
+            ctx: Optional[str] = context.id
         else:
             ctx = context
         raw = self._native.run_code(code, language or "python", ctx, timeout)
