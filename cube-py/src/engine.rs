@@ -7,8 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use cube_agent::client::Client;
-use cube_core::sandbox::{EngineChoice, SandboxMeta, SnapshotKind, HOST_TEMPLATE};
+use cube_core::sandbox::{Engine, EngineChoice, SandboxMeta, SnapshotKind, HOST_TEMPLATE};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, SandboxError};
 
 /// Supervisors a Python process keeps started and ready: one hides process start-up
@@ -138,10 +137,16 @@ pub fn engine_of(sandbox: &Sandbox) -> String {
     sandbox.engine().to_string()
 }
 
-/// A new connection to the sandbox's agent.
-pub fn agent(sandbox: &Sandbox) -> Result<Client, SandboxError> {
-    sandbox.agent()
+/// Where the sandbox's agent listens, when its engine has one: the jail's agent
+/// serves `agent.sock` in the sandbox's directory (the Sandbox API contract), which is
+/// what `Sandbox::agent` connects to. The module connects itself, on a thread it can
+/// abandon, because that handshake has no timeout (see `agent_connect`).
+pub fn agent_socket(sandbox: &Sandbox) -> Option<PathBuf> {
+    (sandbox.engine() == Engine::Jail).then(|| sandbox.dir().join(AGENT_SOCKET))
 }
+
+/// The agent's socket in a jail sandbox's directory.
+const AGENT_SOCKET: &str = "agent.sock";
 
 /// A snapshot as Python sees it.
 pub struct SnapshotSummary {

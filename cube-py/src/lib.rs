@@ -6,6 +6,7 @@
 //! blocking call releases the GIL; long waits wake up regularly to run Python's signal
 //! handlers, so Ctrl-C interrupts them.
 
+mod agent_connect;
 mod code;
 mod commands;
 mod engine;

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
 
 use cube_agent::client::Client;
 use cube_agent::protocol::ExecRequest;
@@ -17,13 +16,6 @@ use crate::engine;
 use crate::errors::{agent_error, raise, sandbox_error};
 use crate::files;
 use crate::interrupt::seconds;
-
-/// How long a new connection to the agent is retried (the agent restarts with the
-/// sandbox's processes after a file-system rollback).
-const AGENT_RESTART_WAIT: Duration = Duration::from_secs(3);
-
-/// Pause between two connection attempts.
-const AGENT_RETRY_INTERVAL: Duration = Duration::from_millis(50);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -83,17 +75,18 @@ impl NativeSandbox {
         if let Some(c) = lock(&self.agent).as_ref() {
             return Ok(Arc::clone(c));
         }
-        let client = Arc::new(self.with_handle(py, |sb| {
-            // After a rollback or wake the agent is restarting: give it a moment to
-            // listen again before giving up.
-            let deadline = Instant::now() + AGENT_RESTART_WAIT;
-            loop {
-                match engine::agent(sb) {
-                    Err(_) if Instant::now() < deadline => std::thread::sleep(AGENT_RETRY_INTERVAL),
-                    other => return other,
-                }
-            }
-        })?);
+        let socket = self.with_handle(py, |sb| Ok(engine::agent_socket(sb)))?;
+        let Some(socket) = socket else {
+            return Err(raise(
+                "EngineUnavailable",
+                format!(
+                    "sandbox {} runs on the {} engine, which has no agent to run code, \
+                     commands or files yet (use engine=\"jail\")",
+                    self.id, self.engine
+                ),
+            ));
+        };
+        let client = Arc::new(crate::agent_connect::connect(py, socket)?);
         let mut cached = lock(&self.agent);
         Ok(Arc::clone(cached.get_or_insert(client)))
     }
