@@ -91,3 +91,18 @@ def test_a_cell_past_its_timeout_is_interrupted(sandbox: Sandbox) -> None:
 def test_an_unknown_language_is_rejected(sandbox: Sandbox) -> None:
     with pytest.raises(cubesandbox.InvalidArgument, match="cobol"):
         sandbox.run_code("DISPLAY 'HI'", language="cobol")
+
+
+def test_ctrl_c_interrupts_the_wait_for_a_cell(sandbox: Sandbox) -> None:
+    import _thread
+    import threading
+
+    timer = threading.Timer(0.5, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sandbox.run_code("import time\ntime.sleep(3)\nlate = True")
+    finally:
+        timer.cancel()
+    # The cell itself runs to its end in the sandbox; the context stays usable.
+    assert sandbox.run_code("late").text == "True"

@@ -138,3 +138,29 @@ def test_a_sandbox_with_a_timeout_ends_by_itself() -> None:
         pytest.fail(f"sandbox {sb_id} still listed a minute after its 1 s lifetime")
     with pytest.raises(cubesandbox.SandboxNotFound):
         Sandbox.connect(sb_id)
+
+
+def test_threads_drive_several_sandboxes_at_once() -> None:
+    results: List[str] = []
+    errors: List[BaseException] = []
+    lock = threading.Lock()
+
+    def work(i: int) -> None:
+        try:
+            with new_sandbox() as sb:
+                sb.run_code(f"n = {i}")
+                out = sb.commands.run(f"echo sandbox-{i}").stdout.strip()
+                value = sb.run_code("n * 10").text
+            with lock:
+                results.append(f"{out}:{value}")
+        except BaseException as e:  # surfaced below
+            with lock:
+                errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    assert sorted(results) == ["sandbox-0:0", "sandbox-1:10", "sandbox-2:20"]
