@@ -47,7 +47,7 @@ const DIRTY_MIB: u64 = 16;
 /// Longest wait for a snapshot's background flush.
 const DURABLE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Every sandbox here ends with its handle, even if the bench panics.
-const EPHEMERAL: CreateOptions = CreateOptions { ephemeral: true };
+const EPHEMERAL: CreateOptions = CreateOptions::new(true);
 
 /// The error and its sources, one line.
 fn chain(e: &dyn std::error::Error) -> String {

@@ -766,3 +766,63 @@ fn run_code_contexts_over_the_wire() {
         ErrorCode::NoSuchContext
     );
 }
+
+/// The host binds the socket and hands the agent the listening descriptor: the path
+/// may lie where the agent cannot see it (outside a jail's root).
+#[test]
+fn listen_fd_serves_a_socket_the_host_bound() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::net::UnixListener;
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("host-side.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let fd = listener.as_raw_fd();
+    let mut command = Command::new(AGENT);
+    command.args(["--listen-fd", "3"]).stdin(Stdio::null());
+    // SAFETY: dup2 is async-signal-safe; it clears FD_CLOEXEC on the new fd 3.
+    unsafe {
+        command.pre_exec(move || {
+            // dup2 onto itself would keep FD_CLOEXEC: clear it explicitly then.
+            let r = if fd == 3 {
+                libc::fcntl(3, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(fd, 3)
+            };
+            if r < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().unwrap();
+    drop(listener);
+    let client = Client::connect_unix(&socket).unwrap();
+    let out = client
+        .exec(ExecRequest {
+            argv: vec!["sh".into(), "-c".into(), "echo fd-mode".into()],
+            ..ExecRequest::default()
+        })
+        .unwrap();
+    assert_eq!(out.stdout, b"fd-mode\n");
+    // A second client is served too: it is a listener, not one stream.
+    assert!(matches!(
+        Client::connect_unix(&socket)
+            .unwrap()
+            .call(RequestBody::Health),
+        Ok(ResponseBody::Healthy { .. })
+    ));
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+#[test]
+fn listen_fd_that_is_not_a_listener_is_an_error() {
+    let status = Command::new(AGENT)
+        .args(["--listen-fd", "0"])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(!status.success());
+}

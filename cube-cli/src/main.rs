@@ -81,7 +81,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => bench::run(store, &args).map(|()| 0),
         Command::Store(cmd) => store_cmd::run(store, cmd).map(|()| 0),
         Command::Template(cmd) => sandbox_cmd::run_template(store, cmd).map(|()| 0),
-        Command::Sandbox(cmd) => sandbox_cmd::run_sandbox(store, cmd).map(|()| 0),
+        Command::Sandbox(cmd) => sandbox_cmd::run_sandbox(store, cmd),
         Command::Run(args) => run_cmd::run(store, &args),
         Command::Code(args) => run_cmd::code(store, &args),
         Command::Debug(cmd) => debug_cmd::run(cmd).map(|()| 0),

@@ -6,9 +6,22 @@ use std::path::Path;
 use clap::Subcommand;
 use cube_core::snapshot::MachineConfig;
 use cube_core::test_guest::WorkingSet;
-use cube_core::{CreateOptions, Runtime, RuntimeConfig};
+use cube_core::{CreateOptions, Engine, Runtime, RuntimeConfig, SnapshotKind, HOST_TEMPLATE};
 
+use crate::run_cmd::{self, CodeLanguage};
 use crate::{chain, store_root, CliError};
+
+/// What a filesystem snapshot means for the user, said wherever one is taken or used.
+const FILESYSTEM_NOTE: &str = "filesystem snapshot: files only; a rollback or clone \
+    restarts the sandbox's processes (running commands and code contexts are lost)";
+
+/// A `KEY=VALUE` argument.
+fn key_value(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
+}
 
 #[derive(Subcommand)]
 pub enum TemplateCommand {
@@ -47,12 +60,80 @@ pub enum TemplateCommand {
 
 #[derive(Subcommand)]
 pub enum SandboxCommand {
-    /// Create a sandbox from a template; prints its id.
+    /// Create a sandbox from a template (default: host, the built-in jail template);
+    /// prints its id.
     ///
-    /// Example: cube sandbox create base
+    /// Example: cube sandbox create --engine jail --env A=1 --memory-mib 512
     Create {
+        /// Template name (also --template).
+        #[arg(value_name = "TEMPLATE")]
+        positional: Option<String>,
         /// Template name.
-        template: String,
+        #[arg(long, conflicts_with = "positional")]
+        template: Option<String>,
+        /// Engine: auto (the template's), vm or jail.
+        #[arg(long, value_enum, default_value_t = run_cmd::Engine::Auto)]
+        engine: run_cmd::Engine,
+        /// Sandbox-wide environment variable (repeatable).
+        #[arg(long = "env", value_name = "KEY=VALUE", value_parser = key_value)]
+        env: Vec<(String, String)>,
+        /// A label stored with the sandbox (repeatable).
+        #[arg(long = "label", value_name = "KEY=VALUE", value_parser = key_value)]
+        labels: Vec<(String, String)>,
+        /// Memory limit, MiB.
+        #[arg(long, value_name = "N")]
+        memory_mib: Option<u64>,
+        /// CPU limit in thousandths of a core.
+        #[arg(long, value_name = "N")]
+        cpu_millis: Option<u32>,
+        /// Most processes and threads.
+        #[arg(long, value_name = "N")]
+        pids_max: Option<u32>,
+        /// Destroy the sandbox after this many seconds.
+        #[arg(long, value_name = "S")]
+        lifetime: Option<f64>,
+    },
+    /// Run a command in a sandbox, streaming its output; exits with its exit code.
+    ///
+    /// Example: cube sandbox exec sb-0123456789abcdef -- python3 -c 'print(1)'
+    Exec {
+        /// Sandbox id.
+        id: String,
+        /// Kill the command after this many seconds and exit 124.
+        #[arg(long, value_name = "S")]
+        timeout: Option<f64>,
+        /// The command and its arguments (after `--`).
+        #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+        command: Vec<String>,
+    },
+    /// Run a code cell in a sandbox's named context (made on first use; variables
+    /// persist between calls until a rollback, clone or wake restarts the sandbox).
+    ///
+    /// Example: cube sandbox code sb-0123456789abcdef 'x = 41; x + 1'
+    Code {
+        /// Sandbox id.
+        id: String,
+        /// Language of the cell.
+        #[arg(long, value_enum, default_value_t = CodeLanguage::Python)]
+        language: CodeLanguage,
+        /// Context name.
+        #[arg(long, default_value = "main")]
+        context: String,
+        /// Interrupt the cell after this many seconds (the context survives).
+        #[arg(long, value_name = "S")]
+        timeout: Option<f64>,
+        /// The code, or `-` to read it from standard input.
+        code: String,
+    },
+    /// List snapshots (of one sandbox, or all) with their kind.
+    ///
+    /// Example: cube sandbox snapshots sb-0123456789abcdef --json
+    Snapshots {
+        /// Sandbox id.
+        id: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// List sandboxes.
     ///
@@ -69,12 +150,16 @@ pub enum SandboxCommand {
         /// Sandbox id.
         id: String,
     },
-    /// Snapshot a sandbox; prints the snapshot id.
+    /// Snapshot a sandbox; prints the snapshot id (and its kind on stderr: full, or
+    /// filesystem for a jail).
     ///
     /// Example: cube sandbox snapshot sb-0123456789abcdef
     Snapshot {
         /// Sandbox id.
         id: String,
+        /// Print JSON (id, kind, sandbox).
+        #[arg(long)]
+        json: bool,
     },
     /// Roll a sandbox back to one of its snapshots.
     ///
@@ -184,6 +269,15 @@ pub fn run_template(store: Option<&Path>, command: TemplateCommand) -> Result<()
                     "NAME", "ENGINE", "VCPUS", "MEMORY", "DISK"
                 );
                 for t in templates {
+                    if t.engine == Engine::Jail {
+                        let what = if t.name == HOST_TEMPLATE {
+                            "built in: the host's userland, read-only"
+                        } else {
+                            "jail"
+                        };
+                        println!("{:<24} {:<6} {:>6} {what}", t.name, t.engine, "-");
+                        continue;
+                    }
                     println!(
                         "{:<24} {:<6} {:>6} {:>7} MiB {:>6} MiB",
                         t.name,
@@ -200,12 +294,72 @@ pub fn run_template(store: Option<&Path>, command: TemplateCommand) -> Result<()
     Ok(())
 }
 
-pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<(), CliError> {
+/// Runs `cube sandbox`; returns the exit code (exec and code pass on the command's).
+pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, CliError> {
     let rt = runtime(store, 0)?;
     match command {
-        SandboxCommand::Create { template } => {
-            let sb = rt.create(&template, CreateOptions::default())?;
+        SandboxCommand::Create {
+            positional,
+            template,
+            engine,
+            env,
+            labels,
+            memory_mib,
+            cpu_millis,
+            pids_max,
+            lifetime,
+        } => {
+            let template = template
+                .or(positional)
+                .unwrap_or_else(|| HOST_TEMPLATE.to_string());
+            let options = CreateOptions {
+                ephemeral: false,
+                engine: engine.into(),
+                env,
+                metadata: labels.into_iter().collect(),
+                lifetime: run_cmd::parse_timeout(lifetime)?,
+                memory_mib,
+                cpu_millis,
+                pids_max,
+            };
+            let sb = rt.create(&template, options)?;
             println!("{}", sb.id());
+        }
+        SandboxCommand::Exec {
+            id,
+            timeout,
+            command,
+        } => {
+            let timeout = run_cmd::parse_timeout(timeout)?;
+            let stdin = run_cmd::forwarded_stdin()?;
+            let client = rt.attach(&id)?.agent()?;
+            let code = run_cmd::stream_exec(&client, &command, timeout, stdin)?;
+            return Ok(code);
+        }
+        SandboxCommand::Code {
+            id,
+            language,
+            context,
+            timeout,
+            code,
+        } => {
+            let timeout = run_cmd::parse_timeout(timeout)?;
+            let code = run_cmd::read_code(&code)?;
+            let client = rt.attach(&id)?.agent()?;
+            return run_cmd::run_cell(&client, &context, language.into(), &code, timeout);
+        }
+        SandboxCommand::Snapshots { id, json } => {
+            let snaps = rt.snapshots(id.as_deref())?;
+            if json {
+                let text = serde_json::to_string_pretty(&snaps)
+                    .map_err(|e| CliError::failed(chain(&e)))?;
+                println!("{text}");
+            } else {
+                println!("{:<24} {:<22} {:<6} KIND", "ID", "SANDBOX", "ENGINE");
+                for s in snaps {
+                    println!("{:<24} {:<22} {:<6} {}", s.id, s.sandbox, s.engine, s.kind);
+                }
+            }
         }
         SandboxCommand::Ls { json } => {
             let list = rt.list()?;
@@ -229,19 +383,59 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<(), 
         }
         SandboxCommand::Inspect { id } => {
             let status = rt.attach(&id)?.status()?;
+            let mut value =
+                serde_json::to_value(&status).map_err(|e| CliError::failed(chain(&e)))?;
+            let record = rt.list()?.into_iter().find(|m| m.id == id);
+            let snapshots = rt.snapshots(Some(&id))?;
+            if let Some(map) = value.as_object_mut() {
+                if let Some(record) = record {
+                    map.insert("origin".into(), record.origin.into());
+                    map.insert(
+                        "metadata".into(),
+                        serde_json::to_value(record.metadata)
+                            .map_err(|e| CliError::failed(chain(&e)))?,
+                    );
+                }
+                map.insert(
+                    "snapshots".into(),
+                    serde_json::to_value(&snapshots).map_err(|e| CliError::failed(chain(&e)))?,
+                );
+            }
             let text =
-                serde_json::to_string_pretty(&status).map_err(|e| CliError::failed(chain(&e)))?;
+                serde_json::to_string_pretty(&value).map_err(|e| CliError::failed(chain(&e)))?;
             println!("{text}");
         }
-        SandboxCommand::Snapshot { id } => {
+        SandboxCommand::Snapshot { id, json } => {
             let snap = rt.attach(&id)?.snapshot()?;
-            println!("{}", snap.id);
+            if json {
+                let v = serde_json::json!({ "id": snap.id, "kind": snap.kind, "sandbox": id });
+                println!("{v}");
+            } else {
+                println!("{}", snap.id);
+            }
+            match snap.kind {
+                SnapshotKind::Full => eprintln!("full snapshot: memory, CPU and files"),
+                SnapshotKind::Filesystem => eprintln!("{FILESYSTEM_NOTE}"),
+            }
         }
-        SandboxCommand::Rollback { id, snapshot } => rt.attach(&id)?.rollback(&snapshot)?,
+        SandboxCommand::Rollback { id, snapshot } => {
+            rt.attach(&id)?.rollback(&snapshot)?;
+            let kind = rt
+                .snapshots(Some(&id))?
+                .into_iter()
+                .find(|s| s.id == snapshot)
+                .map(|s| s.kind);
+            if kind == Some(SnapshotKind::Filesystem) {
+                eprintln!("rolled back the files; the sandbox's processes were restarted (running commands and code contexts are lost)");
+            }
+        }
         SandboxCommand::Clone { id, n } => {
             let mut sb = rt.attach(&id)?;
             for clone in rt.clone_sandbox(&mut sb, n, 2, CreateOptions::default())? {
                 println!("{}", clone.id());
+            }
+            if sb.engine() == Engine::Jail {
+                eprintln!("clones made from a {FILESYSTEM_NOTE}");
             }
         }
         SandboxCommand::Pause { id } => rt.attach(&id)?.pause()?,
@@ -260,5 +454,5 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<(), 
             }
         }
     }
-    Ok(())
+    Ok(0)
 }

@@ -80,10 +80,12 @@ impl Cube {
     }
 
     fn assert_clean(&self, cube_pid: u32) {
-        let tmp = self.store.path().join("tmp");
-        if tmp.exists() {
-            let left: Vec<_> = std::fs::read_dir(&tmp).unwrap().collect();
-            assert!(left.is_empty(), "sandbox directories left: {left:?}");
+        for dir in ["tmp", "sandboxes"] {
+            let dir = self.store.path().join(dir);
+            if dir.exists() {
+                let left: Vec<_> = std::fs::read_dir(&dir).unwrap().collect();
+                assert!(left.is_empty(), "sandbox directories left: {left:?}");
+            }
         }
         let store = self.store.path().to_str().unwrap();
         let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();

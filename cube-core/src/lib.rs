@@ -10,4 +10,7 @@ pub mod test_guest;
 pub mod vmm;
 pub mod vstate;
 
-pub use sandbox::{CreateOptions, Runtime, RuntimeConfig, Sandbox, SandboxError, Snapshot};
+pub use sandbox::{
+    CreateOptions, Engine, EngineChoice, Runtime, RuntimeConfig, Sandbox, SandboxError, Snapshot,
+    SnapshotKind, HOST_TEMPLATE,
+};

@@ -456,6 +456,13 @@ impl SandboxCgroup {
         Ok(cg)
     }
 
+    /// Writes new limits into the existing cgroups (memory and pids always; CPU only
+    /// where the sandbox was created with a CPU limit).
+    pub fn set_limits(&self, layout: &CgroupLayout, limits: &Limits) -> Result<()> {
+        limits.validate()?;
+        self.apply_limits(layout, limits)
+    }
+
     fn apply_limits(&self, layout: &CgroupLayout, limits: &Limits) -> Result<()> {
         if let Some(bytes) = limits.memory_bytes {
             let (version, dir) = self

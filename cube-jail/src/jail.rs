@@ -244,6 +244,11 @@ pub struct JailConfig {
     pub namespaces: NamespaceSet,
     /// Host files and directories shown read-only inside the sandbox, mounted last.
     pub binds: Vec<ReadOnlyBind>,
+    /// A writable layer an earlier sandbox left ([`Jail::layer_dir`], kept by
+    /// [`Jail::destroy_keeping_layer`] or cloned from a snapshot): spawn moves it into
+    /// place instead of starting empty, so the sandbox finds its files again. It must be
+    /// on the filesystem of `state_dir` and is consumed.
+    pub seed_layer: Option<PathBuf>,
 }
 
 impl JailConfig {
@@ -264,6 +269,7 @@ impl JailConfig {
             stderr: Stdio::Null,
             namespaces: NamespaceSet::default(),
             binds: Vec::new(),
+            seed_layer: None,
         }
     }
 
@@ -545,12 +551,13 @@ impl Jail {
 
         let layout = CgroupLayout::detect()?;
         let cgroup = SandboxCgroup::create(&layout, &config.name, &config.limits)?;
-        let (rootfs, mounts) = rootfs::prepare(
+        let (rootfs, mounts) = rootfs::prepare_seeded(
             &config.state_dir,
             &config.root,
             config.identity,
             &config.hostname,
             &config.binds,
+            config.seed_layer.as_deref(),
         )?;
 
         let procs_files = cgroup
@@ -687,6 +694,47 @@ impl Jail {
     /// overlay root it is only a mount point; the sandbox's writes land in `upper/`.
     pub fn root_dir(&self) -> Option<&Path> {
         self.rootfs.as_ref().map(RootfsLayout::root)
+    }
+
+    /// The host directory holding everything the sandbox wrote to its root (None after
+    /// destroy); see [`RootfsLayout::layer`].
+    pub fn layer_dir(&self) -> Option<&Path> {
+        self.rootfs.as_ref().map(RootfsLayout::layer)
+    }
+
+    /// Moves the sandbox directory to `to` on the same filesystem while the sandbox
+    /// runs (its mounts do not follow host names): how a sandbox started ahead of time
+    /// moves into the directory of the sandbox it becomes.
+    pub fn relocate(&mut self, to: &Path) -> Result<()> {
+        match self.rootfs.as_mut() {
+            Some(fs) => Ok(fs.relocate(to)?),
+            None => Err(JailError::Io {
+                action: "move a destroyed sandbox",
+                source: std::io::ErrorKind::NotFound.into(),
+            }),
+        }
+    }
+
+    /// Changes the memory and pids limits of the running sandbox (a CPU limit needs the
+    /// cpu controller, which only a sandbox spawned with one has).
+    pub fn set_limits(&self, limits: &Limits) -> Result<()> {
+        let layout = CgroupLayout::detect()?;
+        Ok(self.live_cgroup()?.set_limits(&layout, limits)?)
+    }
+
+    /// Like [`Jail::destroy`], but moves the writable layer to `keep` (same filesystem,
+    /// must not exist) before the sandbox directory goes: the processes, cgroups and
+    /// mounts end, the files stay for a later [`JailConfig::seed_layer`].
+    pub fn destroy_keeping_layer(mut self, keep: &Path) -> Result<()> {
+        self.kill()?;
+        self.wait()?;
+        if let Some(cg) = self.cgroup.take() {
+            cg.remove()?;
+        }
+        if let Some(fs) = self.rootfs.take() {
+            fs.remove_keeping_layer(keep)?;
+        }
+        Ok(())
     }
 
     /// The parent end of a [`Stdio::Pipe`] stdin.

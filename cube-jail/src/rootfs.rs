@@ -13,7 +13,7 @@ use std::ffi::{CStr, CString};
 use std::fs;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
@@ -346,6 +346,8 @@ fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) ->
 pub struct RootfsLayout {
     state_dir: PathBuf,
     root: PathBuf,
+    /// Where the sandbox's writes persist: the root itself, or the overlay's upper dir.
+    layer: PathBuf,
     removed: bool,
 }
 
@@ -360,9 +362,41 @@ impl RootfsLayout {
         &self.root
     }
 
+    /// The writable layer: the directory that holds everything the sandbox wrote to its
+    /// root and that outlives its processes (the root itself for
+    /// [`RootSpec::HostUserland`], the overlay's upper directory otherwise). /tmp,
+    /// /dev/shm and /proc are memory and are not in it.
+    pub fn layer(&self) -> &Path {
+        &self.layer
+    }
+
+    /// Moves the whole sandbox directory to `to` (same filesystem; `to` must not
+    /// exist). Safe while the sandbox runs: its mounts were made from the paths before
+    /// `pivot_root` and do not follow the host's names.
+    pub fn relocate(&mut self, to: &Path) -> Result<()> {
+        validate_path(to)?;
+        fs::rename(&self.state_dir, to).map_err(io_err("move", &self.state_dir))?;
+        let rebase = |p: &Path| match p.strip_prefix(&self.state_dir) {
+            Ok(rest) => to.join(rest),
+            Err(_) => p.to_path_buf(),
+        };
+        self.root = rebase(&self.root);
+        self.layer = rebase(&self.layer);
+        self.state_dir = to.to_path_buf();
+        Ok(())
+    }
+
     /// Detaches whatever is mounted under the sandbox directory (normally nothing: the
     /// mounts lived in the sandbox's namespace) and deletes the directory.
     pub fn remove(mut self) -> Result<()> {
+        self.remove_inner()
+    }
+
+    /// Like [`RootfsLayout::remove`], but first moves the writable layer to `keep`
+    /// (same filesystem; `keep` must not exist), where a later sandbox can be seeded
+    /// from it. Call only once the sandbox's processes are gone.
+    pub fn remove_keeping_layer(mut self, keep: &Path) -> Result<()> {
+        fs::rename(&self.layer, keep).map_err(io_err("move", &self.layer))?;
         self.remove_inner()
     }
 
@@ -421,7 +455,29 @@ pub fn prepare(
     hostname: &str,
     binds: &[ReadOnlyBind],
 ) -> Result<(RootfsLayout, MountPlan)> {
+    prepare_seeded(state_dir, spec, identity, hostname, binds, None)
+}
+
+/// Like [`prepare`], but the writable layer starts as `seed` (a layer an earlier
+/// sandbox left, see [`RootfsLayout::layer`]), which is moved into place: it must be on
+/// the sandbox directory's filesystem. Mount points and files the set-up makes are
+/// reused where the seed has them with the right type, and a seed whose entry has the
+/// wrong type (a symlink where a directory belongs) is refused, never followed.
+pub fn prepare_seeded(
+    state_dir: &Path,
+    spec: &RootSpec,
+    identity: Identity,
+    hostname: &str,
+    binds: &[ReadOnlyBind],
+    seed: Option<&Path>,
+) -> Result<(RootfsLayout, MountPlan)> {
     validate_path(state_dir)?;
+    if let Some(seed) = seed {
+        match fs::symlink_metadata(seed) {
+            Ok(m) if m.is_dir() => {}
+            _ => return Err(RootfsError::MissingTemplate(seed.to_path_buf())),
+        }
+    }
     if let RootSpec::Overlay { lower, .. } = spec {
         if lower.is_empty() {
             return Err(RootfsError::MissingTemplate(PathBuf::new()));
@@ -441,13 +497,21 @@ pub fn prepare(
         Err(e) => return Err(io_err("create", state_dir)(e)),
     }
     // From here on the layout owns the directory and removes it on error.
+    let layer = match spec {
+        RootSpec::HostUserland => state_dir.join("root"),
+        RootSpec::Overlay { .. } => state_dir.join("upper"),
+    };
     let layout = RootfsLayout {
         state_dir: state_dir.to_path_buf(),
         root: state_dir.join("root"),
+        layer,
         removed: false,
     };
     let root = layout.root.clone();
-    mkdir(&root, 0o755)?;
+    if let Some(seed) = seed {
+        fs::rename(seed, &layout.layer).map_err(io_err("move", seed))?;
+    }
+    ensure_dir(&root, 0o755)?;
     let mut plan = MountPlan {
         steps: Vec::new(),
         descriptions: Vec::new(),
@@ -479,7 +543,7 @@ pub fn prepare(
         RootSpec::Overlay { lower, .. } => {
             let upper = state_dir.join("upper");
             let work = state_dir.join("work");
-            mkdir(&upper, 0o755)?;
+            ensure_dir(&upper, 0o755)?;
             mkdir(&work, 0o700)?;
             let lowers: Vec<String> = lower.iter().map(|p| p.display().to_string()).collect();
             let data = format!(
@@ -511,10 +575,10 @@ pub fn prepare(
     }
 
     // Home of the sandbox user: the one place in / it may write.
-    mkdir_all(&prep.join("home"), 0o755)?;
+    ensure_dir(&prep.join("home"), 0o755)?;
     let home = prep.join(HOME.trim_start_matches('/'));
-    mkdir(&home, 0o700)?;
-    std::os::unix::fs::chown(&home, Some(identity.uid), Some(identity.gid))
+    ensure_dir(&home, 0o700)?;
+    std::os::unix::fs::lchown(&home, Some(identity.uid), Some(identity.gid))
         .map_err(io_err("chown", &home))?;
 
     // Fresh /proc of the sandbox's PID namespace, with the kernel knobs read-only.
@@ -653,13 +717,16 @@ fn add_bind(plan: &mut MountPlan, prep: &Path, root: &Path, bind: &ReadOnlyBind)
         }
     }
     let point = dir.join(last);
-    if fs::symlink_metadata(&point).is_ok() {
-        return Err(bad_target());
-    }
     if meta.is_dir() {
-        mkdir(&point, 0o755)?;
+        if fs::symlink_metadata(&point).is_ok_and(|m| !m.is_dir()) {
+            return Err(bad_target());
+        }
+        ensure_dir(&point, 0o755)?;
     } else if meta.is_file() {
-        fs::write(&point, b"").map_err(io_err("create", &point))?;
+        if fs::symlink_metadata(&point).is_ok_and(|m| !m.is_file()) {
+            return Err(bad_target());
+        }
+        ensure_file(&point, b"", 0o644)?;
     } else {
         return Err(RootfsError::InvalidBindSource(bind.source.clone()));
     }
@@ -677,7 +744,7 @@ fn add_host_userland(plan: &mut MountPlan, prep: &Path, root: &Path, hostname: &
         )?;
     }
     let etc = prep.join("etc");
-    mkdir(&etc, 0o755)?;
+    ensure_dir(&etc, 0o755)?;
     for name in HOST_ETC_ENTRIES {
         mirror_host_entry(
             plan,
@@ -695,7 +762,7 @@ fn add_host_userland(plan: &mut MountPlan, prep: &Path, root: &Path, hostname: &
         ("resolv.conf", String::new()),
     ] {
         let p = etc.join(name);
-        fs::write(&p, content).map_err(io_err("write", &p))?;
+        ensure_file(&p, content.as_bytes(), 0o644)?;
     }
     Ok(())
 }
@@ -710,15 +777,20 @@ fn mirror_host_entry(plan: &mut MountPlan, host: &Path, prep: &Path, target: &Pa
     };
     if meta.file_type().is_symlink() {
         let dest = fs::read_link(host).map_err(io_err("read link", host))?;
+        // A seeded layer has the link already; anything else there is replaced.
+        if fs::read_link(prep).is_ok_and(|have| have == dest) {
+            return Ok(());
+        }
+        if fs::symlink_metadata(prep).is_ok() {
+            remove_entry(prep)?;
+        }
         std::os::unix::fs::symlink(&dest, prep).map_err(io_err("create symlink", prep))?;
         return Ok(());
     }
     if meta.is_dir() {
-        mkdir(prep, 0o755)?;
+        ensure_dir(prep, 0o755)?;
     } else if meta.is_file() {
-        fs::write(prep, b"").map_err(io_err("create", prep))?;
-        fs::set_permissions(prep, fs::Permissions::from_mode(0o644))
-            .map_err(io_err("chmod", prep))?;
+        ensure_file(prep, b"", 0o644)?;
     } else {
         return Ok(());
     }
@@ -739,6 +811,49 @@ fn mkdir_all(path: &Path, mode: u32) -> Result<()> {
         Ok(m) if m.is_dir() => Ok(()),
         _ => mkdir(path, mode),
     }
+}
+
+/// A directory at `path` with `mode`: made, or (in a seeded layer) reused. Anything
+/// else there, a symlink above all, is removed first so that nothing the sandbox
+/// planted is followed.
+fn ensure_dir(path: &Path, mode: u32) -> Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => fs::set_permissions(path, fs::Permissions::from_mode(mode))
+            .map_err(io_err("chmod", path)),
+        Ok(_) => {
+            remove_entry(path)?;
+            mkdir(path, mode)
+        }
+        Err(_) => mkdir(path, mode),
+    }
+}
+
+/// A regular file at `path` holding `content`, written without following a symlink
+/// (one is replaced by a new file).
+fn ensure_file(path: &Path, content: &[u8], mode: u32) -> Result<()> {
+    if fs::symlink_metadata(path).is_ok_and(|m| !m.is_file()) {
+        remove_entry(path)?;
+    }
+    let mut f = fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(io_err("create", path))?;
+    io::Write::write_all(&mut f, content).map_err(io_err("write", path))?;
+    f.set_permissions(fs::Permissions::from_mode(mode))
+        .map_err(io_err("chmod", path))
+}
+
+fn remove_entry(path: &Path) -> Result<()> {
+    let is_dir = fs::symlink_metadata(path).is_ok_and(|m| m.is_dir());
+    if is_dir {
+        fs::remove_dir_all(path)
+    } else {
+        fs::remove_file(path)
+    }
+    .map_err(io_err("remove", path))
 }
 
 fn validate_path(p: &Path) -> Result<()> {

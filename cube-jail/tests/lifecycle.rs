@@ -115,3 +115,80 @@ fn overlay_root_copies_on_write_and_keeps_the_template() {
         "template\n"
     );
 }
+
+#[test]
+fn a_kept_layer_seeds_a_new_sandbox_with_the_files_written_before() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = common::config(tmp.path(), "keep1");
+    let mut jail = Jail::spawn(&c, &["/bin/sh", "-c", "echo kept > $HOME/note"]).unwrap();
+    assert!(common::collect(&mut jail).exit.success());
+    let kept = tmp.path().join("kept-layer");
+    let state_dir = jail.state_dir().unwrap().to_path_buf();
+    let cgroups: Vec<_> = jail
+        .cgroup()
+        .unwrap()
+        .dirs()
+        .map(Path::to_path_buf)
+        .collect();
+    jail.destroy_keeping_layer(&kept).unwrap();
+    assert!(!state_dir.exists(), "the sandbox directory goes");
+    for d in cgroups {
+        assert!(!d.exists(), "cgroup {} survived", d.display());
+    }
+    assert_eq!(
+        fs::read_to_string(kept.join("home/user/note")).unwrap(),
+        "kept\n"
+    );
+
+    // A planted symlink where the set-up makes a file must be replaced, not followed.
+    let outside = tmp.path().join("outside");
+    fs::write(&outside, "host file").unwrap();
+    fs::remove_file(kept.join("etc/hostname")).unwrap();
+    std::os::unix::fs::symlink(&outside, kept.join("etc/hostname")).unwrap();
+
+    c = common::config(tmp.path(), "keep2");
+    c.seed_layer = Some(kept.clone());
+    let mut jail =
+        Jail::spawn(&c, &["/bin/sh", "-c", "cat $HOME/note; cat /etc/hostname"]).unwrap();
+    assert!(!kept.exists(), "the seed is moved into place");
+    let out = common::collect(&mut jail);
+    assert!(out.exit.success(), "{}", out.stderr);
+    assert_eq!(out.stdout, "kept\nsandbox\n");
+    assert_eq!(fs::read_to_string(&outside).unwrap(), "host file");
+    jail.destroy().unwrap();
+}
+
+#[test]
+fn a_running_sandbox_can_be_relocated() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = common::config(tmp.path(), "reloc");
+    c.stdin = Stdio::Pipe;
+    let mut jail = Jail::spawn(
+        &c,
+        &["/bin/sh", "-c", "read x; echo $x > $HOME/f; cat $HOME/f"],
+    )
+    .unwrap();
+    let to = tmp.path().join("moved");
+    jail.relocate(&to).unwrap();
+    assert_eq!(jail.state_dir().unwrap(), to);
+    assert!(jail.layer_dir().unwrap().starts_with(&to));
+    {
+        use std::io::Write;
+        let mut stdin = jail.take_stdin().unwrap();
+        stdin.write_all(b"hello\n").unwrap();
+    }
+    let out = common::collect(&mut jail);
+    assert_eq!(out.stdout, "hello\n");
+    assert_eq!(
+        fs::read_to_string(jail.layer_dir().unwrap().join("home/user/f")).unwrap(),
+        "hello\n"
+    );
+    jail.destroy().unwrap();
+    assert!(!to.exists());
+}

@@ -1,5 +1,7 @@
 //! The agent binary: the sandbox's init, serving the host over a unix socket
-//! (`--listen PATH`) or an already connected stream (`--fd N`).
+//! (`--listen PATH`), a listening socket the host bound for it (`--listen-fd N`: the
+//! socket's path can then lie outside the sandbox's root, where any host process
+//! reaches it) or an already connected stream (`--fd N`).
 
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -11,10 +13,12 @@ use cube_agent::init;
 use cube_agent::reaper::Reaper;
 use cube_agent::server::{Agent, AgentConfig};
 
-const USAGE: &str = "usage: cube-agent (--listen <unix socket path> | --fd <N>) [--grace-ms <ms>]";
+const USAGE: &str =
+    "usage: cube-agent (--listen <unix socket path> | --listen-fd <N> | --fd <N>) [--grace-ms <ms>]";
 
 enum Mode {
     Listen(PathBuf),
+    ListenFd(RawFd),
     Fd(RawFd),
 }
 
@@ -31,13 +35,17 @@ fn parse_args() -> Result<Args, String> {
         let mut value = || args.next().ok_or(format!("{arg} needs a value"));
         match arg.as_str() {
             "--listen" => mode = Some(Mode::Listen(PathBuf::from(value()?))),
-            "--fd" => {
+            "--fd" | "--listen-fd" => {
                 let v = value()?;
                 let fd: RawFd = v.parse().map_err(|_| format!("bad fd {v}"))?;
                 if fd < 0 {
                     return Err(format!("bad fd {v}"));
                 }
-                mode = Some(Mode::Fd(fd));
+                mode = Some(if arg == "--fd" {
+                    Mode::Fd(fd)
+                } else {
+                    Mode::ListenFd(fd)
+                });
             }
             "--grace-ms" => {
                 let v = value()?;
@@ -92,21 +100,11 @@ fn main() -> ExitCode {
     tracing::info!(pid1 = init::is_pid1(), "cube-agent starting");
     match args.mode {
         Mode::Fd(fd) => {
-            // SAFETY: F_GETFD only inspects the descriptor table entry for `fd`.
-            if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-                eprintln!("fd {fd} is not open");
-                return ExitCode::from(2);
-            }
-            // The host channel must not leak into the commands the agent runs: they
-            // could read or forge its frames.
-            // SAFETY: F_SETFD on a descriptor checked open above; no memory involved.
-            if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } < 0 {
-                eprintln!("fd {fd}: cannot set close-on-exec");
-                return ExitCode::from(2);
-            }
-            // SAFETY: the fd was handed to this process for the agent's exclusive use,
-            // is open (checked above) and nothing else in this process owns it.
-            let stream = UnixStream::from(unsafe { OwnedFd::from_raw_fd(fd) });
+            let fd = match take_host_fd(fd) {
+                Ok(fd) => fd,
+                Err(code) => return code,
+            };
+            let stream = UnixStream::from(fd);
             let result = agent.serve(stream);
             init::shutdown(&agent, nix::sys::signal::Signal::SIGTERM, args.grace);
             match result {
@@ -126,27 +124,68 @@ fn main() -> ExitCode {
                 Ok(l) => l,
                 Err(e) => return fail(&e),
             };
-            for conn in listener.incoming() {
-                match conn {
-                    Ok(stream) => {
-                        let agent = agent.clone();
-                        let spawned = std::thread::Builder::new().name("connection".into()).spawn(
-                            move || {
-                                if let Err(e) = agent.serve(stream) {
-                                    tracing::warn!(error = %e, "connection ended");
-                                }
-                            },
-                        );
-                        if let Err(e) = spawned {
-                            tracing::warn!(error = %e, "no thread for a connection");
-                        }
-                    }
-                    Err(e) => tracing::warn!(error = %e, "accept failed"),
-                }
-            }
-            ExitCode::SUCCESS
+            serve_listener(&agent, &listener)
+        }
+        Mode::ListenFd(fd) => {
+            let fd = match take_host_fd(fd) {
+                Ok(fd) => fd,
+                Err(code) => return code,
+            };
+            serve_listener(&agent, &UnixListener::from(fd))
         }
     }
+}
+
+/// Takes ownership of a descriptor the host passed, made close-on-exec: the host
+/// channel must not leak into the commands the agent runs, which could read or forge
+/// its frames.
+fn take_host_fd(fd: RawFd) -> Result<OwnedFd, ExitCode> {
+    // SAFETY: F_GETFD only inspects the descriptor table entry for `fd`.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        eprintln!("fd {fd} is not open");
+        return Err(ExitCode::from(2));
+    }
+    // SAFETY: F_SETFD on a descriptor checked open above; no memory involved.
+    if unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) } < 0 {
+        eprintln!("fd {fd}: cannot set close-on-exec");
+        return Err(ExitCode::from(2));
+    }
+    // SAFETY: the fd was handed to this process for the agent's exclusive use, is open
+    // (checked above) and nothing else in this process owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Serves each connection on its own thread, for as long as the listener lives.
+fn serve_listener(agent: &Agent, listener: &UnixListener) -> ExitCode {
+    for conn in listener.incoming() {
+        match conn {
+            Ok(stream) => {
+                let agent = agent.clone();
+                let spawned =
+                    std::thread::Builder::new()
+                        .name("connection".into())
+                        .spawn(move || {
+                            if let Err(e) = agent.serve(stream) {
+                                tracing::warn!(error = %e, "connection ended");
+                            }
+                        });
+                if let Err(e) = spawned {
+                    tracing::warn!(error = %e, "no thread for a connection");
+                }
+            }
+            // Not a listening socket: no later accept can succeed either.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EINVAL | libc::EBADF | libc::ENOTSOCK)
+                ) =>
+            {
+                return fail(&e);
+            }
+            Err(e) => tracing::warn!(error = %e, "accept failed"),
+        }
+    }
+    ExitCode::SUCCESS
 }
 
 fn fail(err: &dyn std::error::Error) -> ExitCode {

@@ -2,6 +2,7 @@
 //! test guest, next to floors measured in the same run.
 
 mod floor;
+mod jail;
 mod stats;
 
 use std::path::Path;
@@ -26,7 +27,7 @@ pub struct BenchArgs {
     #[arg(long)]
     json: bool,
     /// Engine to measure.
-    #[arg(long, default_value = "vm", value_parser = ["vm"])]
+    #[arg(long, default_value = "vm", value_parser = ["vm", "jail"])]
     engine: String,
     /// Guest memory in MiB (the reference spec is 2 GiB).
     #[arg(long, default_value_t = 2048)]
@@ -125,6 +126,9 @@ fn progress(message: &str) {
 
 pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
     let root = store_root(store)?;
+    if args.engine == "jail" {
+        return jail::run(&root, if args.quick { 10 } else { 30 }, args.json);
+    }
     let plan = if args.quick {
         Plan {
             create: vec![(1, 10), (2, 10)],
@@ -216,7 +220,7 @@ fn timed<T>(
 }
 
 fn ephemeral() -> CreateOptions {
-    CreateOptions { ephemeral: true }
+    CreateOptions::new(true)
 }
 
 fn run_plan(

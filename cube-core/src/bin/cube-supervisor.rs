@@ -2,16 +2,36 @@
 
 use std::os::fd::FromRawFd;
 use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+
+use cube_core::supervisor::server::WarmFor;
+
+const USAGE: &str = "usage: cube-supervisor --control-fd N [--scratch DIR] [--warm any|vm|jail] \
+                     (started by the cube library)";
+
+fn usage_exit(message: &str) -> ! {
+    eprintln!("{message}{USAGE}");
+    std::process::exit(2);
+}
 
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let fd = match args.as_slice() {
-        [_, flag, fd] if flag == "--control-fd" => fd.parse::<i32>().ok(),
-        _ => None,
-    };
+    let mut fd = None;
+    let mut scratch: Option<PathBuf> = None;
+    let mut warm_for = WarmFor::Any;
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        match (flag.as_str(), args.next()) {
+            ("--control-fd", Some(v)) => fd = v.parse::<i32>().ok(),
+            ("--scratch", Some(v)) => scratch = Some(PathBuf::from(v)),
+            ("--warm", Some(v)) => match v.parse() {
+                Ok(w) => warm_for = w,
+                Err(e) => usage_exit(&format!("{e}\n")),
+            },
+            _ => usage_exit(""),
+        }
+    }
     let Some(fd) = fd.filter(|fd| *fd >= 3) else {
-        eprintln!("usage: cube-supervisor --control-fd N (started by the cube library)");
-        std::process::exit(2);
+        usage_exit("");
     };
     // Detach before any thread exists: the launcher exits, the supervisor is
     // re-parented and lives in its own session, so Ctrl-C in the creator's terminal
@@ -40,7 +60,7 @@ fn main() {
     // SAFETY: the spawner passed us this descriptor (a connected unix stream) as `fd`
     // and nothing else in this process owns it.
     let control = unsafe { UnixStream::from_raw_fd(fd) };
-    if let Err(e) = cube_core::supervisor::server::run(control) {
+    if let Err(e) = cube_core::supervisor::server::run(control, scratch.as_deref(), warm_for) {
         tracing::error!("supervisor: {e}");
         std::process::exit(1);
     }

@@ -19,11 +19,15 @@ pub const TEMPLATE_META: &str = "template.meta";
 pub const TEMPLATE_META_KIND: &str = "template";
 
 /// The isolation engine behind a sandbox.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Engine {
-    /// A KVM microVM.
+    /// A KVM microVM. Records written before the jail engine existed are all VMs.
+    #[default]
     Vm,
+    /// Linux namespaces, cgroups and seccomp around a copy-on-write root: weaker
+    /// isolation than a VM (one shared kernel), for hosts where no guest kernel runs.
+    Jail,
 }
 
 impl std::fmt::Display for Engine {
@@ -31,6 +35,78 @@ impl std::fmt::Display for Engine {
         // `pad` so that width and alignment flags apply in tables.
         f.pad(match self {
             Engine::Vm => "vm",
+            Engine::Jail => "jail",
+        })
+    }
+}
+
+/// The engine a caller asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineChoice {
+    /// Whatever engine the template (or snapshot) was made for.
+    #[default]
+    Auto,
+    /// A KVM microVM; refused for a jail template.
+    Vm,
+    /// The jail engine; refused for a VM template.
+    Jail,
+}
+
+impl EngineChoice {
+    /// Whether a template of `engine` satisfies this choice.
+    pub fn accepts(self, engine: Engine) -> bool {
+        matches!(
+            (self, engine),
+            (EngineChoice::Auto, _)
+                | (EngineChoice::Vm, Engine::Vm)
+                | (EngineChoice::Jail, Engine::Jail)
+        )
+    }
+}
+
+impl std::fmt::Display for EngineChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
+            EngineChoice::Auto => "auto",
+            EngineChoice::Vm => "vm",
+            EngineChoice::Jail => "jail",
+        })
+    }
+}
+
+impl std::str::FromStr for EngineChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(EngineChoice::Auto),
+            "vm" => Ok(EngineChoice::Vm),
+            "jail" => Ok(EngineChoice::Jail),
+            other => Err(format!("unknown engine {other:?} (auto, vm or jail)")),
+        }
+    }
+}
+
+/// What a snapshot holds. Never silently one for the other: callers see which.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SnapshotKind {
+    /// The whole state: memory, CPU or process state, devices and the root filesystem.
+    /// A rollback continues exactly where the snapshot was taken.
+    #[default]
+    Full,
+    /// The sandbox's writable filesystem layer only. A rollback puts the files back
+    /// and restarts the sandbox's processes (its agent included): running processes,
+    /// interpreter contexts and their variables, /tmp and /dev/shm are lost.
+    Filesystem,
+}
+
+impl std::fmt::Display for SnapshotKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
+            SnapshotKind::Full => "full",
+            SnapshotKind::Filesystem => "filesystem",
         })
     }
 }
@@ -48,6 +124,9 @@ pub struct SandboxMeta {
     pub created_unix: u64,
     /// Whether it dies with the connection that created it.
     pub ephemeral: bool,
+    /// The caller's labels ([`crate::CreateOptions::metadata`]).
+    #[serde(default)]
+    pub metadata: std::collections::BTreeMap<String, String>,
 }
 
 /// A snapshot's record in the store.
@@ -61,6 +140,12 @@ pub struct SnapshotMeta {
     pub created_unix: u64,
     /// What writing it cost.
     pub stats: SnapshotStats,
+    /// What it holds.
+    #[serde(default)]
+    pub kind: SnapshotKind,
+    /// The engine of the sandbox it was taken from (clones run on the same one).
+    #[serde(default)]
+    pub engine: Engine,
 }
 
 /// A template's record in the store.

@@ -3,14 +3,25 @@
 //! A [`Runtime`] owns the store and a pool of pre-started supervisors; a [`Sandbox`] is a
 //! handle on one sandbox's supervisor. Sandboxes outlive the handle (and the process)
 //! unless created ephemeral: [`Sandbox::destroy`] ends them.
+//!
+//! Two engines sit behind it ([`Engine`]): KVM microVMs, and jails (namespaces,
+//! cgroups, seccomp, a copy-on-write writable layer over the host's read-only
+//! userland; weaker isolation, one shared kernel). A template records its engine;
+//! [`HOST_TEMPLATE`] is the built-in jail template. A jail's snapshots are of kind
+//! [`SnapshotKind::Filesystem`]: rollback, clone and wake restore its files and
+//! restart its processes, so running processes and interpreter contexts are lost.
 
 pub mod metadata;
 mod runtime;
 
 use std::path::{Path, PathBuf};
 
-pub use metadata::{Engine, SandboxMeta, SnapshotMeta, TemplateMeta};
+pub use metadata::{Engine, EngineChoice, SandboxMeta, SnapshotKind, SnapshotMeta, TemplateMeta};
 pub use runtime::{CreateOptions, Runtime, RuntimeConfig};
+
+/// The built-in jail template: the host's own userland (with its python3), read-only,
+/// under a per-sandbox writable layer. Always listed, nothing to build.
+pub const HOST_TEMPLATE: &str = "host";
 
 use crate::supervisor::protocol::{Request, Response, StatusReport};
 use crate::supervisor::{ClientError, SupervisorClient};
@@ -71,6 +82,25 @@ pub enum SandboxError {
     /// A worker thread panicked.
     #[error("A worker thread failed")]
     Thread,
+    /// The template or snapshot is made for another engine than the one asked for.
+    #[error("{what} runs on the {engine} engine, not {asked} (ask for --engine {engine} or auto)")]
+    EngineMismatch {
+        /// The template or snapshot.
+        what: String,
+        /// Its engine.
+        engine: Engine,
+        /// The engine asked for.
+        asked: EngineChoice,
+    },
+    /// A built-in template cannot be changed.
+    #[error("Template {0} is built in")]
+    BuiltInTemplate(String),
+    /// The sandbox's engine has no in-sandbox agent yet.
+    #[error("Sandboxes of the {0} engine have no agent yet")]
+    NoAgent(Engine),
+    /// The sandbox's agent could not be reached.
+    #[error("Sandbox {0}'s agent")]
+    Agent(String, #[source] cube_agent::client::ClientError),
 }
 
 /// A snapshot a sandbox took.
@@ -82,11 +112,14 @@ pub struct Snapshot {
     pub dir: PathBuf,
     /// What writing it cost.
     pub stats: SnapshotStats,
+    /// What it holds: the whole state, or the filesystem only.
+    pub kind: SnapshotKind,
 }
 
 /// A handle on one sandbox.
 pub struct Sandbox {
     id: String,
+    engine: Engine,
     dir: PathBuf,
     client: SupervisorClient,
     store: cube_storage::Store,
@@ -101,6 +134,23 @@ impl Sandbox {
     /// The sandbox's directory in the store.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// The sandbox's engine.
+    pub fn engine(&self) -> Engine {
+        self.engine
+    }
+
+    /// A new connection to the sandbox's agent (handshake done). Any number may be
+    /// open at once, from any process: the agent listens on `agent.sock` in the
+    /// sandbox's directory.
+    pub fn agent(&self) -> Result<cube_agent::client::Client, SandboxError> {
+        if self.engine != Engine::Jail {
+            return Err(SandboxError::NoAgent(self.engine));
+        }
+        let socket = self.dir.join(crate::supervisor::jail_sandbox::AGENT_SOCKET);
+        cube_agent::client::Client::connect_unix(&socket)
+            .map_err(|e| SandboxError::Agent(self.id.clone(), e))
     }
 
     fn call(&mut self, request: &Request) -> Result<Response, SandboxError> {
@@ -136,7 +186,7 @@ impl Sandbox {
         }
     }
 
-    /// Stops the vCPUs; memory stays.
+    /// Stops the vCPUs (VM) or freezes every process (jail); memory stays.
     pub fn pause(&mut self) -> Result<(), SandboxError> {
         self.call_ok(&Request::Pause)
     }
@@ -146,28 +196,33 @@ impl Sandbox {
         self.call_ok(&Request::Resume)
     }
 
-    /// Takes a snapshot (only dirty pages are written); the sandbox keeps running.
+    /// Takes a snapshot; the sandbox keeps running. A VM's is [`SnapshotKind::Full`]
+    /// (only dirty pages are written); a jail's is [`SnapshotKind::Filesystem`]: its
+    /// writable layer, cloned while its processes are frozen.
     pub fn snapshot(&mut self) -> Result<Snapshot, SandboxError> {
         let store = &self.store;
         let id = cube_storage::Store::new_id("snap")?;
         let dest = store.snapshot_dir(&id)?;
         let staging = store.root().join("tmp").join(format!("{id}.staging"));
-        let stats = match self.call(&Request::Snapshot {
+        let (stats, kind) = match self.call(&Request::Snapshot {
             staging,
             dest: dest.clone(),
         })? {
-            Response::Snapshot(stats) => stats,
+            Response::Snapshot { stats, kind } => (stats, kind),
             other => return Err(self.unexpected(other)),
         };
         Ok(Snapshot {
             id,
             dir: dest,
             stats,
+            kind,
         })
     }
 
-    /// Puts memory, vCPUs, devices and rootfs back to `snapshot`, which this sandbox
-    /// must own. The sandbox keeps its id.
+    /// Puts the sandbox back to `snapshot`, which this sandbox must own; it keeps its
+    /// id. A full snapshot brings back memory, vCPUs, devices and rootfs; a filesystem
+    /// snapshot brings back the files and restarts the processes (the agent too:
+    /// open agent connections end, interpreter contexts are gone).
     pub fn rollback(&mut self, snapshot: &str) -> Result<(), SandboxError> {
         let store = &self.store;
         let dir = store.snapshot_dir(snapshot)?;
@@ -192,6 +247,8 @@ impl Sandbox {
     }
 
     /// Writes the state out and releases the guest's memory (CubeSandbox's "pause").
+    /// A jail's processes end and its writable layer stays; [`Sandbox::wake`] starts
+    /// them afresh on it.
     pub fn hibernate(&mut self) -> Result<(), SandboxError> {
         self.call_ok(&Request::Hibernate)
     }

@@ -5,13 +5,15 @@ use std::path::{Path, PathBuf};
 use cube_storage::Store;
 
 use super::metadata::{
-    self, Engine, SandboxMeta, TemplateMeta, SANDBOX_META, SANDBOX_META_KIND, TEMPLATE_META,
-    TEMPLATE_META_KIND,
+    self, Engine, EngineChoice, SandboxMeta, SnapshotMeta, TemplateMeta, SANDBOX_META,
+    SANDBOX_META_KIND, SNAPSHOT_META, SNAPSHOT_META_KIND, TEMPLATE_META, TEMPLATE_META_KIND,
 };
-use super::{remove_sandbox_files, Sandbox, SandboxError};
+use super::{remove_sandbox_files, Sandbox, SandboxError, HOST_TEMPLATE};
 use crate::snapshot::format::ROOTFS_FILE;
 use crate::snapshot::MachineConfig;
-use crate::supervisor::protocol::{Request, Source, PROTOCOL_VERSION};
+use crate::supervisor::jail_sandbox::LAYER_DIR;
+use crate::supervisor::protocol::{Request, Settings, Source, PROTOCOL_VERSION};
+use crate::supervisor::server::WarmFor;
 use crate::supervisor::server::SOCKET_FILE;
 use crate::supervisor::{locate_supervisor, SupervisorClient, SupervisorPool};
 use crate::test_guest::WorkingSet;
@@ -40,10 +42,65 @@ impl RuntimeConfig {
 }
 
 /// Options for a new sandbox.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct CreateOptions {
     /// End the sandbox when the handle that created it is dropped (or its process dies).
     pub ephemeral: bool,
+    /// The engine asked for; [`EngineChoice::Auto`] takes the template's. Asking for
+    /// an engine the template is not made for is an error, never a silent switch.
+    pub engine: EngineChoice,
+    /// Sandbox-wide environment variables every process in the sandbox starts with
+    /// (jail engine).
+    pub env: Vec<(String, String)>,
+    /// Labels stored in the sandbox's record, shown by list and inspect.
+    pub metadata: std::collections::BTreeMap<String, String>,
+    /// The supervisor destroys the sandbox this long after it was created.
+    pub lifetime: Option<std::time::Duration>,
+    /// Memory limit of the whole sandbox, MiB (jail engine).
+    pub memory_mib: Option<u64>,
+    /// CPU limit in thousandths of a core (jail engine).
+    pub cpu_millis: Option<u32>,
+    /// Most processes and threads at once (jail engine).
+    pub pids_max: Option<u32>,
+}
+
+impl CreateOptions {
+    /// Defaults, and ephemeral or not; usable in constants.
+    pub const fn new(ephemeral: bool) -> CreateOptions {
+        CreateOptions {
+            ephemeral,
+            engine: EngineChoice::Auto,
+            env: Vec::new(),
+            metadata: std::collections::BTreeMap::new(),
+            lifetime: None,
+            memory_mib: None,
+            cpu_millis: None,
+            pids_max: None,
+        }
+    }
+
+    fn settings(&self) -> Settings {
+        Settings {
+            env: self.env.clone(),
+            memory_mib: self.memory_mib,
+            cpu_millis: self.cpu_millis,
+            pids_max: self.pids_max,
+            lifetime_ms: self
+                .lifetime
+                .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+        }
+    }
+
+    fn check_engine(&self, what: &str, engine: Engine) -> Result<(), SandboxError> {
+        if self.engine.accepts(engine) {
+            return Ok(());
+        }
+        Err(SandboxError::EngineMismatch {
+            what: what.to_string(),
+            engine,
+            asked: self.engine,
+        })
+    }
 }
 
 /// The entry point: creates, lists and reattaches sandboxes, and builds templates.
@@ -65,9 +122,13 @@ impl Runtime {
             Some(p) => p,
             None => locate_supervisor()?,
         };
+        // Pooled supervisors start a host-template jail in the store's scratch
+        // directory (renamed into the sandbox on adoption) where the host can.
+        // Only pooled ones: on the create path it would cost what it saves.
+        let scratch = (config.pool_size > 0).then(|| store.root().join("tmp"));
         Ok(Runtime {
             store,
-            pool: SupervisorPool::new(exe, config.pool_size),
+            pool: SupervisorPool::with_scratch(exe, config.pool_size, scratch),
         })
     }
 
@@ -92,7 +153,7 @@ impl Runtime {
         rootfs_bytes: u64,
     ) -> Result<TemplateMeta, SandboxError> {
         let dest = self.store.template_dir(name)?;
-        if dest.exists() {
+        if dest.exists() || name == HOST_TEMPLATE {
             return Err(SandboxError::TemplateExists(name.to_string()));
         }
         let mut builder = self.start(
@@ -100,8 +161,9 @@ impl Runtime {
                 config: machine,
                 working_set,
             },
+            Engine::Vm,
             &format!("build of template {name}"),
-            CreateOptions { ephemeral: true },
+            CreateOptions::new(true),
             |dir| {
                 if rootfs_bytes > 0 {
                     let f = std::fs::File::create(dir.join(ROOTFS_FILE))
@@ -143,19 +205,40 @@ impl Runtime {
         Ok(meta)
     }
 
-    /// Templates in the store.
+    /// Templates: those in the store, then the built-in [`HOST_TEMPLATE`].
     pub fn templates(&self) -> Result<Vec<TemplateMeta>, SandboxError> {
         let names = self.store.list_templates()?;
-        self.read_records(
+        let mut templates: Vec<TemplateMeta> = self.read_records(
             names,
             |n| self.store.template_dir(n),
             TEMPLATE_META,
             TEMPLATE_META_KIND,
-        )
+        )?;
+        templates.push(host_template());
+        Ok(templates)
+    }
+
+    /// Snapshots in the store, of every sandbox or of `sandbox` only.
+    pub fn snapshots(&self, sandbox: Option<&str>) -> Result<Vec<SnapshotMeta>, SandboxError> {
+        let ids = self.store.list_snapshots()?;
+        let mut all: Vec<SnapshotMeta> = self.read_records(
+            ids,
+            |id| self.store.snapshot_dir(id),
+            SNAPSHOT_META,
+            SNAPSHOT_META_KIND,
+        )?;
+        if let Some(owner) = sandbox {
+            all.retain(|s| s.sandbox == owner);
+        }
+        all.sort_by_key(|s| s.created_unix);
+        Ok(all)
     }
 
     /// Removes a template (running sandboxes keep their mappings of it).
     pub fn remove_template(&self, name: &str) -> Result<(), SandboxError> {
+        if name == HOST_TEMPLATE {
+            return Err(SandboxError::BuiltInTemplate(name.to_string()));
+        }
         let dir = self.template_checked(name)?;
         std::fs::remove_dir_all(&dir).map_err(io_error(format!("removing {}", dir.display())))
     }
@@ -168,23 +251,57 @@ impl Runtime {
         Ok(dir)
     }
 
-    /// Creates a sandbox from template `template`: no boot, the template's memory is
-    /// mapped copy-on-write.
+    /// Creates a sandbox from template `template` on the template's engine (see
+    /// [`CreateOptions::engine`]). A VM template's memory is mapped copy-on-write, no
+    /// boot; [`HOST_TEMPLATE`] starts a jail on the host's userland with an empty
+    /// writable layer.
     pub fn create(&self, template: &str, options: CreateOptions) -> Result<Sandbox, SandboxError> {
+        if template == HOST_TEMPLATE {
+            options.check_engine(&format!("template {template}"), Engine::Jail)?;
+            return self.start(
+                Source::Jail { layer: None },
+                Engine::Jail,
+                template,
+                options,
+                |_| Ok(()),
+            );
+        }
         let dir = self.template_checked(template)?;
+        let meta: TemplateMeta =
+            cube_storage::read_verified(&dir.join(TEMPLATE_META), TEMPLATE_META_KIND)?;
+        options.check_engine(&format!("template {template}"), meta.engine)?;
         self.create_from_dir(&dir, template, options)
     }
 
-    /// Creates a sandbox from snapshot `snapshot`.
+    /// Creates a sandbox from snapshot `snapshot`, on the engine of the sandbox it was
+    /// taken from. A jail snapshot's writable layer is cloned; its processes start
+    /// afresh (the snapshot is of kind [`super::SnapshotKind::Filesystem`]).
     pub fn create_from_snapshot(
         &self,
         snapshot: &str,
         options: CreateOptions,
     ) -> Result<Sandbox, SandboxError> {
         let dir = self.store.snapshot_dir(snapshot)?;
+        let meta: Option<SnapshotMeta> =
+            cube_storage::read_verified(&dir.join(SNAPSHOT_META), SNAPSHOT_META_KIND).ok();
+        if let Some(meta) = meta.filter(|m| m.engine == Engine::Jail) {
+            options.check_engine(&format!("snapshot {snapshot}"), meta.engine)?;
+            let layer = dir.join(LAYER_DIR);
+            if !layer.is_dir() {
+                return Err(SandboxError::UnknownSnapshot(snapshot.to_string()));
+            }
+            return self.start(
+                Source::Jail { layer: Some(layer) },
+                Engine::Jail,
+                snapshot,
+                options,
+                |_| Ok(()),
+            );
+        }
         if !dir.join(crate::snapshot::format::STATE_FILE).is_file() {
             return Err(SandboxError::UnknownSnapshot(snapshot.to_string()));
         }
+        options.check_engine(&format!("snapshot {snapshot}"), Engine::Vm)?;
         self.create_from_dir(&dir, snapshot, options)
     }
 
@@ -197,6 +314,7 @@ impl Runtime {
         let rootfs = source.join(ROOTFS_FILE);
         self.start(
             Source::Snapshot(source.to_path_buf()),
+            Engine::Vm,
             origin,
             options,
             |dir| {
@@ -211,6 +329,7 @@ impl Runtime {
     fn start(
         &self,
         source: Source,
+        engine: Engine,
         origin: &str,
         options: CreateOptions,
         prepare: impl FnOnce(&Path) -> Result<(), SandboxError>,
@@ -224,10 +343,11 @@ impl Runtime {
             tracing::debug!(elapsed = ?start.elapsed(), "create: directory prepared");
             let meta = SandboxMeta {
                 id: id.clone(),
-                engine: Engine::Vm,
+                engine,
                 origin: origin.to_string(),
                 created_unix: metadata::now_unix(),
                 ephemeral: options.ephemeral,
+                metadata: options.metadata.clone(),
             };
             // A sandbox does not outlive a host restart (its supervisor does not), so
             // its record needs no sync on the create path.
@@ -239,10 +359,14 @@ impl Runtime {
                 &record,
                 cube_storage::Durability::Deferred,
             )?;
-            let supervisor = self.pool.take()?;
+            let supervisor = self.pool.take_for(match engine {
+                Engine::Vm => WarmFor::Vm,
+                Engine::Jail => WarmFor::Jail,
+            })?;
             tracing::debug!(elapsed = ?start.elapsed(), "create: supervisor taken");
             let mut sandbox = Sandbox {
                 id: id.clone(),
+                engine,
                 dir: dir.clone(),
                 client: SupervisorClient::from_stream(supervisor.stream).map_err(|source| {
                     SandboxError::Supervisor {
@@ -258,6 +382,7 @@ impl Runtime {
                 dir: dir.clone(),
                 source,
                 ephemeral: options.ephemeral,
+                settings: options.settings(),
             })?;
             tracing::debug!(elapsed = ?start.elapsed(), "create: sandbox running");
             Ok(sandbox)
@@ -302,7 +427,7 @@ impl Runtime {
                     if next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) >= n {
                         return;
                     }
-                    let r = self.create_from_snapshot(snapshot, options);
+                    let r = self.create_from_snapshot(snapshot, options.clone());
                     results.lock().unwrap_or_else(|e| e.into_inner()).push(r);
                 });
             }
@@ -332,6 +457,8 @@ impl Runtime {
         if !dir.join(SANDBOX_META).is_file() {
             return Err(SandboxError::UnknownSandbox(id.to_string()));
         }
+        let meta: SandboxMeta =
+            cube_storage::read_verified(&dir.join(SANDBOX_META), SANDBOX_META_KIND)?;
         let client = SupervisorClient::connect(&dir.join(SOCKET_FILE)).map_err(|source| {
             SandboxError::Supervisor {
                 id: id.to_string(),
@@ -340,6 +467,7 @@ impl Runtime {
         })?;
         Ok(Sandbox {
             id: id.to_string(),
+            engine: meta.engine,
             dir,
             client,
             store: self.store.clone(),
@@ -379,5 +507,17 @@ impl Runtime {
     pub fn remove_stale(&self, id: &str) -> Result<(), SandboxError> {
         let dir = self.store.sandbox_dir(id)?;
         remove_sandbox_files(&self.store, id, &dir)
+    }
+}
+
+/// The record of the built-in [`HOST_TEMPLATE`]: nothing to build, ready on any host
+/// that can run jails.
+fn host_template() -> TemplateMeta {
+    TemplateMeta {
+        name: HOST_TEMPLATE.to_string(),
+        engine: Engine::Jail,
+        machine: MachineConfig::default(),
+        rootfs_bytes: 0,
+        created_unix: 0,
     }
 }

@@ -2,10 +2,11 @@
 //! created it, and serves the library over a unix socket.
 
 pub mod client;
+pub mod jail_sandbox;
 pub mod pool;
 pub mod protocol;
 pub mod server;
 
 pub use client::{ClientError, SupervisorClient};
 pub use pool::{locate_supervisor, PoolError, SupervisorPool};
-pub use protocol::{MachineStatus, Request, Response, Source, StatusReport};
+pub use protocol::{JailStatus, MachineStatus, Request, Response, Settings, Source, StatusReport};

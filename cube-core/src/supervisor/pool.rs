@@ -9,6 +9,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::protocol::{read_frame, Response};
+use super::server::WarmFor;
 
 /// Environment variable naming the supervisor binary.
 pub const SUPERVISOR_ENV: &str = "CUBE_SUPERVISOR";
@@ -65,6 +66,16 @@ pub struct IdleSupervisor {
 /// Starts one supervisor. It detaches (double fork, new session), so it is never this
 /// process's child and can outlive it.
 pub fn spawn_supervisor(exe: &Path) -> Result<IdleSupervisor, PoolError> {
+    spawn_supervisor_with_scratch(exe, None, WarmFor::Any)
+}
+
+/// Like [`spawn_supervisor`]; with `scratch` (a directory on the store's filesystem)
+/// the supervisor also starts a jail there ahead of time; it prepares for `warm_for`.
+pub fn spawn_supervisor_with_scratch(
+    exe: &Path,
+    scratch: Option<&Path>,
+    warm_for: WarmFor,
+) -> Result<IdleSupervisor, PoolError> {
     let (ours, theirs) = UnixStream::pair().map_err(PoolError::SocketPair)?;
     let theirs: OwnedFd = theirs.into();
     let fd = theirs.as_raw_fd();
@@ -74,6 +85,18 @@ pub fn spawn_supervisor(exe: &Path) -> Result<IdleSupervisor, PoolError> {
         .arg("3")
         .stdin(Stdio::null())
         .stdout(Stdio::null());
+    if let Some(dir) = scratch {
+        command.arg("--scratch").arg(dir);
+    }
+    match warm_for {
+        WarmFor::Any => {}
+        WarmFor::Vm => {
+            command.arg("--warm").arg("vm");
+        }
+        WarmFor::Jail => {
+            command.arg("--warm").arg("jail");
+        }
+    }
     match std::env::var_os(SUPERVISOR_LOG_ENV).and_then(|p| {
         std::fs::OpenOptions::new()
             .create(true)
@@ -88,7 +111,13 @@ pub fn spawn_supervisor(exe: &Path) -> Result<IdleSupervisor, PoolError> {
     // async-signal-safe; dup2 clears FD_CLOEXEC on the new descriptor 3.
     unsafe {
         command.pre_exec(move || {
-            if libc::dup2(fd, 3) < 0 {
+            // dup2 onto itself would keep FD_CLOEXEC: clear it explicitly then.
+            let r = if fd == 3 {
+                libc::fcntl(3, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(fd, 3)
+            };
+            if r < 0 {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -125,6 +154,7 @@ struct PoolState {
 /// A pool of idle supervisors, refilled in the background.
 pub struct SupervisorPool {
     exe: PathBuf,
+    scratch: Option<PathBuf>,
     target: usize,
     state: Arc<(Mutex<PoolState>, Condvar)>,
 }
@@ -132,8 +162,15 @@ pub struct SupervisorPool {
 impl SupervisorPool {
     /// A pool that keeps `target` supervisors of `exe` ready (0 disables pooling).
     pub fn new(exe: PathBuf, target: usize) -> Self {
+        Self::with_scratch(exe, target, None)
+    }
+
+    /// Like [`SupervisorPool::new`]; each supervisor also starts a jail ahead of time
+    /// in `scratch` (a directory on the store's filesystem).
+    pub fn with_scratch(exe: PathBuf, target: usize, scratch: Option<PathBuf>) -> Self {
         let pool = SupervisorPool {
             exe,
+            scratch,
             target,
             state: Arc::new((
                 Mutex::new(PoolState {
@@ -154,6 +191,12 @@ impl SupervisorPool {
 
     /// Takes a ready supervisor, or starts one if none is ready.
     pub fn take(&self) -> Result<IdleSupervisor, PoolError> {
+        self.take_for(WarmFor::Any)
+    }
+
+    /// Like [`SupervisorPool::take`]; a supervisor started on the spot prepares only
+    /// for `engine` (a jail's needs no KVM warm-up).
+    pub fn take_for(&self, engine: WarmFor) -> Result<IdleSupervisor, PoolError> {
         let taken = {
             let mut state = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
             state.idle.pop_front()
@@ -163,7 +206,7 @@ impl SupervisorPool {
             Some(s) => Ok(s),
             None => {
                 tracing::debug!("supervisor pool empty: starting one on the create path");
-                spawn_supervisor(&self.exe)
+                spawn_supervisor_with_scratch(&self.exe, None, engine)
             }
         }
     }
@@ -190,6 +233,7 @@ impl SupervisorPool {
         }
         let state = Arc::clone(&self.state);
         let exe = self.exe.clone();
+        let scratch = self.scratch.clone();
         let target = self.target;
         let spawned = std::thread::Builder::new()
             .name("supervisor-pool".into())
@@ -201,7 +245,7 @@ impl SupervisorPool {
                     cond.notify_all();
                     return;
                 }
-                match spawn_supervisor(&exe) {
+                match spawn_supervisor_with_scratch(&exe, scratch.as_deref(), WarmFor::Any) {
                     Ok(s) => lock
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::sandbox::metadata::{Engine, SnapshotKind};
 use crate::snapshot::MachineConfig;
 use crate::test_guest::WorkingSet;
 use crate::vmm::machine::SnapshotStats;
@@ -18,7 +19,7 @@ use crate::vmm::machine::SnapshotStats;
 pub const MAX_FRAME: u32 = 1 << 20;
 
 /// Protocol version; a supervisor refuses clients of another version.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// Why a frame could not be exchanged.
 #[derive(Debug, thiserror::Error)]
@@ -49,6 +50,27 @@ pub enum Source {
         /// What the guest touches after every start.
         working_set: WorkingSet,
     },
+    /// A jail on the host template, with an empty writable layer or (`layer`) a copy of
+    /// a snapshot's.
+    Jail {
+        /// A snapshot's layer directory to clone as the sandbox's writable layer.
+        layer: Option<PathBuf>,
+    },
+}
+
+/// Per-sandbox settings applied by the supervisor.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct Settings {
+    /// Sandbox-wide environment variables (jail: every process the agent starts).
+    pub env: Vec<(String, String)>,
+    /// Memory limit, MiB (jail).
+    pub memory_mib: Option<u64>,
+    /// CPU limit in thousandths of a core (jail).
+    pub cpu_millis: Option<u32>,
+    /// Most processes and threads (jail).
+    pub pids_max: Option<u32>,
+    /// Destroy the sandbox this many milliseconds after it was adopted.
+    pub lifetime_ms: Option<u64>,
 }
 
 /// A request to a supervisor.
@@ -66,6 +88,8 @@ pub enum Request {
         source: Source,
         /// Exit (and release everything) when this connection closes.
         ephemeral: bool,
+        /// Environment, limits, lifetime.
+        settings: Settings,
     },
     /// Report state.
     Status,
@@ -146,6 +170,24 @@ pub struct StatusReport {
     pub config: Option<MachineConfig>,
     /// Resident memory of the supervisor process, KiB.
     pub rss_kib: u64,
+    /// The sandbox's engine.
+    pub engine: Engine,
+    /// What a jail sandbox is made of on the host (None for a VM).
+    pub jail: Option<JailStatus>,
+}
+
+/// Host-side facts about a jail sandbox, for inspection and for checking that destroy
+/// left nothing behind.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JailStatus {
+    /// Host pid of its PID 1 (the agent); None while hibernated.
+    pub pid: Option<u32>,
+    /// Its cgroup directories.
+    pub cgroups: Vec<PathBuf>,
+    /// Its writable layer on the host.
+    pub layer: PathBuf,
+    /// The socket its agent listens on.
+    pub agent_socket: PathBuf,
 }
 
 /// A supervisor's answer.
@@ -156,7 +198,12 @@ pub enum Response {
     /// Status report.
     Status(StatusReport),
     /// A snapshot was written.
-    Snapshot(SnapshotStats),
+    Snapshot {
+        /// What writing it cost.
+        stats: SnapshotStats,
+        /// What it holds.
+        kind: SnapshotKind,
+    },
     /// Guest memory bytes.
     Memory(#[serde(with = "serde_bytes")] Vec<u8>),
     /// CRC32 per RAM region.

@@ -1,9 +1,12 @@
-//! The supervisor: the process that holds one sandbox's VM.
+//! The supervisor: the process that holds one sandbox, a VM or a jail.
 //!
-//! It starts idle (pre-warmed: `/dev/kvm` open, CPUID and MSR lists queried) with a
-//! connection to whoever spawned it, becomes a sandbox on its first request, then also
-//! listens on a unix socket in the sandbox's directory so any process can reattach.
-//! A crash stays inside this one sandbox.
+//! It starts idle and pre-warmed with a connection to whoever spawned it: where
+//! `/dev/kvm` opens, KVM is open, CPUID and MSR lists queried and a VM pre-built; where
+//! the host can run jails and the spawner named a scratch directory, a host-template
+//! jail already runs with its agent. A host without KVM still gets supervisors, which
+//! serve jail sandboxes. It becomes a sandbox on its first request, then also listens
+//! on a unix socket in the sandbox's directory so any process can reattach. A crash
+//! stays inside this one sandbox.
 
 use std::io::{BufReader, BufWriter, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -12,12 +15,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
+use super::jail_sandbox::{JailSandbox, PrespawnedJail};
 use super::protocol::{
-    read_frame, write_frame, MachineStatus, ProtocolError, Request, Response, Source, StatusReport,
-    MAX_FRAME, PROTOCOL_VERSION,
+    read_frame, write_frame, MachineStatus, ProtocolError, Request, Response, Settings, Source,
+    StatusReport, MAX_FRAME, PROTOCOL_VERSION,
 };
 use crate::error_report::chain as error_chain;
-use crate::sandbox::metadata::{now_unix, SnapshotMeta, SNAPSHOT_META, SNAPSHOT_META_KIND};
+use crate::sandbox::metadata::{
+    now_unix, Engine, SnapshotKind, SnapshotMeta, SNAPSHOT_META, SNAPSHOT_META_KIND,
+};
 use crate::snapshot::durability::{boot_id, make_durable};
 use crate::snapshot::format::ROOTFS_FILE;
 use crate::snapshot::MachineConfig;
@@ -36,9 +42,6 @@ pub const HIBERNATE_DIR: &str = "hibernate";
 /// Why the supervisor could not serve.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
-    /// KVM could not be opened.
-    #[error("Opening KVM")]
-    Kvm(#[source] crate::vstate::VstateError),
     /// The control connection failed.
     #[error("Control connection")]
     Protocol(#[from] ProtocolError),
@@ -60,38 +63,134 @@ struct Sandbox {
     hibernated: bool,
 }
 
+/// The sandbox a supervisor holds, of either engine.
+enum Held {
+    Vm(Sandbox),
+    Jail(JailSandbox),
+}
+
+impl Held {
+    fn handle(&mut self, request: Request) -> Result<Response, String> {
+        match self {
+            Held::Vm(sandbox) => dispatch(sandbox, request),
+            Held::Jail(sandbox) => sandbox.handle(request),
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        match self {
+            Held::Vm(sandbox) => &sandbox.dir,
+            Held::Jail(sandbox) => sandbox.dir(),
+        }
+    }
+
+    fn destroy(&mut self) {
+        match self {
+            Held::Vm(sandbox) => {
+                // Dropping the machine stops the vCPUs, closes the VM and unmaps memory.
+                sandbox.machine = None;
+                // A flush still writing into a snapshot directory would race its removal.
+                for flush in std::mem::take(&mut sandbox.flushes) {
+                    let _ = flush.join();
+                }
+            }
+            Held::Jail(sandbox) => sandbox.destroy(),
+        }
+    }
+}
+
 struct State {
-    sandbox: Mutex<Sandbox>,
+    sandbox: Mutex<Held>,
 }
 
 impl State {
-    fn lock(&self) -> MutexGuard<'_, Sandbox> {
+    fn lock(&self) -> MutexGuard<'_, Held> {
         self.sandbox.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
-/// Runs a supervisor whose spawner holds the other end of `control`. Returns when the
-/// sandbox is destroyed (or the spawner went away before adopting it).
-pub fn run(control: UnixStream) -> Result<(), ServerError> {
-    let mut reader = BufReader::new(control.try_clone().map_err(ProtocolError::Io)?);
-    let mut writer = BufWriter::new(control);
-    let ctx = match KvmContext::open() {
-        Ok(ctx) => Arc::new(ctx),
-        Err(e) => {
-            // Tell the spawner why, so the user sees it instead of a closed socket.
-            let _ = reply(&mut writer, &Response::Error(error_chain(&e)));
-            return Err(ServerError::Kvm(e));
+/// What a supervisor prepares before its first request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WarmFor {
+    /// Either engine (a pooled supervisor): KVM where it opens, and a jail ahead of
+    /// time where a scratch directory was given.
+    #[default]
+    Any,
+    /// A VM sandbox follows: open KVM and pre-build a VM.
+    Vm,
+    /// A jail sandbox follows: nothing to warm (KVM stays closed).
+    Jail,
+}
+
+impl std::str::FromStr for WarmFor {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "any" => Ok(WarmFor::Any),
+            "vm" => Ok(WarmFor::Vm),
+            "jail" => Ok(WarmFor::Jail),
+            other => Err(format!("unknown warm-up {other:?} (any, vm or jail)")),
         }
-    };
-    // Probe and build a VM while idle in the pool, not on the create path.
-    crate::vmm::dirty_tracking::warm_up();
-    let shell = match Machine::shell(&ctx, MachineConfig::default()) {
-        Ok(m) => Some(m),
+    }
+}
+
+/// KVM and a pre-built VM, or why KVM cannot be used here.
+type WarmKvm = Result<(Arc<KvmContext>, Option<Machine>), String>;
+
+/// What a supervisor prepared before anyone asked for a sandbox.
+struct Warm {
+    /// None: not tried (opened on demand if a VM is asked for after all).
+    kvm: Option<WarmKvm>,
+    /// A host-template jail with its agent already running.
+    jail: Option<PrespawnedJail>,
+}
+
+fn warm_up(scratch: Option<&Path>, warm_for: WarmFor) -> Warm {
+    let kvm = (warm_for != WarmFor::Jail).then(open_kvm);
+    let scratch = scratch.filter(|_| warm_for != WarmFor::Vm);
+    let jail = scratch.and_then(|dir| match PrespawnedJail::start(dir) {
+        Ok(j) => Some(j),
         Err(e) => {
-            tracing::warn!("pre-building a VM: {}", error_chain(&e));
+            tracing::debug!("no jail started ahead: {e}");
             None
         }
-    };
+    });
+    Warm { kvm, jail }
+}
+
+fn open_kvm() -> WarmKvm {
+    match KvmContext::open() {
+        Ok(ctx) => {
+            // Probe and build a VM while idle in the pool, not on the create path.
+            crate::vmm::dirty_tracking::warm_up();
+            let ctx = Arc::new(ctx);
+            let shell = match Machine::shell(&ctx, MachineConfig::default()) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    tracing::warn!("pre-building a VM: {}", error_chain(&e));
+                    None
+                }
+            };
+            Ok((ctx, shell))
+        }
+        // A host without KVM still runs jail sandboxes: say why only if a VM is asked for.
+        Err(e) => Err(error_chain(&e)),
+    }
+}
+
+/// Runs a supervisor whose spawner holds the other end of `control`. Returns when the
+/// sandbox is destroyed (or the spawner went away before adopting it). With
+/// `scratch` (a directory on the store's filesystem), a jail is started ahead of time
+/// there; `warm_for` says which engine to prepare for.
+pub fn run(
+    control: UnixStream,
+    scratch: Option<&Path>,
+    warm_for: WarmFor,
+) -> Result<(), ServerError> {
+    let mut reader = BufReader::new(control.try_clone().map_err(ProtocolError::Io)?);
+    let mut writer = BufWriter::new(control);
+    let warm = warm_up(scratch, warm_for);
     // Warm: the pool hands this supervisor out only after this message.
     reply(&mut writer, &Response::Ok)?;
     let request: Request = match read_frame(&mut reader) {
@@ -106,6 +205,7 @@ pub fn run(control: UnixStream) -> Result<(), ServerError> {
         dir,
         source,
         ephemeral,
+        settings,
     } = request
     else {
         reply(&mut writer, &Response::Error("expected Adopt".into()))?;
@@ -120,10 +220,11 @@ pub fn run(control: UnixStream) -> Result<(), ServerError> {
         )?;
         return Err(ServerError::NotAdopted);
     }
-    let machine = match start_machine(&ctx, &source, shell) {
-        Ok(m) => m,
-        Err(e) => {
-            reply(&mut writer, &Response::Error(error_chain(&e)))?;
+    let lifetime = settings.lifetime_ms.map(std::time::Duration::from_millis);
+    let held = match adopt(warm, &id, &dir, source, settings) {
+        Ok(h) => h,
+        Err(message) => {
+            reply(&mut writer, &Response::Error(message))?;
             return Ok(());
         }
     };
@@ -132,17 +233,26 @@ pub fn run(control: UnixStream) -> Result<(), ServerError> {
     let listener =
         UnixListener::bind(&socket_path).map_err(|e| ServerError::Bind(socket_path.clone(), e))?;
     let state = Arc::new(State {
-        sandbox: Mutex::new(Sandbox {
-            ctx,
-            id: id.clone(),
-            flushes: Vec::new(),
-            dir,
-            machine: Some(machine),
-            hibernated: false,
-        }),
+        sandbox: Mutex::new(held),
     });
     tracing::info!(sandbox = %id, "adopted");
     reply(&mut writer, &Response::Ok)?;
+
+    if let Some(lifetime) = lifetime {
+        let s = Arc::clone(&state);
+        let sandbox = id.clone();
+        std::thread::Builder::new()
+            .name("lifetime".into())
+            .spawn(move || {
+                std::thread::sleep(lifetime);
+                tracing::info!(sandbox = %sandbox, "lifetime over: destroying");
+                destroy(&s);
+                let _ = std::fs::remove_file(s.lock().dir().join(SOCKET_FILE));
+                remove_files(&s, &sandbox);
+                std::process::exit(0);
+            })
+            .map_err(|e| ServerError::Bind(socket_path.clone(), e))?;
+    }
 
     let accept_state = Arc::clone(&state);
     std::thread::Builder::new()
@@ -183,7 +293,7 @@ fn serve_client(state: &State, stream: UnixStream) {
     let mut writer = BufWriter::new(stream);
     if serve_stream(state, &mut reader, &mut writer) {
         destroy(state);
-        let socket = state.lock().dir.join(SOCKET_FILE);
+        let socket = state.lock().dir().join(SOCKET_FILE);
         let _ = std::fs::remove_file(socket);
         std::process::exit(0);
     }
@@ -223,14 +333,81 @@ fn reply(writer: &mut BufWriter<UnixStream>, response: &Response) -> Result<(), 
     Ok(())
 }
 
+/// Becomes the sandbox `source` describes, using what was warmed up where it fits.
+fn adopt(
+    warm: Warm,
+    id: &str,
+    dir: &Path,
+    source: Source,
+    settings: Settings,
+) -> Result<Held, String> {
+    if let Source::Jail { layer } = source {
+        retire(warm.kvm.and_then(Result::ok).and_then(|(_, shell)| shell));
+        // The jail started ahead has an empty layer and no CPU controller.
+        let fits = layer.is_none() && settings.cpu_millis.is_none();
+        let sandbox = match warm.jail {
+            Some(ready) if fits => JailSandbox::adopt(id, dir, ready, settings)?,
+            other => {
+                retire_jail(other);
+                JailSandbox::start(id, dir, layer.as_deref(), settings)?
+            }
+        };
+        return Ok(Held::Jail(sandbox));
+    }
+    retire_jail(warm.jail);
+    let (ctx, shell) = warm
+        .kvm
+        .unwrap_or_else(open_kvm)
+        .map_err(|why| format!("the vm engine needs KVM, which this host lacks: {why}"))?;
+    let machine = start_machine(&ctx, &source, shell)?;
+    Ok(Held::Vm(Sandbox {
+        ctx,
+        id: id.to_string(),
+        flushes: Vec::new(),
+        dir: dir.to_path_buf(),
+        machine: Some(machine),
+        hibernated: false,
+    }))
+}
+
+/// Teardowns of unneeded pre-started jails still under way; joined before the
+/// supervisor exits, so that none leaves its directory or cgroups behind.
+static RETIRING_JAILS: Mutex<Vec<std::thread::JoinHandle<()>>> = Mutex::new(Vec::new());
+
+/// Tears an unneeded pre-started jail down off the request path.
+fn retire_jail(jail: Option<PrespawnedJail>) {
+    if let Some(jail) = jail {
+        let spawned = std::thread::Builder::new()
+            .name("retire-jail".into())
+            .spawn(move || drop(jail));
+        match spawned {
+            Ok(handle) => RETIRING_JAILS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(handle),
+            // The jail was dropped (destroyed) with the closure.
+            Err(e) => tracing::warn!("retiring a jail inline: {e}"),
+        }
+    }
+}
+
+fn join_retired_jails() {
+    let handles = std::mem::take(&mut *RETIRING_JAILS.lock().unwrap_or_else(|e| e.into_inner()));
+    for handle in handles {
+        let _ = handle.join();
+    }
+}
+
 fn start_machine(
     ctx: &Arc<KvmContext>,
     source: &Source,
     shell: Option<Machine>,
-) -> Result<Machine, MachineError> {
+) -> Result<Machine, String> {
+    let fail = |e: MachineError| error_chain(&e);
     match source {
+        Source::Jail { .. } => Err("a jail source cannot start a VM".into()),
         Source::Snapshot(dir) => {
-            let state = crate::snapshot::format::read_state(dir)?;
+            let state = crate::snapshot::format::read_state(dir).map_err(|e| error_chain(&e))?;
             if let Some(mut shell) = shell {
                 match shell.load_in_place(dir, state) {
                     Ok(true) => return Ok(shell),
@@ -242,30 +419,25 @@ fn start_machine(
                     }
                 }
             }
-            Machine::restore(ctx, dir)
+            Machine::restore(ctx, dir).map_err(fail)
         }
         Source::BootTestGuest {
             config,
             working_set,
         } => {
             retire(shell);
-            Machine::boot_test_guest(ctx, *config, *working_set)
+            Machine::boot_test_guest(ctx, *config, *working_set).map_err(fail)
         }
     }
 }
 
 fn destroy(state: &State) {
-    let mut sandbox = state.lock();
-    // Dropping the machine stops the vCPUs, closes the VM and unmaps memory.
-    sandbox.machine = None;
-    // A flush still writing into a snapshot directory would race its removal.
-    for flush in std::mem::take(&mut sandbox.flushes) {
-        let _ = flush.join();
-    }
+    state.lock().destroy();
+    join_retired_jails();
 }
 
 fn remove_files(state: &State, id: &str) {
-    let dir = state.lock().dir.clone();
+    let dir = state.lock().dir().to_path_buf();
     let Some(root) = dir.parent().and_then(|p| p.parent()) else {
         return;
     };
@@ -295,7 +467,7 @@ fn retire(machine: Option<Machine>) {
 
 fn handle(state: &State, request: Request) -> Response {
     let mut sandbox = state.lock();
-    match dispatch(&mut sandbox, request) {
+    match sandbox.handle(request) {
         Ok(response) => response,
         Err(message) => Response::Error(message),
     }
@@ -331,7 +503,10 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
             let m = machine(sandbox)?;
             let stats = write_snapshot(m, &id, &dir, &staging, &dest)?;
             sandbox.track_flush(flush_in_background(dest));
-            Ok(Response::Snapshot(stats))
+            Ok(Response::Snapshot {
+                stats,
+                kind: SnapshotKind::Full,
+            })
         }
         Request::Rollback { snapshot } => {
             // Validate before touching anything: a bad snapshot leaves the sandbox as is.
@@ -450,8 +625,9 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
     }
 }
 
-fn status(sandbox: &Sandbox) -> StatusReport {
-    let rss_kib = std::fs::read_to_string("/proc/self/statm")
+/// Resident memory of this process, KiB.
+pub(crate) fn own_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/statm")
         .ok()
         .and_then(|s| {
             s.split_whitespace()
@@ -459,7 +635,11 @@ fn status(sandbox: &Sandbox) -> StatusReport {
                 .and_then(|v| v.parse::<u64>().ok())
         })
         .map(|pages| pages * 4)
-        .unwrap_or(0);
+        .unwrap_or(0)
+}
+
+fn status(sandbox: &Sandbox) -> StatusReport {
+    let rss_kib = own_rss_kib();
     let pid = std::process::id();
     match &sandbox.machine {
         Some(m) => {
@@ -476,6 +656,8 @@ fn status(sandbox: &Sandbox) -> StatusReport {
                 guest_error: mb.read(field::ERROR).unwrap_or(0) != 0,
                 config: Some(m.config()),
                 rss_kib,
+                engine: Engine::Vm,
+                jail: None,
             }
         }
         None => StatusReport {
@@ -486,6 +668,8 @@ fn status(sandbox: &Sandbox) -> StatusReport {
             guest_error: false,
             config: None,
             rss_kib,
+            engine: Engine::Vm,
+            jail: None,
         },
     }
 }
@@ -525,6 +709,8 @@ fn write_snapshot(
             sandbox: sandbox_id.to_string(),
             created_unix: now_unix(),
             stats,
+            kind: SnapshotKind::Full,
+            engine: Engine::Vm,
         };
         let meta_bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
         cube_storage::write_atomic_bytes_with(

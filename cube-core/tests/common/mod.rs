@@ -65,9 +65,9 @@ pub fn kvm_present() -> bool {
 }
 
 /// Creation options for a sandbox that ends with its handle.
-pub const EPHEMERAL: CreateOptions = CreateOptions { ephemeral: true };
+pub const EPHEMERAL: CreateOptions = CreateOptions::new(true);
 /// Creation options for a sandbox that outlives its handle.
-pub const PERSISTENT: CreateOptions = CreateOptions { ephemeral: false };
+pub const PERSISTENT: CreateOptions = CreateOptions::new(false);
 
 /// One test's world: its own store, a runtime on it, and the supervisors it started.
 pub struct TestEnv {

@@ -1,0 +1,511 @@
+//! `cube bench --engine jail`: the jail engine's lifecycle through the Sandbox API, in
+//! the VM bench's JSON shape (fields a jail has no counterpart for are null or empty)
+//! plus `first_exec_ms` and `run_code_roundtrip_ms`, and `cube run -- true` against
+//! bubblewrap running the same command in the same run.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cube_agent::client::Client;
+use cube_agent::protocol::{ExecRequest, Language};
+use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
+use cube_jail::{Jail, JailConfig, ReadOnlyBind};
+use serde::Serialize;
+
+use super::stats::{percentiles_ms, round2};
+use super::{failed, progress, CloneRow, CreateRow, Target};
+use crate::CliError;
+
+#[derive(Serialize)]
+struct SnapshotRow {
+    /// MiB written into the writable layer before the snapshot.
+    dirty_mib: u64,
+    snapshot_ms: f64,
+    create_from_snapshot_ms: f64,
+    /// Always 0: a jail snapshot copies files, not pages.
+    dirty_pages: u64,
+}
+
+#[derive(Serialize)]
+struct RunRow {
+    /// What ran `true`.
+    what: &'static str,
+    n: usize,
+    p50_ms: f64,
+    p95_ms: f64,
+}
+
+#[derive(Serialize)]
+struct JailReport {
+    guest: &'static str,
+    engine: &'static str,
+    vcpus: Option<u8>,
+    memory_mib: Option<u64>,
+    store_filesystem: String,
+    reflink: bool,
+    /// Create to agent ready (connected, handshake answered).
+    create_from_template: Vec<CreateRow>,
+    create_vs_guest_size: Vec<()>,
+    snapshot_vs_dirty: Vec<SnapshotRow>,
+    rollback_ms: f64,
+    rollback_p95_ms: f64,
+    clone: Vec<CloneRow>,
+    pause_ms: f64,
+    pause_p95_ms: f64,
+    resume_ms: f64,
+    resume_p95_ms: f64,
+    hibernate_ms: f64,
+    wake_ms: f64,
+    memory_overhead_mib_per_sandbox: Option<f64>,
+    memory_overhead_sandboxes: Option<usize>,
+    memory_pss_mib_per_sandbox: f64,
+    floor_kvm_vm_ms: Option<f64>,
+    floor_kvm_vm_p95_ms: Option<f64>,
+    floor_write_mib_per_s: Option<f64>,
+    /// `true` through the agent of a sandbox that just became ready.
+    first_exec_ms: f64,
+    first_exec_p95_ms: f64,
+    /// A `1+1` Python cell, context already made.
+    run_code_roundtrip_ms: f64,
+    run_code_roundtrip_p95_ms: f64,
+    /// `true` end to end: `cube run` and `bwrap`, and, in this process, the Sandbox
+    /// API path against driving cube-jail directly (what `cube run` did before).
+    run_true: Vec<RunRow>,
+    run_vs_bwrap_ratio: f64,
+    api_vs_direct_ratio: f64,
+    targets: Vec<Target>,
+}
+
+/// Runs the jail bench with `repeats` samples per measurement.
+pub fn run(root: &Path, repeats: usize, json: bool) -> Result<(), CliError> {
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(CliError::unsupported("the jail engine needs root"));
+    }
+    let pooled = Runtime::open(RuntimeConfig {
+        store_root: root.to_path_buf(),
+        pool_size: 2,
+        supervisor: None,
+    })?;
+    let unpooled = Runtime::open(RuntimeConfig {
+        store_root: root.to_path_buf(),
+        pool_size: 0,
+        supervisor: None,
+    })?;
+    let report = measure(root, &pooled, &unpooled, repeats)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report).map_err(failed)?);
+    } else {
+        print_table(&report);
+    }
+    Ok(())
+}
+
+fn host(rt: &Runtime) -> Result<Sandbox, CliError> {
+    Ok(rt.create(HOST_TEMPLATE, CreateOptions::new(true))?)
+}
+
+fn sh(client: &Client, script: &str) -> Result<(), CliError> {
+    let out = client
+        .exec(ExecRequest {
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            ..ExecRequest::default()
+        })
+        .map_err(failed)?;
+    if out.exit.code != Some(0) {
+        return Err(CliError::failed(format!(
+            "bench command {script:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    Ok(())
+}
+
+fn exec_true(client: &Client) -> Result<(), CliError> {
+    let out = client
+        .exec(ExecRequest {
+            argv: vec!["true".into()],
+            ..ExecRequest::default()
+        })
+        .map_err(failed)?;
+    if out.exit.code != Some(0) {
+        return Err(CliError::failed("`true` failed in the sandbox"));
+    }
+    Ok(())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn measure(
+    root: &Path,
+    pooled: &Runtime,
+    unpooled: &Runtime,
+    repeats: usize,
+) -> Result<JailReport, CliError> {
+    progress("jail: create to agent ready, first exec");
+    let mut ready = Vec::new();
+    let mut first_exec = Vec::new();
+    for _ in 0..repeats {
+        pooled.wait_pool_ready();
+        let start = Instant::now();
+        let sb = host(pooled)?;
+        let client = sb.agent()?;
+        ready.push(start.elapsed());
+        let start = Instant::now();
+        exec_true(&client)?;
+        first_exec.push(start.elapsed());
+        drop(client);
+        sb.destroy()?;
+    }
+    let mut unpooled_ready = Vec::new();
+    for _ in 0..repeats {
+        let start = Instant::now();
+        let sb = host(unpooled)?;
+        let client = sb.agent()?;
+        unpooled_ready.push(start.elapsed());
+        drop(client);
+        sb.destroy()?;
+    }
+    let row = |concurrency, samples: &[Duration]| {
+        let (p50, p95) = percentiles_ms(samples);
+        let total: f64 = samples.iter().map(|d| d.as_secs_f64()).sum();
+        CreateRow {
+            concurrency,
+            n: samples.len(),
+            p50_ms: round2(p50),
+            p95_ms: round2(p95),
+            throughput_per_s: round2(samples.len() as f64 / total.max(1e-9)),
+        }
+    };
+    // Concurrency 0 marks the row without a pool (a supervisor started per create).
+    let create_rows = vec![row(1, &ready), row(0, &unpooled_ready)];
+
+    progress("jail: run_code, pause, resume");
+    pooled.wait_pool_ready();
+    let mut sb = host(pooled)?;
+    let mut client = sb.agent()?;
+    client
+        .create_context("bench", Language::Python, None)
+        .map_err(failed)?;
+    let mut cells = Vec::new();
+    for _ in 0..repeats * 4 {
+        let start = Instant::now();
+        let r = client.run_code("bench", "1+1", None).map_err(failed)?;
+        cells.push(start.elapsed());
+        if r.value.as_deref() != Some("2") {
+            return Err(CliError::failed(format!("1+1 gave {:?}", r.value)));
+        }
+    }
+    let (mut pauses, mut resumes) = (Vec::new(), Vec::new());
+    for _ in 0..repeats * 2 {
+        let start = Instant::now();
+        sb.pause()?;
+        pauses.push(start.elapsed());
+        let start = Instant::now();
+        sb.resume()?;
+        resumes.push(start.elapsed());
+    }
+
+    progress("jail: snapshot, clone, rollback, hibernate, wake");
+    let mut snapshot_rows = Vec::new();
+    let mut clone_rows = Vec::new();
+    let mut rollbacks = Vec::new();
+    let mut written = 0;
+    for dirty_mib in [0u64, 10, 100] {
+        if dirty_mib > written {
+            sh(
+                &client,
+                &format!(
+                    "head -c {} /dev/urandom > $HOME/data-{dirty_mib}",
+                    (dirty_mib - written) << 20
+                ),
+            )?;
+            written = dirty_mib;
+        }
+        let start = Instant::now();
+        let snap = sb.snapshot()?;
+        let snapshot_ms = ms(start.elapsed());
+        let start = Instant::now();
+        let clone = unpooled.create_from_snapshot(&snap.id, CreateOptions::new(true))?;
+        let clone_client = clone.agent()?;
+        let clone_ms = ms(start.elapsed());
+        drop(clone_client);
+        clone.destroy()?;
+        snapshot_rows.push(SnapshotRow {
+            dirty_mib,
+            snapshot_ms: round2(snapshot_ms),
+            create_from_snapshot_ms: round2(clone_ms),
+            dirty_pages: 0,
+        });
+        if dirty_mib == 0 {
+            clone_rows.push(CloneRow {
+                n: 1,
+                concurrency: 1,
+                wall_ms: round2(snapshot_ms + clone_ms),
+                per_clone_ms: round2(clone_ms),
+            });
+            for _ in 0..repeats {
+                let start = Instant::now();
+                sb.rollback(&snap.id)?;
+                drop(sb.agent()?);
+                rollbacks.push(start.elapsed());
+            }
+            // The rollback restarted the agent: its old connection is closed.
+            client = sb.agent()?;
+        }
+    }
+    drop(client);
+    let start = Instant::now();
+    sb.hibernate()?;
+    let hibernate = start.elapsed();
+    let start = Instant::now();
+    sb.wake()?;
+    drop(sb.agent()?);
+    let wake = start.elapsed();
+    let pss_kib = sb
+        .status()?
+        .jail
+        .and_then(|j| j.pid)
+        .map(proportional_set_kib)
+        .unwrap_or(0);
+    sb.destroy()?;
+
+    progress("jail: `true` end to end against bwrap, API path against direct");
+    let cube = std::env::current_exe().map_err(failed)?;
+    let mut cube_run = Vec::new();
+    let mut bwrap = Vec::new();
+    for _ in 0..repeats {
+        cube_run.push(time_command(
+            Command::new(&cube)
+                .arg("--store")
+                .arg(root)
+                .args(["run", "--", "true"]),
+        )?);
+        bwrap.push(time_command(Command::new("bwrap").args(BWRAP_ARGS))?);
+    }
+    let mut api = Vec::new();
+    let mut direct = Vec::new();
+    let (mut api_destroy, mut direct_destroy) = (Vec::new(), Vec::new());
+    for _ in 0..repeats {
+        let start = Instant::now();
+        let sb = host(unpooled)?;
+        exec_true(&sb.agent()?)?;
+        let destroy_start = Instant::now();
+        sb.destroy()?;
+        api_destroy.push(destroy_start.elapsed());
+        api.push(start.elapsed());
+        let (total, destroy) = direct_true(root)?;
+        direct.push(total);
+        direct_destroy.push(destroy);
+    }
+    let run_row = |what, samples: &[Duration]| {
+        let (p50, p95) = percentiles_ms(samples);
+        RunRow {
+            what,
+            n: samples.len(),
+            p50_ms: round2(p50),
+            p95_ms: round2(p95),
+        }
+    };
+    let run_rows = vec![
+        run_row("cube run -- true", &cube_run),
+        run_row("bwrap true", &bwrap),
+        run_row("in-process: Sandbox API (no pool) + exec true", &api),
+        run_row("in-process: cube-jail directly + exec true", &direct),
+        run_row("in-process: Sandbox API destroy", &api_destroy),
+        run_row("in-process: cube-jail directly, destroy", &direct_destroy),
+    ];
+    let run_vs_bwrap = run_rows[0].p50_ms / run_rows[1].p50_ms.max(1e-9);
+    let api_vs_direct = run_rows[2].p50_ms / run_rows[3].p50_ms.max(1e-9);
+
+    let (ready_p50, _) = percentiles_ms(&ready);
+    let (exec_p50, exec_p95) = percentiles_ms(&first_exec);
+    let (cell_p50, cell_p95) = percentiles_ms(&cells);
+    let (pause_p50, pause_p95) = percentiles_ms(&pauses);
+    let (resume_p50, resume_p95) = percentiles_ms(&resumes);
+    let (rollback_p50, rollback_p95) = percentiles_ms(&rollbacks);
+    let mut targets = vec![
+        Target::at_most("create_to_agent_ready_p50_ms", ready_p50, 10.0),
+        Target::at_most("run_true_vs_bwrap", run_vs_bwrap, 1.5),
+        Target::at_most("run_code_roundtrip_p50_ms", cell_p50, 2.0),
+        Target::at_most("pause_ms", pause_p50, 5.0),
+        Target::at_most("resume_ms", resume_p50, 5.0),
+    ];
+    for t in &mut targets {
+        t.value = round2(t.value);
+    }
+    Ok(JailReport {
+        guest: "host userland",
+        engine: "jail",
+        vcpus: None,
+        memory_mib: None,
+        store_filesystem: cube_storage::filesystem_name(root).unwrap_or_default(),
+        reflink: cube_storage::supports_reflink(root).unwrap_or(false),
+        create_from_template: create_rows,
+        create_vs_guest_size: Vec::new(),
+        snapshot_vs_dirty: snapshot_rows,
+        rollback_ms: round2(rollback_p50),
+        rollback_p95_ms: round2(rollback_p95),
+        clone: clone_rows,
+        pause_ms: round2(pause_p50),
+        pause_p95_ms: round2(pause_p95),
+        resume_ms: round2(resume_p50),
+        resume_p95_ms: round2(resume_p95),
+        hibernate_ms: round2(ms(hibernate)),
+        wake_ms: round2(ms(wake)),
+        memory_overhead_mib_per_sandbox: None,
+        memory_overhead_sandboxes: None,
+        memory_pss_mib_per_sandbox: round2(pss_kib as f64 / 1024.0),
+        floor_kvm_vm_ms: None,
+        floor_kvm_vm_p95_ms: None,
+        floor_write_mib_per_s: None,
+        first_exec_ms: round2(exec_p50),
+        first_exec_p95_ms: round2(exec_p95),
+        run_code_roundtrip_ms: round2(cell_p50),
+        run_code_roundtrip_p95_ms: round2(cell_p95),
+        run_true: run_rows,
+        run_vs_bwrap_ratio: round2(run_vs_bwrap),
+        api_vs_direct_ratio: round2(api_vs_direct),
+        targets,
+    })
+}
+
+/// bubblewrap around the same `true`: the host's /usr read-only, fresh /proc, /dev and
+/// /tmp, every namespace it can unshare.
+const BWRAP_ARGS: &[&str] = &[
+    "--ro-bind",
+    "/usr",
+    "/usr",
+    "--symlink",
+    "usr/bin",
+    "/bin",
+    "--symlink",
+    "usr/lib",
+    "/lib",
+    "--symlink",
+    "usr/lib64",
+    "/lib64",
+    "--proc",
+    "/proc",
+    "--dev",
+    "/dev",
+    "--tmpfs",
+    "/tmp",
+    "--unshare-all",
+    "--die-with-parent",
+    "true",
+];
+
+fn time_command(command: &mut Command) -> Result<Duration, CliError> {
+    let start = Instant::now();
+    let status = command
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map_err(|e| CliError::failed(format!("running {command:?}: {e}")))?;
+    let elapsed = start.elapsed();
+    if !status.success() {
+        return Err(CliError::failed(format!("{command:?} failed: {status}")));
+    }
+    Ok(elapsed)
+}
+
+/// The path `cube run` took before it used the Sandbox API: cube-jail in this
+/// process, the agent on one end of a socket pair, `true` through it, destroy. Returns
+/// the whole and the destroy's share.
+fn direct_true(root: &Path) -> Result<(Duration, Duration), CliError> {
+    use std::os::fd::AsFd;
+    let agent = std::env::current_exe()
+        .map_err(failed)?
+        .with_file_name("cube-agent");
+    let start = Instant::now();
+    let name = format!("bench-direct-{}", std::process::id());
+    let mut config = JailConfig::new(&name, root.join("tmp").join(&name));
+    config.binds.push(ReadOnlyBind {
+        source: agent,
+        target: "/.cube/cube-agent".into(),
+    });
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(failed)?;
+    let jail = Jail::spawn_with_fds(
+        &config,
+        &["/.cube/cube-agent", "--fd", "3"],
+        &[(theirs.as_fd(), 3)],
+    )
+    .map_err(failed)?;
+    drop(theirs);
+    let client = Client::new(ours).map_err(failed)?;
+    exec_true(&client)?;
+    drop(client);
+    let destroy_start = Instant::now();
+    jail.destroy().map_err(failed)?;
+    Ok((start.elapsed(), destroy_start.elapsed()))
+}
+
+fn proportional_set_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Pss:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+fn print_table(r: &JailReport) {
+    println!("# cube bench --engine jail ({})", r.store_filesystem);
+    for row in &r.create_from_template {
+        let what = if row.concurrency == 0 {
+            "create to agent ready, no pool"
+        } else {
+            "create to agent ready, pooled"
+        };
+        println!(
+            "{what:<48} p50 {:>8} ms  p95 {:>8} ms",
+            row.p50_ms, row.p95_ms
+        );
+    }
+    println!(
+        "{:<48} p50 {:>8} ms  p95 {:>8} ms",
+        "first exec", r.first_exec_ms, r.first_exec_p95_ms
+    );
+    println!(
+        "{:<48} p50 {:>8} ms  p95 {:>8} ms",
+        "1+1 cell round trip", r.run_code_roundtrip_ms, r.run_code_roundtrip_p95_ms
+    );
+    for row in &r.run_true {
+        println!(
+            "{:<48} p50 {:>8} ms  p95 {:>8} ms",
+            row.what, row.p50_ms, row.p95_ms
+        );
+    }
+    for row in &r.snapshot_vs_dirty {
+        println!(
+            "snapshot with {:>4} MiB written: {:>8} ms, clone to agent ready {:>8} ms",
+            row.dirty_mib, row.snapshot_ms, row.create_from_snapshot_ms
+        );
+    }
+    println!(
+        "rollback to agent ready p50 {} ms, p95 {} ms",
+        r.rollback_ms, r.rollback_p95_ms
+    );
+    println!("pause {} ms, resume {} ms", r.pause_ms, r.resume_ms);
+    println!(
+        "hibernate {} ms, wake to agent ready {} ms",
+        r.hibernate_ms, r.wake_ms
+    );
+    for t in &r.targets {
+        println!(
+            "target {:<40} {:>8} (limit {}) {}",
+            t.name,
+            t.value,
+            t.limit,
+            if t.met { "met" } else { "MISSED" }
+        );
+    }
+}

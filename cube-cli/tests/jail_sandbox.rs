@@ -1,0 +1,231 @@
+//! `cube sandbox` on the jail engine across invocations: create with options, exec,
+//! code contexts, filesystem snapshots whose kind every listing shows, rollback,
+//! clone, and rm leaving nothing behind.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+const CUBE: &str = env!("CARGO_BIN_EXE_cube");
+
+fn skip() -> bool {
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: jails need root (namespaces, mounts, cgroups)");
+        return true;
+    }
+    if cube_jail::CgroupLayout::detect().is_err() {
+        println!("skipped: no cgroup hierarchy is readable");
+        return true;
+    }
+    for bin in ["cube-agent", "cube-supervisor"] {
+        let path: PathBuf = Path::new(CUBE).with_file_name(bin);
+        assert!(
+            path.is_file(),
+            "{} is missing: run the tests with -p cube-agent -p cube-core -p cube-cli",
+            path.display()
+        );
+    }
+    false
+}
+
+fn cube(store: &Path, args: &[&str]) -> Output {
+    Command::new(CUBE)
+        .arg("--store")
+        .arg(store)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn ok(store: &Path, args: &[&str]) -> Output {
+    let out = cube(store, args);
+    assert!(
+        out.status.success(),
+        "cube {args:?} failed: {}",
+        text(&out.stderr)
+    );
+    out
+}
+
+fn json(store: &Path, args: &[&str]) -> serde_json::Value {
+    serde_json::from_slice(&ok(store, args).stdout).unwrap()
+}
+
+#[test]
+fn a_jail_sandbox_lives_across_invocations() {
+    if skip() {
+        return;
+    }
+    let store = tempfile::tempdir().unwrap();
+    let s = store.path();
+
+    let templates = json(s, &["template", "ls", "--json"]);
+    assert!(
+        templates
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["name"] == "host" && t["engine"] == "jail"),
+        "{templates}"
+    );
+    let table = text(&ok(s, &["template", "ls"]).stdout);
+    assert!(table.contains("host") && table.contains("jail"), "{table}");
+
+    let refused = cube(s, &["sandbox", "create", "--engine", "vm"]);
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("runs on the jail engine, not vm"),
+        "{}",
+        text(&refused.stderr)
+    );
+
+    let id = text(
+        &ok(
+            s,
+            &[
+                "sandbox",
+                "create",
+                "--engine",
+                "jail",
+                "--template",
+                "host",
+                "--env",
+                "GREETING=hello",
+                "--label",
+                "team=blue",
+                "--memory-mib",
+                "256",
+            ],
+        )
+        .stdout,
+    )
+    .trim()
+    .to_string();
+    assert!(id.starts_with("sb-"), "{id}");
+
+    // exec streams the output and passes the exit code on; piped stdin reaches it.
+    let mut child = Command::new(CUBE)
+        .arg("--store")
+        .arg(s)
+        .args(["sandbox", "exec", &id, "--", "sh", "-c"])
+        .arg("echo $GREETING; cat; echo saved > $HOME/f; exit 7")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"from stdin\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "hello\nfrom stdin\n");
+
+    // A context keeps its variables between invocations.
+    ok(s, &["sandbox", "code", &id, "x = 41"]);
+    let out = ok(s, &["sandbox", "code", &id, "x + 1"]);
+    assert_eq!(text(&out.stdout), "42\n");
+    let out = ok(
+        s,
+        &[
+            "sandbox",
+            "code",
+            &id,
+            "--language",
+            "bash",
+            "--context",
+            "sh",
+            "echo $((6*7))",
+        ],
+    );
+    assert_eq!(text(&out.stdout), "42\n");
+
+    // The snapshot is a filesystem one, and says so everywhere.
+    let out = ok(s, &["sandbox", "snapshot", &id]);
+    let snap = text(&out.stdout).trim().to_string();
+    assert!(snap.starts_with("snap-"), "{snap}");
+    assert!(
+        text(&out.stderr).contains("filesystem snapshot"),
+        "{}",
+        text(&out.stderr)
+    );
+    let listed = json(s, &["sandbox", "snapshots", &id, "--json"]);
+    assert_eq!(listed[0]["id"], snap.as_str());
+    assert_eq!(listed[0]["kind"], "filesystem");
+    let table = text(&ok(s, &["sandbox", "snapshots"]).stdout);
+    assert!(
+        table.contains(&snap) && table.contains("filesystem"),
+        "{table}"
+    );
+    let snap_json = json(s, &["sandbox", "snapshot", &id, "--json"]);
+    assert_eq!(snap_json["kind"], "filesystem");
+    let inspect = json(s, &["sandbox", "inspect", &id]);
+    assert_eq!(inspect["engine"], "jail");
+    assert_eq!(inspect["status"], "Running");
+    assert_eq!(inspect["metadata"]["team"], "blue");
+    assert_eq!(inspect["snapshots"][0]["kind"], "filesystem");
+
+    // Rollback brings the files back and says the processes were restarted.
+    ok(
+        s,
+        &[
+            "sandbox",
+            "exec",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "echo changed > $HOME/f",
+        ],
+    );
+    let out = ok(s, &["sandbox", "rollback", &id, &snap]);
+    assert!(
+        text(&out.stderr).contains("restarted"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = ok(s, &["sandbox", "exec", &id, "--", "cat", "/home/user/f"]);
+    assert_eq!(text(&out.stdout), "saved\n");
+    let lost = cube(s, &["sandbox", "code", &id, "x"]);
+    assert_eq!(
+        lost.status.code(),
+        Some(1),
+        "the context did not survive a rollback"
+    );
+
+    // A clone has the files and is its own sandbox.
+    let out = ok(s, &["sandbox", "clone", &id]);
+    let clone = text(&out.stdout).trim().to_string();
+    assert!(text(&out.stderr).contains("filesystem snapshot"));
+    let out = ok(
+        s,
+        &[
+            "sandbox",
+            "exec",
+            &clone,
+            "--",
+            "sh",
+            "-c",
+            "cat $HOME/f; echo c > $HOME/f",
+        ],
+    );
+    assert_eq!(text(&out.stdout), "saved\n");
+    let out = ok(s, &["sandbox", "exec", &id, "--", "cat", "/home/user/f"]);
+    assert_eq!(text(&out.stdout), "saved\n");
+
+    ok(s, &["sandbox", "rm", &id, &clone]);
+    assert_eq!(json(s, &["sandbox", "ls", "--json"]), serde_json::json!([]));
+    for dir in ["sandboxes", "snapshots"] {
+        assert_eq!(std::fs::read_dir(s.join(dir)).unwrap().count(), 0, "{dir}");
+    }
+}

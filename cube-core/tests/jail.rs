@@ -1,0 +1,484 @@
+//! Jail sandboxes through the Sandbox API: create on the built-in host template, the
+//! agent, env, limits, pause, filesystem snapshots (rollback, clone, hibernate, wake),
+//! isolation between sandboxes, and destroy leaving nothing behind.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cube_agent::client::Client;
+use cube_agent::protocol::{ExecRequest, Language, RequestBody};
+use cube_core::sandbox::{EngineChoice, SandboxError, SnapshotKind};
+use cube_core::supervisor::protocol::{JailStatus, MachineStatus};
+use cube_core::{CreateOptions, Engine, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
+
+const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
+
+/// Why this host cannot run jails, if it cannot.
+fn skip() -> bool {
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: jails need root (namespaces, mounts, cgroups)");
+        return true;
+    }
+    if cube_jail::CgroupLayout::detect().is_err() {
+        eprintln!("skipped: no cgroup hierarchy is readable");
+        return true;
+    }
+    let agent = Path::new(SUPERVISOR).with_file_name("cube-agent");
+    assert!(
+        agent.is_file(),
+        "{} is missing: build cube-agent first (cargo build -p cube-agent, or run the tests \
+         with -p cube-agent -p cube-core)",
+        agent.display()
+    );
+    false
+}
+
+/// A private store and a runtime on it.
+struct Env {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    rt: Runtime,
+}
+
+impl Env {
+    fn new(pool_size: usize) -> Env {
+        let dir = tempfile::TempDir::new().unwrap();
+        let root = dir.path().canonicalize().unwrap();
+        let rt = Runtime::open(RuntimeConfig {
+            store_root: root.clone(),
+            pool_size,
+            supervisor: Some(PathBuf::from(SUPERVISOR)),
+        })
+        .unwrap();
+        if pool_size > 0 {
+            rt.wait_pool_ready();
+        }
+        Env {
+            _dir: dir,
+            root,
+            rt,
+        }
+    }
+
+    fn create(&self, options: CreateOptions) -> Sandbox {
+        self.rt.create(HOST_TEMPLATE, options).unwrap()
+    }
+}
+
+fn sh(client: &Client, script: &str) -> (i32, String, String) {
+    let out = client
+        .exec(ExecRequest {
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            ..ExecRequest::default()
+        })
+        .unwrap();
+    (
+        out.exit.code.unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn jail_status(sb: &mut Sandbox) -> JailStatus {
+    sb.status()
+        .unwrap()
+        .jail
+        .expect("a jail sandbox reports its jail")
+}
+
+/// Destroys `sb` and checks that its processes, cgroups, layer, socket, directory and
+/// supervisor are all gone.
+fn destroy_and_check(mut sb: Sandbox) {
+    let status = sb.status().unwrap();
+    let jail = status.jail.clone().unwrap();
+    let dir = sb.dir().to_path_buf();
+    let jail_pids: Vec<u32> = jail
+        .cgroups
+        .iter()
+        .flat_map(|d| {
+            std::fs::read_to_string(d.join("cgroup.procs"))
+                .unwrap_or_default()
+                .lines()
+                .map(|l| l.parse::<u32>().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(
+        !jail_pids.is_empty(),
+        "the sandbox's cgroups hold its processes"
+    );
+    sb.destroy().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{}", status.pid)).exists() {
+        assert!(
+            Instant::now() < deadline,
+            "supervisor {} survived destroy",
+            status.pid
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for pid in jail_pids {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "process {pid} survived"
+        );
+    }
+    for cg in &jail.cgroups {
+        assert!(!cg.exists(), "cgroup {} survived", cg.display());
+    }
+    assert!(!jail.layer.exists(), "layer survived");
+    assert!(!jail.agent_socket.exists(), "agent socket survived");
+    assert!(!dir.exists(), "sandbox directory survived");
+    assert!(
+        cube_jail::rootfs::mounts_under(&dir).unwrap().is_empty(),
+        "a mount survived"
+    );
+}
+
+#[test]
+fn host_template_is_listed_and_engines_are_checked() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    let templates = env.rt.templates().unwrap();
+    let host = templates.iter().find(|t| t.name == HOST_TEMPLATE).unwrap();
+    assert_eq!(host.engine, Engine::Jail);
+    let err = env
+        .rt
+        .create(
+            HOST_TEMPLATE,
+            CreateOptions {
+                engine: EngineChoice::Vm,
+                ..CreateOptions::default()
+            },
+        )
+        .err()
+        .unwrap();
+    assert!(matches!(err, SandboxError::EngineMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("jail engine"), "{err}");
+    assert!(matches!(
+        env.rt.remove_template(HOST_TEMPLATE),
+        Err(SandboxError::BuiltInTemplate(_))
+    ));
+    // Nothing was left by the refused create.
+    assert!(env.rt.list().unwrap().is_empty());
+}
+
+fn lifecycle(pool_size: usize) {
+    let env = Env::new(pool_size);
+    let mut options = CreateOptions::new(false);
+    options.engine = EngineChoice::Jail;
+    options.env = vec![("CUBE_TEST_VAR".into(), "forty-two".into())];
+    options.metadata.insert("owner".into(), "test".into());
+    let mut sb = env.create(options);
+    assert_eq!(sb.engine(), Engine::Jail);
+    let list = env.rt.list().unwrap();
+    assert_eq!(list.len(), 1);
+    assert_eq!(list[0].engine, Engine::Jail);
+    assert_eq!(
+        list[0].metadata.get("owner").map(String::as_str),
+        Some("test")
+    );
+    assert_eq!(sb.status().unwrap().status, MachineStatus::Running);
+
+    let agent = sb.agent().unwrap();
+    let (code, out, err) = sh(&agent, "echo $CUBE_TEST_VAR; id -u; hostname");
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(out, "forty-two\n65534\nsandbox\n");
+    // The sandbox sees its own processes only: the agent and this shell.
+    let (_, out, _) = sh(&agent, "ls /proc | grep -c '^[0-9]'");
+    // The agent, sh, ls and grep.
+    assert!(out.trim().parse::<u32>().unwrap() <= 4, "{out}");
+
+    // Another process (here: another handle) reaches the same agent.
+    let again = env.rt.attach(sb.id()).unwrap();
+    assert_eq!(sh(&again.agent().unwrap(), "echo hi").1, "hi\n");
+
+    // A Python cell round trip through a context.
+    agent
+        .create_context("main", Language::Python, None)
+        .unwrap();
+    let r = agent.run_code("main", "x = 20\nx + 22", None).unwrap();
+    assert_eq!(r.value.as_deref(), Some("42"));
+
+    destroy_and_check(sb);
+}
+
+#[test]
+fn lifecycle_without_a_pool() {
+    if skip() {
+        return;
+    }
+    lifecycle(0);
+}
+
+#[test]
+fn lifecycle_with_a_jail_started_ahead_in_the_pool() {
+    if skip() {
+        return;
+    }
+    lifecycle(1);
+}
+
+#[test]
+fn pause_stops_progress_and_resume_continues() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    let mut sb = env.create(CreateOptions::new(false));
+    let agent = sb.agent().unwrap();
+    // Started, never waited for: the loop runs until destroy.
+    let _counter = agent
+        .start(RequestBody::Exec(ExecRequest {
+            argv: vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                "i=0; while true; do i=$((i+1)); echo $i > $HOME/count; done".into(),
+            ],
+            ..ExecRequest::default()
+        }))
+        .unwrap();
+    let file = jail_status(&mut sb).layer.join("home/user/count");
+    let read = || std::fs::read_to_string(&file).unwrap_or_default();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while read().is_empty() {
+        assert!(Instant::now() < deadline, "the counter never started");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    sb.pause().unwrap();
+    assert_eq!(sb.status().unwrap().status, MachineStatus::Paused);
+    // A write already under way may land; after that nothing moves.
+    std::thread::sleep(Duration::from_millis(50));
+    let frozen = read();
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(read(), frozen, "the counter moved while paused");
+    sb.resume().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while read() == frozen {
+        assert!(Instant::now() < deadline, "the counter did not continue");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    destroy_and_check(sb);
+}
+
+#[test]
+fn memory_and_pids_limits_hold() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    let mut options = CreateOptions::new(true);
+    options.memory_mib = Some(64);
+    options.pids_max = Some(32);
+    let sb = env.create(options);
+    let agent = sb.agent().unwrap();
+    // 256 MiB touched page by page cannot fit into 64 MiB.
+    let (code, _, _) = sh(
+        &agent,
+        "python3 -c 'b = bytearray(256 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint(\"fit\")'",
+    );
+    assert_ne!(code, 0, "256 MiB fit into a 64 MiB sandbox");
+    let forks = r#"
+import os, signal, time
+pids = []
+for _ in range(100):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    pids.append(pid)
+print(len(pids))
+for pid in pids:
+    os.kill(pid, signal.SIGKILL)
+"#;
+    let (code, out, err) = sh(&agent, &format!("python3 -c '{forks}'"));
+    assert_eq!(code, 0, "{err}");
+    let forked: u32 = out.trim().parse().unwrap();
+    assert!(
+        (1..32).contains(&forked),
+        "{forked} processes forked under a pids limit of 32"
+    );
+    sb.destroy().unwrap();
+}
+
+#[test]
+fn snapshot_and_rollback_restore_the_files_and_restart_the_agent() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    let mut sb = env.create(CreateOptions::new(false));
+    let agent = sb.agent().unwrap();
+    assert_eq!(sh(&agent, "echo before > $HOME/a").0, 0);
+    let snap = sb.snapshot().unwrap();
+    assert_eq!(snap.kind, SnapshotKind::Filesystem);
+    let listed = env.rt.snapshots(Some(sb.id())).unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].kind, SnapshotKind::Filesystem);
+    assert_eq!(listed[0].engine, Engine::Jail);
+    assert_eq!(sh(&agent, "echo after > $HOME/a; echo new > $HOME/b").0, 0);
+    let generation = sb.status().unwrap().generation;
+    sb.rollback(&snap.id).unwrap();
+    assert!(sb.status().unwrap().generation > generation);
+    // The old agent is gone with its processes; a new connection reaches the new one.
+    let agent = sb.agent().unwrap();
+    let (_, out, _) = sh(
+        &agent,
+        "cat $HOME/a; test -e $HOME/b && echo b-exists; true",
+    );
+    assert_eq!(out, "before\n");
+    // The snapshot can be rolled back to again.
+    assert_eq!(sh(&agent, "echo third > $HOME/a").0, 0);
+    sb.rollback(&snap.id).unwrap();
+    assert_eq!(sh(&sb.agent().unwrap(), "cat $HOME/a").1, "before\n");
+    let snap_dir = snap.dir.clone();
+    destroy_and_check(sb);
+    assert!(!snap_dir.exists(), "the sandbox's snapshots go with it");
+}
+
+#[test]
+fn clones_and_their_source_do_not_see_each_others_changes() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    let mut source = env.create(CreateOptions::new(false));
+    let src_agent = source.agent().unwrap();
+    assert_eq!(sh(&src_agent, "echo shared > $HOME/f").0, 0);
+    let clones = env
+        .rt
+        .clone_sandbox(&mut source, 2, 2, CreateOptions::new(false))
+        .unwrap();
+    assert_eq!(clones.len(), 2);
+    let a = clones[0].agent().unwrap();
+    let b = clones[1].agent().unwrap();
+    assert_eq!(sh(&a, "cat $HOME/f").1, "shared\n");
+    assert_eq!(
+        sh(&a, "echo from-clone > $HOME/f; echo x > $HOME/only-clone").0,
+        0
+    );
+    assert_eq!(sh(&src_agent, "echo from-source > $HOME/only-source").0, 0);
+    assert_eq!(
+        sh(&src_agent, "cat $HOME/f; ls $HOME").1,
+        "shared\nf\nonly-source\n"
+    );
+    assert_eq!(sh(&a, "ls $HOME").1, "f\nonly-clone\n");
+    assert_eq!(sh(&b, "cat $HOME/f; ls $HOME").1, "shared\nf\n");
+    for c in clones {
+        assert_eq!(c.engine(), Engine::Jail);
+        destroy_and_check(c);
+    }
+    destroy_and_check(source);
+}
+
+#[test]
+fn two_sandboxes_cannot_see_each_others_files() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    let mut a = env.create(CreateOptions::new(true));
+    let b = env.create(CreateOptions::new(true));
+    let a_agent = a.agent().unwrap();
+    let b_agent = b.agent().unwrap();
+    assert_eq!(sh(&a_agent, "echo secret > $HOME/secret").0, 0);
+    let a_layer = jail_status(&mut a).layer;
+    let probe = format!(
+        "test -e $HOME/secret && echo own-home; \
+         test -e {}/home/user/secret && echo host-path; \
+         test -e {} && echo store; \
+         find / -xdev -name secret 2>/dev/null | head -1; true",
+        a_layer.display(),
+        env.root.display()
+    );
+    assert_eq!(sh(&b_agent, &probe).1, "");
+    a.destroy().unwrap();
+    b.destroy().unwrap();
+}
+
+#[test]
+fn hibernate_keeps_the_files_and_wake_starts_again() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    let mut sb = env.create(CreateOptions::new(false));
+    assert_eq!(sh(&sb.agent().unwrap(), "echo kept > $HOME/k").0, 0);
+    let pid = jail_status(&mut sb).pid.unwrap();
+    sb.hibernate().unwrap();
+    assert_eq!(sb.status().unwrap().status, MachineStatus::Hibernated);
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "processes outlived hibernate"
+    );
+    assert!(jail_status(&mut sb).pid.is_none());
+    // A snapshot of a hibernated sandbox copies the kept layer.
+    let snap = sb.snapshot().unwrap();
+    assert_eq!(snap.kind, SnapshotKind::Filesystem);
+    sb.wake().unwrap();
+    assert_eq!(sb.status().unwrap().status, MachineStatus::Running);
+    assert_eq!(sh(&sb.agent().unwrap(), "cat $HOME/k").1, "kept\n");
+    destroy_and_check(sb);
+}
+
+#[test]
+fn a_sandbox_past_its_lifetime_is_destroyed() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    let mut options = CreateOptions::new(false);
+    options.lifetime = Some(Duration::from_millis(300));
+    let mut sb = env.create(options);
+    let dir = sb.dir().to_path_buf();
+    let jail = jail_status(&mut sb);
+    drop(sb);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dir.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the sandbox outlived its lifetime"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for cg in &jail.cgroups {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while cg.exists() {
+            assert!(
+                Instant::now() < deadline,
+                "cgroup {} survived",
+                cg.display()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    assert!(env.rt.list().unwrap().is_empty());
+}
+
+#[test]
+fn an_ephemeral_sandbox_ends_with_its_handle() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    let mut sb = env.create(CreateOptions::new(true));
+    let dir = sb.dir().to_path_buf();
+    let supervisor = sb.status().unwrap().pid;
+    drop(sb);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while dir.exists() || Path::new(&format!("/proc/{supervisor}")).exists() {
+        assert!(
+            Instant::now() < deadline,
+            "the ephemeral sandbox outlived its handle"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
