@@ -48,8 +48,10 @@ pub fn sandbox_error(err: SandboxError) -> PyErr {
         SandboxError::UnknownSandbox(_) => "SandboxNotFound",
         SandboxError::UnknownTemplate(_) => "TemplateNotFound",
         SandboxError::UnknownSnapshot(_) => "SnapshotNotFound",
-        SandboxError::NotOwner { .. } => "InvalidArgument",
-        SandboxError::Pool(_) => "EngineUnavailable",
+        SandboxError::NotOwner { .. }
+        | SandboxError::EngineMismatch { .. }
+        | SandboxError::BuiltInTemplate(_) => "InvalidArgument",
+        SandboxError::Pool(_) | SandboxError::NoAgent(_) => "EngineUnavailable",
         _ => "SandboxError",
     };
     raise(class, message)

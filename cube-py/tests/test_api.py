@@ -82,3 +82,9 @@ def test_a_malformed_id_is_an_error_not_a_path() -> None:
     _root()
     with pytest.raises(cubesandbox.CubeError):
         Sandbox.connect("../../etc")
+
+
+def test_asking_the_host_template_for_the_vm_engine_is_refused() -> None:
+    _root()
+    with pytest.raises(cubesandbox.InvalidArgument, match="jail"):
+        Sandbox.create(engine="vm")
