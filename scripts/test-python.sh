@@ -23,7 +23,24 @@ python3 -m venv "$venv"
 # Run from outside the source tree so `import cubesandbox` is the installed wheel, not
 # cube-py/python; each run gets a store of its own, removed afterwards.
 store=$(mktemp -d /tmp/cube-py-store.XXXXXX)
-cleanup() { rm -rf "$store"; }
+cleanup() {
+    # Whatever a failed or interrupted run left running goes before its store does.
+    CUBE_HOME="$store" "$venv/bin/python" - <<'PY' || true
+import cubesandbox
+for info in cubesandbox.Sandbox.list():
+    try:
+        cubesandbox.Sandbox.connect(info.sandbox_id).kill()
+    except cubesandbox.CubeError as e:
+        print(f"test-python: could not kill {info.sandbox_id}: {e}")
+PY
+    # Pre-started supervisors tear their ready jails down once this process is gone,
+    # asynchronously: wait for them so that the store can be removed.
+    for _ in $(seq 200); do
+        pgrep -f -- "--scratch $store/" >/dev/null || break
+        sleep 0.1
+    done
+    rm -rf "$store" || echo "test-python: could not remove $store" >&2
+}
 trap cleanup EXIT
 tests="$(pwd)/cube-py/tests"
 set +e
