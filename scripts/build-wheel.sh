@@ -27,7 +27,9 @@ cargo build "${cargo_flags[@]}" "${locked[@]}" -p cube-core --bin cube-superviso
 cargo build "${cargo_flags[@]}" "${locked[@]}" -p cube-agent --bin cube-agent
 pkg_bin=cube-py/python/cubesandbox/bin
 mkdir -p "$pkg_bin"
-install -m 0755 "$bin_dir/cube-supervisor" "$bin_dir/cube-agent" "$pkg_bin/"
+strip_flag=()
+[ "$profile" = release ] && strip_flag=(-s)  # as maturin strips the extension
+install -m 0755 "${strip_flag[@]}" "$bin_dir/cube-supervisor" "$bin_dir/cube-agent" "$pkg_bin/"
 
 maturin="${MATURIN:-}"
 if [ -z "$maturin" ]; then
