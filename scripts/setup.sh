@@ -21,6 +21,8 @@ if [ "${#need[@]}" -gt 0 ]; then
     apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 
+bash scripts/setup-jail.sh
+
 if ! command -v cargo >/dev/null 2>&1; then
     echo "setup: cargo not found: install a Rust toolchain (rustup, Rust >= 1.85) first" >&2
     exit 1

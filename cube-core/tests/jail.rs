@@ -420,6 +420,7 @@ fn hibernate_keeps_the_files_and_wake_starts_again() {
         "processes outlived hibernate"
     );
     assert!(jail_status(&mut sb).pid.is_none());
+    assert!(matches!(sb.agent(), Err(SandboxError::Hibernated(_))));
     // A snapshot of a hibernated sandbox copies the kept layer.
     let snap = sb.snapshot().unwrap();
     assert_eq!(snap.kind, SnapshotKind::Filesystem);
@@ -481,4 +482,67 @@ fn an_ephemeral_sandbox_ends_with_its_handle() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A supervisor on a host without KVM (here: /dev/kvm hidden in its mount namespace)
+/// still serves jail sandboxes, pooled ones included, and says why a VM cannot start.
+#[test]
+fn supervisors_without_kvm_serve_jails() {
+    if skip() {
+        return;
+    }
+    let unshare_works = std::process::Command::new("unshare")
+        .args(["-m", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !unshare_works {
+        eprintln!("skipped: unshare -m is not available to hide /dev/kvm");
+        return;
+    }
+    let dir = tempfile::TempDir::new().unwrap();
+    let root = dir.path().canonicalize().unwrap();
+    // The wrapper execs the real supervisor, which finds the agent next to itself.
+    let wrapper = root.join("cube-supervisor");
+    let hide = if Path::new("/dev/kvm").exists() {
+        "mount --bind /dev/null /dev/kvm || exit 1"
+    } else {
+        ":"
+    };
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexec unshare -m sh -c '{hide}; exec \"$0\" \"$@\"' {SUPERVISOR} \"$@\"\n"
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let store = root.join("store");
+    let rt = Runtime::open(RuntimeConfig {
+        store_root: store.clone(),
+        pool_size: 1,
+        supervisor: Some(wrapper),
+    })
+    .unwrap();
+    rt.wait_pool_ready();
+    let sb = rt.create(HOST_TEMPLATE, CreateOptions::new(true)).unwrap();
+    assert_eq!(
+        sh(&sb.agent().unwrap(), "echo no-kvm-needed").1,
+        "no-kvm-needed\n"
+    );
+    sb.destroy().unwrap();
+    let err = rt
+        .build_test_template(
+            "vm",
+            cube_core::snapshot::MachineConfig::default(),
+            cube_core::test_guest::WorkingSet::default(),
+            0,
+        )
+        .expect_err("a VM cannot start without KVM");
+    let message = cube_core::error_report::chain(&err);
+    assert!(message.contains("needs KVM"), "{message}");
+    drop(rt);
 }

@@ -247,7 +247,8 @@ pub struct JailConfig {
     /// A writable layer an earlier sandbox left ([`Jail::layer_dir`], kept by
     /// [`Jail::destroy_keeping_layer`] or cloned from a snapshot): spawn moves it into
     /// place instead of starting empty, so the sandbox finds its files again. It must be
-    /// on the filesystem of `state_dir` and is consumed.
+    /// on the filesystem of `state_dir` and is consumed; a spawn that fails moves it
+    /// back.
     pub seed_layer: Option<PathBuf>,
 }
 
@@ -663,6 +664,9 @@ impl Jail {
         read_report(report_read, &mut record)?;
         if record.is_empty() {
             tracing::debug!(name = %jail.name, pid, "sandbox started");
+            if let Some(fs) = jail.rootfs.as_mut() {
+                fs.seed_consumed();
+            }
             return Ok(jail);
         }
         // The child failed and exits; reap it before `jail` is dropped and cleans up.

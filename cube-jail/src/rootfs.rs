@@ -348,6 +348,9 @@ pub struct RootfsLayout {
     root: PathBuf,
     /// Where the sandbox's writes persist: the root itself, or the overlay's upper dir.
     layer: PathBuf,
+    /// Where the layer came from, while a spawn seeded from it may still fail: removal
+    /// then moves the layer back there instead of deleting the caller's files.
+    seed: Option<PathBuf>,
     removed: bool,
 }
 
@@ -392,6 +395,12 @@ impl RootfsLayout {
         self.remove_inner()
     }
 
+    /// The sandbox runs on its seeded layer: from now on the layer is the sandbox's and
+    /// removal deletes it.
+    pub fn seed_consumed(&mut self) {
+        self.seed = None;
+    }
+
     /// Like [`RootfsLayout::remove`], but first moves the writable layer to `keep`
     /// (same filesystem; `keep` must not exist), where a later sandbox can be seeded
     /// from it. Call only once the sandbox's processes are gone.
@@ -405,6 +414,12 @@ impl RootfsLayout {
             return Ok(());
         }
         let mut mounts = mounts_under(&self.state_dir)?;
+        if let Some(seed) = self.seed.take() {
+            // A spawn that failed: the caller's layer goes back where it was.
+            if let Err(e) = fs::rename(&self.layer, &seed) {
+                tracing::warn!(error = %e, seed = %seed.display(), "cannot give a seed layer back");
+            }
+        }
         mounts.sort_by_key(|p| std::cmp::Reverse(p.as_os_str().len()));
         for m in mounts {
             let c = cpath(&m)?;
@@ -505,6 +520,7 @@ pub fn prepare_seeded(
         state_dir: state_dir.to_path_buf(),
         root: state_dir.join("root"),
         layer,
+        seed: seed.map(Path::to_path_buf),
         removed: false,
     };
     let root = layout.root.clone();

@@ -192,3 +192,23 @@ fn a_running_sandbox_can_be_relocated() {
     jail.destroy().unwrap();
     assert!(!to.exists());
 }
+
+#[test]
+fn a_failed_spawn_gives_the_seed_layer_back() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let seed = tmp.path().join("seed");
+    fs::create_dir_all(seed.join("home/user")).unwrap();
+    fs::write(seed.join("home/user/precious"), "data").unwrap();
+    let mut c = common::config(tmp.path(), "seedback");
+    c.seed_layer = Some(seed.clone());
+    let r = Jail::spawn(&c, &["/no/such/program"]);
+    assert!(r.is_err(), "spawning a missing program must fail");
+    assert!(!tmp.path().join("seedback").exists());
+    assert_eq!(
+        fs::read_to_string(seed.join("home/user/precious")).unwrap(),
+        "data"
+    );
+}

@@ -98,6 +98,9 @@ pub enum SandboxError {
     /// The sandbox's engine has no in-sandbox agent yet.
     #[error("Sandboxes of the {0} engine have no agent yet")]
     NoAgent(Engine),
+    /// The sandbox is hibernated: it has no processes, its agent included.
+    #[error("Sandbox {0} is hibernated: wake it first")]
+    Hibernated(String),
     /// The sandbox's agent could not be reached.
     #[error("Sandbox {0}'s agent")]
     Agent(String, #[source] cube_agent::client::ClientError),
@@ -143,10 +146,20 @@ impl Sandbox {
 
     /// A new connection to the sandbox's agent (handshake done). Any number may be
     /// open at once, from any process: the agent listens on `agent.sock` in the
-    /// sandbox's directory.
+    /// sandbox's directory. While the sandbox is paused the handshake waits for
+    /// [`Sandbox::resume`]; a hibernated sandbox is an error.
     pub fn agent(&self) -> Result<cube_agent::client::Client, SandboxError> {
         if self.engine != Engine::Jail {
             return Err(SandboxError::NoAgent(self.engine));
+        }
+        // The socket outlives the agent (the supervisor holds it): without this check
+        // the handshake would wait for a wake that may never come.
+        if self
+            .dir
+            .join(crate::supervisor::jail_sandbox::HIBERNATED_LAYER)
+            .exists()
+        {
+            return Err(SandboxError::Hibernated(self.id.clone()));
         }
         let socket = self.dir.join(crate::supervisor::jail_sandbox::AGENT_SOCKET);
         cube_agent::client::Client::connect_unix(&socket)

@@ -74,6 +74,8 @@ pub struct JailSandbox {
     paused: bool,
     /// Bumped on every (re)start of the jail.
     generation: u64,
+    /// Teardowns of replaced jails still under way; joined by destroy.
+    retiring: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl JailSandbox {
@@ -98,6 +100,7 @@ impl JailSandbox {
             jail: None,
             paused: false,
             generation: 0,
+            retiring: Vec::new(),
         };
         let seed = match layer {
             Some(layer) => Some(sandbox.stage_seed(layer)?),
@@ -147,6 +150,7 @@ impl JailSandbox {
             jail: Some(jail),
             paused: false,
             generation: 0,
+            retiring: Vec::new(),
         })
     }
 
@@ -156,8 +160,10 @@ impl JailSandbox {
     }
 
     fn spawn(&mut self, seed: Option<PathBuf>) -> Result<(), String> {
+        // Each start gets its own cgroups: a replaced jail's may still be going away.
+        let name = format!("{}-{}", self.id, self.generation + 1);
         let config = jail_config(
-            &self.id,
+            &name,
             &self.dir.join(JAIL_DIR),
             &self.agent,
             &self.settings,
@@ -176,9 +182,9 @@ impl JailSandbox {
                 Ok(())
             }
             Err(e) => {
-                // A failed spawn removes the jail directory; a seed it did not move
-                // in would be left over.
-                if let Some(seed) = seed {
+                // A failed spawn gives the seed back: a copy made for this start goes,
+                // a hibernated layer stays for the next wake.
+                if let Some(seed) = seed.filter(|s| *s == self.dir.join(SEED_LAYER)) {
                     let _ = std::fs::remove_dir_all(seed);
                 }
                 Err(format!("starting the jail: {}", error_chain(&e)))
@@ -370,21 +376,58 @@ impl JailSandbox {
                 meta.id, meta.engine, meta.kind
             ));
         }
+        let start = std::time::Instant::now();
         // Copy first: a snapshot that cannot be copied leaves the sandbox as it was.
         let seed = self.stage_seed(&snapshot.join(LAYER_DIR))?;
+        tracing::debug!(elapsed = ?start.elapsed(), "rollback: layer copied");
         if let Some(jail) = self.jail.take() {
-            if let Err(e) = jail.destroy() {
+            if let Err(e) = self.retire(jail) {
                 let _ = std::fs::remove_dir_all(&seed);
                 return Err(format!("stopping the jail: {}", error_chain(&e)));
             }
         }
+        tracing::debug!(elapsed = ?start.elapsed(), "rollback: old jail stopped");
         let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATED_LAYER));
-        self.spawn(Some(seed))
+        let spawned = self.spawn(Some(seed));
+        tracing::debug!(elapsed = ?start.elapsed(), "rollback: new jail started");
+        spawned
+    }
+
+    /// Ends a replaced jail's processes now (so its agent accepts nothing more) and
+    /// moves it aside; its cgroups and files go off the request path.
+    fn retire(&mut self, mut jail: Jail) -> Result<(), cube_jail::JailError> {
+        jail.kill()?;
+        jail.wait()?;
+        let aside = self
+            .dir
+            .join(format!("{JAIL_DIR}.retired-{}", self.generation));
+        if let Err(e) = jail.relocate(&aside) {
+            tracing::debug!("tearing the old jail down in place: {}", error_chain(&e));
+            return jail.destroy();
+        }
+        self.retiring.retain(|t| !t.is_finished());
+        let sandbox = self.id.clone();
+        let spawned = std::thread::Builder::new()
+            .name("retire-jail".into())
+            .spawn(move || {
+                if let Err(e) = jail.destroy() {
+                    tracing::warn!(sandbox = %sandbox, "removing a replaced jail: {}", error_chain(&e));
+                }
+            });
+        match spawned {
+            Ok(handle) => self.retiring.push(handle),
+            // The jail was dropped, and so destroyed, with the closure.
+            Err(e) => tracing::warn!("retiring a jail inline: {e}"),
+        }
+        Ok(())
     }
 
     /// Ends every process and removes the jail, its cgroups and its layer; the agent
     /// socket goes too.
     pub fn destroy(&mut self) {
+        for handle in std::mem::take(&mut self.retiring) {
+            let _ = handle.join();
+        }
         if let Some(jail) = self.jail.take() {
             if let Err(e) = jail.destroy() {
                 tracing::warn!(sandbox = %self.id, "destroying the jail: {}", error_chain(&e));
