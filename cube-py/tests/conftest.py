@@ -17,14 +17,14 @@ TEMPLATE = os.environ.get("CUBE_TEST_TEMPLATE") or cubesandbox.DEFAULT_TEMPLATE
 _created: List[Sandbox] = []
 
 
-def _needs_root() -> None:
+def needs_root() -> None:
     if os.geteuid() != 0:
         pytest.skip("skipping: sandboxes need root (namespaces, mounts, cgroups)")
 
 
 def new_sandbox(**kwargs: object) -> Sandbox:
     """A sandbox that the session kills at its end if the test did not."""
-    _needs_root()
+    needs_root()
     kwargs.setdefault("engine", ENGINE)
     kwargs.setdefault("template", TEMPLATE)
     try:
