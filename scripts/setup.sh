@@ -43,6 +43,9 @@ echo "setup: building (release)"
 cargo build --release --workspace --bins --locked
 install -m 0755 target/release/cube target/release/cube-supervisor target/release/cube-agent /usr/local/bin/
 
+echo "setup: python package tools"
+bash scripts/setup-python.sh
+
 echo "setup: store"
 # The store must reflink for fast snapshots; on ext4 (as here) it gets an XFS image
 # on a loop device. `cube store setup` is a no-op where the store already reflinks.

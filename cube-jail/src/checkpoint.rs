@@ -818,7 +818,7 @@ pub fn restore(
 
     let layout = CgroupLayout::detect()?;
     let cgroup = SandboxCgroup::create(&layout, &config.name, &config.limits)?;
-    let rootfs = RootfsLayout::create_empty(&config.state_dir)?;
+    let rootfs = RootfsLayout::create_empty(&config.state_dir, &config.root)?;
     let state_dir = rootfs.state_dir().to_path_buf();
     // The root directory becomes a mount point: a bind of itself, or the overlay.
     let root_mount: RootMount = match lower {

@@ -453,7 +453,8 @@ impl RootfsLayout {
     /// Creates an empty sandbox directory `state_dir` (it must not exist) whose root
     /// directory is to be filled by the caller, e.g. with a checkpoint's writable layer.
     /// Like a prepared layout it is removed on drop.
-    pub fn create_empty(state_dir: &Path) -> Result<RootfsLayout> {
+    /// `spec` says where its writable layer will be (see [`RootfsLayout::layer`]).
+    pub fn create_empty(state_dir: &Path, spec: &RootSpec) -> Result<RootfsLayout> {
         validate_path(state_dir)?;
         match fs::DirBuilder::new().mode(0o700).create(state_dir) {
             Ok(()) => {}
@@ -462,9 +463,16 @@ impl RootfsLayout {
             }
             Err(e) => return Err(io_err("create", state_dir)(e)),
         }
+        let root = state_dir.join("root");
+        let layer = match spec {
+            RootSpec::HostUserland => root.clone(),
+            RootSpec::Overlay { .. } => state_dir.join("upper"),
+        };
         Ok(RootfsLayout {
             state_dir: state_dir.to_path_buf(),
-            root: state_dir.join("root"),
+            root,
+            layer,
+            seed: None,
             removed: false,
         })
     }

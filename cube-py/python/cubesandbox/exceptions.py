@@ -1,0 +1,136 @@
+"""The exceptions `cubesandbox` raises.
+
+Every one derives from :class:`CubeError`; where a built-in exception means the same
+thing (a missing file, a timeout, a bad argument) it derives from that too, so
+``except FileNotFoundError`` works on a sandbox's files as it does on local ones.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Optional
+
+
+class CubeError(Exception):
+    """Base class of every error Cube raises."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class SandboxNotFound(CubeError, LookupError):
+    """No sandbox with this id is running (or it was killed)."""
+
+
+class TemplateNotFound(CubeError, LookupError):
+    """No template with this name exists in the store."""
+
+
+class SnapshotNotFound(CubeError, LookupError):
+    """No snapshot with this id exists."""
+
+
+class InvalidArgument(CubeError, ValueError):
+    """An argument was rejected (unknown engine or language, bad path, ...)."""
+
+
+class EngineUnavailable(CubeError):
+    """The engine cannot run here (missing helper binary, missing privileges, no KVM)."""
+
+
+class SandboxError(CubeError):
+    """A sandbox operation failed in the engine."""
+
+
+class ConnectionLost(SandboxError):
+    """The connection to the sandbox's agent broke (the sandbox stopped or restarted)."""
+
+
+class AgentError(CubeError):
+    """The agent inside the sandbox refused a request; ``code`` says why."""
+
+    code: Optional[str] = None
+
+
+class ContextError(AgentError):
+    """The code context does not exist or its interpreter died."""
+
+
+class FileNotFound(AgentError, builtins.FileNotFoundError):
+    """A path in the sandbox does not exist."""
+
+
+class FileExists(AgentError, builtins.FileExistsError):
+    """A path in the sandbox already exists."""
+
+
+class PermissionDenied(AgentError, builtins.PermissionError):
+    """The sandbox does not allow the operation (e.g. a read-only path)."""
+
+
+class NotADirectory(AgentError, builtins.NotADirectoryError):
+    """A path component in the sandbox is not a directory."""
+
+
+class IsADirectory(AgentError, builtins.IsADirectoryError):
+    """A directory was given where a file is needed."""
+
+
+class DirectoryNotEmpty(AgentError, builtins.OSError):
+    """The directory is not empty."""
+
+
+class TimeoutError(CubeError, builtins.TimeoutError):
+    """An operation did not finish in time (a cell, a command, a wait)."""
+
+
+class CommandError(CubeError):
+    """A command in the sandbox failed."""
+
+
+class CommandExitError(CommandError):
+    """A command exited with a non-zero status (or was killed by a signal).
+
+    Carries what the command printed, like the result of a successful run.
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        stdout: str = "",
+        stderr: str = "",
+        exit_code: int = -1,
+        error: Optional[str] = None,
+    ) -> None:
+        super().__init__(message)
+        self.stdout = stdout
+        self.stderr = stderr
+        self.exit_code = exit_code
+        self.error = error
+
+
+__all__ = [
+    "AgentError",
+    "CommandError",
+    "CommandExitError",
+    "ConnectionLost",
+    "ContextError",
+    "CubeError",
+    "DirectoryNotEmpty",
+    "EngineUnavailable",
+    "FileExists",
+    "FileNotFound",
+    "InvalidArgument",
+    "IsADirectory",
+    "NotADirectory",
+    "PermissionDenied",
+    "SandboxError",
+    "SandboxNotFound",
+    "SnapshotNotFound",
+    "TemplateNotFound",
+    "TimeoutError",
+]

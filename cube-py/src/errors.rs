@@ -1,0 +1,92 @@
+//! Turns Cube's Rust errors into the Python exceptions of `cubesandbox.exceptions`.
+//!
+//! The exception classes are defined in Python (so they can also derive from the
+//! matching built-ins, `FileNotFoundError`, `TimeoutError`, ...) and looked up by name
+//! when raised.
+
+use cube_agent::client::ClientError;
+use cube_agent::protocol::ErrorCode;
+use cube_core::error_report::chain;
+use cube_core::SandboxError;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::PyString;
+
+/// The Python module holding the exception classes.
+const EXCEPTIONS_MODULE: &str = "cubesandbox.exceptions";
+
+/// The class raised when the connection to a sandbox's agent broke.
+pub const CONNECTION_LOST: &str = "ConnectionLost";
+
+/// An exception of class `class` (a name in `cubesandbox.exceptions`) with `message`,
+/// and `attributes` set on it.
+pub fn raise(class: &str, message: impl Into<String>) -> PyErr {
+    raise_with(class, message.into(), &[])
+}
+
+/// Like [`raise`], setting `attributes` on the exception.
+pub fn raise_with(class: &str, message: String, attributes: &[(&str, Py<PyAny>)]) -> PyErr {
+    Python::attach(|py| {
+        let built = (|| -> PyResult<PyErr> {
+            let cls = py.import(EXCEPTIONS_MODULE)?.getattr(class)?;
+            let exc = cls.call1((message.clone(),))?;
+            for (name, value) in attributes {
+                exc.setattr(*name, value.bind(py))?;
+            }
+            Ok(PyErr::from_value(exc))
+        })();
+        // Without the Python half of the package the class is missing: still say what
+        // went wrong.
+        built.unwrap_or_else(|_| PyRuntimeError::new_err(message))
+    })
+}
+
+/// The exception for a failed sandbox operation.
+pub fn sandbox_error(err: SandboxError) -> PyErr {
+    let message = chain(&err);
+    let class = match &err {
+        SandboxError::UnknownSandbox(_) => "SandboxNotFound",
+        SandboxError::UnknownTemplate(_) => "TemplateNotFound",
+        SandboxError::UnknownSnapshot(_) => "SnapshotNotFound",
+        SandboxError::NotOwner { .. }
+        | SandboxError::EngineMismatch { .. }
+        | SandboxError::BuiltInTemplate(_) => "InvalidArgument",
+        SandboxError::Pool(_) | SandboxError::NoAgent(_) => "EngineUnavailable",
+        _ => "SandboxError",
+    };
+    raise(class, message)
+}
+
+/// The exception for a failed request to a sandbox's agent.
+pub fn agent_error(err: ClientError) -> PyErr {
+    match &err {
+        ClientError::Agent(reply) => {
+            let class = match reply.code {
+                ErrorCode::NotFound => "FileNotFound",
+                ErrorCode::AlreadyExists => "FileExists",
+                ErrorCode::PermissionDenied => "PermissionDenied",
+                ErrorCode::NotADirectory => "NotADirectory",
+                ErrorCode::IsADirectory => "IsADirectory",
+                ErrorCode::NotEmpty => "DirectoryNotEmpty",
+                ErrorCode::InvalidArgument => "InvalidArgument",
+                ErrorCode::NoSuchContext | ErrorCode::ContextLost => "ContextError",
+                _ => "AgentError",
+            };
+            let code = Python::attach(|py| {
+                PyString::new(py, &format!("{:?}", reply.code))
+                    .into_any()
+                    .unbind()
+            });
+            raise_with(class, reply.message.clone(), &[("code", code)])
+        }
+        ClientError::Timeout => raise("TimeoutError", "the sandbox's agent did not answer in time"),
+        ClientError::Disconnected | ClientError::Connect(_) | ClientError::Send(_) => raise(
+            CONNECTION_LOST,
+            format!(
+                "lost the connection to the sandbox's agent ({}); is the sandbox still running?",
+                chain(&err)
+            ),
+        ),
+        _ => raise("AgentError", chain(&err)),
+    }
+}

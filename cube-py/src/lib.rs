@@ -1,0 +1,128 @@
+//! `cubesandbox._native`: the compiled half of the `cubesandbox` Python package.
+//!
+//! It exposes Cube's public Sandbox API ([`cube_core`]) and the agent client
+//! ([`cube_agent::client`]) in plain shapes (strings, bytes, tuples, dicts); the pure
+//! Python half (`python/cubesandbox`) builds the E2B-style objects on top. Every
+//! blocking call releases the GIL; long waits wake up regularly to run Python's signal
+//! handlers, so Ctrl-C interrupts them.
+
+mod agent_connect;
+mod code;
+mod commands;
+mod engine;
+mod errors;
+mod exec_id;
+mod files;
+mod interrupt;
+mod sandbox;
+mod text_stream;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+mod _native {
+    use std::collections::BTreeMap;
+    use std::path::PathBuf;
+    use std::sync::Arc;
+
+    use pyo3::prelude::*;
+    use pyo3::types::PyDict;
+
+    use crate::engine::{self, CreateRequest, EngineName};
+    use crate::errors::{raise, sandbox_error};
+    use crate::interrupt::seconds;
+
+    #[pymodule_export]
+    use crate::commands::Background;
+    #[pymodule_export]
+    use crate::sandbox::NativeSandbox;
+
+    /// The template used when none is named.
+    #[pyfunction]
+    fn default_template() -> &'static str {
+        engine::default_template()
+    }
+
+    /// Creates a sandbox.
+    #[pyfunction]
+    #[pyo3(signature = (template, engine="auto", envs=None, metadata=None, lifetime=None, store=None))]
+    fn create(
+        py: Python<'_>,
+        template: &str,
+        engine: &str,
+        envs: Option<BTreeMap<String, String>>,
+        metadata: Option<BTreeMap<String, String>>,
+        lifetime: Option<f64>,
+        store: Option<PathBuf>,
+    ) -> PyResult<NativeSandbox> {
+        let engine_name = EngineName::parse(engine).ok_or_else(|| {
+            raise(
+                "InvalidArgument",
+                format!("unknown engine {engine:?} (use \"auto\", \"jail\" or \"vm\")"),
+            )
+        })?;
+        let request = CreateRequest {
+            engine: engine_name,
+            env: envs.unwrap_or_default().into_iter().collect(),
+            metadata: metadata.unwrap_or_default(),
+            lifetime: seconds("timeout", lifetime)?,
+        };
+        let template = template.to_string();
+        let (runtime, sandbox) = py
+            .detach(|| {
+                let runtime = engine::runtime(store)?;
+                let sandbox = engine::create(&runtime, &template, request)?;
+                Ok((runtime, sandbox))
+            })
+            .map_err(sandbox_error)?;
+        Ok(NativeSandbox::new(runtime, sandbox))
+    }
+
+    /// Attaches to a running sandbox by id.
+    #[pyfunction]
+    #[pyo3(signature = (id, store=None))]
+    fn connect(py: Python<'_>, id: &str, store: Option<PathBuf>) -> PyResult<NativeSandbox> {
+        let (runtime, sandbox) = py
+            .detach(|| {
+                let runtime = engine::runtime(store)?;
+                let sandbox = engine::attach(&runtime, id)?;
+                Ok((runtime, sandbox))
+            })
+            .map_err(|e| match e {
+                // The record exists but nothing answers: the sandbox is gone.
+                cube_core::SandboxError::Supervisor { .. } => raise(
+                    "SandboxNotFound",
+                    format!("sandbox {id} is not running (its supervisor does not answer)"),
+                ),
+                other => sandbox_error(other),
+            })?;
+        Ok(NativeSandbox::new(Arc::clone(&runtime), sandbox))
+    }
+
+    /// The sandboxes in the store, as dicts.
+    #[pyfunction]
+    #[pyo3(signature = (store=None))]
+    fn list_sandboxes<'py>(
+        py: Python<'py>,
+        store: Option<PathBuf>,
+    ) -> PyResult<Vec<Bound<'py, PyDict>>> {
+        let summaries = py
+            .detach(|| {
+                let runtime = engine::runtime(store)?;
+                engine::list(&runtime)
+            })
+            .map_err(sandbox_error)?;
+        summaries
+            .into_iter()
+            .map(|s| {
+                let d = PyDict::new(py);
+                d.set_item("id", s.id)?;
+                d.set_item("engine", s.engine)?;
+                d.set_item("origin", s.origin)?;
+                d.set_item("created_unix", s.created_unix)?;
+                d.set_item("metadata", s.metadata)?;
+                Ok(d)
+            })
+            .collect()
+    }
+}
