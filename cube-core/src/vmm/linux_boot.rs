@@ -21,8 +21,11 @@ use vm_memory::{Bytes, GuestAddress};
 
 use super::layout::ram_ranges;
 use super::machine::{memory_layout, register_guest_memory};
+use super::mmio_bus::MmioBus;
 use super::serial::LegacyPorts;
 use super::vcpu_runner::{PortIo, VcpuHandle, VcpuRunnerError};
+use super::virtio_devices::{VirtioDevices, VirtioDevicesError};
+use crate::devices::virtio::device::VirtioDevice;
 use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::{Vm, VmConfig};
 use crate::vstate::KvmContext;
@@ -82,6 +85,9 @@ pub enum BootError {
     /// vCPU thread.
     #[error("vCPU thread")]
     Runner(#[from] VcpuRunnerError),
+    /// Virtio devices.
+    #[error("Virtio devices")]
+    Devices(#[from] VirtioDevicesError),
 }
 
 /// What to boot.
@@ -100,6 +106,7 @@ pub struct LinuxBootConfig {
 /// A booting (or booted) Linux guest. Field order is drop order.
 pub struct LinuxVm {
     vcpus: Vec<VcpuHandle>,
+    devices: VirtioDevices,
     _vm: Vm,
     _memory: GuestMemory,
 }
@@ -109,6 +116,11 @@ impl LinuxVm {
     pub fn fatal(&self) -> Option<String> {
         self.vcpus.iter().find_map(|v| v.fatal())
     }
+
+    /// The guest's virtio devices.
+    pub fn devices(&self) -> &VirtioDevices {
+        &self.devices
+    }
 }
 
 /// Boots `config` with one vCPU; the serial console goes to `console`.
@@ -116,6 +128,17 @@ pub fn boot(
     ctx: &Arc<KvmContext>,
     config: &LinuxBootConfig,
     console: Box<dyn Write + Send>,
+) -> Result<LinuxVm, BootError> {
+    boot_with_devices(ctx, config, console, Vec::new())
+}
+
+/// Boots `config` with one vCPU and the virtio `devices` (announced to the kernel on
+/// its command line); the serial console goes to `console`.
+pub fn boot_with_devices(
+    ctx: &Arc<KvmContext>,
+    config: &LinuxBootConfig,
+    console: Box<dyn Write + Send>,
+    devices: Vec<Box<dyn VirtioDevice>>,
 ) -> Result<LinuxVm, BootError> {
     let ram = ram_ranges(config.memory_bytes)?;
     let memory = GuestMemory::anonymous(memory_layout(&ram)?)?;
@@ -133,7 +156,10 @@ pub fn boot(
     if let Some(initrd) = &config.initrd {
         modules.push(load_initrd(&memory, initrd, ram[0].size)?);
     }
-    write_start_info(&memory, &ram, &config.cmdline, &modules)?;
+    let mut bus = MmioBus::new();
+    let devices = VirtioDevices::attach(vm.fd(), memory.inner(), &mut bus, devices)?;
+    let cmdline = with_device_entries(&config.cmdline, &devices);
+    write_start_info(&memory, &ram, &cmdline, &modules)?;
 
     let vcpu = Vcpu::new(&vm, 0)?;
     vcpu.configure_cpuid()?;
@@ -146,13 +172,24 @@ pub fn boot(
         .apic_base;
     vcpu.set_initial_registers(&regs, &sregs)?;
     let ports: Arc<dyn PortIo> = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
-    let handle = VcpuHandle::spawn_with_ports(vcpu, Some(ports))?;
+    let handle = VcpuHandle::spawn_with_buses(vcpu, Some(ports), Some(Arc::new(bus)))?;
     handle.resume()?;
     Ok(LinuxVm {
         vcpus: vec![handle],
+        devices,
         _vm: vm,
         _memory: memory,
     })
+}
+
+/// The user's command line followed by one `virtio_mmio.device=` entry per device.
+fn with_device_entries(cmdline: &str, devices: &VirtioDevices) -> String {
+    let entries = devices.cmdline();
+    match (cmdline.trim().is_empty(), entries.is_empty()) {
+        (_, true) => cmdline.to_string(),
+        (true, false) => entries,
+        (false, false) => format!("{} {entries}", cmdline.trim_end()),
+    }
 }
 
 fn load_kernel(memory: &GuestMemory, path: &Path) -> Result<GuestAddress, BootError> {

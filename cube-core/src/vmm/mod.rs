@@ -6,5 +6,7 @@ pub mod dirty_tracking;
 pub mod layout;
 pub mod linux_boot;
 pub mod machine;
+pub mod mmio_bus;
 pub mod serial;
 pub mod vcpu_runner;
+pub mod virtio_devices;

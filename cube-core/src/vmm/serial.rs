@@ -32,10 +32,19 @@ impl Trigger for IrqLine {
     }
 }
 
-/// The legacy port-I/O bus of a microVM: COM1 and nothing else (other ports read as
-/// all ones, as on a real bus with no device).
+/// The i8042 keyboard controller's data port.
+pub const I8042_DATA: u16 = 0x60;
+/// The i8042 keyboard controller's command/status port.
+pub const I8042_COMMAND: u16 = 0x64;
+/// The i8042 command that pulses the CPU reset line (Linux's `reboot=k`).
+const I8042_RESET: u8 = 0xfe;
+
+/// The legacy port-I/O bus of a microVM: COM1, and just enough of the i8042 for a
+/// guest to reset the machine (other ports read as all ones, as on a real bus with no
+/// device).
 pub struct LegacyPorts {
     com1: Mutex<Serial<IrqLine, NoEvents, Box<dyn Write + Send>>>,
+    reset_requested: std::sync::atomic::AtomicBool,
 }
 
 impl LegacyPorts {
@@ -43,6 +52,7 @@ impl LegacyPorts {
     pub fn new(vm: Arc<VmFd>, console: Box<dyn Write + Send>) -> Self {
         LegacyPorts {
             com1: Mutex::new(Serial::new(IrqLine { vm }, console)),
+            reset_requested: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -60,17 +70,31 @@ impl PortIo for LegacyPorts {
                 let mut com1 = self.com1.lock().unwrap_or_else(|e| e.into_inner());
                 data[0] = com1.read(offset);
             }
+            // An i8042 with empty buffers: the guest's probe sees a controller that
+            // never has data, and its reset command is taken.
+            (None, 1) if port == I8042_DATA || port == I8042_COMMAND => data[0] = 0,
             _ => data.fill(0xff),
         }
     }
 
     fn write(&self, port: u16, data: &[u8]) {
+        if port == I8042_COMMAND && data == [I8042_RESET] {
+            self.reset_requested
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            return;
+        }
         if let (Some(offset), [value]) = (Self::com1_offset(port), data) {
             let mut com1 = self.com1.lock().unwrap_or_else(|e| e.into_inner());
             if let Err(e) = com1.write(offset, *value) {
                 tracing::debug!("COM1 write: {e:?}");
             }
         }
+    }
+
+    fn stop_requested(&self) -> Option<String> {
+        self.reset_requested
+            .load(std::sync::atomic::Ordering::SeqCst)
+            .then(|| "guest reset the machine through the i8042 controller".to_string())
     }
 }
 
@@ -117,5 +141,14 @@ mod tests {
         assert_eq!(nothing, [0xff, 0xff]);
         ports.read(COM1_BASE, &mut nothing);
         assert_eq!(nothing, [0xff, 0xff]);
+        // The i8042: an idle controller, and a reset the vCPU loop reports.
+        let mut status = [0xffu8];
+        ports.read(I8042_COMMAND, &mut status);
+        assert_eq!(status, [0]);
+        assert_eq!(ports.stop_requested(), None);
+        ports.write(I8042_COMMAND, &[0xaa]);
+        assert_eq!(ports.stop_requested(), None);
+        ports.write(I8042_COMMAND, &[0xfe]);
+        assert!(ports.stop_requested().unwrap().contains("reset"));
     }
 }

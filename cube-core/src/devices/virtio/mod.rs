@@ -11,8 +11,9 @@ pub mod mmio;
 pub mod persist;
 pub mod queue;
 pub mod rng;
+pub mod slot;
 #[cfg(test)]
-mod test_driver;
+pub(crate) mod test_driver;
 
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::GuestMemoryMmap;
