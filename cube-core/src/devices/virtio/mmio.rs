@@ -182,6 +182,11 @@ impl MmioTransport {
         self.device.as_mut()
     }
 
+    /// The guest memory the device works on.
+    pub fn memory(&self) -> &VirtioMemory {
+        &self.memory
+    }
+
     /// How many queues the device has.
     pub fn queue_count(&self) -> usize {
         self.queues.len()

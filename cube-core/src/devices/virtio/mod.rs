@@ -5,6 +5,8 @@
 //! Every value the guest provides (queue geometry, descriptor chains, ring indices) is
 //! validated before use: a malformed request is refused, never trusted.
 
+pub mod block;
+pub mod chain_io;
 pub mod device;
 pub mod interrupt;
 pub mod mmio;
