@@ -16,6 +16,7 @@ pub mod rng;
 pub mod slot;
 #[cfg(test)]
 pub(crate) mod test_driver;
+pub mod vsock;
 
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::GuestMemoryMmap;

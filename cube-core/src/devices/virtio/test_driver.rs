@@ -123,19 +123,6 @@ impl Ring {
         )
     }
 
-    /// Waits (bounded) until the device has used `n` chains in total.
-    pub(crate) fn wait_used(&self, n: u16) {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while self.used_idx() != n {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "device used {} chains, expected {n}",
-                self.used_idx()
-            );
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-    }
-
     pub(crate) fn read_buf(&self, addr: u64, len: usize) -> Vec<u8> {
         let mut v = vec![0; len];
         self.mem.read_slice(&mut v, GuestAddress(addr)).unwrap();
