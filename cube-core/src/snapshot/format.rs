@@ -147,6 +147,18 @@ pub enum DeviceKind {
 }
 
 impl DeviceKind {
+    /// The kind of device type `device_type`, if Cube has such a device.
+    pub fn from_device_type(device_type: u32) -> Option<Self> {
+        [
+            DeviceKind::Block,
+            DeviceKind::Vsock,
+            DeviceKind::Net,
+            DeviceKind::Rng,
+        ]
+        .into_iter()
+        .find(|k| k.device_type() == device_type)
+    }
+
     /// The virtio device type id of this kind.
     pub fn device_type(self) -> u32 {
         match self {

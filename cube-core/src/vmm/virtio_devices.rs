@@ -17,6 +17,7 @@ use crate::devices::virtio::mmio::{regs, MmioTransport, MMIO_WINDOW_SIZE};
 use crate::devices::virtio::persist::{PersistError, VirtioMmioState};
 use crate::devices::virtio::slot::{SlotEvents, VirtioSlot};
 use crate::devices::virtio::VirtioMemory;
+use crate::snapshot::format::{DeviceKind, DeviceRecord};
 
 /// Guest physical address of the first virtio-mmio window (right after the control
 /// device).
@@ -77,6 +78,9 @@ pub enum VirtioDevicesError {
         #[source]
         source: PersistError,
     },
+    /// A device of a type snapshots cannot record.
+    #[error("Virtio device type {0} cannot be saved")]
+    UnknownDevice(u32),
     /// A restored clone could not change its per-clone state.
     #[error("Preparing virtio device {index} as a clone failed")]
     Clone {
@@ -148,7 +152,7 @@ impl VirtioDevices {
         memory: &VirtioMemory,
         bus: &mut MmioBus,
         devices: Vec<Box<dyn VirtioDevice>>,
-        states: &[VirtioMmioState],
+        states: &[DeviceRecord],
         cloned: bool,
     ) -> Result<Self, VirtioDevicesError> {
         if states.len() != devices.len() {
@@ -160,7 +164,7 @@ impl VirtioDevices {
         let starts = devices
             .into_iter()
             .zip(states)
-            .map(|(d, s)| (d, Start::Restored(s)))
+            .map(|(d, s)| (d, Start::Restored(&s.state)))
             .collect();
         let attached = Self::build(vm, memory, bus, starts)?;
         if cloned {
@@ -250,8 +254,16 @@ impl VirtioDevices {
     }
 
     /// The state of every device, for a snapshot taken while the vCPUs are paused.
-    pub fn save(&self) -> Vec<VirtioMmioState> {
-        self.devices.iter().map(|d| d.slot.lock().save()).collect()
+    pub fn save(&self) -> Result<Vec<DeviceRecord>, VirtioDevicesError> {
+        self.devices
+            .iter()
+            .map(|d| {
+                let state = d.slot.lock().save();
+                let kind = DeviceKind::from_device_type(state.device_type)
+                    .ok_or(VirtioDevicesError::UnknownDevice(state.device_type))?;
+                Ok(DeviceRecord { kind, state })
+            })
+            .collect()
     }
 }
 
@@ -404,5 +416,117 @@ mod tests {
             assert!(Instant::now() < deadline, "irq 5 never reached the PIC");
             std::thread::sleep(Duration::from_millis(2));
         }
+    }
+
+    #[test]
+    fn a_disk_request_pending_at_snapshot_is_served_by_the_restored_clone() {
+        use crate::devices::virtio::block::{Block, BlockOptions, VIRTIO_BLK_T_OUT};
+        use crate::devices::virtio::queue::VIRTQ_DESC_F_NEXT;
+        let Some(vm) = vm_with_irqchip() else { return };
+        let img = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(img.path(), vec![0u8; 4096]).unwrap();
+        let mem = memory();
+        let mut bus = MmioBus::new();
+        let blk = Block::open(img.path(), BlockOptions::default()).unwrap();
+        let attached = VirtioDevices::attach(
+            &vm,
+            &mem,
+            &mut bus,
+            vec![Box::new(blk), Box::new(Rng::new())],
+        )
+        .unwrap();
+        let base = attached.devices()[0].base;
+        let mut ring = Ring::new(&mem, 16);
+        bus_write32(&bus, base + regs::STATUS, STATUS_ACKNOWLEDGE);
+        bus_write32(
+            &bus,
+            base + regs::STATUS,
+            STATUS_ACKNOWLEDGE | STATUS_DRIVER,
+        );
+        bus_write32(&bus, base + regs::DRIVER_FEATURES_SEL, 1);
+        bus_write32(&bus, base + regs::DRIVER_FEATURES, 1);
+        bus_write32(
+            &bus,
+            base + regs::STATUS,
+            STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK,
+        );
+        bus_write32(&bus, base + regs::QUEUE_NUM, 16);
+        bus_write32(
+            &bus,
+            base + regs::QUEUE_DESC_LOW,
+            ring.layout.desc_table as u32,
+        );
+        bus_write32(
+            &bus,
+            base + regs::QUEUE_DRIVER_LOW,
+            ring.layout.avail_ring as u32,
+        );
+        bus_write32(
+            &bus,
+            base + regs::QUEUE_DEVICE_LOW,
+            ring.layout.used_ring as u32,
+        );
+        bus_write32(&bus, base + regs::QUEUE_READY, 1);
+        bus_write32(
+            &bus,
+            base + regs::STATUS,
+            STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK,
+        );
+        // A write request is made available; the VM is snapshotted before the notify.
+        let (hdr, data, status) = (BUF, BUF + 0x1000, BUF + 0x2000);
+        use vm_memory::{Bytes, GuestAddress};
+        mem.write_obj(VIRTIO_BLK_T_OUT, GuestAddress(hdr)).unwrap();
+        mem.write_obj(2u64, GuestAddress(hdr + 8)).unwrap();
+        mem.write_slice(&[0x77; 512], GuestAddress(data)).unwrap();
+        ring.set_desc(0, hdr, 16, VIRTQ_DESC_F_NEXT, 1);
+        ring.set_desc(1, data, 512, VIRTQ_DESC_F_NEXT, 2);
+        ring.set_desc(2, status, 1, VIRTQ_DESC_F_WRITE, 0);
+        ring.publish(0);
+        let records = attached.save().unwrap();
+        assert_eq!(records[0].kind, DeviceKind::Block);
+        assert_eq!(records[1].kind, DeviceKind::Rng);
+        drop(attached);
+
+        let vm2 = vm_with_irqchip().unwrap();
+        let mut bus2 = MmioBus::new();
+        let blk = Block::open(img.path(), BlockOptions::default()).unwrap();
+        let restored = VirtioDevices::restore(
+            &vm2,
+            &mem,
+            &mut bus2,
+            vec![Box::new(blk), Box::new(Rng::new())],
+            &records,
+            true,
+        )
+        .unwrap();
+        restored.devices()[0].notify_as_guest(0).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while ring.used_idx() == 0 {
+            assert!(
+                Instant::now() < deadline,
+                "the restored device never served"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        assert_eq!(
+            &std::fs::read(img.path()).unwrap()[1024..1536],
+            &[0x77; 512]
+        );
+        // The clone's rng moved to a new generation.
+        assert_ne!(
+            bus_read32(&bus2, restored.devices()[1].base + regs::CONFIG_GENERATION),
+            0
+        );
+        // A snapshot with devices in another order is refused.
+        let blk = Block::open(img.path(), BlockOptions::default()).unwrap();
+        assert!(VirtioDevices::restore(
+            &vm_with_irqchip().unwrap(),
+            &mem,
+            &mut MmioBus::new(),
+            vec![Box::new(Rng::new()), Box::new(blk)],
+            &records,
+            false,
+        )
+        .is_err());
     }
 }
