@@ -10,10 +10,12 @@ pub mod chain_io;
 pub mod device;
 pub mod interrupt;
 pub mod mmio;
+pub mod net;
 pub mod persist;
 pub mod queue;
 pub mod rng;
 pub mod slot;
+pub mod tap;
 #[cfg(test)]
 pub(crate) mod test_driver;
 pub mod vsock;

@@ -422,6 +422,12 @@ impl Queue {
         Ok(Some(u16::from_le(head)))
     }
 
+    /// Gives back the entry [`Queue::pop_avail`] just took, so the next call takes it
+    /// again (a device that found it has nothing to put in the buffer).
+    pub fn unpop_avail(&mut self) {
+        self.next_avail -= Wrapping(1);
+    }
+
     /// Returns chain `head` to the driver with `len` bytes written into it.
     pub fn add_used<M: GuestMemoryBackend>(
         &mut self,
