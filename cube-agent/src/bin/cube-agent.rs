@@ -11,21 +11,27 @@ use cube_agent::init;
 use cube_agent::reaper::Reaper;
 use cube_agent::server::{Agent, AgentConfig};
 
-const USAGE: &str = "usage: cube-agent (--listen <unix socket path> | --fd <N>) [--grace-ms <ms>]";
+const USAGE: &str = "usage: cube-agent (--listen <unix socket path> | --fd <N> | --vsock <port> \
+                     [--modules <list>]) [--grace-ms <ms>]";
 
 enum Mode {
     Listen(PathBuf),
     Fd(RawFd),
+    /// Inside a microVM: listen on this vsock port.
+    Vsock(u32),
 }
 
 struct Args {
     mode: Mode,
     grace: Duration,
+    /// Kernel modules to load first (a VM's initramfs lists its virtio drivers).
+    modules: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut mode = None;
     let mut grace = Duration::from_secs(2);
+    let mut modules = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().ok_or(format!("{arg} needs a value"));
@@ -39,6 +45,11 @@ fn parse_args() -> Result<Args, String> {
                 }
                 mode = Some(Mode::Fd(fd));
             }
+            "--vsock" => {
+                let v = value()?;
+                mode = Some(Mode::Vsock(v.parse().map_err(|_| format!("bad port {v}"))?));
+            }
+            "--modules" => modules = Some(PathBuf::from(value()?)),
             "--grace-ms" => {
                 let v = value()?;
                 grace = Duration::from_millis(v.parse().map_err(|_| format!("bad grace {v}"))?);
@@ -50,6 +61,7 @@ fn parse_args() -> Result<Args, String> {
     Ok(Args {
         mode: mode.ok_or(USAGE)?,
         grace,
+        modules,
     })
 }
 
@@ -90,7 +102,33 @@ fn main() -> ExitCode {
         return fail(&e);
     }
     tracing::info!(pid1 = init::is_pid1(), "cube-agent starting");
+    if let Mode::Vsock(_) = args.mode {
+        if init::is_pid1() {
+            if let Err(e) = cube_agent::vm_init::mount_kernel_filesystems() {
+                return fail(&e);
+            }
+        }
+    }
+    if let Some(list) = &args.modules {
+        match cube_agent::vm_init::load_modules(list) {
+            Ok(n) => tracing::info!(loaded = n, "kernel modules loaded"),
+            Err(e) => return fail(&e),
+        }
+    }
     match args.mode {
+        Mode::Vsock(port) => {
+            let listener = match cube_agent::transport::vsock::VsockListener::bind(port) {
+                Ok(l) => l,
+                Err(e) => return fail(&e),
+            };
+            tracing::info!(port, "listening on vsock");
+            loop {
+                match listener.accept() {
+                    Ok(stream) => serve_in_thread(&agent, stream),
+                    Err(e) => tracing::warn!(error = %e, "vsock accept failed"),
+                }
+            }
+        }
         Mode::Fd(fd) => {
             // SAFETY: F_GETFD only inspects the descriptor table entry for `fd`.
             if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
@@ -146,6 +184,21 @@ fn main() -> ExitCode {
             }
             ExitCode::SUCCESS
         }
+    }
+}
+
+/// Serves one connection on its own thread.
+fn serve_in_thread<T: cube_agent::transport::Transport>(agent: &Agent, stream: T) {
+    let agent = agent.clone();
+    let spawned = std::thread::Builder::new()
+        .name("connection".into())
+        .spawn(move || {
+            if let Err(e) = agent.serve(stream) {
+                tracing::warn!(error = %e, "connection ended");
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "no thread for a connection");
     }
 }
 

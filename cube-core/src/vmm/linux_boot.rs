@@ -1,7 +1,8 @@
-//! Booting a Linux kernel through its PVH entry point: the ELF `vmlinux` is loaded with
-//! linux-loader, the boot information (memory map, command line, initrd) goes into an
+//! Booting a Linux kernel: an ELF `vmlinux` through its PVH entry point (linux-loader
+//! loads it, the boot information — memory map, command line, initrd — goes into an
 //! `hvm_start_info`, and the boot vCPU starts in 32-bit protected mode at the entry
-//! the kernel's Xen ELF note names.
+//! the kernel's Xen ELF note names), or a bzImage through the 64-bit boot protocol
+//! (see [`super::bzimage_boot`]). Which one is decided by the file's contents.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -19,6 +20,7 @@ use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::KernelLoader;
 use vm_memory::{Bytes, GuestAddress};
 
+use super::bzimage_boot;
 use super::layout::ram_ranges;
 use super::machine::{memory_layout, register_guest_memory};
 use super::mmio_bus::MmioBus;
@@ -93,7 +95,7 @@ pub enum BootError {
 /// What to boot.
 #[derive(Clone, Debug)]
 pub struct LinuxBootConfig {
-    /// An ELF `vmlinux` with a PVH entry.
+    /// An ELF `vmlinux` with a PVH entry, or a bzImage.
     pub kernel: PathBuf,
     /// An initramfs, if any.
     pub initrd: Option<PathBuf>,
@@ -151,19 +153,39 @@ pub fn boot_with_devices(
     )?;
     // SAFETY: `memory` moves into the returned LinuxVm, which drops it after the VM.
     unsafe { register_guest_memory(&vm, &memory, false)? };
-    let entry = load_kernel(&memory, &config.kernel)?;
-    let mut modules = Vec::new();
-    if let Some(initrd) = &config.initrd {
-        modules.push(load_initrd(&memory, initrd, ram[0].size)?);
-    }
+    let bzimage = bzimage_boot::is_bzimage(&config.kernel)
+        .map_err(|e| BootError::OpenKernel(config.kernel.clone(), e))?;
     let mut bus = MmioBus::new();
     let devices = VirtioDevices::attach(vm.fd(), memory.inner(), &mut bus, devices)?;
     let cmdline = with_device_entries(&config.cmdline, &devices);
-    write_start_info(&memory, &ram, &cmdline, &modules)?;
+    let (regs, mut sregs) = if bzimage {
+        let kernel = bzimage_boot::load(memory.inner(), &config.kernel)?;
+        let initrd = match &config.initrd {
+            Some(path) => {
+                let m = load_initrd(&memory, path, ram[0].size)?;
+                Some((m.paddr, m.size))
+            }
+            None => None,
+        };
+        let cmdline_len = write_cmdline(&memory, &cmdline)?;
+        let inputs = bzimage_boot::BootInputs {
+            cmdline_addr: CMDLINE_ADDR,
+            cmdline_len,
+            initrd,
+        };
+        bzimage_boot::configure(memory.inner(), &kernel, &ram, &inputs)?
+    } else {
+        let entry = load_kernel(&memory, &config.kernel)?;
+        let mut modules = Vec::new();
+        if let Some(initrd) = &config.initrd {
+            modules.push(load_initrd(&memory, initrd, ram[0].size)?);
+        }
+        write_start_info(&memory, &ram, &cmdline, &modules)?;
+        pvh_registers(entry)
+    };
 
     let vcpu = Vcpu::new(&vm, 0)?;
     vcpu.configure_cpuid()?;
-    let (regs, mut sregs) = pvh_registers(entry);
     // Keep KVM's reset APIC base (enabled, BSP): the kernel needs its local APIC.
     sregs.apic_base = vcpu
         .fd()
@@ -233,17 +255,24 @@ fn load_initrd(
     })
 }
 
+/// Writes the command line at [`CMDLINE_ADDR`]; returns its length.
+fn write_cmdline(memory: &GuestMemory, cmdline: &str) -> Result<u32, BootError> {
+    let mut line = Cmdline::new(CMDLINE_MAX).map_err(|e| BootError::Cmdline(e.to_string()))?;
+    line.insert_str(cmdline)
+        .map_err(|e| BootError::Cmdline(e.to_string()))?;
+    linux_loader::loader::load_cmdline(memory.inner(), GuestAddress(CMDLINE_ADDR), &line)
+        .map_err(|e| BootError::Cmdline(e.to_string()))?;
+    // Bounded by CMDLINE_MAX.
+    Ok(cmdline.len() as u32)
+}
+
 fn write_start_info(
     memory: &GuestMemory,
     ram: &[super::layout::RamRange],
     cmdline: &str,
     modules: &[hvm_modlist_entry],
 ) -> Result<(), BootError> {
-    let mut line = Cmdline::new(CMDLINE_MAX).map_err(|e| BootError::Cmdline(e.to_string()))?;
-    line.insert_str(cmdline)
-        .map_err(|e| BootError::Cmdline(e.to_string()))?;
-    linux_loader::loader::load_cmdline(memory.inner(), GuestAddress(CMDLINE_ADDR), &line)
-        .map_err(|e| BootError::Cmdline(e.to_string()))?;
+    write_cmdline(memory, cmdline)?;
 
     // Conventional memory below the EBDA, then every RAM range from 1 MiB up.
     let mut memmap = vec![hvm_memmap_table_entry {
