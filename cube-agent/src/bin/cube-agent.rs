@@ -14,6 +14,11 @@ use cube_agent::server::{Agent, AgentConfig};
 const USAGE: &str = "usage: cube-agent (--listen <unix socket path> | --fd <N> | --vsock <port> \
                      [--modules <list>]) [--grace-ms <ms>]";
 
+/// The vsock port the agent serves in a microVM when started without arguments.
+const VM_AGENT_PORT: u32 = 1024;
+/// The module list Cube's initramfs carries.
+const VM_MODULE_LIST: &str = "/lib/modules/cube/modules.order";
+
 enum Mode {
     Listen(PathBuf),
     Fd(RawFd),
@@ -57,6 +62,15 @@ fn parse_args() -> Result<Args, String> {
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
+    }
+    // PID 1 of a microVM started from Cube's initramfs (scripts/build-initramfs.sh)
+    // gets no arguments: serve vsock and load the initramfs's virtio modules.
+    if mode.is_none() && cube_agent::init::is_pid1() {
+        let list = PathBuf::from(VM_MODULE_LIST);
+        if list.exists() {
+            modules = modules.or(Some(list));
+        }
+        mode = Some(Mode::Vsock(VM_AGENT_PORT));
     }
     Ok(Args {
         mode: mode.ok_or(USAGE)?,
