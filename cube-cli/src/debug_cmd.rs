@@ -18,7 +18,7 @@ pub enum DebugCommand {
     ///
     /// Example: cube debug boot --kernel vmlinux --until 'Linux version' --timeout 120
     Boot {
-        /// An ELF vmlinux with a PVH entry point.
+        /// An ELF vmlinux with a PVH entry point, or a bzImage.
         #[arg(long)]
         kernel: PathBuf,
         /// An initramfs.
@@ -42,6 +42,9 @@ pub enum DebugCommand {
         /// Also write the console to this file.
         #[arg(long)]
         log: Option<PathBuf>,
+        /// Number of vCPUs.
+        #[arg(long, default_value_t = 1)]
+        vcpus: u8,
     },
 }
 
@@ -91,6 +94,7 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         timeout,
         memory_mib,
         log,
+        vcpus,
     } = command;
     let pattern = until
         .as_deref()
@@ -114,6 +118,7 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         initrd,
         cmdline,
         memory_bytes: memory_mib << 20,
+        vcpus,
     };
     let vm = linux_boot::boot(&ctx, &config, Box::new(ConsoleWriter(Arc::clone(&console))))
         .map_err(|e| CliError::failed(chain(&e)))?;

@@ -93,6 +93,8 @@ pub struct BootInputs {
     pub cmdline_len: u32,
     /// Guest address and size of the initrd, if any.
     pub initrd: Option<(u64, u64)>,
+    /// Guest address of the ACPI RSDP.
+    pub rsdp: u64,
 }
 
 /// Writes the zero page, page tables and GDT, and returns the boot vCPU's registers.
@@ -115,6 +117,7 @@ pub fn configure(
     params.hdr.cmd_line_ptr = u32::try_from(inputs.cmdline_addr)
         .map_err(|_| BootError::BootParams("command line above 4 GiB".into()))?;
     params.hdr.cmdline_size = inputs.cmdline_len;
+    params.acpi_rsdp_addr = inputs.rsdp;
     if let Some((addr, size)) = inputs.initrd {
         params.hdr.ramdisk_image =
             u32::try_from(addr).map_err(|_| BootError::BootParams("initrd above 4 GiB".into()))?;

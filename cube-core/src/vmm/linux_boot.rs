@@ -20,6 +20,7 @@ use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::KernelLoader;
 use vm_memory::{Bytes, GuestAddress};
 
+use super::acpi;
 use super::bzimage_boot;
 use super::layout::ram_ranges;
 use super::machine::{memory_layout, register_guest_memory};
@@ -32,6 +33,8 @@ use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::{Vm, VmConfig};
 use crate::vstate::KvmContext;
 
+/// Most vCPUs a Linux guest can have here (xAPIC ids, one MADT entry each).
+pub const MAX_LINUX_VCPUS: u8 = 64;
 /// Where the kernel may load itself (1 MiB and up).
 const HIMEM_START: u64 = 0x10_0000;
 /// The `hvm_start_info` structure.
@@ -103,6 +106,8 @@ pub struct LinuxBootConfig {
     pub cmdline: String,
     /// Guest RAM in bytes.
     pub memory_bytes: u64,
+    /// Number of vCPUs (the kernel learns them from the ACPI MADT).
+    pub vcpus: u8,
 }
 
 /// A booting (or booted) Linux guest. Field order is drop order.
@@ -125,7 +130,7 @@ impl LinuxVm {
     }
 }
 
-/// Boots `config` with one vCPU; the serial console goes to `console`.
+/// Boots `config`; the serial console goes to `console`.
 pub fn boot(
     ctx: &Arc<KvmContext>,
     config: &LinuxBootConfig,
@@ -134,8 +139,9 @@ pub fn boot(
     boot_with_devices(ctx, config, console, Vec::new())
 }
 
-/// Boots `config` with one vCPU and the virtio `devices` (announced to the kernel on
-/// its command line); the serial console goes to `console`.
+/// Boots `config` with the virtio `devices` (announced to the kernel in its ACPI
+/// tables, and on its command line for kernels built with
+/// `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES`); the serial console goes to `console`.
 pub fn boot_with_devices(
     ctx: &Arc<KvmContext>,
     config: &LinuxBootConfig,
@@ -144,10 +150,16 @@ pub fn boot_with_devices(
 ) -> Result<LinuxVm, BootError> {
     let ram = ram_ranges(config.memory_bytes)?;
     let memory = GuestMemory::anonymous(memory_layout(&ram)?)?;
+    if config.vcpus == 0 || config.vcpus > MAX_LINUX_VCPUS {
+        return Err(BootError::BootParams(format!(
+            "{} vCPUs requested, 1..={MAX_LINUX_VCPUS} supported",
+            config.vcpus
+        )));
+    }
     let vm = Vm::new(
         ctx,
         &VmConfig {
-            vcpus: 1,
+            vcpus: config.vcpus,
             irqchip: true,
         },
     )?;
@@ -158,6 +170,16 @@ pub fn boot_with_devices(
     let mut bus = MmioBus::new();
     let devices = VirtioDevices::attach(vm.fd(), memory.inner(), &mut bus, devices)?;
     let cmdline = with_device_entries(&config.cmdline, &devices);
+    let device_info: Vec<acpi::MmioDeviceInfo> = devices
+        .devices()
+        .iter()
+        .map(|d| acpi::MmioDeviceInfo {
+            base: d.base,
+            irq: d.irq,
+        })
+        .collect();
+    let rsdp = acpi::write_tables(memory.inner(), config.vcpus, &device_info)
+        .map_err(|e| BootError::BootParams(e.to_string()))?;
     let (regs, mut sregs) = if bzimage {
         let kernel = bzimage_boot::load(memory.inner(), &config.kernel)?;
         let initrd = match &config.initrd {
@@ -172,6 +194,7 @@ pub fn boot_with_devices(
             cmdline_addr: CMDLINE_ADDR,
             cmdline_len,
             initrd,
+            rsdp,
         };
         bzimage_boot::configure(memory.inner(), &kernel, &ram, &inputs)?
     } else {
@@ -180,7 +203,7 @@ pub fn boot_with_devices(
         if let Some(initrd) = &config.initrd {
             modules.push(load_initrd(&memory, initrd, ram[0].size)?);
         }
-        write_start_info(&memory, &ram, &cmdline, &modules)?;
+        write_start_info(&memory, &ram, &cmdline, &modules, rsdp)?;
         pvh_registers(entry)
     };
 
@@ -194,10 +217,28 @@ pub fn boot_with_devices(
         .apic_base;
     vcpu.set_initial_registers(&regs, &sregs)?;
     let ports: Arc<dyn PortIo> = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
-    let handle = VcpuHandle::spawn_with_buses(vcpu, Some(ports), Some(Arc::new(bus)))?;
-    handle.resume()?;
+    let bus = Arc::new(bus);
+    let mut handles = vec![VcpuHandle::spawn_with_buses(
+        vcpu,
+        Some(Arc::clone(&ports)),
+        Some(Arc::clone(&bus)),
+    )?];
+    // Application processors start halted in the in-kernel LAPIC (waiting for the
+    // INIT/SIPI the kernel sends when it brings them up).
+    for index in 1..config.vcpus {
+        let ap = Vcpu::new(&vm, index)?;
+        ap.configure_cpuid()?;
+        handles.push(VcpuHandle::spawn_with_buses(
+            ap,
+            Some(Arc::clone(&ports)),
+            Some(Arc::clone(&bus)),
+        )?);
+    }
+    for handle in &handles {
+        handle.resume()?;
+    }
     Ok(LinuxVm {
-        vcpus: vec![handle],
+        vcpus: handles,
         devices,
         _vm: vm,
         _memory: memory,
@@ -271,6 +312,7 @@ fn write_start_info(
     ram: &[super::layout::RamRange],
     cmdline: &str,
     modules: &[hvm_modlist_entry],
+    rsdp: u64,
 ) -> Result<(), BootError> {
     write_cmdline(memory, cmdline)?;
 
@@ -301,6 +343,7 @@ fn write_start_info(
         memmap_entries: memmap.len() as u32,
         nr_modules: modules.len() as u32,
         modlist_paddr: if modules.is_empty() { 0 } else { MODLIST_ADDR },
+        rsdp_paddr: rsdp,
         ..Default::default()
     };
     let mut params = BootParams::new(&start_info, GuestAddress(START_INFO_ADDR));

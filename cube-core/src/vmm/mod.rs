@@ -1,6 +1,7 @@
 //! The microVM monitor: guest layout, vCPU threads, devices and the machine that ties
 //! them to guest memory.
 
+pub mod acpi;
 pub mod bzimage_boot;
 pub mod control_device;
 pub mod dirty_tracking;

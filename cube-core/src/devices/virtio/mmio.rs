@@ -813,6 +813,24 @@ mod tests {
     }
 
     #[test]
+    fn a_snapshot_taken_while_the_driver_wrote_unoffered_features_restores() {
+        let (mut d, _) = rng_driver();
+        d.add_status(STATUS_ACKNOWLEDGE);
+        d.add_status(STATUS_DRIVER);
+        // Not yet accepted: the register just holds what the driver wrote.
+        d.write_driver_features(1 | VERSION_1);
+        let state = through_file(&d.transport.save());
+        let mem = d.transport_memory();
+        let mut restored = Driver::new(Box::new(Rng::new()), &mem);
+        restored.transport =
+            MmioTransport::restore(Box::new(Rng::new()), mem, restored.line.clone(), &state)
+                .unwrap();
+        // The device still refuses them at FEATURES_OK.
+        restored.add_status(STATUS_FEATURES_OK);
+        assert_eq!(restored.read32(regs::STATUS) & STATUS_FEATURES_OK, 0);
+    }
+
+    #[test]
     fn the_transport_can_move_to_another_thread() {
         fn is_send<T: Send>() {}
         is_send::<MmioTransport>();
