@@ -7,7 +7,14 @@ use std::time::{Duration, Instant};
 
 use clap::Subcommand;
 use cube_core::vmm::linux_boot::{self, LinuxBootConfig};
+use cube_core::devices::virtio::block::{Block, BlockOptions};
+use cube_core::devices::virtio::device::VirtioDevice;
+use cube_core::devices::virtio::rng::Rng;
+use cube_core::devices::virtio::vsock::Vsock;
 use cube_core::vstate::KvmContext;
+
+/// The guest context id of `cube debug boot --vsock-dir`.
+const DEBUG_GUEST_CID: u64 = 3;
 
 use crate::{chain, CliError};
 
@@ -45,6 +52,16 @@ pub enum DebugCommand {
         /// Number of vCPUs.
         #[arg(long, default_value_t = 1)]
         vcpus: u8,
+        /// Attach a virtio-blk disk backed by this image.
+        #[arg(long)]
+        disk: Option<PathBuf>,
+        /// Attach a virtio-vsock device (guest CID 3) whose host side lives in this
+        /// directory: connect to DIR/vsock.sock and send `CONNECT <port>`.
+        #[arg(long)]
+        vsock_dir: Option<PathBuf>,
+        /// Attach a virtio-rng device.
+        #[arg(long)]
+        rng: bool,
     },
 }
 
@@ -95,7 +112,11 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         memory_mib,
         log,
         vcpus,
+        disk,
+        vsock_dir,
+        rng,
     } = command;
+    let devices = debug_devices(disk, vsock_dir, rng)?;
     let pattern = until
         .as_deref()
         .map(regex::Regex::new)
@@ -120,8 +141,13 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         memory_bytes: memory_mib << 20,
         vcpus,
     };
-    let vm = linux_boot::boot(&ctx, &config, Box::new(ConsoleWriter(Arc::clone(&console))))
-        .map_err(|e| CliError::failed(chain(&e)))?;
+    let vm = linux_boot::boot_with_devices(
+        &ctx,
+        &config,
+        Box::new(ConsoleWriter(Arc::clone(&console))),
+        devices,
+    )
+    .map_err(|e| CliError::failed(chain(&e)))?;
     let deadline = Instant::now() + Duration::from_secs(timeout);
     let mut text = console.text.lock().unwrap_or_else(|e| e.into_inner());
     loop {
@@ -153,4 +179,32 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }
+}
+
+/// The virtio devices `cube debug boot` was asked for, in a fixed order (disk, vsock,
+/// rng).
+fn debug_devices(
+    disk: Option<PathBuf>,
+    vsock_dir: Option<PathBuf>,
+    rng: bool,
+) -> Result<Vec<Box<dyn VirtioDevice>>, CliError> {
+    let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
+    if let Some(image) = disk {
+        let options = BlockOptions {
+            read_only: false,
+            id: "cube-debug".into(),
+        };
+        devices.push(Box::new(
+            Block::open(&image, options).map_err(|e| CliError::failed(chain(&e)))?,
+        ));
+    }
+    if let Some(dir) = vsock_dir {
+        devices.push(Box::new(
+            Vsock::new(DEBUG_GUEST_CID, &dir).map_err(|e| CliError::failed(chain(&e)))?,
+        ));
+    }
+    if rng {
+        devices.push(Box::new(Rng::new()));
+    }
+    Ok(devices)
 }
