@@ -107,8 +107,10 @@ pub fn configure(
     let write_err = |what: &str, e: vm_memory::GuestMemoryError| {
         BootError::BootParams(format!("writing the {what}: {e}"))
     };
-    let mut params = boot_params::default();
-    params.hdr = kernel.header;
+    let mut params = boot_params {
+        hdr: kernel.header,
+        ..Default::default()
+    };
     params.hdr.type_of_loader = LOADER_TYPE;
     params.hdr.boot_flag = BOOT_FLAG;
     params.hdr.header = HDRS_MAGIC;

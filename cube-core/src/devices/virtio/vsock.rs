@@ -836,12 +836,10 @@ impl Vsock {
 
     fn run(&mut self, active: &mut Active, tx: bool) -> Result<(), DeviceError> {
         let mut interrupt = false;
-        if tx {
-            if self.process_tx(active)? {
-                interrupt |= active.queues[usize::from(TX)]
-                    .wants_interrupt(&active.memory)
-                    .map_err(|source| DeviceError::Queue { index: TX, source })?;
-            }
+        if tx && self.process_tx(active)? {
+            interrupt |= active.queues[usize::from(TX)]
+                .wants_interrupt(&active.memory)
+                .map_err(|source| DeviceError::Queue { index: TX, source })?;
         }
         if self.deliver_reset_event(active)? {
             interrupt = true;
