@@ -6,11 +6,11 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Subcommand;
-use cube_core::vmm::linux_boot::{self, LinuxBootConfig};
 use cube_core::devices::virtio::block::{Block, BlockOptions};
 use cube_core::devices::virtio::device::VirtioDevice;
 use cube_core::devices::virtio::rng::Rng;
 use cube_core::devices::virtio::vsock::Vsock;
+use cube_core::vmm::linux_boot::{self, LinuxBootConfig};
 use cube_core::vstate::KvmContext;
 
 /// The guest context id of `cube debug boot --vsock-dir`.

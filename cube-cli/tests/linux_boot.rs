@@ -131,7 +131,15 @@ fn debian_bzimage_takes_our_initrd_and_acpi_tables() {
     };
     let dir = tempfile::tempdir().unwrap();
     let out = Command::new(env!("CARGO_BIN_EXE_cube"))
-        .args(["debug", "boot", "--memory-mib", "512", "--vcpus", "2", "--rng"])
+        .args([
+            "debug",
+            "boot",
+            "--memory-mib",
+            "512",
+            "--vcpus",
+            "2",
+            "--rng",
+        ])
         .args(["--timeout", "180", "--until", "smpboot: Allowing 2 CPUs"])
         .arg("--vsock-dir")
         .arg(dir.path())
