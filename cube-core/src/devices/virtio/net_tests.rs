@@ -258,3 +258,65 @@ fn state_round_trips_and_a_foreign_mac_is_refused() {
         Err(super::super::tap::TapError::Name(_))
     ));
 }
+
+#[test]
+fn a_frame_queued_before_a_snapshot_is_sent_after_restore() {
+    let Some(ns) = NetNs::new("restore") else {
+        return;
+    };
+    let mem = memory();
+    let mut driver = Driver::new(
+        Box::new(Net::new(ns.enter(|| Tap::open("cubetap2").unwrap()), MAC).unwrap()),
+        &mem,
+    );
+    let rx = Ring::at(&mem, 64, RX_RING);
+    let mut tx = Ring::at(&mem, 64, TX_RING);
+    driver.bring_up_queues(1 << VIRTIO_F_VERSION_1, &[&rx, &tx]);
+    // The guest queues an ARP request; the snapshot comes before its notification.
+    let frame = arp_request([10, 78, 0, 2], [10, 78, 0, 1]);
+    mem.write_slice(&frame, GuestAddress(TX_BUF)).unwrap();
+    tx.set_desc(0, TX_BUF, frame.len() as u32, 0, 0);
+    tx.publish(0);
+    let state = driver.transport.save();
+    drop(driver);
+
+    // The clone gets its own TAP (the old one went away with its descriptor).
+    let tap = ns.enter(|| Tap::open("cubetap3").unwrap());
+    ns.ip(&["addr", "add", "10.78.0.1/24", "dev", "cubetap3"]);
+    ns.ip(&["link", "set", "cubetap3", "up"]);
+    let net = Net::new(tap, MAC).unwrap();
+    let transport = MmioTransport::restore(
+        Box::new(net),
+        mem.clone(),
+        Arc::new(RecordingLine::default()),
+        &state,
+    )
+    .unwrap();
+    let slot = VirtioSlot::new(transport);
+    let events: Subscriber = Arc::new(Mutex::new(SlotEvents::new(slot.clone(), Vec::new())));
+    let _event_loop = DeviceEventLoop::start(vec![events]).unwrap();
+    let mut guest = Guest {
+        slot,
+        rx,
+        tx,
+        rx_seen: 0,
+    };
+    guest.post_rx(32);
+    guest.slot.lock().notify_queue(TX);
+    assert_eq!(guest.tx.used_idx(), 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if guest
+            .received()
+            .iter()
+            .any(|f| is_arp_reply_from(f, [10, 78, 0, 1]))
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the restored device's frame got no reply"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
