@@ -10,6 +10,7 @@
 
 use acpi_tables::aml;
 use acpi_tables::fadt::{FADTBuilder, Flags};
+use acpi_tables::gas::{AccessSize, AddressSpace, GAS};
 use acpi_tables::madt::{
     EnabledStatus, IoApic, LocalInterruptController, ProcessorLocalApic, MADT,
 };
@@ -20,6 +21,13 @@ use vm_memory::{Bytes, GuestAddress};
 
 use crate::devices::virtio::VirtioMemory;
 
+/// The hardware-reduced sleep control register (one byte of port I/O): the guest
+/// powers off by writing SLP_EN with SLP_TYP = [`S5_SLEEP_TYPE`].
+pub const SLEEP_CONTROL_PORT: u16 = 0x3c0;
+/// The sleep status register (reads as zero).
+pub const SLEEP_STATUS_PORT: u16 = 0x3c1;
+/// The SLP_TYP value the DSDT's `\_S5` names for soft-off.
+pub const S5_SLEEP_TYPE: u8 = 5;
 /// Where the RSDP goes (the kernel also finds it by scanning this area).
 pub const RSDP_ADDR: u64 = 0xe_0000;
 /// End of the area the tables may use.
@@ -80,6 +88,10 @@ fn dsdt(devices: &[MmioDeviceInfo]) -> Vec<u8> {
     }
     let mut scope = Vec::new();
     RawScope { body: &body }.to_aml_bytes(&mut scope);
+    // \_S5: the sleep type of soft-off, which Linux writes to the sleep control
+    // register on poweroff.
+    let s5_type = S5_SLEEP_TYPE;
+    aml::Name::new("_S5_".into(), &aml::Package::new(vec![&s5_type])).to_aml_bytes(&mut scope);
     let mut table = Sdt::new(*b"DSDT", 36, 6, OEM_ID, OEM_TABLE_ID, 1);
     for b in scope {
         table.append(b);
@@ -149,6 +161,17 @@ fn fadt(dsdt_addr: u64) -> Vec<u8> {
         .flag(Flags::SlpButton)
         .dsdt_64(dsdt_addr);
     builder.iapc_boot_arch = IAPC_BOOT_ARCH.into();
+    let port = |p: u16| {
+        GAS::new(
+            AddressSpace::SystemIo,
+            8,
+            0,
+            AccessSize::ByteAccess,
+            p.into(),
+        )
+    };
+    builder.sleep_control_reg = port(SLEEP_CONTROL_PORT);
+    builder.sleep_status_reg = port(SLEEP_STATUS_PORT);
     bytes_of(&builder.finalize())
 }
 
@@ -264,6 +287,13 @@ mod tests {
         let dsdt = table(&mem, x_dsdt, b"DSDT");
         let text = String::from_utf8_lossy(&dsdt);
         assert_eq!(text.matches("LNRO0005").count(), 2);
+        assert!(text.contains("_S5_"), "soft-off sleep type");
+        // The sleep control register is port 0x3c0 (GAS at FADT offset 244).
+        assert_eq!(fadt[244], 1, "system I/O");
+        assert_eq!(
+            u64::from_le_bytes(fadt[248..256].try_into().unwrap()),
+            0x3c0
+        );
         // Each device's window base and interrupt are in its resources.
         for d in devices {
             let base = (d.base as u32).to_le_bytes();

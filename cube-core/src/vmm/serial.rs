@@ -8,6 +8,7 @@ use kvm_ioctls::VmFd;
 use vm_superio::serial::NoEvents;
 use vm_superio::{Serial, Trigger};
 
+use super::acpi::{S5_SLEEP_TYPE, SLEEP_CONTROL_PORT, SLEEP_STATUS_PORT};
 use super::vcpu_runner::PortIo;
 
 /// First port of COM1.
@@ -45,6 +46,7 @@ const I8042_RESET: u8 = 0xfe;
 pub struct LegacyPorts {
     com1: Mutex<Serial<IrqLine, NoEvents, Box<dyn Write + Send>>>,
     reset_requested: std::sync::atomic::AtomicBool,
+    poweroff_requested: std::sync::atomic::AtomicBool,
 }
 
 impl LegacyPorts {
@@ -53,6 +55,7 @@ impl LegacyPorts {
         LegacyPorts {
             com1: Mutex::new(Serial::new(IrqLine { vm }, console)),
             reset_requested: std::sync::atomic::AtomicBool::new(false),
+            poweroff_requested: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -73,6 +76,8 @@ impl PortIo for LegacyPorts {
             // An i8042 with empty buffers: the guest's probe sees a controller that
             // never has data, and its reset command is taken.
             (None, 1) if port == I8042_DATA || port == I8042_COMMAND => data[0] = 0,
+            // The ACPI sleep registers: nothing pending, never asleep.
+            (None, 1) if port == SLEEP_CONTROL_PORT || port == SLEEP_STATUS_PORT => data[0] = 0,
             _ => data.fill(0xff),
         }
     }
@@ -81,6 +86,14 @@ impl PortIo for LegacyPorts {
         if port == I8042_COMMAND && data == [I8042_RESET] {
             self.reset_requested
                 .store(true, std::sync::atomic::Ordering::SeqCst);
+            return;
+        }
+        if let (SLEEP_CONTROL_PORT, [value]) = (port, data) {
+            // SLP_EN (bit 5) with SLP_TYP (bits 2..4) = soft-off.
+            if value & 0x20 != 0 && (value >> 2) & 0x7 == S5_SLEEP_TYPE {
+                self.poweroff_requested
+                    .store(true, std::sync::atomic::Ordering::SeqCst);
+            }
             return;
         }
         if let (Some(offset), [value]) = (Self::com1_offset(port), data) {
@@ -92,6 +105,12 @@ impl PortIo for LegacyPorts {
     }
 
     fn stop_requested(&self) -> Option<String> {
+        if self
+            .poweroff_requested
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Some("guest powered off (ACPI S5)".to_string());
+        }
         self.reset_requested
             .load(std::sync::atomic::Ordering::SeqCst)
             .then(|| "guest reset the machine through the i8042 controller".to_string())
@@ -148,6 +167,15 @@ mod tests {
         assert_eq!(ports.stop_requested(), None);
         ports.write(I8042_COMMAND, &[0xaa]);
         assert_eq!(ports.stop_requested(), None);
+        // ACPI soft-off: SLP_TYP 5 with SLP_EN; other sleep states are ignored.
+        ports.write(SLEEP_CONTROL_PORT, &[(3 << 2) | 0x20]);
+        assert_eq!(ports.stop_requested(), None);
+        ports.write(SLEEP_CONTROL_PORT, &[(5 << 2) | 0x20]);
+        assert!(ports.stop_requested().unwrap().contains("powered off"));
+        let ports = LegacyPorts::new(
+            Arc::new(kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap()),
+            Box::new(Captured::default()),
+        );
         ports.write(I8042_COMMAND, &[0xfe]);
         assert!(ports.stop_requested().unwrap().contains("reset"));
     }
