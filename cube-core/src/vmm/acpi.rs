@@ -315,6 +315,45 @@ mod tests {
         assert_eq!((cpus, ioapics), (3, 1));
     }
 
+    /// Where `iasl` is installed (acpica-tools), the DSDT and FADT disassemble without
+    /// errors: the AML is what ACPICA, Linux's interpreter, expects.
+    #[test]
+    fn iasl_accepts_the_tables() {
+        let Ok(status) = std::process::Command::new("iasl").arg("-v").output() else {
+            eprintln!("skipping: iasl (acpica-tools) is not installed");
+            return;
+        };
+        assert!(status.status.success());
+        let dir = tempfile::tempdir().unwrap();
+        let devices = [MmioDeviceInfo {
+            base: 0xd000_1000,
+            irq: 5,
+        }];
+        for (name, bytes) in [
+            ("dsdt", dsdt(&devices)),
+            ("fadt", fadt(0xe0030)),
+            ("apic", madt(2)),
+        ] {
+            let path = dir.path().join(format!("{name}.dat"));
+            std::fs::write(&path, bytes).unwrap();
+            let out = std::process::Command::new("iasl")
+                .arg("-d")
+                .arg(&path)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout).to_string()
+                + &String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{name}: {text}");
+            assert!(!text.contains("Error"), "{name}: {text}");
+            let dsl = std::fs::read_to_string(dir.path().join(format!("{name}.dsl"))).unwrap();
+            if name == "dsdt" {
+                assert!(dsl.contains("LNRO0005"), "{dsl}");
+                assert!(dsl.contains("Memory32Fixed (ReadWrite,"), "{dsl}");
+                assert!(dsl.contains("_S5_"), "{dsl}");
+            }
+        }
+    }
+
     #[test]
     fn pkg_lengths_use_the_smallest_encoding() {
         let enc = |len| {
