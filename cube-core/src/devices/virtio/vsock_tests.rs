@@ -219,6 +219,31 @@ struct StreamState {
     closed: bool,
     fwd_cnt: u32,
     fwd_cnt_told: u32,
+    /// The host's receive buffer and how much of it it consumed (its credit).
+    peer_buf_alloc: u32,
+    peer_fwd_cnt: u32,
+    /// Bytes this guest sent.
+    tx_cnt: u32,
+}
+
+impl GuestStream {
+    /// Takes one packet from the device, if there is one; whether there was.
+    fn pump(&self) -> bool {
+        let packet = self.guest.lock().unwrap().try_recv();
+        let Some((h, payload)) = packet else {
+            return false;
+        };
+        assert_eq!((h.src_port, h.dst_port), (self.host_port, self.guest_port));
+        let mut st = self.state.lock().unwrap();
+        st.peer_buf_alloc = h.buf_alloc;
+        st.peer_fwd_cnt = h.fwd_cnt;
+        match h.op {
+            op::RW => st.data.extend(payload),
+            op::SHUTDOWN | op::RST => st.closed = true,
+            _ => {}
+        }
+        true
+    }
 }
 
 impl Read for GuestStream {
@@ -248,18 +273,8 @@ impl Read for GuestStream {
                     return Ok(0);
                 }
             }
-            let packet = self.guest.lock().unwrap().try_recv();
-            match packet {
-                Some((h, payload)) => {
-                    assert_eq!((h.src_port, h.dst_port), (self.host_port, self.guest_port));
-                    let mut st = self.state.lock().unwrap();
-                    match h.op {
-                        op::RW => st.data.extend(payload),
-                        op::SHUTDOWN | op::RST => st.closed = true,
-                        _ => {}
-                    }
-                }
-                None => std::thread::sleep(Duration::from_millis(1)),
+            if !self.pump() {
+                std::thread::sleep(Duration::from_millis(1));
             }
         }
     }
@@ -267,11 +282,31 @@ impl Read for GuestStream {
 
 impl Write for GuestStream {
     fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        if self.state.lock().unwrap().closed {
-            return Err(std::io::ErrorKind::BrokenPipe.into());
-        }
-        let n = data.len().min(TX_MAX_PAYLOAD);
-        let fwd = self.state.lock().unwrap().fwd_cnt;
+        // A driver sends no more than the host's credit allows, as Linux's does.
+        let deadline = Instant::now() + WAIT;
+        let credit = loop {
+            {
+                let st = self.state.lock().unwrap();
+                if st.closed {
+                    return Err(std::io::ErrorKind::BrokenPipe.into());
+                }
+                let in_flight = st.tx_cnt.wrapping_sub(st.peer_fwd_cnt);
+                let credit = st.peer_buf_alloc.saturating_sub(in_flight) as usize;
+                if credit > 0 {
+                    break credit;
+                }
+            }
+            assert!(Instant::now() < deadline, "the host never returned credit");
+            if !self.pump() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        let n = data.len().min(TX_MAX_PAYLOAD).min(credit);
+        let fwd = {
+            let mut st = self.state.lock().unwrap();
+            st.tx_cnt = st.tx_cnt.wrapping_add(n as u32);
+            st.fwd_cnt
+        };
         let h = guest_header(self.guest_port, self.host_port, op::RW, fwd);
         self.guest.lock().unwrap().send(h, &data[..n]);
         Ok(n)
@@ -308,7 +343,11 @@ fn guest_accept(guest: &Arc<Mutex<GuestDriver>>, port: u32) -> GuestStream {
         guest: Arc::clone(guest),
         guest_port: port,
         host_port: h.src_port,
-        state: Arc::default(),
+        state: Arc::new(Mutex::new(StreamState {
+            peer_buf_alloc: h.buf_alloc,
+            peer_fwd_cnt: h.fwd_cnt,
+            ..Default::default()
+        })),
     }
 }
 
@@ -575,4 +614,37 @@ fn restore_resets_connections_serves_pending_packets_and_checks_state() {
         &garbage
     )
     .is_err());
+}
+
+#[test]
+fn a_guest_sending_past_its_credit_is_reset() {
+    let setup = start();
+    let listener = UnixListener::bind(setup.dir.path().join("vsock.sock_7000")).unwrap();
+    let guest = &setup.guest;
+    guest
+        .lock()
+        .unwrap()
+        .send(guest_header(42000, 7000, op::REQUEST, 0), &[]);
+    // The host accepts but never reads.
+    let (_host_side, _) = listener.accept().unwrap();
+    let (h, _) = recv(guest);
+    assert_eq!(h.op, op::RESPONSE);
+    assert_eq!(h.buf_alloc, CONNECTION_BUFFER);
+    let chunk = vec![7u8; TX_MAX_PAYLOAD];
+    let mut sent = 0usize;
+    let reset = loop {
+        guest
+            .lock()
+            .unwrap()
+            .send(guest_header(42000, 7000, op::RW, 0), &chunk);
+        sent += chunk.len();
+        let packets: Vec<_> = std::iter::from_fn(|| guest.lock().unwrap().try_recv()).collect();
+        if let Some((h, _)) = packets.iter().find(|(h, _)| h.op == op::RST) {
+            break *h;
+        }
+        assert!(sent < 64 << 20, "no reset after {sent} bytes");
+    };
+    assert_eq!(reset.dst_port, 42000);
+    // At least the credit it was given went through before the reset.
+    assert!(sent > CONNECTION_BUFFER as usize);
 }
