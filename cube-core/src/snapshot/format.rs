@@ -107,6 +107,9 @@ pub enum GuestKind {
         /// What it touches after every start or restore.
         working_set: WorkingSet,
     },
+    /// A Linux kernel (and whatever it runs) with virtio devices
+    /// ([`crate::vmm::linux_boot::LinuxVm`]).
+    Linux,
 }
 
 /// Everything but memory and disk that a restore needs.
@@ -263,10 +266,21 @@ fn validate(state: &MachineState) -> Result<(), FormatError> {
     if expected != state.ram {
         return invalid("RAM ranges do not match the memory size".to_string());
     }
-    let GuestKind::TestGuest { working_set } = state.guest;
-    let max = crate::test_guest::mailbox::WORKING_SET_MAX_BYTES;
-    if working_set.read_bytes > max || working_set.write_bytes > max {
-        return invalid("test guest working set too large".to_string());
+    match state.guest {
+        GuestKind::TestGuest { working_set } => {
+            let max = crate::test_guest::mailbox::WORKING_SET_MAX_BYTES;
+            if working_set.read_bytes > max || working_set.write_bytes > max {
+                return invalid("test guest working set too large".to_string());
+            }
+            if !state.devices.is_empty() {
+                return invalid("the test guest has no virtio devices".to_string());
+            }
+        }
+        GuestKind::Linux => {
+            if !c.irqchip {
+                return invalid("a Linux guest needs the in-kernel irqchip".to_string());
+            }
+        }
     }
     for (i, vcpu) in state.vcpus.iter().enumerate() {
         vcpu.validate()

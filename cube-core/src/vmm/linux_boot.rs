@@ -22,13 +22,15 @@ use vm_memory::{Bytes, GuestAddress};
 
 use super::acpi;
 use super::bzimage_boot;
-use super::layout::ram_ranges;
+use super::layout::{ram_ranges, RamRange};
 use super::machine::{memory_layout, register_guest_memory};
 use super::mmio_bus::MmioBus;
 use super::serial::LegacyPorts;
 use super::vcpu_runner::{PortIo, VcpuHandle, VcpuRunnerError};
 use super::virtio_devices::{VirtioDevices, VirtioDevicesError};
 use crate::devices::virtio::device::VirtioDevice;
+use crate::snapshot::durability;
+use crate::snapshot::format::{self, GuestKind, MachineConfig, MachineState, MEMORY_FILE};
 use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::{Vm, VmConfig};
 use crate::vstate::KvmContext;
@@ -93,6 +95,9 @@ pub enum BootError {
     /// Virtio devices.
     #[error("Virtio devices")]
     Devices(#[from] VirtioDevicesError),
+    /// A snapshot could not be written or read.
+    #[error("Snapshot: {0}")]
+    Snapshot(String),
 }
 
 /// What to boot.
@@ -114,8 +119,9 @@ pub struct LinuxBootConfig {
 pub struct LinuxVm {
     vcpus: Vec<VcpuHandle>,
     devices: VirtioDevices,
-    _vm: Vm,
-    _memory: GuestMemory,
+    vm: Vm,
+    memory: GuestMemory,
+    ram: Vec<RamRange>,
 }
 
 impl LinuxVm {
@@ -127,6 +133,127 @@ impl LinuxVm {
     /// The guest's virtio devices.
     pub fn devices(&self) -> &VirtioDevices {
         &self.devices
+    }
+
+    /// Stops every vCPU at its current instruction.
+    pub fn pause(&self) -> Result<(), BootError> {
+        for v in &self.vcpus {
+            v.request_pause()?;
+        }
+        for v in &self.vcpus {
+            v.wait_parked()?;
+        }
+        Ok(())
+    }
+
+    /// Lets every vCPU run again.
+    pub fn resume(&self) -> Result<(), BootError> {
+        for v in &self.vcpus {
+            v.resume()?;
+        }
+        Ok(())
+    }
+
+    /// Writes a full snapshot of the paused guest into the empty directory `dir`:
+    /// memory file, vCPU and VM state, and every virtio device's state (format v3).
+    /// The guest stays paused; [`LinuxVm::resume`] continues it.
+    ///
+    /// The devices' host sides are not in it (a clone gets its own disk copy, TAP and
+    /// sockets), and neither is the serial port's register state: a restored guest
+    /// finds COM1 freshly reset.
+    pub fn snapshot(&self, dir: &Path) -> Result<(), BootError> {
+        let snapshot_err = |e: &dyn std::fmt::Display| BootError::Snapshot(e.to_string());
+        cube_mem::memory_file::write_full(
+            &dir.join(MEMORY_FILE),
+            &self.memory,
+            None,
+            cube_storage::Durability::Deferred,
+        )
+        .map_err(|e| snapshot_err(&e))?;
+        let mut vcpus = Vec::with_capacity(self.vcpus.len());
+        for v in &self.vcpus {
+            vcpus.push(v.with_vcpu(|vcpu| vcpu.save_state())??);
+        }
+        let devices = self.devices.save()?;
+        let state = MachineState {
+            format_version: format::FORMAT_VERSION,
+            config: MachineConfig {
+                vcpus: self.vcpus.len() as u8,
+                memory_bytes: self.ram.iter().map(|r| r.size).sum(),
+                irqchip: true,
+            },
+            ram: self.ram.clone(),
+            guest: GuestKind::Linux,
+            vm: self.vm.save_state()?,
+            vcpus,
+            boot_id: durability::boot_id().map_err(|e| snapshot_err(&e))?,
+            devices,
+        };
+        format::write_state(dir, &state).map_err(|e| snapshot_err(&e))
+    }
+
+    /// Restores the Linux snapshot in `dir` into a new VM, paused. `devices` must be
+    /// the same kinds in the same order as when it was taken (with their own host
+    /// sides); where `cloned`, they are told so (the rng moves to a new generation, the
+    /// vsock device resets the guest's connections).
+    pub fn restore(
+        ctx: &Arc<KvmContext>,
+        dir: &Path,
+        console: Box<dyn Write + Send>,
+        devices: Vec<Box<dyn VirtioDevice>>,
+        cloned: bool,
+    ) -> Result<LinuxVm, BootError> {
+        let state = format::read_state(dir)
+            .map_err(|e| BootError::Snapshot(crate::error_report::chain(&e)))?;
+        if state.guest != GuestKind::Linux {
+            return Err(BootError::Snapshot(
+                "the snapshot holds Cube's test guest, not a Linux guest".into(),
+            ));
+        }
+        let memory =
+            GuestMemory::restore_private(memory_layout(&state.ram)?, &dir.join(MEMORY_FILE))?;
+        let vm = Vm::new(
+            ctx,
+            &VmConfig {
+                vcpus: state.config.vcpus,
+                irqchip: true,
+            },
+        )?;
+        // SAFETY: `memory` moves into the returned LinuxVm, which drops it after the VM.
+        unsafe { register_guest_memory(&vm, &memory, false)? };
+        let mut vcpus = Vec::with_capacity(state.vcpus.len());
+        for (index, vcpu_state) in state.vcpus.iter().enumerate() {
+            let vcpu = Vcpu::new(&vm, index as u8)?;
+            vcpu.configure_cpuid()?;
+            vcpu.restore_state(vcpu_state)?;
+            vcpus.push(vcpu);
+        }
+        vm.restore_state(&state.vm)?;
+        // After the irqchip: a device's pending interrupt is raised again on restore.
+        let mut bus = MmioBus::new();
+        let devices = VirtioDevices::restore(
+            vm.fd(),
+            memory.inner(),
+            &mut bus,
+            devices,
+            &state.devices,
+            cloned,
+        )?;
+        let ports: Arc<dyn PortIo> = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
+        let bus = Arc::new(bus);
+        let handles = vcpus
+            .into_iter()
+            .map(|v| {
+                VcpuHandle::spawn_with_buses(v, Some(Arc::clone(&ports)), Some(Arc::clone(&bus)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(LinuxVm {
+            vcpus: handles,
+            devices,
+            vm,
+            memory,
+            ram: state.ram,
+        })
     }
 }
 
@@ -240,8 +367,9 @@ pub fn boot_with_devices(
     Ok(LinuxVm {
         vcpus: handles,
         devices,
-        _vm: vm,
-        _memory: memory,
+        vm,
+        memory,
+        ram,
     })
 }
 
