@@ -3,6 +3,8 @@
 //! memory state came back), its virtio device states came back through the snapshot,
 //! and the clone's rng moved to a new generation.
 
+#![allow(clippy::unwrap_used)] // helpers of this test file, not library code
+
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
