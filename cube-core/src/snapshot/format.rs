@@ -134,6 +134,37 @@ pub struct MachineState {
     /// position). Checked here for shape; each is checked against its device and
     /// guest memory when restored.
     pub devices: Vec<DeviceRecord>,
+    /// The COM1 UART's registers, for a guest that has one (Linux).
+    pub serial: Option<SerialRecord>,
+}
+
+/// Most bytes a 16550's receive FIFO holds.
+pub const SERIAL_FIFO_BYTES: usize = 64;
+
+/// The registers of the COM1 UART (vm-superio's `SerialState`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialRecord {
+    /// Divisor latch, low byte.
+    pub baud_divisor_low: u8,
+    /// Divisor latch, high byte.
+    pub baud_divisor_high: u8,
+    /// Interrupt enable register.
+    pub interrupt_enable: u8,
+    /// Interrupt identification register.
+    pub interrupt_identification: u8,
+    /// Line control register.
+    pub line_control: u8,
+    /// Line status register.
+    pub line_status: u8,
+    /// Modem control register.
+    pub modem_control: u8,
+    /// Modem status register.
+    pub modem_status: u8,
+    /// Scratch register.
+    pub scratch: u8,
+    /// Received bytes the guest has not read (at most [`SERIAL_FIFO_BYTES`]).
+    #[serde(with = "serde_bytes")]
+    pub in_buffer: Vec<u8>,
 }
 
 /// Which virtio device a saved state belongs to.
@@ -226,6 +257,7 @@ pub fn decode(bytes: &[u8]) -> Result<MachineState, FormatError> {
                 vcpus: old.vcpus,
                 boot_id: old.boot_id,
                 devices: Vec::new(),
+                serial: None,
             }
         }
         found => return Err(FormatError::Version { found }),
@@ -272,8 +304,8 @@ fn validate(state: &MachineState) -> Result<(), FormatError> {
             if working_set.read_bytes > max || working_set.write_bytes > max {
                 return invalid("test guest working set too large".to_string());
             }
-            if !state.devices.is_empty() {
-                return invalid("the test guest has no virtio devices".to_string());
+            if !state.devices.is_empty() || state.serial.is_some() {
+                return invalid("the test guest has no virtio devices or serial port".to_string());
             }
         }
         GuestKind::Linux => {
@@ -298,6 +330,14 @@ fn validate(state: &MachineState) -> Result<(), FormatError> {
         .vm
         .validate()
         .map_err(|e| FormatError::Invalid(format!("VM: {e}")))?;
+    if let Some(serial) = &state.serial {
+        if serial.in_buffer.len() > SERIAL_FIFO_BYTES {
+            return invalid(format!(
+                "serial receive FIFO holds {} bytes (at most {SERIAL_FIFO_BYTES})",
+                serial.in_buffer.len()
+            ));
+        }
+    }
     validate_devices(&state.devices)
 }
 
@@ -447,7 +487,9 @@ mod tests {
         let Some(mut state) = real_state() else {
             return;
         };
+        state.guest = GuestKind::Linux;
         state.devices = vec![rng_record()];
+        state.serial = Some(SerialRecord::default());
         let bytes = encode(&state).unwrap();
         assert_eq!(decode(&bytes).unwrap(), state);
 
@@ -464,6 +506,17 @@ mod tests {
         let mut many = state.clone();
         many.devices = vec![rng_record(); MAX_VIRTIO_DEVICES + 1];
         refused(&many, "virtio devices");
+        let mut serial = state.clone();
+        serial.serial = Some(SerialRecord {
+            in_buffer: vec![0; SERIAL_FIFO_BYTES + 1],
+            ..Default::default()
+        });
+        refused(&serial, "FIFO");
+        let mut test_guest = state.clone();
+        test_guest.guest = GuestKind::TestGuest {
+            working_set: WorkingSet::default(),
+        };
+        refused(&test_guest, "no virtio devices");
         // Truncated device state does not decode at all.
         let cut = &bytes[..bytes.len() - 3];
         assert!(decode(cut).is_err());

@@ -118,6 +118,7 @@ pub struct LinuxBootConfig {
 /// A booting (or booted) Linux guest. Field order is drop order.
 pub struct LinuxVm {
     vcpus: Vec<VcpuHandle>,
+    ports: Arc<LegacyPorts>,
     devices: VirtioDevices,
     vm: Vm,
     memory: GuestMemory,
@@ -159,8 +160,7 @@ impl LinuxVm {
     /// The guest stays paused; [`LinuxVm::resume`] continues it.
     ///
     /// The devices' host sides are not in it (a clone gets its own disk copy, TAP and
-    /// sockets), and neither is the serial port's register state: a restored guest
-    /// finds COM1 freshly reset.
+    /// sockets); COM1's registers are.
     pub fn snapshot(&self, dir: &Path) -> Result<(), BootError> {
         let snapshot_err = |e: &dyn std::fmt::Display| BootError::Snapshot(e.to_string());
         cube_mem::memory_file::write_full(
@@ -188,6 +188,7 @@ impl LinuxVm {
             vcpus,
             boot_id: durability::boot_id().map_err(|e| snapshot_err(&e))?,
             devices,
+            serial: Some(self.ports.save_serial()),
         };
         format::write_state(dir, &state).map_err(|e| snapshot_err(&e))
     }
@@ -239,7 +240,12 @@ impl LinuxVm {
             &state.devices,
             cloned,
         )?;
-        let ports: Arc<dyn PortIo> = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
+        let legacy = Arc::new(match &state.serial {
+            Some(serial) => LegacyPorts::restore(vm.shared_fd(), console, serial)
+                .map_err(|e| BootError::Snapshot(e.to_string()))?,
+            None => LegacyPorts::new(vm.shared_fd(), console),
+        });
+        let ports: Arc<dyn PortIo> = legacy.clone();
         let bus = Arc::new(bus);
         let handles = vcpus
             .into_iter()
@@ -249,6 +255,7 @@ impl LinuxVm {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(LinuxVm {
             vcpus: handles,
+            ports: legacy,
             devices,
             vm,
             memory,
@@ -343,7 +350,8 @@ pub fn boot_with_devices(
         .map_err(|e| BootError::BootParams(format!("reading initial sregs: {e}")))?
         .apic_base;
     vcpu.set_initial_registers(&regs, &sregs)?;
-    let ports: Arc<dyn PortIo> = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
+    let legacy = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
+    let ports: Arc<dyn PortIo> = legacy.clone();
     let bus = Arc::new(bus);
     let mut handles = vec![VcpuHandle::spawn_with_buses(
         vcpu,
@@ -366,6 +374,7 @@ pub fn boot_with_devices(
     }
     Ok(LinuxVm {
         vcpus: handles,
+        ports: legacy,
         devices,
         vm,
         memory,

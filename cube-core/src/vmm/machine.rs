@@ -525,8 +525,9 @@ impl Machine {
             vm: self.vm.save_state()?,
             vcpus,
             boot_id: durability::boot_id()?,
-            // The test-guest machine has no virtio devices.
+            // The test-guest machine has no virtio devices and no serial port.
             devices: Vec::new(),
+            serial: None,
         };
         format::write_state(dir, &state)?;
         Ok(stats)

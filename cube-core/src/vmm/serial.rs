@@ -5,7 +5,17 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::VmFd;
-use vm_superio::serial::NoEvents;
+use vm_superio::serial::{NoEvents, SerialState};
+
+use crate::snapshot::format::SerialRecord;
+
+/// Why the serial port could not be restored.
+#[derive(Debug, thiserror::Error)]
+pub enum SerialError {
+    /// vm-superio refused the saved registers.
+    #[error("Restoring COM1 failed: {0}")]
+    Restore(String),
+}
 use vm_superio::{Serial, Trigger};
 
 use super::acpi::{S5_SLEEP_TYPE, SLEEP_CONTROL_PORT, SLEEP_STATUS_PORT};
@@ -56,6 +66,50 @@ impl LegacyPorts {
             com1: Mutex::new(Serial::new(IrqLine { vm }, console)),
             reset_requested: std::sync::atomic::AtomicBool::new(false),
             poweroff_requested: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    /// Like [`LegacyPorts::new`], with COM1's registers as `state` saved them.
+    pub fn restore(
+        vm: Arc<VmFd>,
+        console: Box<dyn Write + Send>,
+        state: &SerialRecord,
+    ) -> Result<Self, SerialError> {
+        let state = SerialState {
+            baud_divisor_low: state.baud_divisor_low,
+            baud_divisor_high: state.baud_divisor_high,
+            interrupt_enable: state.interrupt_enable,
+            interrupt_identification: state.interrupt_identification,
+            line_control: state.line_control,
+            line_status: state.line_status,
+            modem_control: state.modem_control,
+            modem_status: state.modem_status,
+            scratch: state.scratch,
+            in_buffer: state.in_buffer.clone(),
+        };
+        let com1 = Serial::from_state(&state, IrqLine { vm }, NoEvents, console)
+            .map_err(|e| SerialError::Restore(format!("{e:?}")))?;
+        Ok(LegacyPorts {
+            com1: Mutex::new(com1),
+            reset_requested: std::sync::atomic::AtomicBool::new(false),
+            poweroff_requested: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// COM1's registers, for a snapshot.
+    pub fn save_serial(&self) -> SerialRecord {
+        let s = self.com1.lock().unwrap_or_else(|e| e.into_inner()).state();
+        SerialRecord {
+            baud_divisor_low: s.baud_divisor_low,
+            baud_divisor_high: s.baud_divisor_high,
+            interrupt_enable: s.interrupt_enable,
+            interrupt_identification: s.interrupt_identification,
+            line_control: s.line_control,
+            line_status: s.line_status,
+            modem_control: s.modem_control,
+            modem_status: s.modem_status,
+            scratch: s.scratch,
+            in_buffer: s.in_buffer,
         }
     }
 
@@ -178,5 +232,34 @@ mod tests {
         );
         ports.write(I8042_COMMAND, &[0xfe]);
         assert!(ports.stop_requested().unwrap().contains("reset"));
+    }
+
+    #[test]
+    fn com1_registers_survive_save_and_restore() {
+        if !std::path::Path::new("/dev/kvm").exists() {
+            eprintln!("skipped: /dev/kvm not present");
+            return;
+        }
+        let vm = Arc::new(kvm_ioctls::Kvm::new().unwrap().create_vm().unwrap());
+        vm.create_irq_chip().unwrap();
+        let ports = LegacyPorts::new(vm.clone(), Box::new(Captured::default()));
+        // Scratch register, line control (8N1 with DLAB clear) and interrupt enable.
+        ports.write(COM1_BASE + 7, &[0x5a]);
+        ports.write(COM1_BASE + 3, &[0x03]);
+        ports.write(COM1_BASE + 1, &[0x01]);
+        let saved = ports.save_serial();
+        assert_eq!(saved.scratch, 0x5a);
+        let restored =
+            LegacyPorts::restore(vm.clone(), Box::new(Captured::default()), &saved).unwrap();
+        let mut byte = [0u8];
+        restored.read(COM1_BASE + 7, &mut byte);
+        assert_eq!(byte, [0x5a]);
+        restored.read(COM1_BASE + 1, &mut byte);
+        assert_eq!(byte, [0x01]);
+        assert_eq!(restored.save_serial(), saved);
+        // A receive FIFO larger than the UART's is refused.
+        let mut too_full = saved;
+        too_full.in_buffer = vec![0; 65];
+        assert!(LegacyPorts::restore(vm, Box::new(Captured::default()), &too_full).is_err());
     }
 }
