@@ -62,6 +62,11 @@ pub enum DebugCommand {
         /// Attach a virtio-rng device.
         #[arg(long)]
         rng: bool,
+        /// Also list the virtio devices as `virtio_mmio.device=` entries on the kernel
+        /// command line (for kernels with CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES and no
+        /// ACPI; the ACPI tables always list them).
+        #[arg(long)]
+        cmdline_devices: bool,
     },
 }
 
@@ -115,6 +120,7 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         disk,
         vsock_dir,
         rng,
+        cmdline_devices,
     } = command;
     let devices = debug_devices(disk, vsock_dir, rng)?;
     let pattern = until
@@ -140,6 +146,7 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         cmdline,
         memory_bytes: memory_mib << 20,
         vcpus,
+        cmdline_devices,
     };
     let vm = linux_boot::boot_with_devices(
         &ctx,

@@ -139,6 +139,7 @@ fn debian_bzimage_takes_our_initrd_and_acpi_tables() {
             "--vcpus",
             "2",
             "--rng",
+            "--cmdline-devices",
         ])
         .args(["--timeout", "180", "--until", "smpboot: Allowing 2 CPUs"])
         .arg("--vsock-dir")

@@ -86,6 +86,7 @@ fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
         cmdline: "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nokaslr".into(),
         memory_bytes: 256 << 20,
         vcpus: 1,
+        cmdline_devices: false,
     };
     let first = Console::default();
     let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];

@@ -113,6 +113,11 @@ pub struct LinuxBootConfig {
     pub memory_bytes: u64,
     /// Number of vCPUs (the kernel learns them from the ACPI MADT).
     pub vcpus: u8,
+    /// Also announce the virtio devices with `virtio_mmio.device=` entries on the
+    /// command line, for kernels built with `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES` but
+    /// without ACPI. Off by default: a kernel that has both would find every device
+    /// twice (once per table) and fail the second probe.
+    pub cmdline_devices: bool,
 }
 
 /// A booting (or booted) Linux guest. Field order is drop order.
@@ -274,8 +279,8 @@ pub fn boot(
 }
 
 /// Boots `config` with the virtio `devices` (announced to the kernel in its ACPI
-/// tables, and on its command line for kernels built with
-/// `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES`); the serial console goes to `console`.
+/// tables, and on its command line where [`LinuxBootConfig::cmdline_devices`] asks);
+/// the serial console goes to `console`.
 pub fn boot_with_devices(
     ctx: &Arc<KvmContext>,
     config: &LinuxBootConfig,
@@ -303,7 +308,11 @@ pub fn boot_with_devices(
         .map_err(|e| BootError::OpenKernel(config.kernel.clone(), e))?;
     let mut bus = MmioBus::new();
     let devices = VirtioDevices::attach(vm.fd(), memory.inner(), &mut bus, devices)?;
-    let cmdline = with_device_entries(&config.cmdline, &devices);
+    let cmdline = if config.cmdline_devices {
+        with_device_entries(&config.cmdline, &devices)
+    } else {
+        config.cmdline.clone()
+    };
     let device_info: Vec<acpi::MmioDeviceInfo> = devices
         .devices()
         .iter()
