@@ -55,6 +55,7 @@ echo "setup: guest kernel"
 # Debian's cloud kernel, for booting Linux in Cube's VMM (`cube debug boot`).
 [ "${#need[@]}" -gt 0 ] || apt-get update -qq
 bash scripts/fetch-kernel.sh "${CUBE_HOME:-/var/lib/cube}/kernels/debian-cloud"
+bash scripts/build-initramfs.sh "${CUBE_HOME:-/var/lib/cube}/kernels/debian-cloud"
 
 if [ ! -e /dev/kvm ]; then
     echo "setup: note: /dev/kvm is missing: the vm engine is unavailable and KVM tests will skip" >&2

@@ -14,3 +14,4 @@ pub mod reaper;
 pub mod run_code;
 pub mod server;
 pub mod transport;
+pub mod vm_init;

@@ -6,8 +6,15 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Subcommand;
+use cube_core::devices::virtio::block::{Block, BlockOptions};
+use cube_core::devices::virtio::device::VirtioDevice;
+use cube_core::devices::virtio::rng::Rng;
+use cube_core::devices::virtio::vsock::Vsock;
 use cube_core::vmm::linux_boot::{self, LinuxBootConfig};
 use cube_core::vstate::KvmContext;
+
+/// The guest context id of `cube debug boot --vsock-dir`.
+const DEBUG_GUEST_CID: u64 = 3;
 
 use crate::{chain, CliError};
 
@@ -18,7 +25,7 @@ pub enum DebugCommand {
     ///
     /// Example: cube debug boot --kernel vmlinux --until 'Linux version' --timeout 120
     Boot {
-        /// An ELF vmlinux with a PVH entry point.
+        /// An ELF vmlinux with a PVH entry point, or a bzImage.
         #[arg(long)]
         kernel: PathBuf,
         /// An initramfs.
@@ -42,6 +49,24 @@ pub enum DebugCommand {
         /// Also write the console to this file.
         #[arg(long)]
         log: Option<PathBuf>,
+        /// Number of vCPUs.
+        #[arg(long, default_value_t = 1)]
+        vcpus: u8,
+        /// Attach a virtio-blk disk backed by this image.
+        #[arg(long)]
+        disk: Option<PathBuf>,
+        /// Attach a virtio-vsock device (guest CID 3) whose host side lives in this
+        /// directory: connect to DIR/vsock.sock and send `CONNECT <port>`.
+        #[arg(long)]
+        vsock_dir: Option<PathBuf>,
+        /// Attach a virtio-rng device.
+        #[arg(long)]
+        rng: bool,
+        /// Also list the virtio devices as `virtio_mmio.device=` entries on the kernel
+        /// command line (for kernels with CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES and no
+        /// ACPI; the ACPI tables always list them).
+        #[arg(long)]
+        cmdline_devices: bool,
     },
 }
 
@@ -91,7 +116,13 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         timeout,
         memory_mib,
         log,
+        vcpus,
+        disk,
+        vsock_dir,
+        rng,
+        cmdline_devices,
     } = command;
+    let devices = debug_devices(disk, vsock_dir, rng)?;
     let pattern = until
         .as_deref()
         .map(regex::Regex::new)
@@ -114,9 +145,16 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         initrd,
         cmdline,
         memory_bytes: memory_mib << 20,
+        vcpus,
+        cmdline_devices,
     };
-    let vm = linux_boot::boot(&ctx, &config, Box::new(ConsoleWriter(Arc::clone(&console))))
-        .map_err(|e| CliError::failed(chain(&e)))?;
+    let vm = linux_boot::boot_with_devices(
+        &ctx,
+        &config,
+        Box::new(ConsoleWriter(Arc::clone(&console))),
+        devices,
+    )
+    .map_err(|e| CliError::failed(chain(&e)))?;
     let deadline = Instant::now() + Duration::from_secs(timeout);
     let mut text = console.text.lock().unwrap_or_else(|e| e.into_inner());
     loop {
@@ -148,4 +186,32 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }
+}
+
+/// The virtio devices `cube debug boot` was asked for, in a fixed order (disk, vsock,
+/// rng).
+fn debug_devices(
+    disk: Option<PathBuf>,
+    vsock_dir: Option<PathBuf>,
+    rng: bool,
+) -> Result<Vec<Box<dyn VirtioDevice>>, CliError> {
+    let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
+    if let Some(image) = disk {
+        let options = BlockOptions {
+            read_only: false,
+            id: "cube-debug".into(),
+        };
+        devices.push(Box::new(
+            Block::open(&image, options).map_err(|e| CliError::failed(chain(&e)))?,
+        ));
+    }
+    if let Some(dir) = vsock_dir {
+        devices.push(Box::new(
+            Vsock::new(DEBUG_GUEST_CID, &dir).map_err(|e| CliError::failed(chain(&e)))?,
+        ));
+    }
+    if rng {
+        devices.push(Box::new(Rng::new()));
+    }
+    Ok(devices)
 }

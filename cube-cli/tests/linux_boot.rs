@@ -105,3 +105,63 @@ fn a_kernel_that_is_not_an_elf_is_refused() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("Loading kernel"));
 }
+
+/// The bzImage and initramfs `scripts/build-initramfs.sh` puts beside the vmlinux.
+fn bzimage_and_initramfs() -> Option<(PathBuf, PathBuf)> {
+    let vmlinux = kernel()?;
+    let dir = vmlinux.parent()?.to_path_buf();
+    let (bz, initrd) = (dir.join("bzImage"), dir.join("initramfs-cube.cpio.gz"));
+    if !bz.is_file() || !initrd.is_file() {
+        eprintln!(
+            "skipped: no bzImage/initramfs in {} (scripts/build-initramfs.sh builds them)",
+            dir.display()
+        );
+        return None;
+    }
+    Some((bz, initrd))
+}
+
+/// The bzImage path with an initramfs, two vCPUs and virtio devices: the kernel
+/// takes Cube's zero page (initrd placement), finds the ACPI tables and brings up
+/// the CPUs the MADT lists.
+#[test]
+fn debian_bzimage_takes_our_initrd_and_acpi_tables() {
+    let Some((bzimage, initrd)) = bzimage_and_initramfs() else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_cube"))
+        .args([
+            "debug",
+            "boot",
+            "--memory-mib",
+            "512",
+            "--vcpus",
+            "2",
+            "--rng",
+            "--cmdline-devices",
+        ])
+        .args(["--timeout", "180", "--until", "smpboot: Allowing 2 CPUs"])
+        .arg("--vsock-dir")
+        .arg(dir.path())
+        .arg("--kernel")
+        .arg(&bzimage)
+        .arg("--initrd")
+        .arg(&initrd)
+        .output()
+        .unwrap();
+    let console = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "boot failed: {}\nconsole:\n{console}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(console.contains("Linux version 6."), "{console}");
+    assert!(console.contains("RAMDISK: [mem "), "{console}");
+    assert!(console.contains("ACPI: DSDT"), "{console}");
+    assert!(console.contains("ACPI: APIC"), "{console}");
+    assert!(
+        console.contains("virtio_mmio.device=4K@0xd0001000:5"),
+        "{console}"
+    );
+}

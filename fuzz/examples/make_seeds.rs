@@ -1,6 +1,7 @@
 //! Writes the seed corpora under `seeds/<target>/` from real encodings: a snapshot
 //! state taken from the test guest booted under KVM (1 vCPU, 128 MiB, with and without
-//! in-kernel irqchip), supervisor frames of each message shape, and a metadata
+//! in-kernel irqchip; and re-labelled as a Linux guest with a virtio-rng record; the
+//! `-v2` files are the previous format, kept to seed its upgrade path), supervisor frames of each message shape, and a metadata
 //! envelope. Regenerate after a format change, from this directory:
 //!
 //! ```text
@@ -46,6 +47,33 @@ fn state_file(ctx: &Arc<KvmContext>, irqchip: bool) -> Result<Vec<u8>, Error> {
     Ok(std::fs::read(dir.path().join(STATE_FILE))?)
 }
 
+/// The saved state of a fresh virtio-rng behind its transport.
+fn rng_record() -> Result<cube_core::snapshot::format::DeviceRecord, Error> {
+    use cube_core::devices::virtio::interrupt::{InterruptError, InterruptLine};
+    struct NoLine;
+    impl InterruptLine for NoLine {
+        fn raise(&self) -> Result<(), InterruptError> {
+            Ok(())
+        }
+        fn lower(&self) -> Result<(), InterruptError> {
+            Ok(())
+        }
+    }
+    let memory = cube_core::devices::virtio::VirtioMemory::from_ranges(&[(
+        vm_memory::GuestAddress(0),
+        1 << 20,
+    )])?;
+    let transport = cube_core::devices::virtio::mmio::MmioTransport::new(
+        Box::new(cube_core::devices::virtio::rng::Rng::new()),
+        memory,
+        Arc::new(NoLine),
+    );
+    Ok(cube_core::snapshot::format::DeviceRecord {
+        kind: cube_core::snapshot::format::DeviceKind::Rng,
+        state: transport.save(),
+    })
+}
+
 fn frames<T: serde::Serialize>(messages: &[T]) -> Result<Vec<u8>, Error> {
     let mut out = Vec::new();
     for m in messages {
@@ -72,6 +100,20 @@ fn main() -> Result<(), Error> {
                 payload,
             )?;
         }
+        // A Linux guest's state with a virtio device record (the shape LinuxVm writes;
+        // the test guest's KVM state stands in for the kernel's).
+        let file = state_file(&ctx, true)?;
+        let mut state = cube_core::snapshot::format::decode_file_bytes(&file)?;
+        state.guest = cube_core::snapshot::GuestKind::Linux;
+        state.devices = vec![rng_record()?];
+        let payload = cube_core::snapshot::format::encode(&state)?;
+        cube_core::snapshot::format::decode(&payload)?;
+        write(&snapshot_seeds, "payload-linux-rng.bin", &payload)?;
+        write(
+            &snapshot_seeds,
+            "file-linux-rng.bin",
+            &cube_storage::encode_envelope(STATE_KIND, &payload)?,
+        )?;
     } else {
         println!("skipped: /dev/kvm not present (no snapshot state seeds)");
     }

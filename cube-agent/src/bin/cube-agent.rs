@@ -13,23 +13,33 @@ use cube_agent::init;
 use cube_agent::reaper::Reaper;
 use cube_agent::server::{Agent, AgentConfig};
 
-const USAGE: &str =
-    "usage: cube-agent (--listen <unix socket path> | --listen-fd <N> | --fd <N>) [--grace-ms <ms>]";
+const USAGE: &str = "usage: cube-agent (--listen <unix socket path> | --listen-fd <N> | --fd <N> \
+                     | --vsock <port> [--modules <list>]) [--grace-ms <ms>]";
+
+/// The vsock port the agent serves in a microVM when started without arguments.
+const VM_AGENT_PORT: u32 = 1024;
+/// The module list Cube's initramfs carries.
+const VM_MODULE_LIST: &str = "/lib/modules/cube/modules.order";
 
 enum Mode {
     Listen(PathBuf),
     ListenFd(RawFd),
     Fd(RawFd),
+    /// Inside a microVM: listen on this vsock port.
+    Vsock(u32),
 }
 
 struct Args {
     mode: Mode,
     grace: Duration,
+    /// Kernel modules to load first (a VM's initramfs lists its virtio drivers).
+    modules: Option<PathBuf>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut mode = None;
     let mut grace = Duration::from_secs(2);
+    let mut modules = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().ok_or(format!("{arg} needs a value"));
@@ -47,6 +57,11 @@ fn parse_args() -> Result<Args, String> {
                     Mode::ListenFd(fd)
                 });
             }
+            "--vsock" => {
+                let v = value()?;
+                mode = Some(Mode::Vsock(v.parse().map_err(|_| format!("bad port {v}"))?));
+            }
+            "--modules" => modules = Some(PathBuf::from(value()?)),
             "--grace-ms" => {
                 let v = value()?;
                 grace = Duration::from_millis(v.parse().map_err(|_| format!("bad grace {v}"))?);
@@ -55,9 +70,19 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
+    // PID 1 of a microVM started from Cube's initramfs (scripts/build-initramfs.sh)
+    // gets no arguments: serve vsock and load the initramfs's virtio modules.
+    if mode.is_none() && cube_agent::init::is_pid1() {
+        let list = PathBuf::from(VM_MODULE_LIST);
+        if list.exists() {
+            modules = modules.or(Some(list));
+        }
+        mode = Some(Mode::Vsock(VM_AGENT_PORT));
+    }
     Ok(Args {
         mode: mode.ok_or(USAGE)?,
         grace,
+        modules,
     })
 }
 
@@ -98,7 +123,33 @@ fn main() -> ExitCode {
         return fail(&e);
     }
     tracing::info!(pid1 = init::is_pid1(), "cube-agent starting");
+    if let Mode::Vsock(_) = args.mode {
+        if init::is_pid1() {
+            if let Err(e) = cube_agent::vm_init::mount_kernel_filesystems() {
+                return fail(&e);
+            }
+        }
+    }
+    if let Some(list) = &args.modules {
+        match cube_agent::vm_init::load_modules(list) {
+            Ok(n) => tracing::info!(loaded = n, "kernel modules loaded"),
+            Err(e) => return fail(&e),
+        }
+    }
     match args.mode {
+        Mode::Vsock(port) => {
+            let listener = match cube_agent::transport::vsock::VsockListener::bind(port) {
+                Ok(l) => l,
+                Err(e) => return fail(&e),
+            };
+            tracing::info!(port, "listening on vsock");
+            loop {
+                match listener.accept() {
+                    Ok(stream) => serve_in_thread(&agent, stream),
+                    Err(e) => tracing::warn!(error = %e, "vsock accept failed"),
+                }
+            }
+        }
         Mode::Fd(fd) => {
             let fd = match take_host_fd(fd) {
                 Ok(fd) => fd,
@@ -159,20 +210,7 @@ fn take_host_fd(fd: RawFd) -> Result<OwnedFd, ExitCode> {
 fn serve_listener(agent: &Agent, listener: &UnixListener) -> ExitCode {
     for conn in listener.incoming() {
         match conn {
-            Ok(stream) => {
-                let agent = agent.clone();
-                let spawned =
-                    std::thread::Builder::new()
-                        .name("connection".into())
-                        .spawn(move || {
-                            if let Err(e) = agent.serve(stream) {
-                                tracing::warn!(error = %e, "connection ended");
-                            }
-                        });
-                if let Err(e) = spawned {
-                    tracing::warn!(error = %e, "no thread for a connection");
-                }
-            }
+            Ok(stream) => serve_in_thread(agent, stream),
             // Not a listening socket: no later accept can succeed either.
             Err(e)
                 if matches!(
@@ -186,6 +224,21 @@ fn serve_listener(agent: &Agent, listener: &UnixListener) -> ExitCode {
         }
     }
     ExitCode::SUCCESS
+}
+
+/// Serves one connection on its own thread.
+fn serve_in_thread<T: cube_agent::transport::Transport>(agent: &Agent, stream: T) {
+    let agent = agent.clone();
+    let spawned = std::thread::Builder::new()
+        .name("connection".into())
+        .spawn(move || {
+            if let Err(e) = agent.serve(stream) {
+                tracing::warn!(error = %e, "connection ended");
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "no thread for a connection");
+    }
 }
 
 fn fail(err: &dyn std::error::Error) -> ExitCode {

@@ -9,8 +9,10 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::devices::virtio::persist::VirtioMmioState;
 use crate::test_guest::WorkingSet;
 use crate::vmm::layout::{ram_ranges, RamRange};
+use crate::vmm::virtio_devices::MAX_VIRTIO_DEVICES;
 use crate::vstate::vcpu::VcpuState;
 use crate::vstate::vm::VmState;
 
@@ -22,8 +24,13 @@ pub const STATE_FILE: &str = "state.bin";
 pub const ROOTFS_FILE: &str = "rootfs.img";
 /// Envelope kind of the state file.
 pub const STATE_KIND: &str = "cube-vm-state";
-/// Version of the state layout this build writes and reads.
-pub const FORMAT_VERSION: u32 = 2;
+/// Version of the state layout this build writes (it reads this one and
+/// [`FORMAT_VERSION_NO_DEVICES`]).
+pub const FORMAT_VERSION: u32 = 3;
+/// The previous layout: the same state without virtio devices.
+pub const FORMAT_VERSION_NO_DEVICES: u32 = 2;
+/// Largest device-specific state accepted for one virtio device.
+pub const MAX_DEVICE_STATE_BYTES: usize = 64 << 10;
 /// Largest state file accepted (a few KiB per vCPU in practice).
 pub const MAX_STATE_BYTES: u64 = 8 << 20;
 /// Most vCPUs a snapshot may describe.
@@ -100,6 +107,9 @@ pub enum GuestKind {
         /// What it touches after every start or restore.
         working_set: WorkingSet,
     },
+    /// A Linux kernel (and whatever it runs) with virtio devices
+    /// ([`crate::vmm::linux_boot::LinuxVm`]).
+    Linux,
 }
 
 /// Everything but memory and disk that a restore needs.
@@ -120,6 +130,99 @@ pub struct MachineState {
     /// The host boot during which the snapshot was written (see
     /// [`super::durability`]).
     pub boot_id: String,
+    /// The virtio devices, in attachment order (window and interrupt follow from the
+    /// position). Checked here for shape; each is checked against its device and
+    /// guest memory when restored.
+    pub devices: Vec<DeviceRecord>,
+    /// The COM1 UART's registers, for a guest that has one (Linux).
+    pub serial: Option<SerialRecord>,
+}
+
+/// Most bytes a 16550's receive FIFO holds.
+pub const SERIAL_FIFO_BYTES: usize = 64;
+
+/// The registers of the COM1 UART (vm-superio's `SerialState`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SerialRecord {
+    /// Divisor latch, low byte.
+    pub baud_divisor_low: u8,
+    /// Divisor latch, high byte.
+    pub baud_divisor_high: u8,
+    /// Interrupt enable register.
+    pub interrupt_enable: u8,
+    /// Interrupt identification register.
+    pub interrupt_identification: u8,
+    /// Line control register.
+    pub line_control: u8,
+    /// Line status register.
+    pub line_status: u8,
+    /// Modem control register.
+    pub modem_control: u8,
+    /// Modem status register.
+    pub modem_status: u8,
+    /// Scratch register.
+    pub scratch: u8,
+    /// Received bytes the guest has not read (at most [`SERIAL_FIFO_BYTES`]).
+    #[serde(with = "serde_bytes")]
+    pub in_buffer: Vec<u8>,
+}
+
+/// Which virtio device a saved state belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceKind {
+    /// virtio-blk.
+    Block,
+    /// virtio-vsock.
+    Vsock,
+    /// virtio-net.
+    Net,
+    /// virtio-rng.
+    Rng,
+}
+
+impl DeviceKind {
+    /// The kind of device type `device_type`, if Cube has such a device.
+    pub fn from_device_type(device_type: u32) -> Option<Self> {
+        [
+            DeviceKind::Block,
+            DeviceKind::Vsock,
+            DeviceKind::Net,
+            DeviceKind::Rng,
+        ]
+        .into_iter()
+        .find(|k| k.device_type() == device_type)
+    }
+
+    /// The virtio device type id of this kind.
+    pub fn device_type(self) -> u32 {
+        match self {
+            DeviceKind::Block => crate::devices::virtio::block::VIRTIO_ID_BLOCK,
+            DeviceKind::Vsock => crate::devices::virtio::vsock::VIRTIO_ID_VSOCK,
+            DeviceKind::Net => 1,
+            DeviceKind::Rng => crate::devices::virtio::VIRTIO_ID_RNG,
+        }
+    }
+}
+
+/// One virtio device in a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRecord {
+    /// What the device is.
+    pub kind: DeviceKind,
+    /// Transport and device state.
+    pub state: VirtioMmioState,
+}
+
+/// [`MachineState`] as format version 2 wrote it.
+#[derive(Deserialize)]
+struct MachineStateV2 {
+    format_version: u32,
+    config: MachineConfig,
+    ram: Vec<RamRange>,
+    guest: GuestKind,
+    vm: VmState,
+    vcpus: Vec<VcpuState>,
+    boot_id: String,
 }
 
 impl MachineState {
@@ -139,10 +242,26 @@ pub fn decode(bytes: &[u8]) -> Result<MachineState, FormatError> {
     // The version leads the encoding: check it first, so that a file of another
     // version gets a clear answer instead of a decoding error.
     let (found, _) = postcard::take_from_bytes::<u32>(bytes).map_err(FormatError::Decode)?;
-    if found != FORMAT_VERSION {
-        return Err(FormatError::Version { found });
-    }
-    let state: MachineState = postcard::from_bytes(bytes).map_err(FormatError::Decode)?;
+    let state = match found {
+        FORMAT_VERSION => postcard::from_bytes(bytes).map_err(FormatError::Decode)?,
+        FORMAT_VERSION_NO_DEVICES => {
+            let old: MachineStateV2 = postcard::from_bytes(bytes).map_err(FormatError::Decode)?;
+            debug_assert_eq!(old.format_version, FORMAT_VERSION_NO_DEVICES);
+            // Upgraded in memory: a VM without devices, as it was.
+            MachineState {
+                format_version: FORMAT_VERSION,
+                config: old.config,
+                ram: old.ram,
+                guest: old.guest,
+                vm: old.vm,
+                vcpus: old.vcpus,
+                boot_id: old.boot_id,
+                devices: Vec::new(),
+                serial: None,
+            }
+        }
+        found => return Err(FormatError::Version { found }),
+    };
     validate(&state)?;
     Ok(state)
 }
@@ -179,10 +298,21 @@ fn validate(state: &MachineState) -> Result<(), FormatError> {
     if expected != state.ram {
         return invalid("RAM ranges do not match the memory size".to_string());
     }
-    let GuestKind::TestGuest { working_set } = state.guest;
-    let max = crate::test_guest::mailbox::WORKING_SET_MAX_BYTES;
-    if working_set.read_bytes > max || working_set.write_bytes > max {
-        return invalid("test guest working set too large".to_string());
+    match state.guest {
+        GuestKind::TestGuest { working_set } => {
+            let max = crate::test_guest::mailbox::WORKING_SET_MAX_BYTES;
+            if working_set.read_bytes > max || working_set.write_bytes > max {
+                return invalid("test guest working set too large".to_string());
+            }
+            if !state.devices.is_empty() || state.serial.is_some() {
+                return invalid("the test guest has no virtio devices or serial port".to_string());
+            }
+        }
+        GuestKind::Linux => {
+            if !c.irqchip {
+                return invalid("a Linux guest needs the in-kernel irqchip".to_string());
+            }
+        }
     }
     for (i, vcpu) in state.vcpus.iter().enumerate() {
         vcpu.validate()
@@ -200,6 +330,45 @@ fn validate(state: &MachineState) -> Result<(), FormatError> {
         .vm
         .validate()
         .map_err(|e| FormatError::Invalid(format!("VM: {e}")))?;
+    if let Some(serial) = &state.serial {
+        if serial.in_buffer.len() > SERIAL_FIFO_BYTES {
+            return invalid(format!(
+                "serial receive FIFO holds {} bytes (at most {SERIAL_FIFO_BYTES})",
+                serial.in_buffer.len()
+            ));
+        }
+    }
+    validate_devices(&state.devices)
+}
+
+fn validate_devices(devices: &[DeviceRecord]) -> Result<(), FormatError> {
+    let invalid = |m: String| Err(FormatError::Invalid(m));
+    if devices.len() > MAX_VIRTIO_DEVICES {
+        return invalid(format!(
+            "{} virtio devices (at most {MAX_VIRTIO_DEVICES})",
+            devices.len()
+        ));
+    }
+    for (i, d) in devices.iter().enumerate() {
+        if d.state.device_type != d.kind.device_type() {
+            return invalid(format!(
+                "virtio device {i} is a {:?} but its state is for device type {}",
+                d.kind, d.state.device_type
+            ));
+        }
+        if d.state.queues.len() > 16 {
+            return invalid(format!(
+                "virtio device {i} has {} queues",
+                d.state.queues.len()
+            ));
+        }
+        if d.state.device_state.len() > MAX_DEVICE_STATE_BYTES {
+            return invalid(format!(
+                "virtio device {i} state is {} bytes (at most {MAX_DEVICE_STATE_BYTES})",
+                d.state.device_state.len()
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -235,4 +404,121 @@ pub fn read_state(dir: &Path) -> Result<MachineState, FormatError> {
         });
     }
     Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::devices::virtio::rng::Rng;
+    use crate::devices::virtio::test_driver::{memory, Driver, Ring};
+    use crate::vmm::machine::Machine;
+    use crate::vstate::KvmContext;
+    use std::sync::Arc;
+
+    /// [`MachineState`] as format version 2 wrote it, to write old files.
+    #[derive(Serialize)]
+    struct WriteV2<'a> {
+        format_version: u32,
+        config: &'a MachineConfig,
+        ram: &'a Vec<RamRange>,
+        guest: &'a GuestKind,
+        vm: &'a VmState,
+        vcpus: &'a Vec<VcpuState>,
+        boot_id: &'a String,
+    }
+
+    /// The state of a real (test-guest) machine, or `None` where KVM is missing.
+    fn real_state() -> Option<MachineState> {
+        let ctx = match KvmContext::open() {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                eprintln!("skipping: KVM unavailable: {e}");
+                return None;
+            }
+        };
+        let config = MachineConfig {
+            vcpus: 1,
+            memory_bytes: 128 << 20,
+            irqchip: true,
+        };
+        let mut machine = Machine::boot_test_guest(&ctx, config, WorkingSet::default()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        machine.snapshot(dir.path()).unwrap();
+        Some(read_state(dir.path()).unwrap())
+    }
+
+    fn rng_record() -> DeviceRecord {
+        let mem = memory();
+        let mut d = Driver::new(Box::new(Rng::new()), &mem);
+        d.bring_up(&Ring::new(&mem, 16));
+        DeviceRecord {
+            kind: DeviceKind::Rng,
+            state: d.transport.save(),
+        }
+    }
+
+    #[test]
+    fn version_2_files_still_load_as_machines_without_devices() {
+        let Some(state) = real_state() else { return };
+        assert_eq!(state.format_version, FORMAT_VERSION);
+        let old = postcard::to_allocvec(&WriteV2 {
+            format_version: FORMAT_VERSION_NO_DEVICES,
+            config: &state.config,
+            ram: &state.ram,
+            guest: &state.guest,
+            vm: &state.vm,
+            vcpus: &state.vcpus,
+            boot_id: &state.boot_id,
+        })
+        .unwrap();
+        let loaded = decode(&old).unwrap();
+        assert_eq!(loaded, state);
+        // Other versions get a clear answer.
+        let mut future = encode(&state).unwrap();
+        future[0] = 9;
+        assert!(matches!(
+            decode(&future),
+            Err(FormatError::Version { found: 9 })
+        ));
+    }
+
+    #[test]
+    fn device_records_round_trip_and_malformed_ones_are_refused() {
+        let Some(mut state) = real_state() else {
+            return;
+        };
+        state.guest = GuestKind::Linux;
+        state.devices = vec![rng_record()];
+        state.serial = Some(SerialRecord::default());
+        let bytes = encode(&state).unwrap();
+        assert_eq!(decode(&bytes).unwrap(), state);
+
+        let refused = |state: &MachineState, what: &str| {
+            let err = decode(&encode(state).unwrap()).unwrap_err();
+            assert!(err.to_string().contains(what), "{err} lacks {what:?}");
+        };
+        let mut wrong_kind = state.clone();
+        wrong_kind.devices[0].kind = DeviceKind::Block;
+        refused(&wrong_kind, "device type 4");
+        let mut huge = state.clone();
+        huge.devices[0].state.device_state = vec![0; MAX_DEVICE_STATE_BYTES + 1];
+        refused(&huge, "bytes");
+        let mut many = state.clone();
+        many.devices = vec![rng_record(); MAX_VIRTIO_DEVICES + 1];
+        refused(&many, "virtio devices");
+        let mut serial = state.clone();
+        serial.serial = Some(SerialRecord {
+            in_buffer: vec![0; SERIAL_FIFO_BYTES + 1],
+            ..Default::default()
+        });
+        refused(&serial, "FIFO");
+        let mut test_guest = state.clone();
+        test_guest.guest = GuestKind::TestGuest {
+            working_set: WorkingSet::default(),
+        };
+        refused(&test_guest, "no virtio devices");
+        // Truncated device state does not decode at all.
+        let cut = &bytes[..bytes.len() - 3];
+        assert!(decode(cut).is_err());
+    }
 }

@@ -1,7 +1,8 @@
-//! Booting a Linux kernel through its PVH entry point: the ELF `vmlinux` is loaded with
-//! linux-loader, the boot information (memory map, command line, initrd) goes into an
+//! Booting a Linux kernel: an ELF `vmlinux` through its PVH entry point (linux-loader
+//! loads it, the boot information — memory map, command line, initrd — goes into an
 //! `hvm_start_info`, and the boot vCPU starts in 32-bit protected mode at the entry
-//! the kernel's Xen ELF note names.
+//! the kernel's Xen ELF note names), or a bzImage through the 64-bit boot protocol
+//! (see [`super::bzimage_boot`]). Which one is decided by the file's contents.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -19,14 +20,23 @@ use linux_loader::loader::elf::{Elf, PvhBootCapability};
 use linux_loader::loader::KernelLoader;
 use vm_memory::{Bytes, GuestAddress};
 
-use super::layout::ram_ranges;
+use super::acpi;
+use super::bzimage_boot;
+use super::layout::{ram_ranges, RamRange};
 use super::machine::{memory_layout, register_guest_memory};
+use super::mmio_bus::MmioBus;
 use super::serial::LegacyPorts;
 use super::vcpu_runner::{PortIo, VcpuHandle, VcpuRunnerError};
+use super::virtio_devices::{VirtioDevices, VirtioDevicesError};
+use crate::devices::virtio::device::VirtioDevice;
+use crate::snapshot::durability;
+use crate::snapshot::format::{self, GuestKind, MachineConfig, MachineState, MEMORY_FILE};
 use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::{Vm, VmConfig};
 use crate::vstate::KvmContext;
 
+/// Most vCPUs a Linux guest can have here (xAPIC ids, one MADT entry each).
+pub const MAX_LINUX_VCPUS: u8 = 64;
 /// Where the kernel may load itself (1 MiB and up).
 const HIMEM_START: u64 = 0x10_0000;
 /// The `hvm_start_info` structure.
@@ -82,12 +92,18 @@ pub enum BootError {
     /// vCPU thread.
     #[error("vCPU thread")]
     Runner(#[from] VcpuRunnerError),
+    /// Virtio devices.
+    #[error("Virtio devices")]
+    Devices(#[from] VirtioDevicesError),
+    /// A snapshot could not be written or read.
+    #[error("Snapshot: {0}")]
+    Snapshot(String),
 }
 
 /// What to boot.
 #[derive(Clone, Debug)]
 pub struct LinuxBootConfig {
-    /// An ELF `vmlinux` with a PVH entry.
+    /// An ELF `vmlinux` with a PVH entry, or a bzImage.
     pub kernel: PathBuf,
     /// An initramfs, if any.
     pub initrd: Option<PathBuf>,
@@ -95,13 +111,23 @@ pub struct LinuxBootConfig {
     pub cmdline: String,
     /// Guest RAM in bytes.
     pub memory_bytes: u64,
+    /// Number of vCPUs (the kernel learns them from the ACPI MADT).
+    pub vcpus: u8,
+    /// Also announce the virtio devices with `virtio_mmio.device=` entries on the
+    /// command line, for kernels built with `CONFIG_VIRTIO_MMIO_CMDLINE_DEVICES` but
+    /// without ACPI. Off by default: a kernel that has both would find every device
+    /// twice (once per table) and fail the second probe.
+    pub cmdline_devices: bool,
 }
 
 /// A booting (or booted) Linux guest. Field order is drop order.
 pub struct LinuxVm {
     vcpus: Vec<VcpuHandle>,
-    _vm: Vm,
-    _memory: GuestMemory,
+    ports: Arc<LegacyPorts>,
+    devices: VirtioDevices,
+    vm: Vm,
+    memory: GuestMemory,
+    ram: Vec<RamRange>,
 }
 
 impl LinuxVm {
@@ -109,35 +135,223 @@ impl LinuxVm {
     pub fn fatal(&self) -> Option<String> {
         self.vcpus.iter().find_map(|v| v.fatal())
     }
+
+    /// The guest's virtio devices.
+    pub fn devices(&self) -> &VirtioDevices {
+        &self.devices
+    }
+
+    /// Stops every vCPU at its current instruction.
+    pub fn pause(&self) -> Result<(), BootError> {
+        for v in &self.vcpus {
+            v.request_pause()?;
+        }
+        for v in &self.vcpus {
+            v.wait_parked()?;
+        }
+        Ok(())
+    }
+
+    /// Lets every vCPU run again.
+    pub fn resume(&self) -> Result<(), BootError> {
+        for v in &self.vcpus {
+            v.resume()?;
+        }
+        Ok(())
+    }
+
+    /// Writes a full snapshot of the paused guest into the empty directory `dir`:
+    /// memory file, vCPU and VM state, and every virtio device's state (format v3).
+    /// The guest stays paused; [`LinuxVm::resume`] continues it.
+    ///
+    /// The devices' host sides are not in it (a clone gets its own disk copy, TAP and
+    /// sockets); COM1's registers are.
+    pub fn snapshot(&self, dir: &Path) -> Result<(), BootError> {
+        let snapshot_err = |e: &dyn std::fmt::Display| BootError::Snapshot(e.to_string());
+        cube_mem::memory_file::write_full(
+            &dir.join(MEMORY_FILE),
+            &self.memory,
+            None,
+            cube_storage::Durability::Deferred,
+        )
+        .map_err(|e| snapshot_err(&e))?;
+        let mut vcpus = Vec::with_capacity(self.vcpus.len());
+        for v in &self.vcpus {
+            vcpus.push(v.with_vcpu(|vcpu| vcpu.save_state())??);
+        }
+        let devices = self.devices.save()?;
+        let state = MachineState {
+            format_version: format::FORMAT_VERSION,
+            config: MachineConfig {
+                vcpus: self.vcpus.len() as u8,
+                memory_bytes: self.ram.iter().map(|r| r.size).sum(),
+                irqchip: true,
+            },
+            ram: self.ram.clone(),
+            guest: GuestKind::Linux,
+            vm: self.vm.save_state()?,
+            vcpus,
+            boot_id: durability::boot_id().map_err(|e| snapshot_err(&e))?,
+            devices,
+            serial: Some(self.ports.save_serial()),
+        };
+        format::write_state(dir, &state).map_err(|e| snapshot_err(&e))
+    }
+
+    /// Restores the Linux snapshot in `dir` into a new VM, paused. `devices` must be
+    /// the same kinds in the same order as when it was taken (with their own host
+    /// sides); where `cloned`, they are told so (the rng moves to a new generation, the
+    /// vsock device resets the guest's connections).
+    pub fn restore(
+        ctx: &Arc<KvmContext>,
+        dir: &Path,
+        console: Box<dyn Write + Send>,
+        devices: Vec<Box<dyn VirtioDevice>>,
+        cloned: bool,
+    ) -> Result<LinuxVm, BootError> {
+        let state = format::read_state(dir)
+            .map_err(|e| BootError::Snapshot(crate::error_report::chain(&e)))?;
+        if state.guest != GuestKind::Linux {
+            return Err(BootError::Snapshot(
+                "the snapshot holds Cube's test guest, not a Linux guest".into(),
+            ));
+        }
+        let memory =
+            GuestMemory::restore_private(memory_layout(&state.ram)?, &dir.join(MEMORY_FILE))?;
+        let vm = Vm::new(
+            ctx,
+            &VmConfig {
+                vcpus: state.config.vcpus,
+                irqchip: true,
+            },
+        )?;
+        // SAFETY: `memory` moves into the returned LinuxVm, which drops it after the VM.
+        unsafe { register_guest_memory(&vm, &memory, false)? };
+        let mut vcpus = Vec::with_capacity(state.vcpus.len());
+        for (index, vcpu_state) in state.vcpus.iter().enumerate() {
+            let vcpu = Vcpu::new(&vm, index as u8)?;
+            vcpu.configure_cpuid()?;
+            vcpu.restore_state(vcpu_state)?;
+            vcpus.push(vcpu);
+        }
+        vm.restore_state(&state.vm)?;
+        // After the irqchip: a device's pending interrupt is raised again on restore.
+        let mut bus = MmioBus::new();
+        let devices = VirtioDevices::restore(
+            vm.fd(),
+            memory.inner(),
+            &mut bus,
+            devices,
+            &state.devices,
+            cloned,
+        )?;
+        let legacy = Arc::new(match &state.serial {
+            Some(serial) => LegacyPorts::restore(vm.shared_fd(), console, serial)
+                .map_err(|e| BootError::Snapshot(e.to_string()))?,
+            None => LegacyPorts::new(vm.shared_fd(), console),
+        });
+        let ports: Arc<dyn PortIo> = legacy.clone();
+        let bus = Arc::new(bus);
+        let handles = vcpus
+            .into_iter()
+            .map(|v| {
+                VcpuHandle::spawn_with_buses(v, Some(Arc::clone(&ports)), Some(Arc::clone(&bus)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(LinuxVm {
+            vcpus: handles,
+            ports: legacy,
+            devices,
+            vm,
+            memory,
+            ram: state.ram,
+        })
+    }
 }
 
-/// Boots `config` with one vCPU; the serial console goes to `console`.
+/// Boots `config`; the serial console goes to `console`.
 pub fn boot(
     ctx: &Arc<KvmContext>,
     config: &LinuxBootConfig,
     console: Box<dyn Write + Send>,
 ) -> Result<LinuxVm, BootError> {
+    boot_with_devices(ctx, config, console, Vec::new())
+}
+
+/// Boots `config` with the virtio `devices` (announced to the kernel in its ACPI
+/// tables, and on its command line where [`LinuxBootConfig::cmdline_devices`] asks);
+/// the serial console goes to `console`.
+pub fn boot_with_devices(
+    ctx: &Arc<KvmContext>,
+    config: &LinuxBootConfig,
+    console: Box<dyn Write + Send>,
+    devices: Vec<Box<dyn VirtioDevice>>,
+) -> Result<LinuxVm, BootError> {
     let ram = ram_ranges(config.memory_bytes)?;
     let memory = GuestMemory::anonymous(memory_layout(&ram)?)?;
+    if config.vcpus == 0 || config.vcpus > MAX_LINUX_VCPUS {
+        return Err(BootError::BootParams(format!(
+            "{} vCPUs requested, 1..={MAX_LINUX_VCPUS} supported",
+            config.vcpus
+        )));
+    }
     let vm = Vm::new(
         ctx,
         &VmConfig {
-            vcpus: 1,
+            vcpus: config.vcpus,
             irqchip: true,
         },
     )?;
     // SAFETY: `memory` moves into the returned LinuxVm, which drops it after the VM.
     unsafe { register_guest_memory(&vm, &memory, false)? };
-    let entry = load_kernel(&memory, &config.kernel)?;
-    let mut modules = Vec::new();
-    if let Some(initrd) = &config.initrd {
-        modules.push(load_initrd(&memory, initrd, ram[0].size)?);
-    }
-    write_start_info(&memory, &ram, &config.cmdline, &modules)?;
+    let bzimage = bzimage_boot::is_bzimage(&config.kernel)
+        .map_err(|e| BootError::OpenKernel(config.kernel.clone(), e))?;
+    let mut bus = MmioBus::new();
+    let devices = VirtioDevices::attach(vm.fd(), memory.inner(), &mut bus, devices)?;
+    let cmdline = if config.cmdline_devices {
+        with_device_entries(&config.cmdline, &devices)
+    } else {
+        config.cmdline.clone()
+    };
+    let device_info: Vec<acpi::MmioDeviceInfo> = devices
+        .devices()
+        .iter()
+        .map(|d| acpi::MmioDeviceInfo {
+            base: d.base,
+            irq: d.irq,
+        })
+        .collect();
+    let rsdp = acpi::write_tables(memory.inner(), config.vcpus, &device_info)
+        .map_err(|e| BootError::BootParams(e.to_string()))?;
+    let (regs, mut sregs) = if bzimage {
+        let kernel = bzimage_boot::load(memory.inner(), &config.kernel)?;
+        let initrd = match &config.initrd {
+            Some(path) => {
+                let m = load_initrd(&memory, path, ram[0].size)?;
+                Some((m.paddr, m.size))
+            }
+            None => None,
+        };
+        let cmdline_len = write_cmdline(&memory, &cmdline)?;
+        let inputs = bzimage_boot::BootInputs {
+            cmdline_addr: CMDLINE_ADDR,
+            cmdline_len,
+            initrd,
+            rsdp,
+        };
+        bzimage_boot::configure(memory.inner(), &kernel, &ram, &inputs)?
+    } else {
+        let entry = load_kernel(&memory, &config.kernel)?;
+        let mut modules = Vec::new();
+        if let Some(initrd) = &config.initrd {
+            modules.push(load_initrd(&memory, initrd, ram[0].size)?);
+        }
+        write_start_info(&memory, &ram, &cmdline, &modules, rsdp)?;
+        pvh_registers(entry)
+    };
 
     let vcpu = Vcpu::new(&vm, 0)?;
     vcpu.configure_cpuid()?;
-    let (regs, mut sregs) = pvh_registers(entry);
     // Keep KVM's reset APIC base (enabled, BSP): the kernel needs its local APIC.
     sregs.apic_base = vcpu
         .fd()
@@ -145,14 +359,46 @@ pub fn boot(
         .map_err(|e| BootError::BootParams(format!("reading initial sregs: {e}")))?
         .apic_base;
     vcpu.set_initial_registers(&regs, &sregs)?;
-    let ports: Arc<dyn PortIo> = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
-    let handle = VcpuHandle::spawn_with_ports(vcpu, Some(ports))?;
-    handle.resume()?;
+    let legacy = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
+    let ports: Arc<dyn PortIo> = legacy.clone();
+    let bus = Arc::new(bus);
+    let mut handles = vec![VcpuHandle::spawn_with_buses(
+        vcpu,
+        Some(Arc::clone(&ports)),
+        Some(Arc::clone(&bus)),
+    )?];
+    // Application processors start halted in the in-kernel LAPIC (waiting for the
+    // INIT/SIPI the kernel sends when it brings them up).
+    for index in 1..config.vcpus {
+        let ap = Vcpu::new(&vm, index)?;
+        ap.configure_cpuid()?;
+        handles.push(VcpuHandle::spawn_with_buses(
+            ap,
+            Some(Arc::clone(&ports)),
+            Some(Arc::clone(&bus)),
+        )?);
+    }
+    for handle in &handles {
+        handle.resume()?;
+    }
     Ok(LinuxVm {
-        vcpus: vec![handle],
-        _vm: vm,
-        _memory: memory,
+        vcpus: handles,
+        ports: legacy,
+        devices,
+        vm,
+        memory,
+        ram,
     })
+}
+
+/// The user's command line followed by one `virtio_mmio.device=` entry per device.
+fn with_device_entries(cmdline: &str, devices: &VirtioDevices) -> String {
+    let entries = devices.cmdline();
+    match (cmdline.trim().is_empty(), entries.is_empty()) {
+        (_, true) => cmdline.to_string(),
+        (true, false) => entries,
+        (false, false) => format!("{} {entries}", cmdline.trim_end()),
+    }
 }
 
 fn load_kernel(memory: &GuestMemory, path: &Path) -> Result<GuestAddress, BootError> {
@@ -196,17 +442,25 @@ fn load_initrd(
     })
 }
 
-fn write_start_info(
-    memory: &GuestMemory,
-    ram: &[super::layout::RamRange],
-    cmdline: &str,
-    modules: &[hvm_modlist_entry],
-) -> Result<(), BootError> {
+/// Writes the command line at [`CMDLINE_ADDR`]; returns its length.
+fn write_cmdline(memory: &GuestMemory, cmdline: &str) -> Result<u32, BootError> {
     let mut line = Cmdline::new(CMDLINE_MAX).map_err(|e| BootError::Cmdline(e.to_string()))?;
     line.insert_str(cmdline)
         .map_err(|e| BootError::Cmdline(e.to_string()))?;
     linux_loader::loader::load_cmdline(memory.inner(), GuestAddress(CMDLINE_ADDR), &line)
         .map_err(|e| BootError::Cmdline(e.to_string()))?;
+    // Bounded by CMDLINE_MAX.
+    Ok(cmdline.len() as u32)
+}
+
+fn write_start_info(
+    memory: &GuestMemory,
+    ram: &[super::layout::RamRange],
+    cmdline: &str,
+    modules: &[hvm_modlist_entry],
+    rsdp: u64,
+) -> Result<(), BootError> {
+    write_cmdline(memory, cmdline)?;
 
     // Conventional memory below the EBDA, then every RAM range from 1 MiB up.
     let mut memmap = vec![hvm_memmap_table_entry {
@@ -235,6 +489,7 @@ fn write_start_info(
         memmap_entries: memmap.len() as u32,
         nr_modules: modules.len() as u32,
         modlist_paddr: if modules.is_empty() { 0 } else { MODLIST_ADDR },
+        rsdp_paddr: rsdp,
         ..Default::default()
     };
     let mut params = BootParams::new(&start_info, GuestAddress(START_INFO_ADDR));

@@ -66,6 +66,9 @@ pub enum MachineError {
     /// The snapshot's durability could not be recorded.
     #[error("Snapshot durability")]
     Durability(#[from] durability::DurabilityError),
+    /// The snapshot is of a Linux guest (see `LinuxVm::restore`).
+    #[error("Snapshot holds a Linux guest, which this test-guest machine cannot run")]
+    LinuxSnapshot,
     /// The machine is hibernated or otherwise has no VM.
     #[error("The machine is not in a state that allows {0}")]
     WrongState(&'static str),
@@ -234,6 +237,9 @@ impl Machine {
     pub fn restore(ctx: &Arc<KvmContext>, dir: &Path) -> Result<Machine, MachineError> {
         let start = std::time::Instant::now();
         let state = format::read_state(dir)?;
+        if state.guest == GuestKind::Linux {
+            return Err(MachineError::LinuxSnapshot);
+        }
         tracing::debug!(elapsed = ?start.elapsed(), "restore: state read");
         let memory_path = dir.join(MEMORY_FILE);
         let memory = GuestMemory::restore_private(memory_layout(&state.ram)?, &memory_path)?;
@@ -276,6 +282,9 @@ impl Machine {
     /// `Err` the machine may be half-restored and must be discarded.
     pub fn load_in_place(&mut self, dir: &Path, state: MachineState) -> Result<bool, MachineError> {
         let start = std::time::Instant::now();
+        if state.guest == GuestKind::Linux {
+            return Err(MachineError::LinuxSnapshot);
+        }
         // userfaultfd registrations do not survive a remap: only KVM's log does.
         if state.config != self.config
             || state.ram != self.ram
@@ -516,6 +525,9 @@ impl Machine {
             vm: self.vm.save_state()?,
             vcpus,
             boot_id: durability::boot_id()?,
+            // The test-guest machine has no virtio devices and no serial port.
+            devices: Vec::new(),
+            serial: None,
         };
         format::write_state(dir, &state)?;
         Ok(stats)

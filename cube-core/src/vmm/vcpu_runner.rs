@@ -17,6 +17,7 @@ use kvm_bindings::kvm_run;
 use kvm_ioctls::VcpuExit;
 
 use super::control_device::{self, ControlAction};
+use super::mmio_bus::MmioBus;
 use crate::vstate::vcpu::Vcpu;
 
 /// How long a controller waits for a vCPU thread to park before giving up.
@@ -116,6 +117,12 @@ pub trait PortIo: Send + Sync {
     fn read(&self, port: u16, data: &mut [u8]);
     /// Delivers `data` written to port `port`.
     fn write(&self, port: u16, data: &[u8]);
+
+    /// Why the guest asked the machine to stop (a reset or power-off through a port),
+    /// once it has; the vCPU then stops as for a triple fault.
+    fn stop_requested(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The controller's end of one vCPU thread.
@@ -138,6 +145,17 @@ impl VcpuHandle {
         vcpu: Vcpu,
         ports: Option<Arc<dyn PortIo>>,
     ) -> Result<VcpuHandle, VcpuRunnerError> {
+        Self::spawn_with_buses(vcpu, ports, None)
+    }
+
+    /// Like [`VcpuHandle::spawn_with_ports`], with MMIO accesses outside the control
+    /// device going to `mmio` (where `None`, or where no device answers, reads return
+    /// zeros and writes are dropped).
+    pub fn spawn_with_buses(
+        vcpu: Vcpu,
+        ports: Option<Arc<dyn PortIo>>,
+        mmio: Option<Arc<MmioBus>>,
+    ) -> Result<VcpuHandle, VcpuRunnerError> {
         install_kick_handler();
         let index = vcpu.index();
         let shared = Arc::new(Shared {
@@ -154,7 +172,7 @@ impl VcpuHandle {
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
             .stack_size(256 << 10)
-            .spawn(move || run_vcpu(vcpu, &thread_shared, ports.as_deref()))
+            .spawn(move || run_vcpu(vcpu, &thread_shared, ports.as_deref(), mmio.as_deref()))
             .map_err(|e| VcpuRunnerError::Spawn(index, e))?;
         let pthread = std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread);
         let handle = VcpuHandle {
@@ -294,7 +312,12 @@ fn set_immediate_exit(run: *mut kvm_run, value: u8) {
     unsafe { std::ptr::write_volatile(&mut (*run).immediate_exit, value) };
 }
 
-fn run_vcpu(mut vcpu: Vcpu, shared: &Shared, ports: Option<&dyn PortIo>) -> Vcpu {
+fn run_vcpu(
+    mut vcpu: Vcpu,
+    shared: &Shared,
+    ports: Option<&dyn PortIo>,
+    mmio: Option<&MmioBus>,
+) -> Vcpu {
     let run: *mut kvm_run = vcpu.fd_mut().get_kvm_run();
     KVM_RUN.with(|r| r.set(run));
     // An MMIO or PIO exit is only complete once KVM_RUN is entered again; a vCPU saved
@@ -333,16 +356,26 @@ fn run_vcpu(mut vcpu: Vcpu, shared: &Shared, ports: Option<&dyn PortIo>) -> Vcpu
             doorbell_at_entry = c.doorbell;
         }
         let outcome = match vcpu.fd_mut().run() {
-            Ok(VcpuExit::MmioWrite(addr, _)) => {
+            Ok(VcpuExit::MmioWrite(addr, data)) => {
                 exit_pending = true;
                 match control_device::decode_write(addr) {
                     Some(ControlAction::Idle) => Outcome::Idle,
-                    _ => Outcome::Continue,
+                    Some(ControlAction::Continue) => Outcome::Continue,
+                    None => {
+                        if let Some(bus) = mmio {
+                            bus.write(addr, data);
+                        }
+                        Outcome::Continue
+                    }
                 }
             }
-            Ok(VcpuExit::MmioRead(_, data)) => {
-                // No device answers reads yet: the bus reads as zeros.
-                data.fill(0);
+            Ok(VcpuExit::MmioRead(addr, data)) => {
+                match mmio {
+                    Some(bus) => {
+                        bus.read(addr, data);
+                    }
+                    None => data.fill(0),
+                }
                 exit_pending = true;
                 Outcome::Continue
             }
@@ -355,11 +388,14 @@ fn run_vcpu(mut vcpu: Vcpu, shared: &Shared, ports: Option<&dyn PortIo>) -> Vcpu
                 Outcome::Continue
             }
             Ok(VcpuExit::IoOut(port, data)) => {
-                if let Some(p) = ports {
-                    p.write(port, data);
-                }
                 exit_pending = true;
-                Outcome::Continue
+                match ports {
+                    Some(p) => {
+                        p.write(port, data);
+                        p.stop_requested().map_or(Outcome::Continue, Outcome::Fatal)
+                    }
+                    None => Outcome::Continue,
+                }
             }
             Ok(VcpuExit::Shutdown) => {
                 Outcome::Fatal("guest shut down (triple fault or reset)".into())

@@ -57,6 +57,15 @@ pub enum DeviceError {
     /// Saved device state does not belong to this device.
     #[error("Device state is malformed: {0}")]
     BadState(String),
+    /// The device's host side failed (a file, socket or TAP device).
+    #[error("Device backend failed: {what}")]
+    Backend {
+        /// What the device was doing.
+        what: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// A virtio device, driven by a transport such as [`super::mmio::MmioTransport`].
@@ -105,4 +114,23 @@ pub trait VirtioDevice: Send {
 
     /// Takes back what [`VirtioDevice::save_state`] produced, before activation.
     fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError>;
+
+    /// A file descriptor the device loop polls for the device's host side (a TAP
+    /// device, an epoll set of sockets), if the device has one; when it is readable
+    /// the loop calls [`VirtioDevice::process_backend`].
+    fn backend_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
+
+    /// Moves what the host side has for the guest into the device's queues.
+    fn process_backend(&mut self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+
+    /// Called after a restore from a snapshot that other VMs may also be restored
+    /// from: anything that must differ between clones (random state, a generation
+    /// counter) is changed here.
+    fn on_clone(&mut self) -> Result<(), DeviceError> {
+        Ok(())
+    }
 }

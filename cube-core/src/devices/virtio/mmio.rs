@@ -177,6 +177,50 @@ impl MmioTransport {
         self.device.as_ref()
     }
 
+    /// The device behind the transport, for a host-side owner (tests, set-up).
+    pub fn device_mut(&mut self) -> &mut dyn VirtioDevice {
+        self.device.as_mut()
+    }
+
+    /// The guest memory the device works on.
+    pub fn memory(&self) -> &VirtioMemory {
+        &self.memory
+    }
+
+    /// How many queues the device has.
+    pub fn queue_count(&self) -> usize {
+        self.queues.len()
+    }
+
+    /// A queue notification that arrived through an ioeventfd rather than a register
+    /// write.
+    pub fn notify_queue(&mut self, index: u16) {
+        self.notify(u32::from(index));
+    }
+
+    /// Lets an activated device move what its host side has into its queues.
+    pub fn process_backend(&mut self) {
+        if !self.activated {
+            return;
+        }
+        if let Err(e) = self.device.process_backend() {
+            tracing::warn!(error = %e, "virtio-mmio: serving the device backend failed");
+        }
+    }
+
+    /// Tells the device it was restored as a clone, and the driver that its
+    /// configuration changed (the config generation moves on).
+    pub fn mark_cloned(&mut self) -> Result<(), super::device::DeviceError> {
+        self.device.on_clone()?;
+        self.config_generation = self.config_generation.wrapping_add(1);
+        if self.activated {
+            self.interrupt
+                .signal_config_change()
+                .map_err(super::device::DeviceError::Interrupt)?;
+        }
+        Ok(())
+    }
+
     /// Handles a guest read of `data.len()` bytes at `offset` into the window.
     pub fn read(&self, offset: u64, data: &mut [u8]) {
         data.fill(0);
@@ -766,6 +810,24 @@ mod tests {
         )
         .unwrap();
         assert_eq!(restored.save(), state);
+    }
+
+    #[test]
+    fn a_snapshot_taken_while_the_driver_wrote_unoffered_features_restores() {
+        let (mut d, _) = rng_driver();
+        d.add_status(STATUS_ACKNOWLEDGE);
+        d.add_status(STATUS_DRIVER);
+        // Not yet accepted: the register just holds what the driver wrote.
+        d.write_driver_features(1 | VERSION_1);
+        let state = through_file(&d.transport.save());
+        let mem = d.transport_memory();
+        let mut restored = Driver::new(Box::new(Rng::new()), &mem);
+        restored.transport =
+            MmioTransport::restore(Box::new(Rng::new()), mem, restored.line.clone(), &state)
+                .unwrap();
+        // The device still refuses them at FEATURES_OK.
+        restored.add_status(STATUS_FEATURES_OK);
+        assert_eq!(restored.read32(regs::STATUS) & STATUS_FEATURES_OK, 0);
     }
 
     #[test]

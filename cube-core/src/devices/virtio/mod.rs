@@ -5,14 +5,20 @@
 //! Every value the guest provides (queue geometry, descriptor chains, ring indices) is
 //! validated before use: a malformed request is refused, never trusted.
 
+pub mod block;
+pub mod chain_io;
 pub mod device;
 pub mod interrupt;
 pub mod mmio;
+pub mod net;
 pub mod persist;
 pub mod queue;
 pub mod rng;
+pub mod slot;
+pub mod tap;
 #[cfg(test)]
-mod test_driver;
+pub(crate) mod test_driver;
+pub mod vsock;
 
 use vm_memory::bitmap::AtomicBitmap;
 use vm_memory::GuestMemoryMmap;

@@ -180,7 +180,11 @@ impl VirtioMmioState {
         }
         validate_status(self.status)?;
         let offered = device.features();
-        if self.driver_features & !offered != 0 {
+        // Before FEATURES_OK the DriverFeatures register holds whatever the driver
+        // wrote (the device refuses bad bits only when FEATURES_OK is set), so only an
+        // accepted feature set must be a subset. (Found by the virtio_mmio fuzz target:
+        // a guest could otherwise make its own snapshot unrestorable.)
+        if self.status & STATUS_FEATURES_OK != 0 && self.driver_features & !offered != 0 {
             return Err(PersistError::Features {
                 acked: self.driver_features,
                 offered,

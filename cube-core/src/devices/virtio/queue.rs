@@ -11,8 +11,9 @@
 //! driver may not use them. EVENT_IDX is not offered either; interrupt suppression
 //! follows VIRTQ_AVAIL_F_NO_INTERRUPT.
 
-use std::num::Wrapping;
 use std::sync::atomic::{fence, Ordering};
+
+use virtio_queue::{QueueOwnedT, QueueT};
 
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryError};
 
@@ -83,6 +84,9 @@ pub enum QueueError {
         /// The queue size.
         size: u16,
     },
+    /// virtio-queue refused the queue or a ring access.
+    #[error("Virtqueue: {0}")]
+    Ring(String),
     /// Reading or writing a ring failed.
     #[error("Accessing the {part} failed")]
     Memory {
@@ -341,12 +345,14 @@ fn read_descriptor<M: GuestMemoryBackend>(mem: &M, table: u64, index: u16) -> Op
     })
 }
 
-/// The device's side of one enabled split virtqueue.
-#[derive(Clone, Debug)]
+/// The device's side of one enabled split virtqueue: ring positions and ring access
+/// are rust-vmm's `virtio_queue::Queue`; descriptor chains go through [`parse_chain`],
+/// which refuses more than virtio-queue's own iterator does (empty buffers outside
+/// memory, readable after writable, indirect tables no device here negotiates).
+#[derive(Debug)]
 pub struct Queue {
     layout: QueueLayout,
-    next_avail: Wrapping<u16>,
-    next_used: Wrapping<u16>,
+    ring: virtio_queue::Queue,
 }
 
 impl Queue {
@@ -360,11 +366,23 @@ impl Queue {
         next_used: u16,
     ) -> Result<Self, QueueError> {
         layout.validate(mem, max_size)?;
-        Ok(Queue {
-            layout,
-            next_avail: Wrapping(next_avail),
-            next_used: Wrapping(next_used),
-        })
+        let mut ring = virtio_queue::Queue::new(max_size.min(MAX_QUEUE_SIZE))
+            .map_err(|e| QueueError::Ring(e.to_string()))?;
+        let split = |a: u64| (Some(a as u32), Some((a >> 32) as u32));
+        ring.set_size(layout.size);
+        let (lo, hi) = split(layout.desc_table);
+        ring.set_desc_table_address(lo, hi);
+        let (lo, hi) = split(layout.avail_ring);
+        ring.set_avail_ring_address(lo, hi);
+        let (lo, hi) = split(layout.used_ring);
+        ring.set_used_ring_address(lo, hi);
+        ring.set_next_avail(next_avail);
+        ring.set_next_used(next_used);
+        ring.set_ready(true);
+        if !ring.is_valid(mem) {
+            return Err(QueueError::Ring(format!("virtio-queue refuses {layout:?}")));
+        }
+        Ok(Queue { layout, ring })
     }
 
     /// Where the queue is.
@@ -374,52 +392,43 @@ impl Queue {
 
     /// The next available-ring entry the device will take.
     pub fn next_avail(&self) -> u16 {
-        self.next_avail.0
+        self.ring.next_avail()
     }
 
     /// The next used-ring entry the device will fill.
     pub fn next_used(&self) -> u16 {
-        self.next_used.0
-    }
-
-    fn ring_addr(&self, base: u64, elem_size: u64, index: u16) -> Result<GuestAddress, QueueError> {
-        let slot = u64::from(index % self.layout.size);
-        base.checked_add(RING_HEADER_SIZE + slot * elem_size)
-            .map(GuestAddress)
-            .ok_or(QueueError::OutsideMemory {
-                part: "ring entry",
-                addr: base,
-                len: elem_size,
-            })
+        self.ring.next_used()
     }
 
     /// Takes the next head index the driver made available, or `None` when the ring is
     /// empty. The index itself is not checked: [`parse_chain`] does that.
     pub fn pop_avail<M: GuestMemoryBackend>(&mut self, mem: &M) -> Result<Option<u16>, QueueError> {
-        let part = "available ring";
-        let idx_addr = GuestAddress(self.layout.avail_ring + 2);
-        // Acquire: the ring entries and descriptors the driver wrote before publishing
-        // the index must be seen after reading it.
-        let avail_idx: u16 = mem
-            .load(idx_addr, Ordering::Acquire)
-            .map_err(|source| QueueError::Memory { part, source })?;
-        let pending = (Wrapping(avail_idx) - self.next_avail).0;
-        if pending == 0 {
-            return Ok(None);
-        }
-        if pending > self.layout.size {
-            return Err(QueueError::AvailIndex {
-                avail_idx,
-                next_avail: self.next_avail.0,
-                size: self.layout.size,
-            });
-        }
-        let entry = self.ring_addr(self.layout.avail_ring, AVAIL_ELEM_SIZE, self.next_avail.0)?;
-        let head: u16 = mem
-            .read_obj(entry)
-            .map_err(|source| QueueError::Memory { part, source })?;
-        self.next_avail += 1;
-        Ok(Some(u16::from_le(head)))
+        let next_avail = self.ring.next_avail();
+        let size = self.layout.size;
+        let mut available = match self.ring.iter(mem) {
+            Ok(iter) => iter,
+            Err(virtio_queue::Error::InvalidAvailRingIndex) => {
+                // The index the driver published is more than a queue's worth ahead.
+                let avail_idx = self
+                    .ring
+                    .avail_idx(mem, Ordering::Acquire)
+                    .map(|i| i.0)
+                    .unwrap_or_default();
+                return Err(QueueError::AvailIndex {
+                    avail_idx,
+                    next_avail,
+                    size,
+                });
+            }
+            Err(e) => return Err(QueueError::Ring(e.to_string())),
+        };
+        Ok(available.next().map(|chain| chain.head_index()))
+    }
+
+    /// Gives back the entry [`Queue::pop_avail`] just took, so the next call takes it
+    /// again (a device that found it has nothing to put in the buffer).
+    pub fn unpop_avail(&mut self) {
+        self.ring.go_to_previous_position();
     }
 
     /// Returns chain `head` to the driver with `len` bytes written into it.
@@ -435,26 +444,13 @@ impl Queue {
                 size: self.layout.size,
             });
         }
-        let part = "used ring";
-        let entry = self.ring_addr(self.layout.used_ring, USED_ELEM_SIZE, self.next_used.0)?;
-        let mut elem = [0u8; USED_ELEM_SIZE as usize];
-        elem[..4].copy_from_slice(&u32::from(head).to_le_bytes());
-        elem[4..].copy_from_slice(&len.to_le_bytes());
-        mem.write_slice(&elem, entry)
-            .map_err(|source| QueueError::Memory { part, source })?;
-        self.next_used += 1;
-        // Release: the element (and the data written into the buffers) must be visible
-        // before the driver sees the new index.
-        mem.store(
-            self.next_used.0.to_le(),
-            GuestAddress(self.layout.used_ring + 2),
-            Ordering::Release,
-        )
-        .map_err(|source| QueueError::Memory { part, source })
+        self.ring
+            .add_used(mem, head, len)
+            .map_err(|e| QueueError::Ring(e.to_string()))
     }
 
     /// Whether the driver wants an interrupt for buffers used so far: it does unless it
-    /// set VIRTQ_AVAIL_F_NO_INTERRUPT.
+    /// set VIRTQ_AVAIL_F_NO_INTERRUPT (which virtio-queue 0.18 does not look at).
     pub fn wants_interrupt<M: GuestMemoryBackend>(&self, mem: &M) -> Result<bool, QueueError> {
         // The used index store must be ordered before the flags load, or the device
         // could miss a driver that just re-enabled interrupts.

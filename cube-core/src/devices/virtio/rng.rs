@@ -3,6 +3,14 @@
 //! One queue; every chain's device-writable buffers are filled from the host's
 //! `getrandom(2)` and returned with the number of bytes written. Readable buffers are
 //! never written, so a chain without a writable buffer completes with length 0.
+//!
+//! Clones: the device itself holds no random state (every byte comes fresh from the
+//! host's `getrandom`), so two VMs restored from one snapshot never get the same bytes
+//! from it. What a clone must also learn is *that* it is a clone, so the guest can
+//! reseed its own generator: the device keeps a generation counter (Cube's stand-in
+//! for a VM generation ID) as its 8-byte configuration space, bumps it by a random
+//! amount whenever a VM is restored as a clone, and raises a configuration-change
+//! interrupt.
 
 use std::sync::Arc;
 
@@ -31,12 +39,18 @@ struct Active {
 #[derive(Default)]
 pub struct Rng {
     active: Option<Active>,
+    generation: u64,
 }
 
 impl Rng {
     /// A device waiting for a driver.
     pub fn new() -> Self {
         Rng::default()
+    }
+
+    /// The VM generation counter: changes each time the VM is restored as a clone.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 }
 
@@ -53,7 +67,9 @@ impl VirtioDevice for Rng {
         &QUEUE_SIZES
     }
 
-    fn read_config(&self, _offset: u64, _data: &mut [u8]) {}
+    fn read_config(&self, offset: u64, data: &mut [u8]) {
+        super::block::copy_config(&self.generation.to_le_bytes(), offset, data);
+    }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
 
@@ -113,18 +129,38 @@ impl VirtioDevice for Rng {
     }
 
     fn save_state(&self) -> Vec<u8> {
-        Vec::new()
+        if self.generation == 0 {
+            // Exactly what builds without the generation counter wrote.
+            Vec::new()
+        } else {
+            self.generation.to_le_bytes().to_vec()
+        }
     }
 
     fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError> {
-        if state.is_empty() {
-            Ok(())
-        } else {
-            Err(DeviceError::BadState(format!(
-                "virtio-rng has no state, got {} bytes",
-                state.len()
-            )))
-        }
+        self.generation = match state.len() {
+            0 => 0,
+            8 => {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(state);
+                u64::from_le_bytes(b)
+            }
+            n => {
+                return Err(DeviceError::BadState(format!(
+                    "virtio-rng state is its 8-byte generation, got {n} bytes"
+                )))
+            }
+        };
+        Ok(())
+    }
+
+    fn on_clone(&mut self) -> Result<(), DeviceError> {
+        // A random step (never 0): clones of one snapshot get different generations,
+        // so none can mistake another's for its own.
+        let mut step = [0u8; 8];
+        getrandom(&mut step).map_err(DeviceError::Entropy)?;
+        self.generation = self.generation.wrapping_add(u64::from_le_bytes(step) | 1);
+        Ok(())
     }
 }
 
@@ -446,5 +482,53 @@ mod tests {
             rng.process_queue(0),
             Err(DeviceError::NotActivated)
         ));
+    }
+
+    #[test]
+    fn clones_of_one_snapshot_get_distinct_generations_and_a_config_interrupt() {
+        use crate::devices::virtio::interrupt::tests::RecordingLine;
+        use crate::devices::virtio::interrupt::INTERRUPT_CONFIG_CHANGE;
+        use crate::devices::virtio::mmio::MmioTransport;
+        use std::sync::Arc;
+        let (d, ring) = running();
+        assert_eq!(d.read32(regs::CONFIG), 0);
+        let state = d.transport.save();
+        assert!(state.device_state.is_empty());
+        let mut generations = Vec::new();
+        for _ in 0..2 {
+            let line = Arc::new(RecordingLine::default());
+            let mut clone = MmioTransport::restore(
+                Box::new(Rng::new()),
+                ring.mem.clone(),
+                line.clone(),
+                &state,
+            )
+            .unwrap();
+            clone.mark_cloned().unwrap();
+            let mut data = [0u8; 8];
+            clone.read(regs::CONFIG, &mut data);
+            let generation = u64::from_le_bytes(data);
+            assert_ne!(generation, 0);
+            let mut word = [0u8; 4];
+            clone.read(regs::CONFIG_GENERATION, &mut word);
+            assert_eq!(u32::from_le_bytes(word), 1);
+            clone.read(regs::INTERRUPT_STATUS, &mut word);
+            assert_eq!(u32::from_le_bytes(word), INTERRUPT_CONFIG_CHANGE);
+            assert!(line.asserted());
+            // The generation survives the clone's own snapshot.
+            let again = clone.save();
+            assert_eq!(again.device_state, generation.to_le_bytes());
+            let restored = MmioTransport::restore(
+                Box::new(Rng::new()),
+                ring.mem.clone(),
+                Arc::new(RecordingLine::default()),
+                &again,
+            )
+            .unwrap();
+            restored.read(regs::CONFIG, &mut data);
+            assert_eq!(u64::from_le_bytes(data), generation);
+            generations.push(generation);
+        }
+        assert_ne!(generations[0], generations[1]);
     }
 }

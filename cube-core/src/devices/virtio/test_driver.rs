@@ -58,8 +58,24 @@ impl Ring {
         }
     }
 
+    /// A ring of at most 256 entries whose table and rings lie in the 16 KiB at
+    /// `base`, for devices with several queues.
+    pub(crate) fn at(mem: &VirtioMemory, size: u16, base: u64) -> Self {
+        assert!(size <= 256);
+        Ring {
+            mem: mem.clone(),
+            layout: QueueLayout {
+                size,
+                desc_table: base,
+                avail_ring: base + 0x2000,
+                used_ring: base + 0x3000,
+            },
+            avail_idx: 0,
+        }
+    }
+
     pub(crate) fn set_desc(&self, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
-        let at = DESC + 16 * u64::from(index);
+        let at = self.layout.desc_table + 16 * u64::from(index);
         self.mem.write_obj(addr, GuestAddress(at)).unwrap();
         self.mem.write_obj(len, GuestAddress(at + 8)).unwrap();
         self.mem.write_obj(flags, GuestAddress(at + 12)).unwrap();
@@ -70,31 +86,37 @@ impl Ring {
     pub(crate) fn publish(&mut self, head: u16) {
         let slot = u64::from(self.avail_idx % self.layout.size);
         self.mem
-            .write_obj(head, GuestAddress(AVAIL + 4 + 2 * slot))
+            .write_obj(head, GuestAddress(self.layout.avail_ring + 4 + 2 * slot))
             .unwrap();
         self.avail_idx = self.avail_idx.wrapping_add(1);
         self.mem
-            .write_obj(self.avail_idx, GuestAddress(AVAIL + 2))
+            .write_obj(self.avail_idx, GuestAddress(self.layout.avail_ring + 2))
             .unwrap();
     }
 
     /// Writes the available index directly, as a misbehaving driver might.
     pub(crate) fn set_avail_idx(&mut self, idx: u16) {
         self.avail_idx = idx;
-        self.mem.write_obj(idx, GuestAddress(AVAIL + 2)).unwrap();
+        self.mem
+            .write_obj(idx, GuestAddress(self.layout.avail_ring + 2))
+            .unwrap();
     }
 
     pub(crate) fn set_avail_flags(&self, flags: u16) {
-        self.mem.write_obj(flags, GuestAddress(AVAIL)).unwrap();
+        self.mem
+            .write_obj(flags, GuestAddress(self.layout.avail_ring))
+            .unwrap();
     }
 
     pub(crate) fn used_idx(&self) -> u16 {
-        self.mem.read_obj(GuestAddress(USED + 2)).unwrap()
+        self.mem
+            .read_obj(GuestAddress(self.layout.used_ring + 2))
+            .unwrap()
     }
 
     /// The used element at ring position `n`: (descriptor id, length).
     pub(crate) fn used(&self, n: u16) -> (u32, u32) {
-        let at = USED + 4 + 8 * u64::from(n % self.layout.size);
+        let at = self.layout.used_ring + 4 + 8 * u64::from(n % self.layout.size);
         (
             self.mem.read_obj(GuestAddress(at)).unwrap(),
             self.mem.read_obj(GuestAddress(at + 4)).unwrap(),
@@ -119,6 +141,11 @@ impl Driver {
         let line = Arc::new(RecordingLine::default());
         let transport = MmioTransport::new(device, mem.clone(), line.clone());
         Driver { transport, line }
+    }
+
+    /// The guest memory the transport was made with.
+    pub(crate) fn transport_memory(&self) -> VirtioMemory {
+        self.transport.memory().clone()
     }
 
     pub(crate) fn read32(&self, offset: u64) -> u32 {
@@ -180,6 +207,19 @@ impl Driver {
     pub(crate) fn bring_up(&mut self, ring: &Ring) {
         assert!(self.negotiate(1 << VIRTIO_F_VERSION_1));
         assert!(self.setup_queue(0, &ring.layout));
+        self.add_status(STATUS_DRIVER_OK);
+        assert!(self.transport.is_activated());
+    }
+
+    /// Full bring-up of a device with `features` and one ring per queue.
+    pub(crate) fn bring_up_queues(&mut self, features: u64, rings: &[&Ring]) {
+        assert!(self.negotiate(features));
+        for (index, ring) in rings.iter().enumerate() {
+            assert!(
+                self.setup_queue(index as u32, &ring.layout),
+                "queue {index}"
+            );
+        }
         self.add_status(STATUS_DRIVER_OK);
         assert!(self.transport.is_activated());
     }
