@@ -61,12 +61,18 @@ enum Command {
     /// Example: cube bench --quick --json
     Bench(bench::BenchArgs),
     /// Manage the store.
+    ///
+    /// Example: cube store info
     #[command(subcommand)]
     Store(store_cmd::StoreCommand),
     /// Manage templates.
+    ///
+    /// Example: cube template ls
     #[command(subcommand)]
     Template(sandbox_cmd::TemplateCommand),
     /// Manage sandboxes that live across invocations.
+    ///
+    /// Example: cube sandbox create && cube sandbox ls
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCommand),
     /// Run one command in a fresh sandbox that is destroyed when it ends; exits with
@@ -81,6 +87,8 @@ enum Command {
     /// Example: cube code '1+1'
     Code(run_cmd::CodeArgs),
     /// Look inside the VMM.
+    ///
+    /// Example: cube debug boot --kernel vmlinux --until 'Linux version'
     #[command(subcommand)]
     Debug(debug_cmd::DebugCommand),
     /// Print a shell completion script.
