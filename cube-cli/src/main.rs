@@ -206,7 +206,9 @@ impl From<cube_core::SandboxError> for CliError {
         let message = chain(&e);
         let (code, hint) = match &e {
             E::UnknownSandbox(_) => (3, Some("list sandboxes with `cube sandbox ls`".to_string())),
-            E::UnknownTemplate(_) => (3, Some("list templates with `cube template ls`".to_string())),
+            // Its message already names `cube template ls`.
+            E::UnknownTemplate(_) => (3, None),
+            E::EngineMismatch { .. } => (2, None),
             E::UnknownSnapshot(_) => (
                 3,
                 Some("list snapshots with `cube sandbox snapshots [ID]`".to_string()),
