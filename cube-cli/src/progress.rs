@@ -79,6 +79,17 @@ impl Phases {
         }
     }
 
+    /// Ends the last phase and clears the spinner (for phases kept in a static,
+    /// which are never dropped).
+    pub fn finish(&self) {
+        if let Some(s) = &self.spinner {
+            if !s.message().is_empty() {
+                s.println(format!("  {}: {} done", self.prefix, s.message()));
+            }
+            s.finish_and_clear();
+        }
+    }
+
     /// Prints a line above the spinner (or on standard error without one).
     pub fn note(&self, line: &str) {
         match &self.spinner {
