@@ -176,11 +176,23 @@ fn unknown_things_exit_3_with_what_to_do() {
     assert!(err.contains("no-such-template"), "{err}");
     // A missing local source is "not found" too.
     fails(s, &["sandbox", "cp", "/nonexistent/cube-test", "sb-1:/tmp/x"], 3);
+    // A store that does not exist.
+    let missing = s.join("no-store-here");
+    let err = fails(&missing, &["store", "info"], 3);
+    assert!(err.contains("cube store setup"), "{err}");
     // Empty listings are valid JSON.
     assert_eq!(json(s, &["sandbox", "ls", "--json"]), serde_json::json!([]));
     assert_eq!(json(s, &["sandbox", "snapshots", "--json"]), serde_json::json!([]));
     let table = ok(s, &["sandbox", "ls"]);
     assert!(table.starts_with("ID "), "{table}");
+    let info = json(s, &["store", "info", "--json"]);
+    assert_eq!(info["store"], s.to_str().unwrap());
+    assert!(info["reflink"].is_boolean() && info["filesystem"].is_string(), "{info}");
+    let templates = json(s, &["template", "ls", "--json"]);
+    assert!(
+        templates.as_array().unwrap().iter().any(|t| t["name"] == "host"),
+        "{templates}"
+    );
 }
 
 /// Removes the sandbox even when an assertion fails half-way.
