@@ -82,10 +82,10 @@ pub fn copy(rt: &Runtime, src: &str, dst: &str) -> Result<u64, CliError> {
         )),
         (Location::Sandbox { id, path }, to) => download(rt, &id, &path, to),
         (from, Location::Sandbox { id, path }) => upload(rt, from, &id, &path),
-        _ => Err(CliError::usage(
-            "neither side is inside a sandbox: write one as ID:/path",
-        )
-        .hint("list sandbox ids with `cube sandbox ls`")),
+        _ => Err(
+            CliError::usage("neither side is inside a sandbox: write one as ID:/path")
+                .hint("list sandbox ids with `cube sandbox ls`"),
+        ),
     }
 }
 
@@ -116,7 +116,13 @@ fn upload(rt: &Runtime, from: Location, id: &str, path: &str) -> Result<u64, Cli
             // A destination that is a directory (or ends in /) gets the source's name.
             let mut target = path.to_string();
             let is_dir = path.ends_with('/')
-                || matches!(client.stat(path), Ok(FileInfo { kind: FileKind::Dir, .. }));
+                || matches!(
+                    client.stat(path),
+                    Ok(FileInfo {
+                        kind: FileKind::Dir,
+                        ..
+                    })
+                );
             if is_dir {
                 let name = local
                     .file_name()
@@ -138,10 +144,10 @@ fn download(rt: &Runtime, id: &str, path: &str, to: Location) -> Result<u64, Cli
     let what = format!("reading {id}:{path}");
     let info = client.stat(path).map_err(|e| agent_failure(&what, e))?;
     if info.kind == FileKind::Dir {
-        return Err(CliError::usage(format!(
-            "{id}:{path} is a directory: cp copies one file"
-        ))
-        .hint(format!("list it with `cube sandbox ls {id} {path}`")));
+        return Err(
+            CliError::usage(format!("{id}:{path} is a directory: cp copies one file"))
+                .hint(format!("list it with `cube sandbox ls {id} {path}`")),
+        );
     }
     match to {
         Location::Stdio => {
@@ -233,7 +239,8 @@ pub fn list(rt: &Runtime, id: &str, path: &str, depth: u32, json: bool) -> Resul
     }
     let mut table = Table::new(&["MODE", "KIND", "SIZE", "MODIFIED", "PATH"]);
     for e in entries {
-        let modified = crate::table::human_age(u64::try_from(e.modified_ns / 1_000_000_000).unwrap_or(0));
+        let modified =
+            crate::table::human_age(u64::try_from(e.modified_ns / 1_000_000_000).unwrap_or(0));
         let name = match &e.symlink_target {
             Some(t) => format!("{} -> {t}", e.path),
             None => e.path.clone(),

@@ -245,8 +245,7 @@ fn host_hint(message: &str) -> (u8, Option<String>) {
         (
             4,
             Some(
-                "put the store on a reflink-capable filesystem with `cube store setup`"
-                    .to_string(),
+                "put the store on a reflink-capable filesystem with `cube store setup`".to_string(),
             ),
         )
     } else {

@@ -54,8 +54,7 @@ impl Phases {
     pub fn new(prefix: &'static str) -> Self {
         let spinner = enabled().then(|| {
             let s = ProgressBar::new_spinner();
-            if let Ok(style) = ProgressStyle::with_template("{spinner} {prefix}: {msg} {elapsed}")
-            {
+            if let Ok(style) = ProgressStyle::with_template("{spinner} {prefix}: {msg} {elapsed}") {
                 s.set_style(style);
             }
             s.set_prefix(prefix);

@@ -468,10 +468,16 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                 t.row(vec!["engine".into(), status.engine.to_string()]);
                 t.row(vec!["status".into(), status_text]);
                 t.row(vec!["supervisor pid".into(), status.pid.to_string()]);
-                t.row(vec!["memory (rss)".into(), table::human_bytes(status.rss_kib << 10)]);
+                t.row(vec![
+                    "memory (rss)".into(),
+                    table::human_bytes(status.rss_kib << 10),
+                ]);
                 if let Some(record) = &record {
                     t.row(vec!["origin".into(), record.origin.clone()]);
-                    t.row(vec!["created".into(), table::human_age(record.created_unix)]);
+                    t.row(vec![
+                        "created".into(),
+                        table::human_age(record.created_unix),
+                    ]);
                     t.row(vec!["labels".into(), table::labels(&record.metadata)]);
                 }
                 t.row(vec![

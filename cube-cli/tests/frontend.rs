@@ -81,7 +81,10 @@ fn help_documents_exit_codes_and_examples() {
     let store = tempfile::tempdir().unwrap();
     let help = ok(store.path(), &["--help"]);
     for needle in ["Exit codes:", "124", "130", "not found", "Examples:"] {
-        assert!(help.contains(needle), "cube --help lacks {needle:?}: {help}");
+        assert!(
+            help.contains(needle),
+            "cube --help lacks {needle:?}: {help}"
+        );
     }
     for cmd in [
         &["sandbox", "cp", "--help"][..],
@@ -91,7 +94,10 @@ fn help_documents_exit_codes_and_examples() {
         &["completions", "--help"],
     ] {
         let help = ok(store.path(), cmd);
-        assert!(help.contains("Example"), "cube {cmd:?} has no example: {help}");
+        assert!(
+            help.contains("Example"),
+            "cube {cmd:?} has no example: {help}"
+        );
     }
 }
 
@@ -99,7 +105,10 @@ fn help_documents_exit_codes_and_examples() {
 fn completions_are_generated_for_each_shell() {
     let store = tempfile::tempdir().unwrap();
     let bash = ok(store.path(), &["completions", "bash"]);
-    assert!(bash.contains("complete") && bash.contains("sandbox"), "{bash}");
+    assert!(
+        bash.contains("complete") && bash.contains("sandbox"),
+        "{bash}"
+    );
     let zsh = ok(store.path(), &["completions", "zsh"]);
     assert!(zsh.starts_with("#compdef cube"), "{zsh}");
     let fish = ok(store.path(), &["completions", "fish"]);
@@ -111,8 +120,16 @@ fn completions_are_generated_for_each_shell() {
             .stdin(Stdio::piped())
             .spawn()
             .unwrap();
-        child.stdin.take().unwrap().write_all(bash.as_bytes()).unwrap();
-        assert!(child.wait().unwrap().success(), "bash -n rejects the script");
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(bash.as_bytes())
+            .unwrap();
+        assert!(
+            child.wait().unwrap().success(),
+            "bash -n rejects the script"
+        );
     }
     let err = fails(store.path(), &["completions", "tcsh"], 2);
     assert!(err.contains("invalid value"), "{err}");
@@ -129,21 +146,40 @@ fn usage_errors_exit_2() {
     fails(s, &["sandbox", "rm"], 2);
     fails(s, &["sandbox", "rollback", "sb-0000000000000000"], 2);
     // Bad flag values.
-    fails(s, &["sandbox", "ls", "sb-0000000000000000", "/", "--depth", "0"], 2);
+    fails(
+        s,
+        &["sandbox", "ls", "sb-0000000000000000", "/", "--depth", "0"],
+        2,
+    );
     fails(s, &["sandbox", "ls", "--depth", "2"], 2);
     fails(s, &["sandbox", "create", "--engine", "qemu"], 2);
     fails(s, &["sandbox", "create", "--env", "NOEQUALS"], 2);
-    fails(s, &["sandbox", "clone", "sb-0000000000000000", "-n", "many"], 2);
+    fails(
+        s,
+        &["sandbox", "clone", "sb-0000000000000000", "-n", "many"],
+        2,
+    );
     let err = fails(
         s,
-        &["sandbox", "exec", "sb-0000000000000000", "--timeout", "-1", "--", "true"],
+        &[
+            "sandbox",
+            "exec",
+            "sb-0000000000000000",
+            "--timeout",
+            "-1",
+            "--",
+            "true",
+        ],
         2,
     );
     assert!(err.contains("--timeout must be a positive"), "{err}");
     fails(s, &["run", "--timeout", "0", "--", "true"], 2);
     // Impossible copies.
     let err = fails(s, &["sandbox", "cp", "/tmp/a", "/tmp/b"], 2);
-    assert!(err.contains("ID:/path") && err.contains("cube sandbox ls"), "{err}");
+    assert!(
+        err.contains("ID:/path") && err.contains("cube sandbox ls"),
+        "{err}"
+    );
     let err = fails(s, &["sandbox", "cp", "sb-1:relative", "/tmp/b"], 2);
     assert!(err.contains("must be absolute"), "{err}");
     fails(s, &["sandbox", "cp", "sb-1:/a", "sb-2:/b"], 2);
@@ -168,29 +204,46 @@ fn unknown_things_exit_3_with_what_to_do() {
     ] {
         let err = fails(s, args, 3);
         assert!(err.contains(unknown), "cube {args:?}: {err}");
-        assert!(err.contains("hint: list sandboxes with `cube sandbox ls`"), "{err}");
+        assert!(
+            err.contains("hint: list sandboxes with `cube sandbox ls`"),
+            "{err}"
+        );
     }
     let err = fails(s, &["sandbox", "create", "no-such-template"], 3);
     assert!(err.contains("cube template ls"), "{err}");
     let err = fails(s, &["template", "rm", "no-such-template"], 3);
     assert!(err.contains("no-such-template"), "{err}");
     // A missing local source is "not found" too.
-    fails(s, &["sandbox", "cp", "/nonexistent/cube-test", "sb-1:/tmp/x"], 3);
+    fails(
+        s,
+        &["sandbox", "cp", "/nonexistent/cube-test", "sb-1:/tmp/x"],
+        3,
+    );
     // A store that does not exist.
     let missing = s.join("no-store-here");
     let err = fails(&missing, &["store", "info"], 3);
     assert!(err.contains("cube store setup"), "{err}");
     // Empty listings are valid JSON.
     assert_eq!(json(s, &["sandbox", "ls", "--json"]), serde_json::json!([]));
-    assert_eq!(json(s, &["sandbox", "snapshots", "--json"]), serde_json::json!([]));
+    assert_eq!(
+        json(s, &["sandbox", "snapshots", "--json"]),
+        serde_json::json!([])
+    );
     let table = ok(s, &["sandbox", "ls"]);
     assert!(table.starts_with("ID "), "{table}");
     let info = json(s, &["store", "info", "--json"]);
     assert_eq!(info["store"], s.to_str().unwrap());
-    assert!(info["reflink"].is_boolean() && info["filesystem"].is_string(), "{info}");
+    assert!(
+        info["reflink"].is_boolean() && info["filesystem"].is_string(),
+        "{info}"
+    );
     let templates = json(s, &["template", "ls", "--json"]);
     assert!(
-        templates.as_array().unwrap().iter().any(|t| t["name"] == "host"),
+        templates
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|t| t["name"] == "host"),
         "{templates}"
     );
 }
@@ -224,7 +277,12 @@ fn files_go_in_and_out_of_a_jail_sandbox() {
     ok(s, &["sandbox", "exec", &id, "--", "mkdir", "-p", "/tmp/in"]);
     ok(
         s,
-        &["sandbox", "cp", src.to_str().unwrap(), &format!("{id}:/tmp/in/")],
+        &[
+            "sandbox",
+            "cp",
+            src.to_str().unwrap(),
+            &format!("{id}:/tmp/in/"),
+        ],
     );
 
     // ls with --json and --depth, and the table for people.
@@ -243,24 +301,40 @@ fn files_go_in_and_out_of_a_jail_sandbox() {
         "depth 1 went deeper: {shallow}"
     );
     let table = ok(s, &["sandbox", "ls", &id, "/tmp/in"]);
-    assert!(table.contains("2.9 MiB") && table.contains("/tmp/in/blob.bin"), "{table}");
+    assert!(
+        table.contains("2.9 MiB") && table.contains("/tmp/in/blob.bin"),
+        "{table}"
+    );
 
     // Sandbox → host, into a directory and to a named file; cat and `cp ... -`.
     let back = tempfile::tempdir().unwrap();
     ok(
         s,
-        &["sandbox", "cp", &format!("{id}:/tmp/in/blob.bin"), back.path().to_str().unwrap()],
+        &[
+            "sandbox",
+            "cp",
+            &format!("{id}:/tmp/in/blob.bin"),
+            back.path().to_str().unwrap(),
+        ],
     );
     assert!(std::fs::read(back.path().join("blob.bin")).unwrap() == data);
     let named = back.path().join("copy.bin");
     ok(
         s,
-        &["sandbox", "cp", &format!("{id}:/tmp/in/blob.bin"), named.to_str().unwrap()],
+        &[
+            "sandbox",
+            "cp",
+            &format!("{id}:/tmp/in/blob.bin"),
+            named.to_str().unwrap(),
+        ],
     );
     assert!(std::fs::read(&named).unwrap() == data);
     let out = cube(s, &["sandbox", "cat", &id, "/tmp/in/blob.bin"]);
     assert!(out.status.success() && out.stdout == data);
-    let out = cube(s, &["sandbox", "cp", &format!("{id}:/tmp/in/blob.bin"), "-"]);
+    let out = cube(
+        s,
+        &["sandbox", "cp", &format!("{id}:/tmp/in/blob.bin"), "-"],
+    );
     assert!(out.status.success() && out.stdout == data);
 
     // Standard input in.
@@ -273,16 +347,37 @@ fn files_go_in_and_out_of_a_jail_sandbox() {
         .unwrap();
     child.stdin.take().unwrap().write_all(b"piped\n").unwrap();
     assert!(child.wait().unwrap().success());
-    assert_eq!(ok(s, &["sandbox", "cat", &id, "/tmp/from-stdin.txt"]), "piped\n");
+    assert_eq!(
+        ok(s, &["sandbox", "cat", &id, "/tmp/from-stdin.txt"]),
+        "piped\n"
+    );
 
     // Error paths inside a live sandbox.
     fails(s, &["sandbox", "cat", &id, "/tmp/no-such-file"], 3);
-    let err = fails(s, &["sandbox", "cp", &format!("{id}:/tmp/in"), back.path().to_str().unwrap()], 2);
+    let err = fails(
+        s,
+        &[
+            "sandbox",
+            "cp",
+            &format!("{id}:/tmp/in"),
+            back.path().to_str().unwrap(),
+        ],
+        2,
+    );
     assert!(err.contains("is a directory"), "{err}");
     fails(s, &["sandbox", "ls", &id, "/tmp/no-such-dir"], 3);
     // A failed download leaves no partial file behind.
     let partial = back.path().join("partial.bin");
-    fails(s, &["sandbox", "cp", &format!("{id}:/tmp/nope"), partial.to_str().unwrap()], 3);
+    fails(
+        s,
+        &[
+            "sandbox",
+            "cp",
+            &format!("{id}:/tmp/nope"),
+            partial.to_str().unwrap(),
+        ],
+        3,
+    );
     assert!(!partial.exists());
 
     // inspect: JSON for scripts, a table for people; both name the labels.
@@ -298,7 +393,10 @@ fn files_go_in_and_out_of_a_jail_sandbox() {
     );
     let listed = ok(s, &["sandbox", "ls"]);
     let row = listed.lines().find(|l| l.starts_with(&id)).unwrap();
-    assert!(row.contains("running") && row.contains("suite=frontend"), "{listed}");
+    assert!(
+        row.contains("running") && row.contains("suite=frontend"),
+        "{listed}"
+    );
     // Columns line up: every row's STATE starts where the header's does.
     let column = listed.lines().next().unwrap().find("STATE").unwrap();
     assert_eq!(&row[column..column + 7], "running", "{listed}");
@@ -309,5 +407,8 @@ fn files_go_in_and_out_of_a_jail_sandbox() {
     assert_eq!(snaps[0]["id"], snap["id"]);
     assert_eq!(snaps[0]["sandbox"], id.as_str());
     let table = ok(s, &["sandbox", "snapshots", &id]);
-    assert!(table.contains(snap["id"].as_str().unwrap()) && table.contains("ago"), "{table}");
+    assert!(
+        table.contains(snap["id"].as_str().unwrap()) && table.contains("ago"),
+        "{table}"
+    );
 }

@@ -36,7 +36,10 @@ fn show(step: &str, r: &CodeResult) {
     let out = r.stdout.trim_end();
     match (&r.error, &r.value) {
         (Some(e), _) => println!("{step}: raised {}: {}", e.name, e.value),
-        (None, Some(v)) => println!("{step}: {out}{}{v}", if out.is_empty() { "" } else { " / " }),
+        (None, Some(v)) => println!(
+            "{step}: {out}{}{v}",
+            if out.is_empty() { "" } else { " / " }
+        ),
         (None, None) => println!("{step}: {out}"),
     }
 }
@@ -61,11 +64,22 @@ fn main() -> Result<()> {
     let start = Instant::now();
     // Ephemeral: the sandbox ends with its handle, also if this program panics.
     let mut sb: Sandbox = rt.create(HOST_TEMPLATE, CreateOptions::new(true))?;
-    println!("created {} ({} engine) in {:?}", sb.id(), sb.engine(), start.elapsed());
+    println!(
+        "created {} ({} engine) in {:?}",
+        sb.id(),
+        sb.engine(),
+        start.elapsed()
+    );
 
     // 1. Cells share a context: variables live from one cell to the next.
     let agent = sb.agent()?;
-    show("cell 1", &cell(&agent, "data = [5, 3, 8, 1]\nopen('/home/user/data.txt', 'w').write(repr(data))\nlen(data)")?);
+    show(
+        "cell 1",
+        &cell(
+            &agent,
+            "data = [5, 3, 8, 1]\nopen('/home/user/data.txt', 'w').write(repr(data))\nlen(data)",
+        )?,
+    );
     show("cell 2", &cell(&agent, "sum(data)")?);
 
     // 2. Snapshot before a step that may wreck the sandbox.
