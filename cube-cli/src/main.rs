@@ -253,6 +253,24 @@ fn host_hint(message: &str) -> (u8, Option<String>) {
     }
 }
 
+/// The KVM device the vm engine opens.
+pub const KVM_DEVICE: &str = "/dev/kvm";
+
+/// Refuses vm-engine work on a host without `device`, naming the engine that works.
+pub fn require_kvm(device: &std::path::Path) -> Result<(), CliError> {
+    if device.exists() {
+        return Ok(());
+    }
+    Err(CliError::unsupported(format!(
+        "the vm engine needs KVM and {} does not exist on this host",
+        device.display()
+    ))
+    .hint(
+        "the jail engine works here: --engine jail, or the built-in `host` template \
+         (`cube sandbox create`); `cube doctor` lists what this host can do",
+    ))
+}
+
 /// Prints a value as pretty JSON on standard output.
 pub fn print_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<(), CliError> {
     let text = serde_json::to_string_pretty(value).map_err(|e| CliError::failed(chain(&e)))?;
@@ -293,6 +311,15 @@ mod tests {
     #[test]
     fn the_command_line_definition_is_consistent() {
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn no_kvm_points_at_the_jail_engine() {
+        let missing = require_kvm(std::path::Path::new("/nonexistent/kvm")).err();
+        let e = missing.expect("a missing device is refused");
+        assert_eq!(e.code, 4);
+        assert!(e.hint.unwrap_or_default().contains("--engine jail"));
+        assert!(require_kvm(std::path::Path::new("/")).is_ok());
     }
 
     #[test]

@@ -348,9 +348,19 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
             let template = template
                 .or(positional)
                 .unwrap_or_else(|| HOST_TEMPLATE.to_string());
+            let engine: cube_core::EngineChoice = engine.into();
+            // Said up front, before a supervisor fails deep inside on a missing device.
+            let template_engine = rt
+                .templates()?
+                .into_iter()
+                .find(|t| t.name == template)
+                .map(|t| t.engine);
+            if engine == cube_core::EngineChoice::Vm || template_engine == Some(Engine::Vm) {
+                crate::require_kvm(std::path::Path::new(crate::KVM_DEVICE))?;
+            }
             let options = CreateOptions {
                 ephemeral: false,
-                engine: engine.into(),
+                engine,
                 env,
                 metadata: labels.into_iter().collect(),
                 lifetime: run_cmd::parse_timeout(lifetime)?,
