@@ -213,6 +213,18 @@ impl From<cube_core::SandboxError> for CliError {
                 3,
                 Some("list snapshots with `cube sandbox snapshots [ID]`".to_string()),
             ),
+            // A malformed name can name nothing: a usage error.
+            E::Store(cube_storage::StoreError::InvalidName { what, .. }) => (
+                2,
+                Some(match *what {
+                    "sandbox" => {
+                        "sandbox ids look like sb-0123456789abcdef: `cube sandbox ls` lists them"
+                            .to_string()
+                    }
+                    "template" => "`cube template ls` lists the templates".to_string(),
+                    _ => "`cube sandbox snapshots` lists the snapshots".to_string(),
+                }),
+            ),
             E::Hibernated(id) => (1, Some(format!("wake it with `cube sandbox wake {id}`"))),
             E::NoAgent(_) => (
                 4,

@@ -184,6 +184,13 @@ fn usage_errors_exit_2() {
     assert!(err.contains("must be absolute"), "{err}");
     fails(s, &["sandbox", "cp", "sb-1:/a", "sb-2:/b"], 2);
     fails(s, &["no-such-command"], 2);
+    // A malformed id (here a path given where the id goes) names nothing.
+    let err = fails(s, &["sandbox", "ls", "/tmp"], 2);
+    assert!(
+        err.contains("Invalid sandbox") && err.contains("cube sandbox ls"),
+        "{err}"
+    );
+    fails(s, &["sandbox", "inspect", "../etc"], 2);
 }
 
 #[test]
