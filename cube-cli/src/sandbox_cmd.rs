@@ -136,11 +136,12 @@ pub enum SandboxCommand {
         #[arg(long)]
         json: bool,
     },
-    /// List sandboxes; with an id, list files inside that sandbox instead.
+    /// List sandboxes; with an id, list files inside that sandbox instead
     ///
     /// Examples:
     ///   cube sandbox ls --json
     ///   cube sandbox ls sb-0123456789abcdef /tmp --depth 2
+    #[command(verbatim_doc_comment)]
     Ls {
         /// Sandbox id: list the files under PATH inside it.
         id: Option<String>,
@@ -155,7 +156,7 @@ pub enum SandboxCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Show a sandbox's state: engine, status, limits, labels and snapshots.
+    /// Show a sandbox's state: engine, status, machine or jail, labels and snapshots.
     ///
     /// Example: cube sandbox inspect sb-0123456789abcdef --json
     Inspect {
@@ -165,12 +166,15 @@ pub enum SandboxCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Copy a file into or out of a sandbox, streamed (`-` is stdin/stdout; a
-    /// directory destination keeps the file's name). A bar shows progress on a terminal.
+    /// Copy a file into or out of a sandbox (ID:/path), streamed
+    ///
+    /// `-` is stdin/stdout; a directory destination keeps the file's name; a bar
+    /// shows progress on a terminal.
     ///
     /// Examples:
     ///   cube sandbox cp ./data.csv sb-0123456789abcdef:/tmp/data.csv
     ///   cube sandbox cp sb-0123456789abcdef:/tmp/out.png .
+    #[command(verbatim_doc_comment)]
     Cp {
         /// Source: a host path, `-`, or ID:/path.
         src: String,
@@ -482,6 +486,25 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                     "memory (rss)".into(),
                     table::human_bytes(status.rss_kib << 10),
                 ]);
+                if let Some(machine) = &status.config {
+                    t.row(vec!["vcpus".into(), machine.vcpus.to_string()]);
+                    t.row(vec![
+                        "guest memory".into(),
+                        table::human_bytes(machine.memory_bytes),
+                    ]);
+                }
+                if let Some(jail) = &status.jail {
+                    let pid = jail.pid.map_or("- (hibernated)".into(), |p| p.to_string());
+                    t.row(vec!["agent pid".into(), pid]);
+                    t.row(vec![
+                        "writable layer".into(),
+                        jail.layer.display().to_string(),
+                    ]);
+                    t.row(vec![
+                        "agent socket".into(),
+                        jail.agent_socket.display().to_string(),
+                    ]);
+                }
                 if let Some(record) = &record {
                     t.row(vec!["origin".into(), record.origin.clone()]);
                     t.row(vec![
