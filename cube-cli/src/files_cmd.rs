@@ -164,8 +164,11 @@ fn download(rt: &Runtime, id: &str, path: &str, to: Location) -> Result<u64, Cli
             if local.is_dir() {
                 local.push(base_name(path).unwrap_or("file"));
             }
-            let file = File::create(&local)
-                .map_err(|e| CliError::failed(format!("creating {}: {e}", local.display())))?;
+            // Written beside the destination and renamed into place when complete, so
+            // an interrupted copy never leaves half a file under the real name.
+            let partial = partial_path(&local);
+            let file = File::create(&partial)
+                .map_err(|e| CliError::failed(format!("creating {}: {e}", partial.display())))?;
             let bar = progress::bytes(info.size, &local.display().to_string());
             let mut out = io::BufWriter::with_capacity(1 << 20, bar.wrap_write(file));
             let result = client
@@ -173,19 +176,30 @@ fn download(rt: &Runtime, id: &str, path: &str, to: Location) -> Result<u64, Cli
                 .map_err(|e| agent_failure(&what, e))
                 .and_then(|n| {
                     out.flush().map_err(|e| {
-                        CliError::failed(format!("writing {}: {e}", local.display()))
+                        CliError::failed(format!("writing {}: {e}", partial.display()))
+                    })?;
+                    std::fs::rename(&partial, &local).map_err(|e| {
+                        CliError::failed(format!("renaming into {}: {e}", local.display()))
                     })?;
                     Ok(n)
                 });
             bar.finish_and_clear();
             if result.is_err() {
-                // Half a file would pass for the whole one.
-                let _ = std::fs::remove_file(&local);
+                let _ = std::fs::remove_file(&partial);
             }
             result
         }
         Location::Sandbox { .. } => Err(CliError::usage("copy between sandboxes")),
     }
+}
+
+/// `DIR/.NAME.cube-partial-PID` for `DIR/NAME`.
+fn partial_path(dest: &std::path::Path) -> PathBuf {
+    let name = dest
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "file".into());
+    dest.with_file_name(format!(".{name}.cube-partial-{}", std::process::id()))
 }
 
 /// `cube sandbox cat ID PATH`: the file on standard output.
@@ -286,6 +300,18 @@ mod tests {
         );
         let relative = Location::parse("sb-1:tmp/a").err().map(|e| e.code);
         assert_eq!(relative, Some(2));
+    }
+
+    #[test]
+    fn partial_downloads_sit_beside_the_destination_hidden() {
+        let p = partial_path(std::path::Path::new("/data/out.bin"));
+        assert_eq!(p.parent(), Some(std::path::Path::new("/data")));
+        let name = p
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned();
+        assert!(name.starts_with(".out.bin.cube-partial-"), "{name}");
     }
 
     #[test]

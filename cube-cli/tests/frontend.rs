@@ -386,6 +386,12 @@ fn files_go_in_and_out_of_a_jail_sandbox() {
         3,
     );
     assert!(!partial.exists());
+    let leftovers: Vec<_> = std::fs::read_dir(back.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains("cube-partial"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
 
     // inspect: JSON for scripts, a table for people; both name the labels.
     let inspect = json(s, &["sandbox", "inspect", &id, "--json"]);
