@@ -120,8 +120,20 @@ fn failed(e: impl std::error::Error) -> CliError {
     CliError::failed(chain(&e))
 }
 
+/// The bench's phases: a spinner on a terminal, `bench: ...` lines otherwise.
+static PHASES: std::sync::OnceLock<crate::progress::Phases> = std::sync::OnceLock::new();
+
 fn progress(message: &str) {
-    eprintln!("bench: {message}");
+    PHASES
+        .get_or_init(|| crate::progress::Phases::new("bench"))
+        .phase(message);
+}
+
+/// Clears the spinner before the report is printed.
+fn progress_done() {
+    if let Some(p) = PHASES.get() {
+        p.finish();
+    }
 }
 
 pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
@@ -165,6 +177,7 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
         .map_err(CliError::from)?;
     let result = run_plan(&rt, &template, machine, &plan, args);
     let _ = rt.remove_template(&template);
+    progress_done();
     let report = result?;
     if args.json {
         let text = serde_json::to_string_pretty(&report).map_err(failed)?;

@@ -10,6 +10,43 @@
 //! [`HOST_TEMPLATE`] is the built-in jail template. A jail's snapshots are of kind
 //! [`SnapshotKind::Filesystem`]: rollback, clone and wake restore its files and
 //! restart its processes, so running processes and interpreter contexts are lost.
+//!
+//! # Example
+//!
+//! The whole life of a sandbox: create, run a cell, snapshot, break something, roll
+//! back, clone, destroy. (`no_run`: the jail engine needs root for namespaces, mounts
+//! and cgroups. `cube-core/examples/agent_loop.rs` is the same as a program to run.)
+//!
+//! ```no_run
+//! use cube_agent::protocol::Language;
+//! use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let rt = Runtime::open(RuntimeConfig {
+//!     store_root: "/var/lib/cube".into(),
+//!     pool_size: 0,
+//!     supervisor: None,
+//! })?;
+//! let mut sb = rt.create(HOST_TEMPLATE, CreateOptions::new(true))?;
+//!
+//! let agent = sb.agent()?;
+//! agent.create_context("main", Language::Python, Some("/home/user"))?;
+//! let r = agent.run_code("main", "open('notes', 'w').write('v1')\n6 * 7", None)?;
+//! assert_eq!(r.value.as_deref(), Some("42"));
+//!
+//! let snap = sb.snapshot()?; // a jail's: SnapshotKind::Filesystem
+//! agent.run_code("main", "import os; os.remove('notes')", None)?;
+//! drop(agent);
+//! sb.rollback(&snap.id)?; // the file is back; the interpreter restarted
+//!
+//! let clones = rt.clone_sandbox(&mut sb, 2, 2, CreateOptions::new(true))?;
+//! for clone in clones {
+//!     clone.destroy()?;
+//! }
+//! sb.destroy()?;
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod metadata;
 mod runtime;
@@ -28,6 +65,27 @@ use crate::supervisor::{ClientError, SupervisorClient};
 use crate::vmm::machine::SnapshotStats;
 
 /// Why a sandbox operation failed.
+///
+/// Callers match on the variants that mean "the name is wrong"
+/// ([`SandboxError::UnknownSandbox`], [`SandboxError::UnknownTemplate`],
+/// [`SandboxError::UnknownSnapshot`]) to tell them from failures of the host:
+///
+/// ```
+/// use cube_core::{Runtime, RuntimeConfig, SandboxError};
+///
+/// let store = tempfile::tempdir().unwrap();
+/// let rt = Runtime::open(RuntimeConfig {
+///     store_root: store.path().into(),
+///     pool_size: 0,
+///     // Started when a sandbox is created; opening and reading the store need none.
+///     supervisor: Some("/usr/local/bin/cube-supervisor".into()),
+/// })
+/// .unwrap();
+/// match rt.attach("sb-0000000000000000") {
+///     Err(SandboxError::UnknownSandbox(id)) => assert_eq!(id, "sb-0000000000000000"),
+///     other => panic!("expected UnknownSandbox, got {:?}", other.err()),
+/// }
+/// ```
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     /// The store failed.
@@ -148,6 +206,20 @@ impl Sandbox {
     /// open at once, from any process: the agent listens on `agent.sock` in the
     /// sandbox's directory. While the sandbox is paused the handshake waits for
     /// [`Sandbox::resume`]; a hibernated sandbox is an error.
+    ///
+    /// ```no_run
+    /// // no_run: the jail engine needs root (namespaces, mounts, cgroups).
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let rt = cube_core::Runtime::open(cube_core::RuntimeConfig::new()?)?;
+    /// let sb = rt.attach("sb-0123456789abcdef")?;
+    /// let out = sb.agent()?.exec(cube_agent::protocol::ExecRequest {
+    ///     argv: vec!["uname".into(), "-r".into()],
+    ///     ..Default::default()
+    /// })?;
+    /// print!("{}", String::from_utf8_lossy(&out.stdout));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn agent(&self) -> Result<cube_agent::client::Client, SandboxError> {
         if self.engine != Engine::Jail {
             return Err(SandboxError::NoAgent(self.engine));
@@ -200,6 +272,19 @@ impl Sandbox {
     }
 
     /// Stops the vCPUs (VM) or freezes every process (jail); memory stays.
+    ///
+    /// ```no_run
+    /// // no_run: the jail engine needs root (namespaces, mounts, cgroups).
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let rt = cube_core::Runtime::open(cube_core::RuntimeConfig::new()?)?;
+    /// let mut sb = rt.attach("sb-0123456789abcdef")?;
+    /// sb.pause()?; // frozen: no CPU used, memory kept
+    /// sb.resume()?;
+    /// sb.hibernate()?; // processes end, the files stay on disk
+    /// sb.wake()?; // started afresh on the same files
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn pause(&mut self) -> Result<(), SandboxError> {
         self.call_ok(&Request::Pause)
     }
