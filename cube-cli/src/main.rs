@@ -3,6 +3,7 @@
 mod bench;
 mod debug_cmd;
 mod doctor;
+mod net_cmd;
 mod run_cmd;
 mod sandbox_cmd;
 mod store_cmd;

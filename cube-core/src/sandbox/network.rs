@@ -14,7 +14,7 @@ pub use cube_net::{Ipv4Cidr, Protocol};
 #[derive(Debug, thiserror::Error)]
 pub enum NetworkError {
     /// A CIDR does not parse.
-    #[error("bad CIDR")]
+    #[error("egress policy")]
     Cidr(#[from] cube_net::policy::PolicyError),
     /// A port mapping does not parse.
     #[error("bad port mapping {0:?}: use PORT or HOST_PORT:SANDBOX_PORT (1-65535)")]
