@@ -5,7 +5,9 @@
 //! change, a port exposed from a sandbox reachable from the host, two sandboxes kept
 //! apart unless allowed, and nothing left of a sandbox's network after destroy.
 //!
-//! The sandboxes use a pool of their own (`CUBE_NET_POOL`), removed at the end.
+//! The sandboxes use the host's pool (one datapath per host: a second pool's
+//! programs on the same uplinks would see the first one's traffic); the test removes
+//! it at the end when it was not there before.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -18,7 +20,7 @@ use std::time::{Duration, Instant};
 use cube_agent::client::Client;
 use cube_agent::protocol::{ExecRequest, RequestBody};
 use cube_core::sandbox::{NetworkOptions, NetworkPolicy, PortMapping};
-use cube_core::supervisor::jail_network::{open_pool, pool_config, POOL_ENV};
+use cube_core::supervisor::jail_network::{open_pool, pool_config, pool_name};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
 
 const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
@@ -65,6 +67,8 @@ struct Lab {
     ns: String,
     uplink: String,
     pool: String,
+    /// Whether the host's pool existed before the test (then it stays).
+    pool_existed: bool,
     servers: Vec<Child>,
     _www: tempfile::TempDir,
     _store: tempfile::TempDir,
@@ -75,7 +79,9 @@ impl Lab {
     /// None (with the reason printed) where the datapath cannot load here.
     fn new() -> Option<Lab> {
         let tag = std::process::id() % 100_000;
-        let pool = format!("ct{tag}");
+        let pool = pool_name().unwrap();
+        let pool_config = pool_config(&pool);
+        let pool_existed = pool_config.bpffs.join("cube-net").join(&pool).exists();
         let www = tempfile::TempDir::new().unwrap();
         std::fs::create_dir(www.path().join("out")).unwrap();
         std::fs::write(www.path().join("out/index.html"), "outside").unwrap();
@@ -86,6 +92,7 @@ impl Lab {
             ns: format!("cnout{tag}"),
             uplink: format!("cnu{tag}"),
             pool,
+            pool_existed,
             servers: Vec::new(),
             store_root: store.path().canonicalize().unwrap(),
             _www: www,
@@ -125,11 +132,8 @@ impl Lab {
         for addr in [(OUT_ADDR, 80), (FAR_ADDR, 80), (HOST_ADDR, 18081)] {
             wait_for(SocketAddr::from(addr));
         }
-        // SAFETY: set before any runtime starts a supervisor; the tests of this file
-        // all set the same value.
-        unsafe { std::env::set_var(POOL_ENV, &lab.pool) };
         // Opening the pool loads the datapath: the place to learn it cannot load here.
-        if let Err(e) = cube_net::Pool::open(pool_config(&lab.pool)) {
+        if let Err(e) = open_pool() {
             eprintln!("skipping: the eBPF datapath cannot load here: {e}");
             return None;
         }
@@ -156,10 +160,13 @@ impl Drop for Lab {
         let _ = Command::new("ip")
             .args(["link", "del", &self.uplink])
             .status();
-        let config = pool_config(&self.pool);
-        if let Ok(pool) = cube_net::Pool::open(config.clone()) {
+        if self.pool_existed {
+            return;
+        }
+        if let Ok((pool, _lock)) = open_pool() {
             let _ = pool.destroy();
         }
+        let config = pool_config(&self.pool);
         let _ = std::fs::remove_file(config.run_dir.join(format!("{}.lock", self.pool)));
     }
 }
@@ -330,4 +337,40 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
     assert!(get_from_host(exposed).is_err(), "port served after destroy");
     drop(agent_a);
     drop(agent_b);
+
+    // A killed supervisor: removing the stale sandbox releases its device by the
+    // name recorded in its directory, although its jail still holds the namespace.
+    let mut c = rt
+        .create(HOST_TEMPLATE, with_network(NetworkPolicy::default(), Vec::new()))
+        .unwrap();
+    let id = c.id().to_string();
+    let name = c.network().unwrap().host_ifname;
+    let index = ifindex(&name).unwrap();
+    let status = c.status().unwrap();
+    let jail = status.jail.clone().unwrap();
+    drop(c);
+    // SAFETY: signals a process this test started (through the runtime).
+    unsafe { libc::kill(status.pid as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rt.attach(&id).is_ok() {
+        assert!(Instant::now() < deadline, "the supervisor did not die");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(ifindex(&name).is_some(), "the jail still holds its device");
+    rt.remove_stale(&id).unwrap();
+    assert!(ifindex(&name).is_none(), "{name} left after removing the stale sandbox");
+    let (pool, lock) = open_pool().unwrap();
+    drop(lock);
+    assert_eq!(pool.residue(&name, index).unwrap(), cube_net::Residue::default());
+    // The orphaned jail is this test's to end: its agent, then its cgroups.
+    if let Some(pid) = jail.pid {
+        // SAFETY: the jail's init, started by this test's sandbox.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    for dir in jail.cgroups.iter().rev() {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::fs::remove_dir(dir).is_err() && dir.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }

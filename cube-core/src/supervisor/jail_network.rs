@@ -27,8 +27,9 @@ use crate::sandbox::network::{
     NetworkError, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping,
 };
 
-/// Environment variable naming the host pool (default [`DEFAULT_POOL`]); tests use
-/// their own so that they can remove all of it afterwards.
+/// Environment variable naming the host pool (default [`DEFAULT_POOL`]). Keep one
+/// pool per host: every pool attaches its datapath to the host's uplinks and lo, and
+/// a second one there sees the first one's traffic.
 pub const POOL_ENV: &str = "CUBE_NET_POOL";
 /// The host pool every sandbox shares unless [`POOL_ENV`] says otherwise.
 pub const DEFAULT_POOL: &str = "cube";
