@@ -70,8 +70,9 @@ fn main() -> ExitCode {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CUBE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,netlink_packet_route=error")),
+            tracing_subscriber::EnvFilter::try_from_env("CUBE_LOG").unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,netlink_packet_route=error")
+            }),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -76,8 +76,7 @@ pub fn parse_port(text: &str) -> Result<PortMapping, String> {
 /// Prints a sandbox's network, as JSON or as a few lines.
 pub fn print_report(report: &NetworkReport, json: bool) -> Result<(), CliError> {
     if json {
-        let text =
-            serde_json::to_string_pretty(report).map_err(|e| CliError::failed(chain(&e)))?;
+        let text = serde_json::to_string_pretty(report).map_err(|e| CliError::failed(chain(&e)))?;
         println!("{text}");
         return Ok(());
     }
@@ -94,8 +93,14 @@ pub fn print_report(report: &NetworkReport, json: bool) -> Result<(), CliError> 
         }
     };
     let c = &report.counters;
-    println!("device     {device} (guest {} via {})", report.guest_addr, report.gateway);
-    println!("internet   {}", if report.policy.internet { "on" } else { "off" });
+    println!(
+        "device     {device} (guest {} via {})",
+        report.guest_addr, report.gateway
+    );
+    println!(
+        "internet   {}",
+        if report.policy.internet { "on" } else { "off" }
+    );
     println!("allow-out  {}", list(&report.policy.allow_out));
     println!("deny-out   {}", list(&report.policy.deny_out));
     let ports: Vec<String> = report.exposed.iter().map(PortMapping::to_string).collect();

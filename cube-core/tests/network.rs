@@ -38,10 +38,7 @@ fn skip() -> bool {
         eprintln!("skipping: no cgroup hierarchy is readable");
         return true;
     }
-    if !Path::new(SUPERVISOR)
-        .with_file_name("cube-agent")
-        .is_file()
-    {
+    if !Path::new(SUPERVISOR).with_file_name("cube-agent").is_file() {
         panic!("cube-agent is missing: cargo build -p cube-agent first");
     }
     if Command::new("ip").arg("-V").output().is_err() {
@@ -100,19 +97,52 @@ impl Lab {
         };
         ip(&["netns", "add", &lab.ns]);
         ip(&[
-            "link", "add", &lab.uplink, "type", "veth", "peer", "name", "eth0", "netns", &lab.ns,
+            "link",
+            "add",
+            &lab.uplink,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &lab.ns,
         ]);
         ip(&["addr", "add", "198.51.100.1/24", "dev", &lab.uplink]);
         ip(&["link", "set", &lab.uplink, "up"]);
-        ip(&["-n", &lab.ns, "addr", "add", "198.51.100.2/24", "dev", "eth0"]);
+        ip(&[
+            "-n",
+            &lab.ns,
+            "addr",
+            "add",
+            "198.51.100.2/24",
+            "dev",
+            "eth0",
+        ]);
         ip(&["-n", &lab.ns, "addr", "add", "203.0.113.2/32", "dev", "lo"]);
         ip(&["-n", &lab.ns, "link", "set", "eth0", "up"]);
         ip(&["-n", &lab.ns, "link", "set", "lo", "up"]);
-        ip(&["-n", &lab.ns, "route", "add", "default", "via", "198.51.100.1"]);
+        ip(&[
+            "-n",
+            &lab.ns,
+            "route",
+            "add",
+            "default",
+            "via",
+            "198.51.100.1",
+        ]);
         ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.2"]);
         let www = lab._www.path().to_path_buf();
         let out = Command::new("ip")
-            .args(["netns", "exec", &lab.ns, "python3", "-m", "http.server", "80"])
+            .args([
+                "netns",
+                "exec",
+                &lab.ns,
+                "python3",
+                "-m",
+                "http.server",
+                "80",
+            ])
             .arg("--directory")
             .arg(www.join("out"))
             .stdout(Stdio::null())
@@ -244,11 +274,19 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
         deny_out: vec!["203.0.113.0/24".into()],
         ..NetworkPolicy::default()
     };
-    let mut a = rt.create(HOST_TEMPLATE, with_network(denying, Vec::new())).unwrap();
+    let mut a = rt
+        .create(HOST_TEMPLATE, with_network(denying, Vec::new()))
+        .unwrap();
     let agent_a = a.agent().unwrap();
     assert_eq!(get_inside(&agent_a, OUT_ADDR, 80).unwrap(), "outside");
-    assert!(get_inside(&agent_a, FAR_ADDR, 80).is_err(), "denied CIDR reached");
-    assert!(get_inside(&agent_a, HOST_ADDR, 18081).is_err(), "the host reached");
+    assert!(
+        get_inside(&agent_a, FAR_ADDR, 80).is_err(),
+        "denied CIDR reached"
+    );
+    assert!(
+        get_inside(&agent_a, HOST_ADDR, 18081).is_err(),
+        "the host reached"
+    );
     let report = a.network().unwrap();
     assert!(report.counters.tx_packets >= 4, "{report:?}");
     assert!(report.counters.rx_bytes > 0, "{report:?}");
@@ -262,30 +300,44 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
         ..NetworkPolicy::default()
     })
     .unwrap();
-    assert!(get_inside(&agent_a, OUT_ADDR, 80).is_err(), "offline reached out");
-    assert!(a.set_policy(&NetworkPolicy {
-        allow_out: vec!["not-a-cidr".into()],
-        ..NetworkPolicy::default()
-    })
-    .is_err());
+    assert!(
+        get_inside(&agent_a, OUT_ADDR, 80).is_err(),
+        "offline reached out"
+    );
+    assert!(a
+        .set_policy(&NetworkPolicy {
+            allow_out: vec!["not-a-cidr".into()],
+            ..NetworkPolicy::default()
+        })
+        .is_err());
 
     // A port exposed from sandbox b, reachable from the host.
     let port = 18000 + (std::process::id() % 900) as u16;
     let mut b = rt
         .create(
             HOST_TEMPLATE,
-            with_network(NetworkPolicy::default(), vec![PortMapping {
-                host_port: port,
-                sandbox_port: 8000,
-            }]),
+            with_network(
+                NetworkPolicy::default(),
+                vec![PortMapping {
+                    host_port: port,
+                    sandbox_port: 8000,
+                }],
+            ),
         )
         .unwrap();
     let agent_b = b.agent().unwrap();
     let _server = agent_b
         .start(RequestBody::Exec(ExecRequest {
-            argv: ["python3", "-m", "http.server", "8000", "--directory", "/tmp"]
-                .map(String::from)
-                .to_vec(),
+            argv: [
+                "python3",
+                "-m",
+                "http.server",
+                "8000",
+                "--directory",
+                "/tmp",
+            ]
+            .map(String::from)
+            .to_vec(),
             ..ExecRequest::default()
         }))
         .unwrap();
@@ -300,17 +352,26 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
 
     // Sandboxes are apart: a reaches b's port only once its policy allows the host.
     a.set_policy(&NetworkPolicy::default()).unwrap();
-    assert!(get_inside(&agent_a, HOST_ADDR, port).is_err(), "a reached b");
+    assert!(
+        get_inside(&agent_a, HOST_ADDR, port).is_err(),
+        "a reached b"
+    );
     a.set_policy(&NetworkPolicy {
         allow_out: vec![format!("{HOST_ADDR}/32")],
         ..NetworkPolicy::default()
     })
     .unwrap();
-    assert!(get_inside(&agent_a, HOST_ADDR, port).is_ok(), "allowed, yet refused");
+    assert!(
+        get_inside(&agent_a, HOST_ADDR, port).is_ok(),
+        "allowed, yet refused"
+    );
 
     // Unexpose, expose again live.
     b.unexpose(port).unwrap();
-    assert!(get_from_host(exposed).is_err(), "withdrawn port still served");
+    assert!(
+        get_from_host(exposed).is_err(),
+        "withdrawn port still served"
+    );
     b.expose(PortMapping {
         host_port: port,
         sandbox_port: 8000,
@@ -341,7 +402,10 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
     // A killed supervisor: removing the stale sandbox releases its device by the
     // name recorded in its directory, although its jail still holds the namespace.
     let mut c = rt
-        .create(HOST_TEMPLATE, with_network(NetworkPolicy::default(), Vec::new()))
+        .create(
+            HOST_TEMPLATE,
+            with_network(NetworkPolicy::default(), Vec::new()),
+        )
         .unwrap();
     let id = c.id().to_string();
     let name = c.network().unwrap().host_ifname;
@@ -358,10 +422,16 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
     }
     assert!(ifindex(&name).is_some(), "the jail still holds its device");
     rt.remove_stale(&id).unwrap();
-    assert!(ifindex(&name).is_none(), "{name} left after removing the stale sandbox");
+    assert!(
+        ifindex(&name).is_none(),
+        "{name} left after removing the stale sandbox"
+    );
     let (pool, lock) = open_pool().unwrap();
     drop(lock);
-    assert_eq!(pool.residue(&name, index).unwrap(), cube_net::Residue::default());
+    assert_eq!(
+        pool.residue(&name, index).unwrap(),
+        cube_net::Residue::default()
+    );
     // The orphaned jail is this test's to end: its agent, then its cgroups.
     if let Some(pid) = jail.pid {
         // SAFETY: the jail's init, started by this test's sandbox.

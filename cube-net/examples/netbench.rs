@@ -27,7 +27,10 @@ fn main() -> std::process::ExitCode {
         }
     };
     let line = |what: &str, p: bench::Percentiles, unit: &str| {
-        println!("  {what:<24} p50 {:8.3} {unit}  p95 {:8.3} {unit}", p.p50, p.p95)
+        println!(
+            "  {what:<24} p50 {:8.3} {unit}  p95 {:8.3} {unit}",
+            p.p50, p.p95
+        )
     };
     println!(
         "cube-net netbench ({} attaches, {} round trips, {} connects, {} MiB x7)",

@@ -176,7 +176,8 @@ struct Namespaces {
 
 impl Namespaces {
     fn new(dir: PathBuf) -> Result<Self> {
-        std::fs::create_dir_all(&dir).map_err(|e| BenchError::Io("creating the pin directory", e))?;
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| BenchError::Io("creating the pin directory", e))?;
         Ok(Namespaces {
             dir,
             pins: Vec::new(),
@@ -276,11 +277,7 @@ impl Servers {
                 }
             }));
         }
-        let servers = Servers {
-            stop,
-            out,
-            threads,
-        };
+        let servers = Servers { stop, out, threads };
         for _ in 0..2 {
             match ready_rx.recv_timeout(Duration::from_secs(5)) {
                 Ok(true) => {}
@@ -328,7 +325,8 @@ fn micros(start: Instant) -> f64 {
 }
 
 fn connect(port: u16) -> io::Result<TcpStream> {
-    let stream = TcpStream::connect_timeout(&SocketAddr::from((OUT_ADDR, port)), Duration::from_secs(2))?;
+    let stream =
+        TcpStream::connect_timeout(&SocketAddr::from((OUT_ADDR, port)), Duration::from_secs(2))?;
     stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
     Ok(stream)
@@ -455,7 +453,13 @@ pub fn run(config: &BenchConfig) -> Result<BenchReport> {
     let (plain, _) = namespaces.add("plain")?;
     let (sandbox_ns, sandbox_pin) = namespaces.add("sandbox")?;
     wire(&host, &out, ("up0", HOST_ADDR), ("out0", OUT_ADDR), 24)?;
-    wire(&host, &plain, ("plainh", PLAIN_HOST_ADDR), ("eth0", PLAIN_ADDR), 30)?;
+    wire(
+        &host,
+        &plain,
+        ("plainh", PLAIN_HOST_ADDR),
+        ("eth0", PLAIN_ADDR),
+        30,
+    )?;
     host.run(|| std::fs::write("/proc/sys/net/ipv4/ip_forward", "1"))?
         .map_err(|e| BenchError::Io("enabling forwarding", e))?;
 

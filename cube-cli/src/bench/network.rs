@@ -124,8 +124,14 @@ pub fn run(quick: bool, json: bool) -> Result<(), CliError> {
     );
     println!("| attach | p50 ms | p95 ms |\n|---|---|---|");
     for (what, p) in [
-        ("prepared namespace from the pool", &r.attach_pool_prepared_ms),
-        ("veth into the jail's namespace (jail engine)", &r.attach_veth_into_netns_ms),
+        (
+            "prepared namespace from the pool",
+            &r.attach_pool_prepared_ms,
+        ),
+        (
+            "veth into the jail's namespace (jail engine)",
+            &r.attach_veth_into_netns_ms,
+        ),
         ("release a veth", &r.release_veth_ms),
         ("TAP from the pool (VM engine)", &r.attach_tap_ms),
     ] {
@@ -134,8 +140,12 @@ pub fn run(quick: bool, json: bool) -> Result<(), CliError> {
     println!("\n| TCP | plain veth | Cube eBPF NAT | cube/plain |\n|---|---|---|---|");
     println!(
         "| round trip p50 / p95 us | {} / {} | {} / {} | {} / {} |",
-        r.plain.rr_us.p50, r.plain.rr_us.p95, r.cube.rr_us.p50, r.cube.rr_us.p95,
-        r.cube_over_plain.rr_p50, r.cube_over_plain.rr_p95
+        r.plain.rr_us.p50,
+        r.plain.rr_us.p95,
+        r.cube.rr_us.p50,
+        r.cube.rr_us.p95,
+        r.cube_over_plain.rr_p50,
+        r.cube_over_plain.rr_p95
     );
     println!(
         "| connect+request p50 us | {} | {} | {} |",

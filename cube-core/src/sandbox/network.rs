@@ -75,7 +75,13 @@ impl std::str::FromStr for PortMapping {
     /// `PORT` (the same on both sides) or `HOST_PORT:SANDBOX_PORT`.
     fn from_str(text: &str) -> Result<Self, NetworkError> {
         let bad = || NetworkError::Port(text.to_string());
-        let port = |p: &str| p.trim().parse::<u16>().ok().filter(|p| *p != 0).ok_or_else(bad);
+        let port = |p: &str| {
+            p.trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|p| *p != 0)
+                .ok_or_else(bad)
+        };
         match text.split_once(':') {
             Some((host, sandbox)) => Ok(PortMapping {
                 host_port: port(host)?,

@@ -167,8 +167,12 @@ impl JailNetwork {
         };
         let ready = (|| -> Result<()> {
             for port in &self.exposed {
-                self.pool
-                    .expose(&attachment, port.host_port, port.sandbox_port, Protocol::Tcp)?;
+                self.pool.expose(
+                    &attachment,
+                    port.host_port,
+                    port.sandbox_port,
+                    Protocol::Tcp,
+                )?;
             }
             std::fs::write(&self.record, attachment.host_ifname())
                 .map_err(|e| JailNetworkError::Record(self.record.clone(), e))
@@ -223,11 +227,12 @@ impl JailNetwork {
 
     /// Serves sandbox port `port.sandbox_port` at `port.host_port` on the host.
     pub fn expose(&mut self, port: PortMapping) -> Result<()> {
-        let attachment = self
-            .attachment
-            .as_ref()
-            .ok_or(JailNetworkError::Detached)?;
-        if let Some(old) = self.exposed.iter().position(|p| p.host_port == port.host_port) {
+        let attachment = self.attachment.as_ref().ok_or(JailNetworkError::Detached)?;
+        if let Some(old) = self
+            .exposed
+            .iter()
+            .position(|p| p.host_port == port.host_port)
+        {
             self.pool
                 .unexpose(attachment, port.host_port, Protocol::Tcp)?;
             self.exposed.remove(old);

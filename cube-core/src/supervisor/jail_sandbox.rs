@@ -78,7 +78,7 @@ pub struct JailSandbox {
     /// Teardowns of replaced jails still under way; joined by destroy.
     retiring: Vec<std::thread::JoinHandle<()>>,
     /// The sandbox's network, when it asked for one (see [`JailNetwork`]).
-    network: Option<JailNetwork>,
+    network: Option<Box<JailNetwork>>,
 }
 
 impl JailSandbox {
@@ -174,7 +174,9 @@ impl JailSandbox {
         match self.network.as_mut() {
             Some(network) => network.reconnect(pid).map_err(fail),
             None => {
-                self.network = Some(JailNetwork::attach(pid, &options, &self.dir).map_err(fail)?);
+                self.network = Some(Box::new(
+                    JailNetwork::attach(pid, &options, &self.dir).map_err(fail)?,
+                ));
                 Ok(())
             }
         }
@@ -182,7 +184,7 @@ impl JailSandbox {
 
     fn network(&mut self) -> Result<&mut JailNetwork, String> {
         self.network
-            .as_mut()
+            .as_deref_mut()
             .ok_or_else(|| "this sandbox has no network (create it with one)".to_string())
     }
 
