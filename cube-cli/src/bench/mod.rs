@@ -130,10 +130,10 @@ fn progress(message: &str) {
 }
 
 pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
-    if args.network {
-        return network::run(args.quick, args.json);
-    }
     let root = store_root(store)?;
+    if args.network {
+        return network::run(&root, args.quick, args.json);
+    }
     if args.engine == "jail" {
         return jail::run(&root, if args.quick { 10 } else { 30 }, args.json);
     }

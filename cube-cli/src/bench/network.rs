@@ -6,7 +6,11 @@ use serde::Serialize;
 
 use cube_net::bench::{self, BenchConfig, BenchReport, Percentiles, LATENCY_TARGET};
 
-use super::stats::round2;
+use std::path::Path;
+
+use cube_core::supervisor::jail_network;
+
+use super::stats::{percentiles_ms, round2};
 use super::{failed, progress, Target};
 use crate::CliError;
 
@@ -58,7 +62,68 @@ struct NetworkReport {
     plain: PathRow,
     cube: PathRow,
     cube_over_plain: Ratios,
+    /// Jail sandbox creates through the Sandbox API (pooled supervisors), with and
+    /// without a network, alternating; None where jails cannot run.
+    sandbox_create: Option<CreateRows>,
     targets: Vec<Target>,
+}
+
+#[derive(Serialize)]
+struct CreateRows {
+    n: usize,
+    without_network_ms: Pair,
+    with_network_ms: Pair,
+    /// with/without at p50.
+    ratio_p50: f64,
+}
+
+/// Creates (and destroys) `n` jail sandboxes with a network and `n` without,
+/// alternating, through a pooled runtime on `root`.
+fn sandbox_creates(root: &Path, n: usize) -> Result<CreateRows, CliError> {
+    use cube_core::sandbox::NetworkOptions;
+    use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
+    use std::time::{Duration, Instant};
+
+    let rt = Runtime::open(RuntimeConfig {
+        store_root: root.to_path_buf(),
+        pool_size: 2,
+        supervisor: None,
+    })?;
+    let networked = CreateOptions {
+        network: Some(NetworkOptions::default()),
+        ..CreateOptions::new(true)
+    };
+    let (mut plain, mut with) = (Vec::new(), Vec::new());
+    // One of each first: the pool's first open loads the datapath.
+    for round in 0..=n {
+        for (options, samples) in [
+            (CreateOptions::new(true), &mut plain),
+            (networked.clone(), &mut with),
+        ] {
+            rt.wait_pool_ready();
+            let start = Instant::now();
+            let sb = rt.create(HOST_TEMPLATE, options)?;
+            let took: Duration = start.elapsed();
+            sb.destroy()?;
+            if round > 0 {
+                samples.push(took);
+            }
+        }
+    }
+    let (p50, p95) = percentiles_ms(&plain);
+    let (np50, np95) = percentiles_ms(&with);
+    Ok(CreateRows {
+        n,
+        without_network_ms: Pair {
+            p50: round3(p50),
+            p95: round3(p95),
+        },
+        with_network_ms: Pair {
+            p50: round3(np50),
+            p95: round3(np95),
+        },
+        ratio_p50: round3(np50 / p50),
+    })
 }
 
 fn path(p: &bench::PathNumbers) -> PathRow {
@@ -69,7 +134,11 @@ fn path(p: &bench::PathNumbers) -> PathRow {
     }
 }
 
-fn report(config: &BenchConfig, r: &BenchReport) -> NetworkReport {
+fn report(
+    config: &BenchConfig,
+    r: &BenchReport,
+    sandbox_create: Option<CreateRows>,
+) -> NetworkReport {
     NetworkReport {
         section: "network",
         attaches: config.attaches,
@@ -88,6 +157,7 @@ fn report(config: &BenchConfig, r: &BenchReport) -> NetworkReport {
             crr_p50: round3(r.crr_ratio_p50()),
             gbit: round3(r.gbit_ratio),
         },
+        sandbox_create,
         targets: vec![Target {
             name: "eBPF path TCP round trip p50 / plain veth path",
             value: round3(r.rr_ratio_p50()),
@@ -98,7 +168,7 @@ fn report(config: &BenchConfig, r: &BenchReport) -> NetworkReport {
 }
 
 /// Runs the network section and prints it (markdown or JSON).
-pub fn run(quick: bool, json: bool) -> Result<(), CliError> {
+pub fn run(root: &Path, quick: bool, json: bool) -> Result<(), CliError> {
     // SAFETY: geteuid has no failure mode.
     if unsafe { libc::geteuid() } != 0 {
         return Err(CliError::unsupported(
@@ -112,7 +182,28 @@ pub fn run(quick: bool, json: bool) -> Result<(), CliError> {
     };
     progress("network: attach times, then TCP through Cube's NAT and a plain veth path");
     let measured = bench::run(&config).map_err(failed)?;
-    let r = report(&config, &measured);
+    progress("network: jail sandbox creates with and without a network");
+    let pool = jail_network::pool_name().map_err(failed)?;
+    let pool_existed = jail_network::pool_config(&pool)
+        .bpffs
+        .join("cube-net")
+        .join(&pool)
+        .exists();
+    let creates = sandbox_creates(root, if quick { 10 } else { 30 });
+    // The host's pool stays only where it was before.
+    if !pool_existed {
+        if let Ok((pool, _lock)) = jail_network::open_pool() {
+            let _ = pool.destroy();
+        }
+    }
+    let creates = match creates {
+        Ok(rows) => Some(rows),
+        Err(e) => {
+            progress(&format!("network: skipping sandbox creates: {}", e.message));
+            None
+        }
+    };
+    let r = report(&config, &measured, creates);
     if json {
         let text = serde_json::to_string_pretty(&r).map_err(failed)?;
         println!("{text}");
@@ -155,6 +246,17 @@ pub fn run(quick: bool, json: bool) -> Result<(), CliError> {
         "| throughput Gbit/s | {} | {} | {} |",
         r.plain.gbit, r.cube.gbit, r.cube_over_plain.gbit
     );
+    if let Some(c) = &r.sandbox_create {
+        println!(
+            "\n| jail sandbox create (pooled, n={}) | p50 ms | p95 ms |\n|---|---|---|\n| without a network | {} | {} |\n| with a network | {} | {} |\n\nwith/without p50: {}",
+            c.n,
+            c.without_network_ms.p50,
+            c.without_network_ms.p95,
+            c.with_network_ms.p50,
+            c.with_network_ms.p95,
+            c.ratio_p50
+        );
+    }
     for t in &r.targets {
         println!(
             "\n{}: {} (limit {}) {}",
