@@ -5,6 +5,7 @@ mod debug_cmd;
 mod doctor;
 mod files_cmd;
 pub mod progress;
+mod net_cmd;
 mod run_cmd;
 mod sandbox_cmd;
 mod store_cmd;
@@ -107,8 +108,9 @@ fn main() -> ExitCode {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CUBE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_env("CUBE_LOG").unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,netlink_packet_route=error")
+            }),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -8,6 +8,9 @@ use cube_core::snapshot::MachineConfig;
 use cube_core::test_guest::WorkingSet;
 use cube_core::{CreateOptions, Engine, Runtime, RuntimeConfig, SnapshotKind, HOST_TEMPLATE};
 
+use cube_core::sandbox::PortMapping;
+
+use crate::net_cmd::{self, NetworkArgs, PolicyArgs};
 use crate::run_cmd::{self, CodeLanguage};
 use crate::table::{self, Table};
 use crate::{chain, files_cmd, store_root, CliError};
@@ -93,6 +96,8 @@ pub enum SandboxCommand {
         /// Destroy the sandbox after this many seconds.
         #[arg(long, value_name = "S")]
         lifetime: Option<f64>,
+        #[command(flatten)]
+        network: NetworkArgs,
     },
     /// Run a command in a sandbox, streaming its output; exits with its exit code.
     ///
@@ -257,6 +262,38 @@ pub enum SandboxCommand {
         /// MiB to write.
         mib: u64,
     },
+    /// Show a sandbox's network: device, policy, exposed ports, traffic counters.
+    ///
+    /// Example: cube sandbox net sb-0123456789abcdef --json
+    Net {
+        /// Sandbox id.
+        id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replace a live sandbox's egress policy (new connections see it at once).
+    ///
+    /// Example: cube sandbox policy sb-0123456789abcdef --deny-out 203.0.113.0/24
+    Policy {
+        /// Sandbox id.
+        id: String,
+        #[command(flatten)]
+        policy: PolicyArgs,
+    },
+    /// Serve a sandbox port on the host's addresses, or withdraw it (--remove).
+    ///
+    /// Example: cube sandbox expose sb-0123456789abcdef 8080:80
+    Expose {
+        /// Sandbox id.
+        id: String,
+        /// PORT or HOST_PORT:SANDBOX_PORT.
+        #[arg(value_parser = net_cmd::parse_port)]
+        port: PortMapping,
+        /// Withdraw the host port instead.
+        #[arg(long)]
+        remove: bool,
+    },
     /// Destroy sandboxes.
     ///
     /// Example: cube sandbox rm sb-0123456789abcdef
@@ -348,6 +385,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
             cpu_millis,
             pids_max,
             lifetime,
+            network,
         } => {
             let template = template
                 .or(positional)
@@ -371,6 +409,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                 memory_mib,
                 cpu_millis,
                 pids_max,
+                network: network.options()?,
             };
             let sb = rt.create(&template, options)?;
             println!("{}", sb.id());
@@ -570,6 +609,21 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
         SandboxCommand::Hibernate { id } => rt.attach(&id)?.hibernate()?,
         SandboxCommand::Wake { id } => rt.attach(&id)?.wake()?,
         SandboxCommand::Dirty { id, mib } => rt.attach(&id)?.guest_dirty(mib, 1)?,
+        SandboxCommand::Net { id, json } => {
+            let report = rt.attach(&id)?.network()?;
+            net_cmd::print_report(&report, json)?;
+        }
+        SandboxCommand::Policy { id, policy } => {
+            rt.attach(&id)?.set_policy(&policy.policy()?)?;
+        }
+        SandboxCommand::Expose { id, port, remove } => {
+            let mut sb = rt.attach(&id)?;
+            if remove {
+                sb.unexpose(port.host_port)?;
+            } else {
+                sb.expose(port)?;
+            }
+        }
         SandboxCommand::Rm { ids } => {
             for id in ids {
                 match rt.attach(&id) {

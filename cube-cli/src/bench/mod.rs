@@ -3,6 +3,7 @@
 
 mod floor;
 mod jail;
+mod network;
 mod stats;
 
 use std::path::Path;
@@ -29,6 +30,10 @@ pub struct BenchArgs {
     /// Engine to measure.
     #[arg(long, default_value = "vm", value_parser = ["vm", "jail"])]
     engine: String,
+    /// Measure networking instead: attach times from the pool, and TCP through
+    /// Cube's eBPF NAT against a plain veth path, in namespaces of its own.
+    #[arg(long)]
+    network: bool,
     /// Guest memory in MiB (the reference spec is 2 GiB).
     #[arg(long, default_value_t = 2048)]
     memory_mib: u64,
@@ -138,6 +143,9 @@ fn progress_done() {
 
 pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
     let root = store_root(store)?;
+    if args.network {
+        return network::run(&root, args.quick, args.json);
+    }
     if args.engine == "jail" {
         return jail::run(&root, if args.quick { 10 } else { 30 }, args.json);
     }

@@ -49,11 +49,13 @@
 //! ```
 
 pub mod metadata;
+pub mod network;
 mod runtime;
 
 use std::path::{Path, PathBuf};
 
 pub use metadata::{Engine, EngineChoice, SandboxMeta, SnapshotKind, SnapshotMeta, TemplateMeta};
+pub use network::{NetworkCounters, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
 pub use runtime::{CreateOptions, Runtime, RuntimeConfig};
 
 /// The built-in jail template: the host's own userland (with its python3), read-only,
@@ -159,6 +161,9 @@ pub enum SandboxError {
     /// The sandbox is hibernated: it has no processes, its agent included.
     #[error("Sandbox {0} is hibernated: wake it first")]
     Hibernated(String),
+    /// The sandbox's network could not be set up or changed.
+    #[error("Network")]
+    Network(#[source] crate::supervisor::jail_network::JailNetworkError),
     /// The sandbox's agent could not be reached.
     #[error("Sandbox {0}'s agent")]
     Agent(String, #[source] cube_agent::client::ClientError),
@@ -385,6 +390,33 @@ impl Sandbox {
             Response::Digest(d) => Ok(d),
             other => Err(self.unexpected(other)),
         }
+    }
+
+    /// The sandbox's network: device, policy, exposed ports, counters.
+    pub fn network(&mut self) -> Result<NetworkReport, SandboxError> {
+        match self.call(&Request::NetworkStatus)? {
+            Response::Network(report) => Ok(report),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Replaces the sandbox's egress policy; new connections see it at once.
+    pub fn set_policy(&mut self, policy: &NetworkPolicy) -> Result<(), SandboxError> {
+        policy
+            .to_egress()
+            .map_err(|e| SandboxError::Network(e.into()))?;
+        self.call_ok(&Request::SetPolicy(policy.clone()))
+    }
+
+    /// Serves sandbox port `port.sandbox_port` at `port.host_port` on the host's
+    /// addresses (not 127.0.0.0/8), TCP.
+    pub fn expose(&mut self, port: PortMapping) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Expose(port))
+    }
+
+    /// Withdraws exposed host port `host_port`.
+    pub fn unexpose(&mut self, host_port: u16) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Unexpose { host_port })
     }
 
     /// Ends the sandbox: the supervisor releases the VM and exits, and the sandbox's

@@ -78,6 +78,8 @@ pub struct CreateOptions {
     pub cpu_millis: Option<u32>,
     /// Most processes and threads at once (jail engine).
     pub pids_max: Option<u32>,
+    /// A network from the host's pool (jail engine); None: loopback only.
+    pub network: Option<super::network::NetworkOptions>,
 }
 
 impl CreateOptions {
@@ -98,6 +100,7 @@ impl CreateOptions {
             memory_mib: None,
             cpu_millis: None,
             pids_max: None,
+            network: None,
         }
     }
 
@@ -110,6 +113,7 @@ impl CreateOptions {
             lifetime_ms: self
                 .lifetime
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            network: self.network.clone(),
         }
     }
 
@@ -387,6 +391,16 @@ impl Runtime {
         options: CreateOptions,
         prepare: impl FnOnce(&Path) -> Result<(), SandboxError>,
     ) -> Result<Sandbox, SandboxError> {
+        if let Some(network) = &options.network {
+            if engine != Engine::Jail {
+                return Err(SandboxError::Network(
+                    crate::supervisor::jail_network::JailNetworkError::VmEngine,
+                ));
+            }
+            network
+                .validate()
+                .map_err(|e| SandboxError::Network(e.into()))?;
+        }
         let id = Store::new_id("sb")?;
         let dir = self.store.sandbox_dir(&id)?;
         std::fs::create_dir(&dir).map_err(io_error(format!("creating {}", dir.display())))?;
@@ -584,6 +598,7 @@ impl Runtime {
     /// Removes a sandbox whose supervisor is gone (crashed, or the host rebooted).
     pub fn remove_stale(&self, id: &str) -> Result<(), SandboxError> {
         let dir = self.store.sandbox_dir(id)?;
+        crate::supervisor::jail_network::release_recorded(&dir).map_err(SandboxError::Network)?;
         remove_sandbox_files(&self.store, id, &dir)
     }
 }

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use cube_jail::{Jail, JailConfig, JailExit, Limits, ReadOnlyBind, Stdio};
 use cube_storage::Durability;
 
+use super::jail_network::{JailNetwork, JailNetworkError};
 use super::protocol::{JailStatus, MachineStatus, Response, Settings, StatusReport};
 use crate::error_report::chain as error_chain;
 use crate::sandbox::metadata::{
@@ -76,6 +77,8 @@ pub struct JailSandbox {
     generation: u64,
     /// Teardowns of replaced jails still under way; joined by destroy.
     retiring: Vec<std::thread::JoinHandle<()>>,
+    /// The sandbox's network, when it asked for one (see [`JailNetwork`]).
+    network: Option<Box<JailNetwork>>,
 }
 
 impl JailSandbox {
@@ -101,6 +104,7 @@ impl JailSandbox {
             paused: false,
             generation: 0,
             retiring: Vec::new(),
+            network: None,
         };
         let seed = match layer {
             Some(layer) => Some(sandbox.stage_seed(layer)?),
@@ -141,7 +145,7 @@ impl JailSandbox {
                 .set_env(settings.env.clone(), Vec::new())
                 .map_err(|e| format!("setting the environment: {}", error_chain(&e)))?;
         }
-        Ok(JailSandbox {
+        let mut sandbox = JailSandbox {
             id: id.to_string(),
             dir: dir.to_path_buf(),
             settings,
@@ -151,7 +155,37 @@ impl JailSandbox {
             paused: false,
             generation: 0,
             retiring: Vec::new(),
-        })
+            network: None,
+        };
+        sandbox.connect_network()?;
+        Ok(sandbox)
+    }
+
+    /// Gives the running jail its network (a new device after a restart), when the
+    /// sandbox has one.
+    fn connect_network(&mut self) -> Result<(), String> {
+        let Some(options) = self.settings.network.clone() else {
+            return Ok(());
+        };
+        let Some(pid) = self.jail.as_ref().map(Jail::pid) else {
+            return Ok(());
+        };
+        let fail = |e: JailNetworkError| format!("attaching the network: {}", error_chain(&e));
+        match self.network.as_mut() {
+            Some(network) => network.reconnect(pid).map_err(fail),
+            None => {
+                self.network = Some(Box::new(
+                    JailNetwork::attach(pid, &options, &self.dir).map_err(fail)?,
+                ));
+                Ok(())
+            }
+        }
+    }
+
+    fn network(&mut self) -> Result<&mut JailNetwork, String> {
+        self.network
+            .as_deref_mut()
+            .ok_or_else(|| "this sandbox has no network (create it with one)".to_string())
     }
 
     /// The sandbox's directory.
@@ -179,7 +213,7 @@ impl JailSandbox {
                 self.jail = Some(jail);
                 self.paused = false;
                 self.generation += 1;
-                Ok(())
+                self.connect_network()
             }
             Err(e) => {
                 // A failed spawn gives the seed back: a copy made for this start goes,
@@ -249,6 +283,9 @@ impl JailSandbox {
                 let _ = std::fs::remove_dir_all(&keep);
                 jail.destroy_keeping_layer(&keep)
                     .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))?;
+                if let Some(network) = self.network.as_mut() {
+                    network.disconnect();
+                }
                 self.paused = false;
                 Ok(Response::Ok)
             }
@@ -266,6 +303,25 @@ impl JailSandbox {
             | Request::ReadMemory { .. }
             | Request::MemoryDigest => {
                 Err("a jail sandbox has no guest memory (this request is for test VMs)".into())
+            }
+            Request::NetworkStatus => {
+                let report = self.network()?.report();
+                Ok(Response::Network(report.map_err(|e| error_chain(&e))?))
+            }
+            Request::SetPolicy(policy) => {
+                let set = self.network()?.set_policy(policy);
+                set.map_err(|e| error_chain(&e))?;
+                Ok(Response::Ok)
+            }
+            Request::Expose(port) => {
+                let exposed = self.network()?.expose(port);
+                exposed.map_err(|e| error_chain(&e))?;
+                Ok(Response::Ok)
+            }
+            Request::Unexpose { host_port } => {
+                let withdrawn = self.network()?.unexpose(host_port);
+                withdrawn.map_err(|e| error_chain(&e))?;
+                Ok(Response::Ok)
             }
         }
     }
@@ -432,6 +488,10 @@ impl JailSandbox {
             if let Err(e) = jail.destroy() {
                 tracing::warn!(sandbox = %self.id, "destroying the jail: {}", error_chain(&e));
             }
+        }
+        // The device goes with the jail's namespace; this also clears the datapath.
+        if let Some(mut network) = self.network.take() {
+            network.disconnect();
         }
         for leftover in [HIBERNATED_LAYER, SEED_LAYER] {
             let _ = std::fs::remove_dir_all(self.dir.join(leftover));
