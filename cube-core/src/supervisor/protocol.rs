@@ -56,6 +56,14 @@ pub enum Source {
         /// A snapshot's layer directory to clone as the sandbox's writable layer.
         layer: Option<PathBuf>,
     },
+    /// A jail whose root is a built template's tree, read-only under an overlay, with
+    /// an empty writable layer or (`layer`) a copy of a snapshot's.
+    JailOverlay {
+        /// The template's root filesystem tree.
+        tree: PathBuf,
+        /// A snapshot's layer directory to clone as the sandbox's writable layer.
+        layer: Option<PathBuf>,
+    },
 }
 
 /// Per-sandbox settings applied by the supervisor.

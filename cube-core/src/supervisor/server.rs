@@ -341,15 +341,21 @@ fn adopt(
     source: Source,
     settings: Settings,
 ) -> Result<Held, String> {
-    if let Source::Jail { layer } = source {
+    let jail_source = match &source {
+        Source::Jail { layer } => Some((None, layer.clone())),
+        Source::JailOverlay { tree, layer } => Some((Some(tree.clone()), layer.clone())),
+        _ => None,
+    };
+    if let Some((tree, layer)) = jail_source {
         retire(warm.kvm.and_then(Result::ok).and_then(|(_, shell)| shell));
-        // The jail started ahead has an empty layer and no CPU controller.
-        let fits = layer.is_none() && settings.cpu_millis.is_none();
+        // The jail started ahead is on the host template, with an empty layer and no
+        // CPU controller.
+        let fits = tree.is_none() && layer.is_none() && settings.cpu_millis.is_none();
         let sandbox = match warm.jail {
             Some(ready) if fits => JailSandbox::adopt(id, dir, ready, settings)?,
             other => {
                 retire_jail(other);
-                JailSandbox::start(id, dir, layer.as_deref(), settings)?
+                JailSandbox::start(id, dir, tree, layer.as_deref(), settings)?
             }
         };
         return Ok(Held::Jail(sandbox));
@@ -405,7 +411,9 @@ fn start_machine(
 ) -> Result<Machine, String> {
     let fail = |e: MachineError| error_chain(&e);
     match source {
-        Source::Jail { .. } => Err("a jail source cannot start a VM".into()),
+        Source::Jail { .. } | Source::JailOverlay { .. } => {
+            Err("a jail source cannot start a VM".into())
+        }
         Source::Snapshot(dir) => {
             let state = crate::snapshot::format::read_state(dir).map_err(|e| error_chain(&e))?;
             if let Some(mut shell) = shell {
