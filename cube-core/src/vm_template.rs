@@ -80,6 +80,10 @@ pub enum VmTemplateError {
     /// The agent did not answer in time.
     #[error("The guest's agent did not answer within {0:?} (last console line: {1:?})")]
     Timeout(Duration, String),
+    /// The agent did not answer in time on a PVM host, where a kernel that is not
+    /// PVM-enabled runs emulated.
+    #[error("The guest's agent did not answer within {0:?} (last console line: {1:?}); KVM here is PVM, where a kernel that is not PVM-enabled (CONFIG_PVM_GUEST) runs emulated until KVM's emulation failure stops it; on this host use --engine jail")]
+    TimeoutOnPvm(Duration, String),
     /// The store failed.
     #[error("Store")]
     Store(#[from] cube_storage::StoreError),
@@ -287,7 +291,9 @@ fn build_vm(
     let config = LinuxBootConfig {
         kernel,
         initrd,
-        cmdline: "console=ttyS0 reboot=k panic=-1 quiet cube.root=/dev/vda".into(),
+        // earlyprintk: the console shows where a slow or stuck boot is from the start.
+        cmdline: "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 cube.root=/dev/vda"
+            .into(),
         memory_bytes: spec.machine.memory_bytes,
         vcpus: spec.machine.vcpus,
         cmdline_devices: false,
@@ -320,7 +326,11 @@ fn build_vm(
         }
         if started.elapsed() > spec.boot_timeout {
             let last = tail.lock().unwrap_or_else(|e| e.into_inner()).1.clone();
-            return Err(VmTemplateError::Timeout(spec.boot_timeout, last));
+            return Err(if kvm == KvmKind::Pvm {
+                VmTemplateError::TimeoutOnPvm(spec.boot_timeout, last)
+            } else {
+                VmTemplateError::Timeout(spec.boot_timeout, last)
+            });
         }
         let last = tail.lock().unwrap_or_else(|e| e.into_inner()).1.clone();
         progress(&last);
