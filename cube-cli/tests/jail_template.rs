@@ -247,7 +247,47 @@ fn a_directory_template_and_failed_builds_leave_nothing() {
         ],
     );
     assert_eq!(out.trim(), "from-dir");
+
+    // A clone runs on the same template tree, with the source's layer: it sees both
+    // the template's marker and the file written before the clone, and it keeps the
+    // template in use on its own.
+    ok(
+        s,
+        &[
+            "sandbox",
+            "exec",
+            &id,
+            "--",
+            "/bin/sh",
+            "-c",
+            "echo kept > \"$HOME/note\"",
+        ],
+    );
+    let clone = Created {
+        store: s,
+        id: ok(s, &["sandbox", "clone", &id]).trim().to_string(),
+    };
+    let seen = ok(
+        s,
+        &[
+            "sandbox",
+            "exec",
+            &clone.id,
+            "--",
+            "/bin/sh",
+            "-c",
+            "read a < /etc/marker; read b < \"$HOME/note\"; echo \"$a $b\"",
+        ],
+    );
+    assert_eq!(seen.trim(), "from-dir kept");
     drop(sandbox);
+    let refused = cube(s, &["template", "rm", "dir"]);
+    assert!(
+        text(&refused.stderr).contains(&clone.id),
+        "{}",
+        text(&refused.stderr)
+    );
+    drop(clone);
     ok(s, &["template", "rm", "dir"]);
     let host = cube(s, &["template", "rm", "host"]);
     assert!(!host.status.success());

@@ -137,7 +137,9 @@ fn measure(
 /// An empty directory in the store's scratch area: the tree of a template whose
 /// guest runs the agent from Cube's initramfs.
 fn tempfile_dir(root: &Path) -> Result<std::path::PathBuf, CliError> {
-    let dir = root.join("tmp").join(format!("bench-linux-tree-{}", std::process::id()));
+    let dir = root
+        .join("tmp")
+        .join(format!("bench-linux-tree-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| CliError::failed(chain(&e)))?;
     Ok(dir)
