@@ -94,3 +94,55 @@ fn bench_guest_linux_records_the_skip_and_its_reason() {
     assert_pvm_message(report["reason"].as_str().unwrap());
     assert!(report.get("create_to_agent_ready").is_none(), "{report}");
 }
+
+#[test]
+fn a_given_stock_kernel_boots_until_the_emulation_failure_and_says_so() {
+    if !pvm_host() {
+        return;
+    }
+    if std::env::var_os("CUBE_LONG_TESTS").is_none() {
+        println!(
+            "skipped: set CUBE_LONG_TESTS=1 to boot a stock kernel to KVM's emulation \
+             failure (about 100 s here)"
+        );
+        return;
+    }
+    let kernels = Path::new("/var/lib/cube/kernels/debian-cloud");
+    let (kernel, initrd) = (
+        kernels.join("vmlinux"),
+        kernels.join("initramfs-cube.cpio.gz"),
+    );
+    if !kernel.is_file() || !initrd.is_file() {
+        println!(
+            "skipped: no kernel in {} (scripts/fetch-kernel.sh)",
+            kernels.display()
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let store = dir.path().join("store");
+    let tree = dir.path().join("tree");
+    std::fs::create_dir(&tree).unwrap();
+    let out = cube(
+        &store,
+        &[
+            "template",
+            "build",
+            "linux",
+            "--engine",
+            "vm",
+            "--from",
+            tree.to_str().unwrap(),
+            "--kernel",
+            kernel.to_str().unwrap(),
+            "--initrd",
+            initrd.to_str().unwrap(),
+            "--boot-timeout",
+            "600",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
+    assert_pvm_message(&text(&out.stderr));
+    assert!(!store.join("templates/linux").exists());
+    assert_eq!(std::fs::read_dir(store.join("tmp")).unwrap().count(), 0);
+}
