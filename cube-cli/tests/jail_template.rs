@@ -292,3 +292,58 @@ fn a_directory_template_and_failed_builds_leave_nothing() {
     let host = cube(s, &["template", "rm", "host"]);
     assert!(!host.status.success());
 }
+
+#[test]
+fn an_interrupted_debian_build_leaves_nothing() {
+    use std::os::unix::process::CommandExt;
+    if skip_jail() {
+        return;
+    }
+    if !Path::new("/usr/sbin/debootstrap").is_file() {
+        println!("skipped: debootstrap is not installed (apt-get install debootstrap)");
+        return;
+    }
+    if !mirror_reachable() {
+        println!("skipped: the Debian mirror deb.debian.org is unreachable");
+        return;
+    }
+    let store = tempfile::tempdir().unwrap();
+    let s = store.path();
+    // Its own process group, interrupted as a terminal's Ctrl-C does: every process of
+    // the group (cube and debootstrap) gets SIGINT.
+    let child = Command::new(CUBE)
+        .arg("--store")
+        .arg(s)
+        .args(["template", "build", "x"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    // Until debootstrap has started writing its tree.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let building = || {
+        std::fs::read_dir(s.join("tmp"))
+            .map(|d| d.count() > 0)
+            .unwrap_or(false)
+    };
+    while !building() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let pgid = i32::try_from(child.id()).unwrap();
+    // SAFETY: signalling the process group this test created.
+    unsafe { libc::kill(-pgid, libc::SIGINT) };
+    let out = child.wait_with_output().unwrap();
+    assert!(!out.status.success());
+    let why = text(&out.stderr);
+    assert!(
+        why.contains("interrupted") && why.contains("nothing was kept"),
+        "{why}"
+    );
+    assert!(!s.join("templates/x").exists());
+    assert_eq!(std::fs::read_dir(s.join("tmp")).unwrap().count(), 0);
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!mounts.contains(s.to_str().unwrap()), "{mounts}");
+}
