@@ -146,6 +146,18 @@ pub fn reseed_kernel_crng(entropy: &[u8]) -> Result<(), ReseedError> {
     Ok(())
 }
 
+/// The error and its causes on one line, for a reply to the host.
+pub fn describe(e: &ReseedError) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
 /// Fresh entropy for a reseed: bytes from the host through the virtio-rng device
 /// (`hwrng`), else from the kernel, with `generation` mixed in so that clones differ
 /// even if both sources repeat.

@@ -3,13 +3,15 @@
 //! (`rootfs.img` in the sandbox directory), its vsock device's host socket at
 //! `<sandbox dir>/vsock.sock` (where [`crate::Sandbox::agent`] connects) and its
 //! entropy device, which moves to a new generation because every restore here is a
-//! clone.
+//! clone; once the guest's agent answers, the host has it reseed the kernel CRNG.
 //!
 //! The devices are attached in the order a VM template's guest had them
 //! ([`template_devices`]); a snapshot of another layout is refused by the restore.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use super::protocol::{MachineStatus, Response, StatusReport};
 use crate::devices::virtio::block::{Block, BlockOptions};
@@ -45,6 +47,51 @@ pub struct LinuxSandbox {
     vm: Option<LinuxVm>,
     paused: bool,
     generation: u64,
+    /// Tells the clone-reseed thread to give up (the sandbox is going away).
+    stop_reseed: Arc<AtomicBool>,
+}
+
+/// How long after a restore the host keeps trying to reach the agent to reseed it.
+const RESEED_WINDOW: Duration = Duration::from_secs(30);
+
+/// Has the restored guest's agent reseed the kernel CRNG with fresh host entropy, as
+/// soon as it answers: a clone must not keep the random state of the snapshot it
+/// shares with its siblings. (The agent also watches the rng's generation counter
+/// where the guest kernel lets it read it.)
+fn reseed_when_ready(dir: PathBuf, stop: Arc<AtomicBool>) {
+    let spawned = std::thread::Builder::new()
+        .name("reseed-clone".into())
+        .spawn(move || {
+            let deadline = Instant::now() + RESEED_WINDOW;
+            while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+                match crate::vm_agent::agent_client(&dir, Duration::from_millis(500)) {
+                    Ok(client) => {
+                        let mut entropy = vec![0u8; 64];
+                        // SAFETY: `entropy` is writable for its length.
+                        let n = unsafe {
+                            libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0)
+                        };
+                        if n != 64 {
+                            tracing::warn!("no host entropy for the clone's reseed");
+                            return;
+                        }
+                        match client.reseed(entropy) {
+                            Ok(()) => tracing::debug!("clone's kernel CRNG reseeded"),
+                            Err(e) => tracing::warn!(
+                                "reseeding the clone's kernel CRNG: {}",
+                                error_chain(&e)
+                            ),
+                        }
+                        return;
+                    }
+                    Err(crate::vm_agent::VmAgentError::NotReady { .. }) => {}
+                    Err(_) => std::thread::sleep(Duration::from_millis(200)),
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("starting the clone-reseed thread: {e}");
+    }
 }
 
 impl LinuxSandbox {
@@ -65,11 +112,14 @@ impl LinuxSandbox {
         let vm = LinuxVm::restore(ctx, snapshot, Box::new(console), devices, true)
             .map_err(|e| error_chain(&e))?;
         vm.resume().map_err(|e| error_chain(&e))?;
+        let stop_reseed = Arc::new(AtomicBool::new(false));
+        reseed_when_ready(dir.to_path_buf(), Arc::clone(&stop_reseed));
         Ok(LinuxSandbox {
             dir: dir.to_path_buf(),
             vm: Some(vm),
             paused: false,
             generation: 1,
+            stop_reseed,
         })
     }
 
@@ -141,6 +191,7 @@ impl LinuxSandbox {
 
     /// Stops the vCPUs and releases the VM; the vsock socket goes too.
     pub fn destroy(&mut self) {
+        self.stop_reseed.store(true, Ordering::Relaxed);
         self.vm = None;
         let _ = std::fs::remove_file(
             self.dir
