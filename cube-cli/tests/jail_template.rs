@@ -203,6 +203,26 @@ fn a_directory_template_and_failed_builds_leave_nothing() {
     assert!(!bad.status.success());
     assert!(!s.join("templates/x").exists());
 
+    // A tree the agent cannot start in is refused at build time, not at create.
+    let empty = tempfile::tempdir().unwrap();
+    let refused = cube(
+        s,
+        &[
+            "template",
+            "build",
+            "empty",
+            "--from",
+            empty.path().to_str().unwrap(),
+        ],
+    );
+    assert!(!refused.status.success());
+    assert!(
+        text(&refused.stderr).contains("cannot start"),
+        "{}",
+        text(&refused.stderr)
+    );
+    assert!(!s.join("templates/empty").exists());
+
     // A minimal tree: a shell and the C library the agent and the shell need (the
     // agent itself is bound in by the jail), plus a marker only this tree has.
     let src = tempfile::tempdir().unwrap();

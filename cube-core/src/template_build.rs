@@ -37,6 +37,9 @@ pub enum TemplateBuildError {
     /// The template record could not be written.
     #[error("Writing the template record")]
     Metadata(#[from] cube_storage::MetadataError),
+    /// The tree lacks the program loader the agent needs, so no sandbox could start.
+    #[error("The tree has no {0}: the agent (dynamically linked) cannot start in it; include the C library (a Debian tree has it)")]
+    NoLoader(String),
     /// Something is still mounted inside the staging tree and could not be unmounted;
     /// the tree is left in place rather than deleted through the mount.
     #[error("{0} is still mounted; not removing the staging tree")]
@@ -117,6 +120,7 @@ fn fill(
     progress: &mut dyn FnMut(&str),
 ) -> Result<TemplateMeta, TemplateBuildError> {
     make_tree(&staging.join(TEMPLATE_TREE), source, progress)?;
+    check_agent_can_start(&staging.join(TEMPLATE_TREE))?;
     let meta = TemplateMeta {
         name: name.to_string(),
         engine: Engine::Jail,
@@ -154,6 +158,93 @@ pub fn make_tree(
         }
     }
     Ok(())
+}
+
+/// Refuses a tree the agent cannot start in: the agent binary is the host's, bound
+/// into the sandbox, and its ELF interpreter must exist inside the tree. Where the
+/// agent cannot be found or is static there is nothing to check.
+fn check_agent_can_start(tree: &Path) -> Result<(), TemplateBuildError> {
+    let Ok(agent) = crate::supervisor::jail_sandbox::locate_agent() else {
+        return Ok(());
+    };
+    let Some(interp) = std::fs::read(&agent).ok().and_then(|b| elf_interpreter(&b)) else {
+        return Ok(());
+    };
+    if resolve_in_tree(tree, Path::new(&interp)).is_some_and(|p| p.is_file()) {
+        Ok(())
+    } else {
+        Err(TemplateBuildError::NoLoader(interp))
+    }
+}
+
+/// The PT_INTERP path of a 64-bit little-endian ELF file, if it has one.
+fn elf_interpreter(elf: &[u8]) -> Option<String> {
+    const PT_INTERP: u32 = 3;
+    if elf.get(..5)? != b"\x7fELF\x02" || *elf.get(5)? != 1 {
+        return None;
+    }
+    let u16_at = |o: usize| Some(u16::from_le_bytes(elf.get(o..o + 2)?.try_into().ok()?));
+    let u32_at = |o: usize| Some(u32::from_le_bytes(elf.get(o..o + 4)?.try_into().ok()?));
+    let u64_at = |o: usize| Some(u64::from_le_bytes(elf.get(o..o + 8)?.try_into().ok()?));
+    let phoff = usize::try_from(u64_at(0x20)?).ok()?;
+    let phentsize = usize::from(u16_at(0x36)?);
+    let phnum = usize::from(u16_at(0x38)?);
+    for i in 0..phnum {
+        let ph = phoff.checked_add(i.checked_mul(phentsize)?)?;
+        if u32_at(ph)? != PT_INTERP {
+            continue;
+        }
+        let offset = usize::try_from(u64_at(ph + 0x08)?).ok()?;
+        let size = usize::try_from(u64_at(ph + 0x20)?).ok()?;
+        let bytes = elf.get(offset..offset.checked_add(size)?)?;
+        let text = bytes.split(|b| *b == 0).next()?;
+        return String::from_utf8(text.to_vec()).ok();
+    }
+    None
+}
+
+/// Where absolute `path` leads inside `tree`, following symlinks as the sandbox would
+/// see them (absolute targets start again at the tree's root); None on a loop.
+fn resolve_in_tree(tree: &Path, path: &Path) -> Option<PathBuf> {
+    let mut pending: Vec<std::ffi::OsString> = path
+        .components()
+        .rev()
+        .filter_map(|c| match c {
+            std::path::Component::Normal(n) => Some(n.to_os_string()),
+            _ => None,
+        })
+        .collect();
+    let mut current = tree.to_path_buf();
+    let mut hops = 0;
+    while let Some(part) = pending.pop() {
+        if part == ".." {
+            if current != tree {
+                current.pop();
+            }
+            continue;
+        }
+        let next = current.join(&part);
+        match std::fs::read_link(&next) {
+            Ok(target) => {
+                hops += 1;
+                if hops > 40 {
+                    return None;
+                }
+                if target.is_absolute() {
+                    current = tree.to_path_buf();
+                }
+                for c in target.components().rev() {
+                    match c {
+                        std::path::Component::Normal(n) => pending.push(n.to_os_string()),
+                        std::path::Component::ParentDir => pending.push("..".into()),
+                        _ => {}
+                    }
+                }
+            }
+            Err(_) => current = next,
+        }
+    }
+    Some(current)
 }
 
 /// Mount points at or below `dir`, deepest first, from /proc/self/mountinfo.
@@ -208,6 +299,35 @@ mod tests {
     use super::*;
 
     #[test]
+    fn paths_resolve_inside_the_tree_and_elf_interpreters_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let tree = dir.path();
+        std::fs::create_dir_all(tree.join("usr/lib64")).unwrap();
+        std::fs::write(tree.join("usr/lib64/ld.so"), b"x").unwrap();
+        // Merged /usr with an absolute link, as Debian has it.
+        std::os::unix::fs::symlink("/usr/lib64", tree.join("lib64")).unwrap();
+        assert_eq!(
+            resolve_in_tree(tree, Path::new("/lib64/ld.so")).unwrap(),
+            tree.join("usr/lib64/ld.so")
+        );
+        std::os::unix::fs::symlink("loop", tree.join("loop")).unwrap();
+        assert!(resolve_in_tree(tree, Path::new("/loop/x")).is_none());
+        // An escape by `..` stays at the tree's root.
+        assert_eq!(
+            resolve_in_tree(tree, Path::new("/../../usr")).unwrap(),
+            tree.join("usr")
+        );
+        let own = std::fs::read(std::env::current_exe().unwrap()).unwrap();
+        let interp = elf_interpreter(&own);
+        assert!(
+            interp.as_deref().is_some_and(|i| i.starts_with('/')),
+            "{interp:?}"
+        );
+        assert_eq!(elf_interpreter(b"not an elf"), None);
+        assert_eq!(elf_interpreter(b"\x7fELF\x02\x01"), None);
+    }
+
+    #[test]
     fn mountinfo_escapes() {
         assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
         assert_eq!(unescape_mountinfo("/plain"), "/plain");
@@ -222,6 +342,21 @@ mod tests {
         std::fs::create_dir_all(src.join("usr/bin")).unwrap();
         std::fs::write(src.join("usr/bin/tool"), b"#!/bin/sh\n").unwrap();
         std::os::unix::fs::symlink("usr/bin", src.join("bin")).unwrap();
+        // The agent's program loader, where the agent (found next to the test binary)
+        // is dynamically linked: without it the build is refused.
+        let interp = crate::supervisor::jail_sandbox::locate_agent()
+            .ok()
+            .and_then(|a| elf_interpreter(&std::fs::read(a).unwrap()));
+        if let Some(interp) = &interp {
+            assert!(matches!(
+                build(&store, "noloader", &TreeSource::Directory(src.clone()), &mut |_| {}),
+                Err(TemplateBuildError::NoLoader(i)) if i == *interp
+            ));
+            assert!(!store.template_dir("noloader").unwrap().exists());
+            let loader = src.join(interp.trim_start_matches('/'));
+            std::fs::create_dir_all(loader.parent().unwrap()).unwrap();
+            std::fs::write(&loader, b"loader").unwrap();
+        }
 
         let mut lines = Vec::new();
         let meta = build(
