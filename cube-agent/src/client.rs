@@ -282,6 +282,12 @@ impl Client {
         self.call_done(RequestBody::SetEnv { set, unset })
     }
 
+    /// Has the agent mix `entropy` into the kernel's random pool and reseed its CRNG
+    /// (after a VM was restored as a clone).
+    pub fn reseed(&self, entropy: Vec<u8>) -> Result<(), ClientError> {
+        self.call_done(RequestBody::Reseed { entropy })
+    }
+
     /// Streams a file from the agent into `out`; returns its size.
     pub fn read_file(&self, path: &str, out: &mut dyn Write) -> Result<u64, ClientError> {
         let mut call = self.start(RequestBody::ReadFile {

@@ -11,6 +11,7 @@ pub mod frame;
 pub mod init;
 pub mod protocol;
 pub mod reaper;
+pub mod reseed;
 pub mod run_code;
 pub mod server;
 pub mod transport;

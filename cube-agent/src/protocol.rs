@@ -160,6 +160,16 @@ pub enum RequestBody {
     },
     /// Answered by `Contexts`.
     ListContexts,
+    /// Mix `entropy` (fresh bytes from the host) into the kernel's random pool and
+    /// reseed its CRNG now: sent by the host after it restored a VM as a clone, so
+    /// clones of one snapshot never share random state. Answered by
+    /// [`ResponseBody::Done`]; refused where the agent may not (a jail, which shares
+    /// the host's kernel and needs no reseed).
+    Reseed {
+        /// 16 to 512 bytes.
+        #[serde(with = "serde_bytes")]
+        entropy: Vec<u8>,
+    },
 }
 
 /// The language of an interpreter context.

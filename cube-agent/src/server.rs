@@ -258,6 +258,22 @@ impl Agent {
             RequestBody::ListContexts => {
                 replies.send(id, ResponseBody::Contexts(self.inner.contexts.list()));
             }
+            RequestBody::Reseed { entropy } => {
+                if !(16..=512).contains(&entropy.len()) {
+                    replies.error(
+                        id,
+                        ErrorCode::InvalidArgument,
+                        "reseed takes 16 to 512 bytes",
+                    );
+                    return;
+                }
+                let _ = match crate::reseed::reseed_kernel_crng(&entropy) {
+                    Ok(()) => replies.send(id, ResponseBody::Done),
+                    Err(e) => {
+                        replies.error(id, ErrorCode::PermissionDenied, crate::reseed::describe(&e))
+                    }
+                };
+            }
             RequestBody::Kill { exec_id, signal } => {
                 let body = match self.inner.execs.kill(exec_id, signal) {
                     Ok(()) => ResponseBody::Done,
@@ -438,6 +454,7 @@ impl Agent {
             | RequestBody::SetEnv { .. }
             | RequestBody::Kill { .. }
             | RequestBody::ListContexts
+            | RequestBody::Reseed { .. }
             | RequestBody::WriteStart { .. }
             | RequestBody::WriteChunk { .. }
             | RequestBody::WriteEnd { .. } => ResponseBody::Error(ErrorReply::new(
@@ -468,6 +485,36 @@ mod tests {
         let served = agent.clone();
         let handle = std::thread::spawn(move || served.serve(a));
         (agent, Client::new(b).unwrap(), handle)
+    }
+
+    #[test]
+    fn reseed_reaches_the_kernel_and_bad_sizes_are_refused() {
+        let (_agent, client, _h) = pair();
+        for bad in [vec![0u8; 15], vec![0u8; 513]] {
+            match client.reseed(bad) {
+                Err(ClientError::Agent(e)) => assert_eq!(e.code, ErrorCode::InvalidArgument),
+                other => panic!("{other:?}"),
+            }
+        }
+        let entropy = crate::reseed::fresh_entropy(std::path::Path::new("/nonexistent"), 9);
+        // SAFETY: geteuid has no failure mode.
+        if unsafe { libc::geteuid() } == 0 {
+            client.reseed(entropy).unwrap();
+        } else {
+            // Without CAP_SYS_ADMIN the kernel refuses, and the host hears why.
+            match client.reseed(entropy) {
+                Err(ClientError::Agent(e)) => {
+                    assert_eq!(e.code, ErrorCode::PermissionDenied);
+                    assert!(e.message.contains("RNDADDENTROPY"), "{}", e.message);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // The connection keeps serving.
+        assert!(matches!(
+            client.call(RequestBody::Health),
+            Ok(ResponseBody::Healthy { .. })
+        ));
     }
 
     #[test]

@@ -73,6 +73,7 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
                  (CONFIG_PVM_GUEST) kernel"
                     .to_string(),
             );
+            notes.push(cube_core::vm_template::PVM_STOCK_KERNEL.to_string());
         }
         KvmKind::None => notes.push("no usable /dev/kvm: the vm engine is unavailable".to_string()),
     }

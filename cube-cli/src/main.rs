@@ -1,15 +1,18 @@
 //! `cube`: create and drive sandboxes, check the host, and benchmark.
 
 mod bench;
+mod build_progress;
 mod debug_cmd;
 mod doctor;
 mod files_cmd;
-pub mod progress;
 mod net_cmd;
+pub mod progress;
 mod run_cmd;
 mod sandbox_cmd;
 mod store_cmd;
 mod table;
+mod template_build_cmd;
+mod vm_template_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -29,6 +29,12 @@ fn key_value(s: &str) -> Result<(String, String), String> {
 
 #[derive(Subcommand)]
 pub enum TemplateCommand {
+    /// Build a template: for the jail engine a standalone root filesystem from Debian
+    /// packages (python3, pip) or a directory; for the vm engine a booted Linux guest
+    /// whose agent answered, snapshotted.
+    ///
+    /// Example: cube template build py --packages python3-numpy
+    Build(crate::template_build_cmd::BuildArgs),
     /// Build a template from Cube's synthetic test guest (boot, settle, snapshot).
     ///
     /// Example: cube template build-test base --memory-mib 2048 --vcpus 2
@@ -316,6 +322,7 @@ fn runtime(store: Option<&Path>, pool_size: usize) -> Result<Runtime, CliError> 
 pub fn run_template(store: Option<&Path>, command: TemplateCommand) -> Result<(), CliError> {
     let rt = runtime(store, 0)?;
     match command {
+        TemplateCommand::Build(args) => crate::template_build_cmd::run(&rt, &args, store)?,
         TemplateCommand::BuildTest {
             name,
             memory_mib,
@@ -350,7 +357,7 @@ pub fn run_template(store: Option<&Path>, command: TemplateCommand) -> Result<()
                         let what = if t.name == HOST_TEMPLATE {
                             "built in: the host's userland, read-only"
                         } else {
-                            "jail"
+                            t.built_from.as_deref().unwrap_or("jail")
                         };
                         println!("{:<24} {:<6} {:>6} {what}", t.name, t.engine, "-");
                         continue;

@@ -6,8 +6,11 @@ pub mod host_caps;
 pub mod sandbox;
 pub mod snapshot;
 pub mod supervisor;
+pub mod template_build;
 pub mod template_rootfs;
 pub mod test_guest;
+pub mod vm_agent;
+pub mod vm_template;
 pub mod vmm;
 pub mod vstate;
 

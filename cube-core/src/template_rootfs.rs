@@ -259,6 +259,15 @@ fn find_debootstrap() -> Option<PathBuf> {
 }
 
 fn remove_tree(path: &Path) -> Result<(), RootfsBuildError> {
+    // debootstrap mounts /proc and /sys inside the tree; a killed one leaves them, and
+    // deleting through a mount would reach the host's files.
+    if crate::template_build::unmount_all_under(path).is_err() {
+        return Err(RootfsBuildError::Io {
+            action: "unmounting what is mounted inside",
+            path: path.to_path_buf(),
+            source: std::io::Error::from_raw_os_error(libc::EBUSY),
+        });
+    }
     match std::fs::remove_dir_all(path) {
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(RootfsBuildError::Io {
             action: "removing",

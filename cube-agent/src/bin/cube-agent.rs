@@ -136,6 +136,10 @@ fn main() -> ExitCode {
             Err(e) => return fail(&e),
         }
     }
+    if matches!(args.mode, Mode::Vsock(_)) && init::is_pid1() {
+        // Clones of one VM snapshot must not share the kernel's random state.
+        let _ = cube_agent::reseed::spawn_watcher();
+    }
     match args.mode {
         Mode::Vsock(port) => {
             let listener = match cube_agent::transport::vsock::VsockListener::bind(port) {

@@ -3,6 +3,7 @@
 
 mod floor;
 mod jail;
+mod linux_guest;
 mod network;
 mod stats;
 
@@ -40,6 +41,13 @@ pub struct BenchArgs {
     /// vCPUs (the reference spec is 2).
     #[arg(long, default_value_t = 2)]
     vcpus: u8,
+    /// Guest of the vm engine: Cube's synthetic test guest, or Linux with the agent
+    /// (skipped, with the reason recorded, where no Linux guest can run).
+    #[arg(long, default_value = "test", value_parser = ["test", "linux"])]
+    guest: String,
+    /// Guest kernel for --guest linux (a PVM-enabled one on PVM hosts).
+    #[arg(long, value_name = "PATH")]
+    kernel: Option<std::path::PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -148,6 +156,10 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
     }
     if args.engine == "jail" {
         return jail::run(&root, if args.quick { 10 } else { 30 }, args.json);
+    }
+    if args.guest == "linux" {
+        let repeats = if args.quick { 5 } else { 20 };
+        return linux_guest::run(&root, repeats, args.json, args.kernel.as_deref());
     }
     let plan = if args.quick {
         Plan {

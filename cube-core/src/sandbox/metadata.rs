@@ -142,6 +142,11 @@ pub struct SandboxMeta {
     /// The caller's labels ([`crate::CreateOptions::metadata`]).
     #[serde(default)]
     pub metadata: std::collections::BTreeMap<String, String>,
+    /// The built jail template whose tree lies under the sandbox's root (directly, or
+    /// through the snapshot it was cloned from); such a template cannot be removed
+    /// while the sandbox exists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
 }
 
 /// A snapshot's record in the store.
@@ -176,6 +181,40 @@ pub struct TemplateMeta {
     pub rootfs_bytes: u64,
     /// Creation time, seconds since the Unix epoch.
     pub created_unix: u64,
+    /// A jail template's root filesystem tree: a directory name inside the template's
+    /// directory (see [`TemplateMeta::tree_dir`]). None for VM templates and for the
+    /// built-in host template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tree: Option<String>,
+    /// What the template was built from, for people (`debian bookworm +python3,...`,
+    /// `directory /srv/tree`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub built_from: Option<String>,
+}
+
+/// The directory name a built jail template keeps its root filesystem tree under.
+pub const TEMPLATE_TREE: &str = "rootfs";
+
+impl TemplateMeta {
+    /// The jail template's tree inside `template_dir`, or None when the template has
+    /// none. A record naming anything but a plain directory name is refused: it could
+    /// point the sandbox's root outside the template.
+    pub fn tree_dir(
+        &self,
+        template_dir: &std::path::Path,
+    ) -> Result<Option<std::path::PathBuf>, String> {
+        let Some(tree) = &self.tree else {
+            return Ok(None);
+        };
+        let mut parts = std::path::Path::new(tree).components();
+        match (parts.next(), parts.next()) {
+            (Some(std::path::Component::Normal(name)), None) => Ok(Some(template_dir.join(name))),
+            _ => Err(format!(
+                "template {} names {tree:?} as its tree, which is not a directory name",
+                self.name
+            )),
+        }
+    }
 }
 
 /// Seconds since the Unix epoch.

@@ -152,6 +152,23 @@ pub enum SandboxError {
         /// The engine asked for.
         asked: EngineChoice,
     },
+    /// The template is used by sandboxes (their roots lie on its tree).
+    #[error("Template {name} is in use by sandbox {sandboxes} (destroy them first)")]
+    TemplateInUse {
+        /// The template.
+        name: String,
+        /// The sandboxes using it, comma-separated.
+        sandboxes: String,
+    },
+    /// A template's record or files are damaged.
+    #[error("{0}")]
+    BadTemplate(String),
+    /// A template could not be built.
+    #[error("Building template {0}")]
+    Build(String, #[source] crate::template_build::TemplateBuildError),
+    /// A VM template could not be built.
+    #[error("Building VM template {0}")]
+    VmTemplate(String, #[source] crate::vm_template::VmTemplateError),
     /// A built-in template cannot be changed.
     #[error("Template {0} is built in")]
     BuiltInTemplate(String),
@@ -164,6 +181,9 @@ pub enum SandboxError {
     /// The sandbox's network could not be set up or changed.
     #[error("Network")]
     Network(#[source] crate::supervisor::jail_network::JailNetworkError),
+    /// The agent inside the sandbox's VM could not be reached.
+    #[error("Sandbox {0}'s agent")]
+    VmAgent(String, #[source] crate::vm_agent::VmAgentError),
     /// The sandbox's agent could not be reached.
     #[error("Sandbox {0}'s agent")]
     Agent(String, #[source] cube_agent::client::ClientError),
@@ -212,6 +232,11 @@ impl Sandbox {
     /// sandbox's directory. While the sandbox is paused the handshake waits for
     /// [`Sandbox::resume`]; a hibernated sandbox is an error.
     ///
+    /// A VM sandbox's agent is reached over the vsock device's host socket
+    /// (`vsock.sock`) with its `CONNECT` handshake; a guest whose agent does not
+    /// answer within [`crate::vm_agent::DEFAULT_CONNECT_TIMEOUT`] is an error
+    /// ([`crate::vm_agent::VmAgentError::NotReady`]), never a hang.
+    ///
     /// ```no_run
     /// // no_run: the jail engine needs root (namespaces, mounts, cgroups).
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -226,8 +251,12 @@ impl Sandbox {
     /// # }
     /// ```
     pub fn agent(&self) -> Result<cube_agent::client::Client, SandboxError> {
-        if self.engine != Engine::Jail {
-            return Err(SandboxError::NoAgent(self.engine));
+        if self.engine == Engine::Vm {
+            return crate::vm_agent::agent_client(
+                &self.dir,
+                crate::vm_agent::DEFAULT_CONNECT_TIMEOUT,
+            )
+            .map_err(|e| SandboxError::VmAgent(self.id.clone(), e));
         }
         // The socket outlives the agent (the supervisor holds it): without this check
         // the handshake would wait for a wake that may never come.

@@ -240,6 +240,8 @@ impl Runtime {
                 machine,
                 rootfs_bytes,
                 created_unix: metadata::now_unix(),
+                tree: None,
+                built_from: None,
             };
             cube_storage::write_atomic(&dest.join(TEMPLATE_META), TEMPLATE_META_KIND, &meta)?;
             Ok(meta)
@@ -279,13 +281,29 @@ impl Runtime {
         Ok(all)
     }
 
-    /// Removes a template (running sandboxes keep their mappings of it).
+    /// Removes a template. A VM template's running sandboxes keep their mappings of
+    /// it; a jail template whose tree lies under a sandbox's root (or under a snapshot
+    /// a sandbox can be cloned from) is refused with the sandboxes that use it.
     pub fn remove_template(&self, name: &str) -> Result<(), SandboxError> {
         if name == HOST_TEMPLATE {
             return Err(SandboxError::BuiltInTemplate(name.to_string()));
         }
-        let dir = self.template_checked(name)?;
-        std::fs::remove_dir_all(&dir).map_err(io_error(format!("removing {}", dir.display())))
+        self.template_checked(name)?;
+        let users: Vec<String> = self
+            .list()?
+            .into_iter()
+            .filter(|s| s.template.as_deref() == Some(name))
+            .map(|s| s.id)
+            .collect();
+        if !users.is_empty() {
+            return Err(SandboxError::TemplateInUse {
+                name: name.to_string(),
+                sandboxes: users.join(", "),
+            });
+        }
+        // Out of sight first (one rename), so no create finds half a tree.
+        self.store.remove_template(name)?;
+        Ok(())
     }
 
     fn template_checked(&self, name: &str) -> Result<PathBuf, SandboxError> {
@@ -327,6 +345,15 @@ impl Runtime {
         let meta: TemplateMeta =
             cube_storage::read_verified(&dir.join(TEMPLATE_META), TEMPLATE_META_KIND)?;
         options.check_engine(&format!("template {template}"), meta.engine)?;
+        if meta.engine == Engine::Jail {
+            let tree = self.jail_template_tree(template)?;
+            return self.start_on_template(
+                Source::JailOverlay { tree, layer: None },
+                template,
+                template,
+                options,
+            );
+        }
         self.create_from_dir(&dir, template, options)
     }
 
@@ -346,6 +373,32 @@ impl Runtime {
             let layer = dir.join(LAYER_DIR);
             if !layer.is_dir() {
                 return Err(SandboxError::UnknownSnapshot(snapshot.to_string()));
+            }
+            // A snapshot lives no longer than its sandbox, whose record names the
+            // template tree its layer was written over.
+            let template = self
+                .store
+                .sandbox_dir(&meta.sandbox)
+                .ok()
+                .and_then(|d| {
+                    cube_storage::read_verified::<SandboxMeta>(
+                        &d.join(SANDBOX_META),
+                        SANDBOX_META_KIND,
+                    )
+                    .ok()
+                })
+                .and_then(|m| m.template);
+            if let Some(template) = template {
+                let tree = self.jail_template_tree(&template)?;
+                return self.start_on_template(
+                    Source::JailOverlay {
+                        tree,
+                        layer: Some(layer),
+                    },
+                    snapshot,
+                    &template,
+                    options,
+                );
             }
             return self.start(
                 Source::Jail { layer: Some(layer) },
@@ -383,11 +436,60 @@ impl Runtime {
         )
     }
 
+    /// The tree of built jail template `name`, checked.
+    fn jail_template_tree(&self, name: &str) -> Result<PathBuf, SandboxError> {
+        let dir = self.template_checked(name)?;
+        let meta: TemplateMeta =
+            cube_storage::read_verified(&dir.join(TEMPLATE_META), TEMPLATE_META_KIND)?;
+        let tree = meta
+            .tree_dir(&dir)
+            .map_err(SandboxError::BadTemplate)?
+            .ok_or_else(|| {
+                SandboxError::BadTemplate(format!("jail template {name} records no tree"))
+            })?;
+        if !tree.is_dir() {
+            return Err(SandboxError::BadTemplate(format!(
+                "jail template {name}'s tree {} is missing",
+                tree.display()
+            )));
+        }
+        Ok(tree)
+    }
+
+    fn start_on_template(
+        &self,
+        source: Source,
+        origin: &str,
+        template: &str,
+        options: CreateOptions,
+    ) -> Result<Sandbox, SandboxError> {
+        self.start_recorded(
+            source,
+            Engine::Jail,
+            origin,
+            Some(template),
+            options,
+            |_| Ok(()),
+        )
+    }
+
     fn start(
         &self,
         source: Source,
         engine: Engine,
         origin: &str,
+        options: CreateOptions,
+        prepare: impl FnOnce(&Path) -> Result<(), SandboxError>,
+    ) -> Result<Sandbox, SandboxError> {
+        self.start_recorded(source, engine, origin, None, options, prepare)
+    }
+
+    fn start_recorded(
+        &self,
+        source: Source,
+        engine: Engine,
+        origin: &str,
+        template: Option<&str>,
         options: CreateOptions,
         prepare: impl FnOnce(&Path) -> Result<(), SandboxError>,
     ) -> Result<Sandbox, SandboxError> {
@@ -415,6 +517,7 @@ impl Runtime {
                 created_unix: metadata::now_unix(),
                 ephemeral: options.ephemeral,
                 metadata: options.metadata.clone(),
+                template: template.map(str::to_string),
             };
             // A sandbox does not outlive a host restart (its supervisor does not), so
             // its record needs no sync on the create path.
@@ -612,5 +715,7 @@ fn host_template() -> TemplateMeta {
         machine: MachineConfig::default(),
         rootfs_bytes: 0,
         created_unix: 0,
+        tree: None,
+        built_from: None,
     }
 }

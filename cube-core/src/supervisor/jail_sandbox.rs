@@ -68,6 +68,8 @@ pub struct JailSandbox {
     id: String,
     dir: PathBuf,
     settings: Settings,
+    /// A built template's tree under the overlay root; None: the host's userland.
+    tree: Option<PathBuf>,
     agent: PathBuf,
     listener: UnixListener,
     /// None while hibernated (or after destroy).
@@ -82,10 +84,12 @@ pub struct JailSandbox {
 }
 
 impl JailSandbox {
-    /// Binds the agent socket and starts the jail, on a copy of `layer` when given.
+    /// Binds the agent socket and starts the jail, on the template tree `tree` (the
+    /// host's userland when None) and on a copy of `layer` when given.
     pub fn start(
         id: &str,
         dir: &Path,
+        tree: Option<PathBuf>,
         layer: Option<&Path>,
         settings: Settings,
     ) -> Result<JailSandbox, String> {
@@ -98,6 +102,7 @@ impl JailSandbox {
             id: id.to_string(),
             dir: dir.to_path_buf(),
             settings,
+            tree,
             agent,
             listener,
             jail: None,
@@ -149,6 +154,7 @@ impl JailSandbox {
             id: id.to_string(),
             dir: dir.to_path_buf(),
             settings,
+            tree: None,
             agent,
             listener,
             jail: Some(jail),
@@ -201,6 +207,7 @@ impl JailSandbox {
             &self.dir.join(JAIL_DIR),
             &self.agent,
             &self.settings,
+            self.tree.as_deref(),
             seed.clone(),
         )?;
         let spawned = Jail::spawn_with_fds(
@@ -543,7 +550,7 @@ impl PrespawnedJail {
         let listener = UnixListener::bind(&socket)
             .map_err(|e| format!("binding {}: {e}", socket.display()))?;
         let name = format!("pool-{}", std::process::id());
-        let config = jail_config(&name, &state_dir, &agent, &Settings::default(), None)?;
+        let config = jail_config(&name, &state_dir, &agent, &Settings::default(), None, None)?;
         let jail = Jail::spawn_with_fds(
             &config,
             &[AGENT_PATH, "--listen-fd", "3"],
@@ -580,9 +587,17 @@ fn jail_config(
     state_dir: &Path,
     agent: &Path,
     settings: &Settings,
+    tree: Option<&Path>,
     seed: Option<PathBuf>,
 ) -> Result<JailConfig, String> {
     let mut config = JailConfig::new(name, state_dir);
+    if let Some(tree) = tree {
+        // The template's own userland only: its python3 and pip, not the host's.
+        config.root = cube_jail::RootSpec::Overlay {
+            lower: vec![tree.to_path_buf()],
+            host_userland: false,
+        };
+    }
     config.binds.push(ReadOnlyBind {
         source: agent.to_path_buf(),
         target: PathBuf::from(AGENT_PATH),

@@ -4,6 +4,7 @@
 pub mod client;
 pub mod jail_network;
 pub mod jail_sandbox;
+pub mod linux_sandbox;
 pub mod pool;
 pub mod protocol;
 pub mod server;

@@ -20,7 +20,7 @@ use crate::vmm::machine::SnapshotStats;
 pub const MAX_FRAME: u32 = 1 << 20;
 
 /// Protocol version; a supervisor refuses clients of another version.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Why a frame could not be exchanged.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +54,14 @@ pub enum Source {
     /// A jail on the host template, with an empty writable layer or (`layer`) a copy of
     /// a snapshot's.
     Jail {
+        /// A snapshot's layer directory to clone as the sandbox's writable layer.
+        layer: Option<PathBuf>,
+    },
+    /// A jail whose root is a built template's tree, read-only under an overlay, with
+    /// an empty writable layer or (`layer`) a copy of a snapshot's.
+    JailOverlay {
+        /// The template's root filesystem tree.
+        tree: PathBuf,
         /// A snapshot's layer directory to clone as the sandbox's writable layer.
         layer: Option<PathBuf>,
     },

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use super::jail_sandbox::{JailSandbox, PrespawnedJail};
+use super::linux_sandbox::LinuxSandbox;
 use super::protocol::{
     read_frame, write_frame, MachineStatus, ProtocolError, Request, Response, Settings, Source,
     StatusReport, MAX_FRAME, PROTOCOL_VERSION,
@@ -67,6 +68,7 @@ struct Sandbox {
 enum Held {
     Vm(Sandbox),
     Jail(JailSandbox),
+    Linux(LinuxSandbox),
 }
 
 impl Held {
@@ -74,6 +76,7 @@ impl Held {
         match self {
             Held::Vm(sandbox) => dispatch(sandbox, request),
             Held::Jail(sandbox) => sandbox.handle(request),
+            Held::Linux(sandbox) => sandbox.handle(request),
         }
     }
 
@@ -81,6 +84,7 @@ impl Held {
         match self {
             Held::Vm(sandbox) => &sandbox.dir,
             Held::Jail(sandbox) => sandbox.dir(),
+            Held::Linux(sandbox) => sandbox.dir(),
         }
     }
 
@@ -95,6 +99,7 @@ impl Held {
                 }
             }
             Held::Jail(sandbox) => sandbox.destroy(),
+            Held::Linux(sandbox) => sandbox.destroy(),
         }
     }
 }
@@ -341,15 +346,21 @@ fn adopt(
     source: Source,
     settings: Settings,
 ) -> Result<Held, String> {
-    if let Source::Jail { layer } = source {
+    let jail_source = match &source {
+        Source::Jail { layer } => Some((None, layer.clone())),
+        Source::JailOverlay { tree, layer } => Some((Some(tree.clone()), layer.clone())),
+        _ => None,
+    };
+    if let Some((tree, layer)) = jail_source {
         retire(warm.kvm.and_then(Result::ok).and_then(|(_, shell)| shell));
-        // The jail started ahead has an empty layer and no CPU controller.
-        let fits = layer.is_none() && settings.cpu_millis.is_none();
+        // The jail started ahead is on the host template, with an empty layer and no
+        // CPU controller.
+        let fits = tree.is_none() && layer.is_none() && settings.cpu_millis.is_none();
         let sandbox = match warm.jail {
             Some(ready) if fits => JailSandbox::adopt(id, dir, ready, settings)?,
             other => {
                 retire_jail(other);
-                JailSandbox::start(id, dir, layer.as_deref(), settings)?
+                JailSandbox::start(id, dir, tree, layer.as_deref(), settings)?
             }
         };
         return Ok(Held::Jail(sandbox));
@@ -359,6 +370,14 @@ fn adopt(
         .kvm
         .unwrap_or_else(open_kvm)
         .map_err(|why| format!("the vm engine needs KVM, which this host lacks: {why}"))?;
+    if let Source::Snapshot(snapshot) = &source {
+        let state = crate::snapshot::format::read_state(snapshot).map_err(|e| error_chain(&e))?;
+        if state.guest == crate::snapshot::format::GuestKind::Linux {
+            // The pre-built shell is shaped for the test guest.
+            retire(shell);
+            return Ok(Held::Linux(LinuxSandbox::restore(&ctx, dir, snapshot)?));
+        }
+    }
     let machine = start_machine(&ctx, &source, shell)?;
     Ok(Held::Vm(Sandbox {
         ctx,
@@ -405,7 +424,9 @@ fn start_machine(
 ) -> Result<Machine, String> {
     let fail = |e: MachineError| error_chain(&e);
     match source {
-        Source::Jail { .. } => Err("a jail source cannot start a VM".into()),
+        Source::Jail { .. } | Source::JailOverlay { .. } => {
+            Err("a jail source cannot start a VM".into())
+        }
         Source::Snapshot(dir) => {
             let state = crate::snapshot::format::read_state(dir).map_err(|e| error_chain(&e))?;
             if let Some(mut shell) = shell {

@@ -1,0 +1,170 @@
+//! `cube bench --guest linux`: the microVM engine with a Linux guest and its agent:
+//! a VM template built once (boot, agent answers, snapshot), then sandboxes created
+//! from it (restore, no boot) timed until their agent answers, and a command round
+//! trip over vsock. Where no Linux guest can run (a PVM host with a stock kernel, no
+//! KVM) it records the skip and the reason; it never makes numbers up.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use cube_core::host_caps::{HostCapabilities, KvmKind};
+use cube_core::snapshot::MachineConfig;
+use cube_core::template_build::TreeSource;
+use cube_core::vm_template::{VmTemplateSpec, PVM_STOCK_KERNEL};
+use cube_core::{CreateOptions, Runtime, RuntimeConfig};
+use serde::Serialize;
+
+use super::stats::{percentiles_ms, round2};
+use crate::{chain, CliError};
+
+/// What `--guest linux` reports.
+#[derive(Serialize)]
+struct LinuxReport {
+    guest: &'static str,
+    engine: &'static str,
+    kvm: KvmKind,
+    skipped: bool,
+    /// Why nothing was measured (present when skipped).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    create_to_agent_ready: Option<Latency>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    exec_true_roundtrip: Option<Latency>,
+}
+
+#[derive(Serialize)]
+struct Latency {
+    n: usize,
+    p50_ms: f64,
+    p95_ms: f64,
+}
+
+fn latency(samples: &[Duration]) -> Latency {
+    let (p50, p95) = percentiles_ms(samples);
+    Latency {
+        n: samples.len(),
+        p50_ms: round2(p50),
+        p95_ms: round2(p95),
+    }
+}
+
+/// Runs the Linux-guest measurements, or records why they cannot run here.
+pub fn run(root: &Path, repeats: usize, json: bool, kernel: Option<&Path>) -> Result<(), CliError> {
+    let kvm = HostCapabilities::probe().kvm;
+    let skip = match (kvm, kernel) {
+        (KvmKind::None, _) => Some("no usable /dev/kvm".to_string()),
+        (KvmKind::Pvm, None) => Some(PVM_STOCK_KERNEL.to_string()),
+        _ => None,
+    };
+    let mut report = LinuxReport {
+        guest: "linux",
+        engine: "vm",
+        kvm,
+        skipped: skip.is_some(),
+        reason: skip,
+        create_to_agent_ready: None,
+        exec_true_roundtrip: None,
+    };
+    if !report.skipped {
+        let (ready, exec) = measure(root, repeats, kernel)?;
+        report.create_to_agent_ready = Some(latency(&ready));
+        report.exec_true_roundtrip = Some(latency(&exec));
+    }
+    print(&report, json)
+}
+
+fn measure(
+    root: &Path,
+    repeats: usize,
+    kernel: Option<&Path>,
+) -> Result<(Vec<Duration>, Vec<Duration>), CliError> {
+    let rt = Runtime::open(RuntimeConfig {
+        store_root: root.to_path_buf(),
+        pool_size: 2,
+        supervisor: None,
+    })
+    .map_err(CliError::from)?;
+    let agent = cube_core::supervisor::jail_sandbox::locate_agent().map_err(CliError::failed)?;
+    let empty = tempfile_dir(root)?;
+    let name = format!("bench-linux-{}", std::process::id());
+    super::progress(&format!("building Linux VM template {name}"));
+    let spec = VmTemplateSpec {
+        tree: TreeSource::Directory(empty.clone()),
+        kernel: kernel.map(Path::to_path_buf),
+        initrd: None,
+        machine: MachineConfig {
+            vcpus: 2,
+            memory_bytes: 2048 << 20,
+            irqchip: true,
+        },
+        boot_timeout: Duration::from_secs(300),
+        agent,
+    };
+    let built = rt.build_vm_template(&name, &spec, &mut |_| {});
+    let _ = std::fs::remove_dir_all(&empty);
+    built.map_err(CliError::from)?;
+    let result = (|| {
+        let mut ready = Vec::with_capacity(repeats);
+        let mut exec = Vec::with_capacity(repeats);
+        for _ in 0..repeats {
+            let start = Instant::now();
+            let sandbox = rt.create(&name, CreateOptions::new(true))?;
+            let client = sandbox.agent()?;
+            ready.push(start.elapsed());
+            let t = Instant::now();
+            client
+                .exec(cube_agent::protocol::ExecRequest {
+                    argv: vec!["true".into()],
+                    env: Vec::new(),
+                    cwd: None,
+                    user: None,
+                    stdin: Vec::new(),
+                    timeout_ms: None,
+                    background: false,
+                })
+                .map_err(|e| cube_core::SandboxError::Agent(sandbox.id().to_string(), e))?;
+            exec.push(t.elapsed());
+            drop(client);
+            sandbox.destroy()?;
+        }
+        Ok::<_, cube_core::SandboxError>((ready, exec))
+    })();
+    let _ = rt.remove_template(&name);
+    result.map_err(CliError::from)
+}
+
+/// An empty directory in the store's scratch area: the tree of a template whose
+/// guest runs the agent from Cube's initramfs.
+fn tempfile_dir(root: &Path) -> Result<std::path::PathBuf, CliError> {
+    let dir = root
+        .join("tmp")
+        .join(format!("bench-linux-tree-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| CliError::failed(chain(&e)))?;
+    Ok(dir)
+}
+
+fn print(report: &LinuxReport, json: bool) -> Result<(), CliError> {
+    if json {
+        let text = serde_json::to_string_pretty(report).map_err(|e| CliError::failed(chain(&e)))?;
+        println!("{text}");
+        return Ok(());
+    }
+    println!("## microVM engine, Linux guest");
+    if let Some(reason) = &report.reason {
+        println!("skipped: {reason}");
+        return Ok(());
+    }
+    println!("| operation | n | p50 ms | p95 ms |");
+    println!("|---|---|---|---|");
+    for (what, l) in [
+        ("create to agent ready", &report.create_to_agent_ready),
+        ("exec `true` round trip", &report.exec_true_roundtrip),
+    ] {
+        if let Some(l) = l {
+            println!("| {what} | {} | {} | {} |", l.n, l.p50_ms, l.p95_ms);
+        }
+    }
+    Ok(())
+}
