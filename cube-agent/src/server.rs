@@ -685,7 +685,11 @@ mod tests {
                 ..Default::default()
             }))
             .unwrap();
-        assert_eq!(agent.drop_connections(), 4, "two descriptors per connection");
+        assert_eq!(
+            agent.drop_connections(),
+            4,
+            "two descriptors per connection"
+        );
         handle.join().unwrap().unwrap();
         second_handle.join().unwrap().unwrap();
         for client in [&first, &second] {

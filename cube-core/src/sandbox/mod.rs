@@ -117,6 +117,9 @@ pub struct Snapshot {
     pub stats: SnapshotStats,
     /// What it holds: the whole state, or the filesystem only.
     pub kind: SnapshotKind,
+    /// Why a jail's snapshot holds the filesystem only (no working CRIU, or its dump
+    /// failed); None for a full one.
+    pub fallback: Option<String>,
 }
 
 /// A handle on one sandbox.
@@ -154,11 +157,7 @@ impl Sandbox {
         }
         // The socket outlives the agent (the supervisor holds it): without this check
         // the handshake would wait for a wake that may never come.
-        if self
-            .dir
-            .join(crate::supervisor::jail_sandbox::HIBERNATED_LAYER)
-            .exists()
-        {
+        if crate::supervisor::jail_sandbox::is_hibernated(&self.dir) {
             return Err(SandboxError::Hibernated(self.id.clone()));
         }
         let socket = self.dir.join(crate::supervisor::jail_sandbox::AGENT_SOCKET);
@@ -217,11 +216,15 @@ impl Sandbox {
         let id = cube_storage::Store::new_id("snap")?;
         let dest = store.snapshot_dir(&id)?;
         let staging = store.root().join("tmp").join(format!("{id}.staging"));
-        let (stats, kind) = match self.call(&Request::Snapshot {
+        let (stats, kind, fallback) = match self.call(&Request::Snapshot {
             staging,
             dest: dest.clone(),
         })? {
-            Response::Snapshot { stats, kind } => (stats, kind),
+            Response::Snapshot {
+                stats,
+                kind,
+                fallback,
+            } => (stats, kind, fallback),
             other => return Err(self.unexpected(other)),
         };
         Ok(Snapshot {
@@ -229,6 +232,7 @@ impl Sandbox {
             dir: dest,
             stats,
             kind,
+            fallback,
         })
     }
 

@@ -1,22 +1,29 @@
 //! A jail sandbox as its supervisor holds it: the jail whose PID 1 is Cube's agent,
 //! the agent's socket, the writable layer and what snapshots copy of it.
 //!
-//! The supervisor binds `<sandbox dir>/agent.sock` itself and hands the listening
-//! descriptor to the agent (`--listen-fd`), so any host process reaches the agent at
-//! a path outside the jail's root, and the socket survives an agent restart
-//! (rollback, wake): connections made meanwhile wait in its backlog.
+//! The agent binds its listening socket inside the sandbox ([`AGENT_INNER_SOCKET`], on
+//! the sandbox's private /tmp), so that CRIU can save and restore it with the rest of
+//! the sandbox. The public path `<sandbox dir>/agent.sock` is a symlink to it through
+//! `/proc/<PID 1>/root`, replaced whenever PID 1 changes (rollback, wake); a connect
+//! through it reaches the agent of the moment. Before every checkpoint the supervisor
+//! has the agent close its host connections ([`DISCONNECT_SIGNAL`]): CRIU cannot save a
+//! stream whose peer is outside the sandbox. Clients reconnect.
 //!
-//! Snapshots here are of kind [`SnapshotKind::Filesystem`]: the writable layer is
-//! cloned (reflinked where the store's filesystem can) while the processes are frozen.
-//! A rollback or wake starts a new jail on a copy of a layer, so processes and
-//! interpreter contexts start afresh. A full-state (process memory) path slots in at
-//! [`JailSandbox::snapshot`] and [`JailSandbox::rollback`] once one exists.
+//! Snapshots are of kind [`SnapshotKind::Full`] where a working CRIU exists (probed
+//! once per supervisor): the processes are dumped with the writable layer reflinked
+//! alongside, and rollback, clone and wake restore them, interpreter variables and all.
+//! Where CRIU is missing or a dump fails, snapshots fall back to
+//! [`SnapshotKind::Filesystem`] with the reason in the snapshot's record and the
+//! supervisor's log: the layer is cloned while the processes are frozen, and a
+//! rollback or wake starts a new jail on a copy, so processes start afresh.
 
-use std::os::fd::AsFd;
-use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-use cube_jail::{Jail, JailConfig, JailExit, Limits, ReadOnlyBind, Stdio};
+use cube_agent::init::DISCONNECT_SIGNAL;
+use cube_jail::checkpoint::{self, Checkpoint};
+use cube_jail::{Criu, Jail, JailConfig, JailExit, Limits, ReadOnlyBind, Stdio};
 use cube_storage::Durability;
 
 use super::protocol::{JailStatus, MachineStatus, Response, Settings, StatusReport};
@@ -26,8 +33,17 @@ use crate::sandbox::metadata::{
 };
 use crate::vmm::machine::SnapshotStats;
 
-/// The agent's socket inside a jail sandbox's directory.
+/// The agent's socket inside a jail sandbox's directory: a symlink to
+/// [`AGENT_INNER_SOCKET`] through the agent's `/proc/<pid>/root`.
 pub const AGENT_SOCKET: &str = "agent.sock";
+/// Where the agent listens inside the sandbox: on its private /tmp, which CRIU saves.
+pub const AGENT_INNER_SOCKET: &str = "/tmp/.cube-agent.sock";
+/// A full-state hibernation's checkpoint, inside the sandbox directory.
+pub const HIBERNATED_CHECKPOINT: &str = "hibernated";
+/// How long a starting or restored agent has to listen.
+const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the agent has to close its host connections before a checkpoint.
+const DISCONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The jail's own directory (its root and writable layer) inside the sandbox directory.
 pub const JAIL_DIR: &str = "jail";
 /// A snapshot's copy of the writable layer, inside the snapshot directory.
@@ -38,8 +54,6 @@ pub const HIBERNATED_LAYER: &str = "layer.hibernated";
 const SEED_LAYER: &str = "layer.seed";
 /// Where the agent binary appears inside the jail.
 pub const AGENT_PATH: &str = "/.cube/cube-agent";
-/// The descriptor number the agent finds its listening socket at.
-const AGENT_FD: i32 = 3;
 /// Environment variable naming the agent binary.
 pub const AGENT_ENV: &str = "CUBE_AGENT";
 /// File name of the agent binary.
@@ -62,13 +76,39 @@ pub fn locate_agent() -> Result<PathBuf, String> {
         .ok_or_else(not_found)
 }
 
+/// Whether the sandbox in `dir` is hibernated (its processes stopped, its state on
+/// disk).
+pub fn is_hibernated(dir: &Path) -> bool {
+    dir.join(HIBERNATED_LAYER).exists() || dir.join(HIBERNATED_CHECKPOINT).exists()
+}
+
+/// The host's CRIU, probed once per supervisor; the error says why full-state
+/// snapshots are unavailable.
+fn criu() -> Result<&'static Criu, &'static str> {
+    static CRIU: OnceLock<Result<Criu, String>> = OnceLock::new();
+    CRIU.get_or_init(|| {
+        let probed = Criu::probe().map_err(|e| error_chain(&e));
+        match &probed {
+            Ok(c) => tracing::debug!(criu = %c.path().display(), version = %c.version(), "full-state jail snapshots through CRIU"),
+            Err(why) => tracing::warn!("jail snapshots hold files only: {why}"),
+        }
+        probed
+    })
+    .as_ref()
+    .map_err(String::as_str)
+}
+
+/// Whether `dir` holds a CRIU checkpoint (a full-state snapshot or hibernation).
+fn is_checkpoint(dir: &Path) -> bool {
+    dir.join(checkpoint::MANIFEST).is_file()
+}
+
 /// One jail sandbox.
 pub struct JailSandbox {
     id: String,
     dir: PathBuf,
     settings: Settings,
     agent: PathBuf,
-    listener: UnixListener,
     /// None while hibernated (or after destroy).
     jail: Option<Jail>,
     paused: bool,
@@ -79,7 +119,8 @@ pub struct JailSandbox {
 }
 
 impl JailSandbox {
-    /// Binds the agent socket and starts the jail, on a copy of `layer` when given.
+    /// Starts the jail: on a copy of `layer` when given, restoring its processes too
+    /// when `layer` is the layer of a full-state snapshot (a clone).
     pub fn start(
         id: &str,
         dir: &Path,
@@ -87,21 +128,30 @@ impl JailSandbox {
         settings: Settings,
     ) -> Result<JailSandbox, String> {
         let agent = locate_agent()?;
-        let socket = dir.join(AGENT_SOCKET);
-        let _ = std::fs::remove_file(&socket);
-        let listener = UnixListener::bind(&socket)
-            .map_err(|e| format!("binding {}: {e}", socket.display()))?;
         let mut sandbox = JailSandbox {
             id: id.to_string(),
             dir: dir.to_path_buf(),
             settings,
             agent,
-            listener,
             jail: None,
             paused: false,
             generation: 0,
             retiring: Vec::new(),
         };
+        let snapshot = layer.and_then(Path::parent).filter(|s| is_checkpoint(s));
+        if let Some(snapshot) = snapshot {
+            match criu() {
+                Ok(criu) => {
+                    sandbox.restore(criu, snapshot)?;
+                    return Ok(sandbox);
+                }
+                Err(why) => tracing::warn!(
+                    sandbox = %id,
+                    "starting from the files of full-state snapshot {} only: {why}",
+                    snapshot.display()
+                ),
+            }
+        }
         let seed = match layer {
             Some(layer) => Some(sandbox.stage_seed(layer)?),
             None => None,
@@ -118,24 +168,16 @@ impl JailSandbox {
         ready: PrespawnedJail,
         settings: Settings,
     ) -> Result<JailSandbox, String> {
-        let PrespawnedJail {
-            mut jail,
-            listener,
-            agent,
-            socket: pool_socket,
-        } = ready;
-        let socket = dir.join(AGENT_SOCKET);
+        let PrespawnedJail { mut jail, agent } = ready;
         jail.relocate(&dir.join(JAIL_DIR))
             .map_err(|e| error_chain(&e))?;
-        std::fs::rename(&pool_socket.0, &socket)
-            .map_err(|e| format!("moving the agent socket to {}: {e}", socket.display()))?;
-        pool_socket.disarm();
+        publish_socket(dir, jail.pid())?;
         let limits = limits(&settings)?;
         if limits != Limits::default() {
             jail.set_limits(&limits).map_err(|e| error_chain(&e))?;
         }
         if !settings.env.is_empty() {
-            let client = cube_agent::client::Client::connect_unix(&socket)
+            let client = cube_agent::client::Client::connect_unix(&dir.join(AGENT_SOCKET))
                 .map_err(|e| format!("connecting to the agent: {}", error_chain(&e)))?;
             client
                 .set_env(settings.env.clone(), Vec::new())
@@ -146,7 +188,6 @@ impl JailSandbox {
             dir: dir.to_path_buf(),
             settings,
             agent,
-            listener,
             jail: Some(jail),
             paused: false,
             generation: 0,
@@ -159,28 +200,23 @@ impl JailSandbox {
         &self.dir
     }
 
+    /// The name of the next jail: each start gets its own cgroups, since a replaced
+    /// jail's may still be going away.
+    fn next_name(&self) -> String {
+        format!("{}-{}", self.id, self.generation + 1)
+    }
+
     fn spawn(&mut self, seed: Option<PathBuf>) -> Result<(), String> {
-        // Each start gets its own cgroups: a replaced jail's may still be going away.
-        let name = format!("{}-{}", self.id, self.generation + 1);
         let config = jail_config(
-            &name,
+            &self.next_name(),
             &self.dir.join(JAIL_DIR),
             &self.agent,
             &self.settings,
             seed.clone(),
         )?;
-        let spawned = Jail::spawn_with_fds(
-            &config,
-            &[AGENT_PATH, "--listen-fd", "3"],
-            &[(self.listener.as_fd(), AGENT_FD)],
-        );
+        let spawned = Jail::spawn(&config, &[AGENT_PATH, "--listen", AGENT_INNER_SOCKET]);
         match spawned {
-            Ok(jail) => {
-                self.jail = Some(jail);
-                self.paused = false;
-                self.generation += 1;
-                Ok(())
-            }
+            Ok(jail) => self.install(jail),
             Err(e) => {
                 // A failed spawn gives the seed back: a copy made for this start goes,
                 // a hibernated layer stays for the next wake.
@@ -190,6 +226,34 @@ impl JailSandbox {
                 Err(format!("starting the jail: {}", error_chain(&e)))
             }
         }
+    }
+
+    /// Restores the checkpoint in `image_dir` as this sandbox's jail.
+    fn restore(&mut self, criu: &Criu, image_dir: &Path) -> Result<(), String> {
+        let config = jail_config(
+            &self.next_name(),
+            &self.dir.join(JAIL_DIR),
+            &self.agent,
+            &self.settings,
+            None,
+        )?;
+        let jail = checkpoint::restore(criu, image_dir, &config, &[])
+            .map_err(|e| format!("restoring the jail: {}", error_chain(&e)))?;
+        self.install(jail)
+    }
+
+    /// Makes `jail` the running one once its agent listens.
+    fn install(&mut self, mut jail: Jail) -> Result<(), String> {
+        if let Err(e) = publish_socket(&self.dir, jail.pid()) {
+            let _ = jail.kill();
+            let _ = jail.wait();
+            let _ = jail.destroy();
+            return Err(e);
+        }
+        self.jail = Some(jail);
+        self.paused = false;
+        self.generation += 1;
+        Ok(())
     }
 
     /// Clones `layer` next to the jail, ready to be moved in as the next start's layer.
@@ -211,6 +275,9 @@ impl JailSandbox {
     fn layer(&self) -> PathBuf {
         match self.jail.as_ref().and_then(Jail::layer_dir) {
             Some(l) => l.to_path_buf(),
+            None if self.dir.join(HIBERNATED_CHECKPOINT).exists() => {
+                self.dir.join(HIBERNATED_CHECKPOINT).join(LAYER_DIR)
+            }
             None => self.dir.join(HIBERNATED_LAYER),
         }
     }
@@ -233,10 +300,11 @@ impl JailSandbox {
                 Ok(Response::Ok)
             }
             Request::Snapshot { staging, dest } => {
-                let stats = self.snapshot(&staging, &dest)?;
+                let meta = self.snapshot(&staging, &dest)?;
                 Ok(Response::Snapshot {
-                    stats,
-                    kind: SnapshotKind::Filesystem,
+                    stats: meta.stats,
+                    kind: meta.kind,
+                    fallback: meta.fallback,
                 })
             }
             Request::Rollback { snapshot } => {
@@ -244,20 +312,11 @@ impl JailSandbox {
                 Ok(Response::Ok)
             }
             Request::Hibernate => {
-                let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
-                let keep = self.dir.join(HIBERNATED_LAYER);
-                let _ = std::fs::remove_dir_all(&keep);
-                jail.destroy_keeping_layer(&keep)
-                    .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))?;
-                self.paused = false;
+                self.hibernate()?;
                 Ok(Response::Ok)
             }
             Request::Wake => {
-                if self.jail.is_some() {
-                    return Err("sandbox is not hibernated".into());
-                }
-                let layer = self.dir.join(HIBERNATED_LAYER);
-                self.spawn(Some(layer))?;
+                self.wake()?;
                 Ok(Response::Ok)
             }
             Request::GuestDirty { .. }
@@ -312,10 +371,42 @@ impl JailSandbox {
         }
     }
 
-    /// Clones the writable layer into `staging` with its record, then moves it to
-    /// `dest`. The processes are frozen while the layer is copied, so the copy is one
-    /// instant of the files.
-    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotStats, String> {
+    /// Dumps the running jail into `image_dir` (made here) through CRIU, leaving it
+    /// running or not. The agent first closes its host connections; a client that
+    /// connects again before the freeze makes the dump fail, so it is tried twice.
+    fn dump(&mut self, criu: &Criu, image_dir: &Path, leave_running: bool) -> Result<(), String> {
+        let was_paused = self.paused;
+        let jail = self.running()?;
+        if was_paused {
+            // The agent must run to close its connections; dump freezes it again.
+            jail.resume().map_err(|e| error_chain(&e))?;
+        }
+        let options = checkpoint::DumpOptions {
+            leave_running,
+            passed_fds: Vec::new(),
+        };
+        let mut result = Err(String::new());
+        for _ in 0..2 {
+            result = disconnect_agent(jail.pid()).and_then(|()| {
+                checkpoint::dump(criu, jail, image_dir, &options)
+                    .map(|_| ())
+                    .map_err(|e| error_chain(&e))
+            });
+            if result.is_ok() {
+                break;
+            }
+        }
+        if was_paused && leave_running {
+            jail.pause().map_err(|e| error_chain(&e))?;
+        }
+        result
+    }
+
+    /// Writes a snapshot into `staging` with its record, then moves it to `dest`: a
+    /// full-state one through CRIU where it works, else the layer alone (the reason
+    /// recorded). The processes are frozen while the layer is copied, so the copy is
+    /// one instant of the files (and of the processes, for a full one).
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, String> {
         let snapshot_id = dest
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -323,30 +414,51 @@ impl JailSandbox {
         if dest.exists() {
             return Err(format!("{} already exists", dest.display()));
         }
-        std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let start = Instant::now();
+        let hibernated_full =
+            self.jail.is_none() && is_checkpoint(&self.dir.join(HIBERNATED_CHECKPOINT));
+        let full = match criu() {
+            Err(why) => Err(format!("no working CRIU: {why}")),
+            Ok(_) if hibernated_full => {
+                // The hibernation's checkpoint is the state: copy it.
+                cube_storage::clone_tree(&self.dir.join(HIBERNATED_CHECKPOINT), staging)
+                    .map(|_| ())
+                    .map_err(|e| format!("copying the hibernated checkpoint: {}", error_chain(&e)))
+            }
+            Ok(_) if self.jail.is_none() => {
+                Err("the sandbox was hibernated without its processes".to_string())
+            }
+            Ok(criu) => self.dump(criu, staging, true),
+        };
+        let (kind, fallback, reflinked) = match full {
+            // CRIU's dump reflinks the layer where the store's filesystem can.
+            Ok(()) => (
+                SnapshotKind::Full,
+                None,
+                cube_storage::reflink::supports_reflink(staging).unwrap_or(false),
+            ),
+            Err(why) => {
+                tracing::warn!(sandbox = %self.id, "snapshot {snapshot_id} holds files only: {why}");
+                let _ = std::fs::remove_dir_all(staging);
+                let reflinked = self.snapshot_files(staging)?;
+                (SnapshotKind::Filesystem, Some(why), reflinked)
+            }
+        };
+        tracing::debug!(elapsed = ?start.elapsed(), %kind, "snapshot written");
         let result = (|| {
-            let layer = self.layer();
-            let freeze = !self.paused && self.jail.is_some();
-            if freeze {
-                self.running()?.pause().map_err(|e| error_chain(&e))?;
-            }
-            let copied = cube_storage::clone_tree(&layer, &staging.join(LAYER_DIR));
-            if freeze {
-                self.running()?.resume().map_err(|e| error_chain(&e))?;
-            }
-            let copied = copied.map_err(|e| format!("copying the layer: {}", error_chain(&e)))?;
             let stats = SnapshotStats {
                 dirty_pages: 0,
                 bytes_written: 0,
-                reflinked: copied.copied_files == 0,
+                reflinked,
             };
             let meta = SnapshotMeta {
                 id: snapshot_id,
                 sandbox: self.id.clone(),
                 created_unix: now_unix(),
                 stats,
-                kind: SnapshotKind::Filesystem,
+                kind,
                 engine: Engine::Jail,
+                fallback,
             };
             let bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
             cube_storage::write_atomic_bytes_with(
@@ -357,7 +469,7 @@ impl JailSandbox {
             )
             .map_err(|e| error_chain(&e))?;
             std::fs::rename(staging, dest).map_err(|e| format!("committing snapshot: {e}"))?;
-            Ok(stats)
+            Ok(meta)
         })();
         if result.is_err() {
             let _ = std::fs::remove_dir_all(staging);
@@ -365,32 +477,128 @@ impl JailSandbox {
         result
     }
 
-    /// Puts the snapshot's layer back and restarts the sandbox's processes on it.
+    /// Clones the writable layer into `staging/layer`, the processes frozen meanwhile;
+    /// true when every file was reflinked.
+    fn snapshot_files(&mut self, staging: &Path) -> Result<bool, String> {
+        std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let layer = self.layer();
+        let freeze = !self.paused && self.jail.is_some();
+        if freeze {
+            self.running()?.pause().map_err(|e| error_chain(&e))?;
+        }
+        let copied = cube_storage::clone_tree(&layer, &staging.join(LAYER_DIR));
+        if freeze {
+            self.running()?.resume().map_err(|e| error_chain(&e))?;
+        }
+        match copied {
+            Ok(stats) => Ok(stats.copied_files == 0),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(staging);
+                Err(format!("copying the layer: {}", error_chain(&e)))
+            }
+        }
+    }
+
+    /// Puts the snapshot back: a full-state one restores the processes, a filesystem
+    /// one restarts them on a copy of its layer.
     fn rollback(&mut self, snapshot: &Path) -> Result<(), String> {
         let meta: SnapshotMeta =
             cube_storage::read_verified(&snapshot.join(SNAPSHOT_META), SNAPSHOT_META_KIND)
                 .map_err(|e| error_chain(&e))?;
-        if meta.engine != Engine::Jail || meta.kind != SnapshotKind::Filesystem {
+        if meta.engine != Engine::Jail {
             return Err(format!(
-                "snapshot {} is a {} {} snapshot; this jail sandbox takes filesystem ones",
-                meta.id, meta.engine, meta.kind
+                "snapshot {} is a {} snapshot; this is a jail sandbox",
+                meta.id, meta.engine
             ));
         }
-        let start = std::time::Instant::now();
+        let start = Instant::now();
+        let criu = match meta.kind {
+            SnapshotKind::Full => Some(criu().map_err(|why| {
+                format!(
+                    "snapshot {} holds processes, but there is no working CRIU: {why}",
+                    meta.id
+                )
+            })?),
+            SnapshotKind::Filesystem => None,
+        };
+        if let Some(criu) = criu {
+            // Refuse a damaged checkpoint before the running jail goes.
+            Checkpoint::open(snapshot).map_err(|e| error_chain(&e))?;
+            self.stop_current()?;
+            self.restore(criu, snapshot)?;
+            tracing::debug!(elapsed = ?start.elapsed(), "rollback: processes restored");
+            return Ok(());
+        }
         // Copy first: a snapshot that cannot be copied leaves the sandbox as it was.
         let seed = self.stage_seed(&snapshot.join(LAYER_DIR))?;
         tracing::debug!(elapsed = ?start.elapsed(), "rollback: layer copied");
-        if let Some(jail) = self.jail.take() {
-            if let Err(e) = self.retire(jail) {
-                let _ = std::fs::remove_dir_all(&seed);
-                return Err(format!("stopping the jail: {}", error_chain(&e)));
-            }
+        if let Err(e) = self.stop_current() {
+            let _ = std::fs::remove_dir_all(&seed);
+            return Err(e);
         }
-        tracing::debug!(elapsed = ?start.elapsed(), "rollback: old jail stopped");
-        let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATED_LAYER));
         let spawned = self.spawn(Some(seed));
         tracing::debug!(elapsed = ?start.elapsed(), "rollback: new jail started");
         spawned
+    }
+
+    /// Ends the running jail (if any) and any hibernated state, for a rollback.
+    fn stop_current(&mut self) -> Result<(), String> {
+        if let Some(jail) = self.jail.take() {
+            self.retire(jail)
+                .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))?;
+        }
+        let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATED_LAYER));
+        let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATED_CHECKPOINT));
+        Ok(())
+    }
+
+    /// Stops the processes, keeping their state on disk: a CRIU checkpoint where it
+    /// works, else the layer alone (the processes start afresh at wake).
+    fn hibernate(&mut self) -> Result<(), String> {
+        if self.jail.is_none() {
+            return Err("sandbox is already hibernated".into());
+        }
+        let image_dir = self.dir.join(HIBERNATED_CHECKPOINT);
+        let _ = std::fs::remove_dir_all(&image_dir);
+        let dumped = match criu() {
+            Ok(criu) => self.dump(criu, &image_dir, false),
+            Err(why) => Err(format!("no working CRIU: {why}")),
+        };
+        let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
+        self.paused = false;
+        match dumped {
+            Ok(()) => jail
+                .destroy()
+                .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e))),
+            Err(why) => {
+                tracing::warn!(sandbox = %self.id, "hibernating the files only: {why}");
+                let keep = self.dir.join(HIBERNATED_LAYER);
+                let _ = std::fs::remove_dir_all(&keep);
+                jail.destroy_keeping_layer(&keep)
+                    .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))
+            }
+        }
+    }
+
+    /// Brings a hibernated sandbox back: restores its checkpoint, or starts new
+    /// processes on its layer.
+    fn wake(&mut self) -> Result<(), String> {
+        if self.jail.is_some() {
+            return Err("sandbox is not hibernated".into());
+        }
+        let image_dir = self.dir.join(HIBERNATED_CHECKPOINT);
+        if is_checkpoint(&image_dir) {
+            let criu = criu().map_err(|why| {
+                format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}")
+            })?;
+            self.restore(criu, &image_dir)?;
+            if let Err(e) = std::fs::remove_dir_all(&image_dir) {
+                tracing::warn!(sandbox = %self.id, "removing the woken checkpoint: {e}");
+            }
+            return Ok(());
+        }
+        let layer = self.dir.join(HIBERNATED_LAYER);
+        self.spawn(Some(layer))
     }
 
     /// Ends a replaced jail's processes now (so its agent accepts nothing more) and
@@ -433,72 +641,113 @@ impl JailSandbox {
                 tracing::warn!(sandbox = %self.id, "destroying the jail: {}", error_chain(&e));
             }
         }
-        for leftover in [HIBERNATED_LAYER, SEED_LAYER] {
+        for leftover in [HIBERNATED_LAYER, HIBERNATED_CHECKPOINT, SEED_LAYER] {
             let _ = std::fs::remove_dir_all(self.dir.join(leftover));
         }
         let _ = std::fs::remove_file(self.dir.join(AGENT_SOCKET));
     }
 }
 
+/// The agent's socket as the host reaches it while `pid` is the sandbox's PID 1.
+fn inner_socket(pid: i32) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/root{AGENT_INNER_SOCKET}"))
+}
+
+/// Waits until the agent of PID 1 `pid` accepts connections, then points
+/// `<dir>/agent.sock` at its socket (replacing the link atomically).
+fn publish_socket(dir: &Path, pid: i32) -> Result<(), String> {
+    wait_listening(pid)?;
+    let inner = inner_socket(pid);
+    let link = dir.join(AGENT_SOCKET);
+    let tmp = dir.join(format!("{AGENT_SOCKET}.new"));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(&inner, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, &link))
+        .map_err(|e| format!("linking {} to the agent: {e}", link.display()))
+}
+
+/// Has the agent (PID 1 `pid`) close its host connections, and waits until its only
+/// socket is the listening one.
+fn disconnect_agent(pid: i32) -> Result<(), String> {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), DISCONNECT_SIGNAL)
+        .map_err(|e| format!("signalling the agent: {e}"))?;
+    let fd_dir = PathBuf::from(format!("/proc/{pid}/fd"));
+    let deadline = Instant::now() + DISCONNECT_TIMEOUT;
+    loop {
+        let sockets = std::fs::read_dir(&fd_dir)
+            .map_err(|e| format!("reading {}: {e}", fd_dir.display()))?
+            .filter_map(Result::ok)
+            .filter(|e| {
+                std::fs::read_link(e.path())
+                    .map(|l| l.as_os_str().as_encoded_bytes().starts_with(b"socket:"))
+                    .unwrap_or(false)
+            })
+            .count();
+        if sockets <= 1 {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "the agent still holds {} host connections",
+                sockets - 1
+            ));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 /// A jail on the host template with its agent running, started by a pooled
-/// supervisor before anyone asked for it: adopting it costs two renames instead of a
-/// jail start.
+/// supervisor before anyone asked for it: adopting it costs a rename and a symlink
+/// instead of a jail start.
 pub struct PrespawnedJail {
-    // Field order is drop order: the jail (destroyed on drop) goes before its socket.
     jail: Jail,
-    listener: UnixListener,
-    socket: SocketFile,
     agent: PathBuf,
 }
 
-/// A socket path removed on drop unless disarmed (once it was moved elsewhere).
-struct SocketFile(PathBuf);
-
-impl SocketFile {
-    fn disarm(self) {
-        std::mem::forget(self);
-    }
-}
-
-impl Drop for SocketFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
 impl PrespawnedJail {
-    /// Starts a default jail in a scratch entry of `scratch` with its socket next to it.
+    /// Starts a default jail in a scratch entry of `scratch` and waits for its agent.
     /// `scratch` must be on the store's filesystem (it is renamed into a sandbox).
     pub fn start(scratch: &Path) -> Result<PrespawnedJail, String> {
         let agent = locate_agent()?;
         // Named as the store's scratch entries of a live process, so that no clean-up
-        // of stale scratch removes them under a running jail.
-        let entry = |purpose| {
-            cube_storage::scratch_entry_name(purpose)
-                .map(|n| scratch.join(n))
-                .map_err(|e| error_chain(&e))
-        };
-        let socket = entry("agentsock")?;
-        let state_dir = entry("jail")?;
-        let listener = UnixListener::bind(&socket)
-            .map_err(|e| format!("binding {}: {e}", socket.display()))?;
+        // of stale scratch removes it under a running jail.
+        let state_dir = cube_storage::scratch_entry_name("jail")
+            .map(|n| scratch.join(n))
+            .map_err(|e| error_chain(&e))?;
         let name = format!("pool-{}", std::process::id());
         let config = jail_config(&name, &state_dir, &agent, &Settings::default(), None)?;
-        let jail = Jail::spawn_with_fds(
-            &config,
-            &[AGENT_PATH, "--listen-fd", "3"],
-            &[(listener.as_fd(), AGENT_FD)],
-        )
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&socket);
-            format!("starting the jail: {}", error_chain(&e))
-        })?;
-        Ok(PrespawnedJail {
-            jail,
-            listener,
-            socket: SocketFile(socket),
-            agent,
-        })
+        let mut jail = Jail::spawn(&config, &[AGENT_PATH, "--listen", AGENT_INNER_SOCKET])
+            .map_err(|e| format!("starting the jail: {}", error_chain(&e)))?;
+        if let Err(e) = wait_listening(jail.pid()) {
+            let _ = jail.kill();
+            let _ = jail.wait();
+            let _ = jail.destroy();
+            return Err(e);
+        }
+        Ok(PrespawnedJail { jail, agent })
+    }
+}
+
+/// Waits until the agent of PID 1 `pid` listens. (The probe connection is closed at
+/// once; the agent sees it end.)
+fn wait_listening(pid: i32) -> Result<(), String> {
+    let inner = inner_socket(pid);
+    let deadline = Instant::now() + AGENT_READY_TIMEOUT;
+    let mut pause = Duration::from_micros(50);
+    loop {
+        match std::os::unix::net::UnixStream::connect(&inner) {
+            Ok(_) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(format!(
+                    "the agent did not listen at {}: {e}",
+                    inner.display()
+                ))
+            }
+            Err(_) => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(2));
+            }
+        }
     }
 }
 
@@ -515,6 +764,18 @@ fn limits(settings: &Settings) -> Result<Limits, String> {
     Ok(limits)
 }
 
+/// Whether this process's standard error is `/dev/null`.
+fn stderr_is_null() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (
+        std::fs::metadata("/proc/self/fd/2"),
+        std::fs::metadata("/dev/null"),
+    ) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
 fn jail_config(
     name: &str,
     state_dir: &Path,
@@ -527,8 +788,14 @@ fn jail_config(
         source: agent.to_path_buf(),
         target: PathBuf::from(AGENT_PATH),
     });
-    // The agent's own diagnostics go where the supervisor's do.
-    config.stderr = Stdio::Inherit;
+    // The agent's own diagnostics go where the supervisor's do. Where that is
+    // /dev/null, the jail opens its own: a checkpoint cannot restore one host file as
+    // two different kinds of stream (stdin is /dev/null too).
+    config.stderr = if stderr_is_null() {
+        Stdio::Null
+    } else {
+        Stdio::Inherit
+    };
     config.env.push(("RUST_LOG".into(), "warn".into()));
     config.env.extend(settings.env.iter().cloned());
     config.limits = limits(settings)?;
