@@ -111,6 +111,8 @@ pub struct JailSandbox {
     agent: PathBuf,
     /// None while hibernated (or after destroy).
     jail: Option<Jail>,
+    /// The write end of the running jail's lifeline (see [`Lifeline`]).
+    lifeline: Option<std::os::fd::OwnedFd>,
     paused: bool,
     /// Bumped on every (re)start of the jail.
     generation: u64,
@@ -134,6 +136,7 @@ impl JailSandbox {
             settings,
             agent,
             jail: None,
+            lifeline: None,
             paused: false,
             generation: 0,
             retiring: Vec::new(),
@@ -168,7 +171,11 @@ impl JailSandbox {
         ready: PrespawnedJail,
         settings: Settings,
     ) -> Result<JailSandbox, String> {
-        let PrespawnedJail { mut jail, agent } = ready;
+        let PrespawnedJail {
+            mut jail,
+            agent,
+            lifeline,
+        } = ready;
         jail.relocate(&dir.join(JAIL_DIR))
             .map_err(|e| error_chain(&e))?;
         publish_socket(dir, jail.pid())?;
@@ -189,6 +196,7 @@ impl JailSandbox {
             settings,
             agent,
             jail: Some(jail),
+            lifeline: Some(lifeline),
             paused: false,
             generation: 0,
             retiring: Vec::new(),
@@ -214,9 +222,10 @@ impl JailSandbox {
             &self.settings,
             seed.clone(),
         )?;
-        let spawned = Jail::spawn(&config, &[AGENT_PATH, "--listen", AGENT_INNER_SOCKET]);
+        let lifeline = Lifeline::new()?;
+        let spawned = Jail::spawn_with_fds(&config, AGENT_ARGV, &lifeline.fds());
         match spawned {
-            Ok(jail) => self.install(jail),
+            Ok(jail) => self.install(jail, lifeline),
             Err(e) => {
                 // A failed spawn gives the seed back: a copy made for this start goes,
                 // a hibernated layer stays for the next wake.
@@ -237,13 +246,14 @@ impl JailSandbox {
             &self.settings,
             None,
         )?;
-        let jail = checkpoint::restore(criu, image_dir, &config, &[])
+        let lifeline = Lifeline::new()?;
+        let jail = checkpoint::restore(criu, image_dir, &config, &lifeline.fds())
             .map_err(|e| format!("restoring the jail: {}", error_chain(&e)))?;
-        self.install(jail)
+        self.install(jail, lifeline)
     }
 
     /// Makes `jail` the running one once its agent listens.
-    fn install(&mut self, mut jail: Jail) -> Result<(), String> {
+    fn install(&mut self, mut jail: Jail, lifeline: Lifeline) -> Result<(), String> {
         if let Err(e) = publish_socket(&self.dir, jail.pid()) {
             let _ = jail.kill();
             let _ = jail.wait();
@@ -251,6 +261,7 @@ impl JailSandbox {
             return Err(e);
         }
         self.jail = Some(jail);
+        self.lifeline = Some(lifeline.write);
         self.paused = false;
         self.generation += 1;
         Ok(())
@@ -383,7 +394,7 @@ impl JailSandbox {
         }
         let options = checkpoint::DumpOptions {
             leave_running,
-            passed_fds: Vec::new(),
+            passed_fds: vec![LIFELINE_FD],
         };
         let mut result = Err(String::new());
         for _ in 0..2 {
@@ -565,6 +576,7 @@ impl JailSandbox {
             Err(why) => Err(format!("no working CRIU: {why}")),
         };
         let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
+        self.lifeline = None;
         self.paused = false;
         match dumped {
             Ok(()) => jail
@@ -648,6 +660,40 @@ impl JailSandbox {
     }
 }
 
+/// Where the agent finds the read end of its lifeline.
+const LIFELINE_FD: i32 = 3;
+/// How the agent is started in a jail.
+const AGENT_ARGV: &[&str] = &[
+    AGENT_PATH,
+    "--listen",
+    AGENT_INNER_SOCKET,
+    "--lifeline-fd",
+    "3",
+];
+
+/// A pipe whose read end the agent watches and whose write end only the supervisor
+/// holds (close-on-exec, so no other child inherits it): when the supervisor dies,
+/// even by SIGKILL, the agent reads the end and shuts its sandbox down. (A parent-death
+/// signal would not do: it follows the thread that spawned the jail, and request
+/// threads come and go.) A pipe, not a socket, so that CRIU can carry it over.
+struct Lifeline {
+    read: std::os::fd::OwnedFd,
+    write: std::os::fd::OwnedFd,
+}
+
+impl Lifeline {
+    fn new() -> Result<Lifeline, String> {
+        let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| format!("creating the agent's lifeline: {e}"))?;
+        Ok(Lifeline { read, write })
+    }
+
+    fn fds(&self) -> [(std::os::fd::BorrowedFd<'_>, i32); 1] {
+        use std::os::fd::AsFd;
+        [(self.read.as_fd(), LIFELINE_FD)]
+    }
+}
+
 /// The agent's socket as the host reaches it while `pid` is the sandbox's PID 1.
 fn inner_socket(pid: i32) -> PathBuf {
     PathBuf::from(format!("/proc/{pid}/root{AGENT_INNER_SOCKET}"))
@@ -702,6 +748,7 @@ fn disconnect_agent(pid: i32) -> Result<(), String> {
 pub struct PrespawnedJail {
     jail: Jail,
     agent: PathBuf,
+    lifeline: std::os::fd::OwnedFd,
 }
 
 impl PrespawnedJail {
@@ -716,7 +763,8 @@ impl PrespawnedJail {
             .map_err(|e| error_chain(&e))?;
         let name = format!("pool-{}", std::process::id());
         let config = jail_config(&name, &state_dir, &agent, &Settings::default(), None)?;
-        let mut jail = Jail::spawn(&config, &[AGENT_PATH, "--listen", AGENT_INNER_SOCKET])
+        let lifeline = Lifeline::new()?;
+        let mut jail = Jail::spawn_with_fds(&config, AGENT_ARGV, &lifeline.fds())
             .map_err(|e| format!("starting the jail: {}", error_chain(&e)))?;
         if let Err(e) = wait_listening(jail.pid()) {
             let _ = jail.kill();
@@ -724,7 +772,11 @@ impl PrespawnedJail {
             let _ = jail.destroy();
             return Err(e);
         }
-        Ok(PrespawnedJail { jail, agent })
+        Ok(PrespawnedJail {
+            jail,
+            agent,
+            lifeline: lifeline.write,
+        })
     }
 }
 
