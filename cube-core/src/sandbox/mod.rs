@@ -8,8 +8,10 @@
 //! cgroups, seccomp, a copy-on-write writable layer over the host's read-only
 //! userland; weaker isolation, one shared kernel). A template records its engine;
 //! [`HOST_TEMPLATE`] is the built-in jail template. A jail's snapshots are of kind
-//! [`SnapshotKind::Filesystem`]: rollback, clone and wake restore its files and
-//! restart its processes, so running processes and interpreter contexts are lost.
+//! [`SnapshotKind::Full`] where a working CRIU exists: processes (interpreter contexts
+//! included) and files come back at rollback, clone and wake. Elsewhere they are of
+//! kind [`SnapshotKind::Filesystem`], with the reason in [`Snapshot::fallback`]:
+//! rollback, clone and wake restore the files and restart the processes.
 
 pub mod metadata;
 mod runtime;
@@ -150,13 +152,15 @@ impl Sandbox {
     /// A new connection to the sandbox's agent (handshake done). Any number may be
     /// open at once, from any process: the agent listens on `agent.sock` in the
     /// sandbox's directory. While the sandbox is paused the handshake waits for
-    /// [`Sandbox::resume`]; a hibernated sandbox is an error.
+    /// [`Sandbox::resume`] (up to [`cube_agent::client::HANDSHAKE_TIMEOUT`]); a
+    /// hibernated sandbox is an error. A full-state snapshot, rollback, clone or
+    /// hibernation ends every connection (CRIU cannot save one to the host): connect
+    /// again afterwards.
     pub fn agent(&self) -> Result<cube_agent::client::Client, SandboxError> {
         if self.engine != Engine::Jail {
             return Err(SandboxError::NoAgent(self.engine));
         }
-        // The socket outlives the agent (the supervisor holds it): without this check
-        // the handshake would wait for a wake that may never come.
+        // A clear error rather than the dangling socket link's "not found".
         if crate::supervisor::jail_sandbox::is_hibernated(&self.dir) {
             return Err(SandboxError::Hibernated(self.id.clone()));
         }
@@ -209,8 +213,10 @@ impl Sandbox {
     }
 
     /// Takes a snapshot; the sandbox keeps running. A VM's is [`SnapshotKind::Full`]
-    /// (only dirty pages are written); a jail's is [`SnapshotKind::Filesystem`]: its
-    /// writable layer, cloned while its processes are frozen.
+    /// (only dirty pages are written). A jail's is [`SnapshotKind::Full`] where CRIU
+    /// works (its processes dumped, its writable layer reflinked alongside, agent
+    /// connections ended), else [`SnapshotKind::Filesystem`] with the reason in
+    /// [`Snapshot::fallback`]: the layer, cloned while its processes are frozen.
     pub fn snapshot(&mut self) -> Result<Snapshot, SandboxError> {
         let store = &self.store;
         let id = cube_storage::Store::new_id("snap")?;
