@@ -797,7 +797,7 @@ fn wait_listening(pid: i32) -> Result<(), String> {
             }
             Err(_) => {
                 std::thread::sleep(pause);
-                pause = (pause * 2).min(Duration::from_millis(2));
+                pause = (pause * 2).min(Duration::from_micros(500));
             }
         }
     }
