@@ -253,9 +253,7 @@ impl Agent {
                 Ok(false) | Err(FrameError::Truncated) => return Ok(()),
                 // drop_connections put /dev/null in the socket's place (std reads
                 // sockets with recv): the stream was ended on purpose.
-                Err(FrameError::Io(e)) if e.raw_os_error() == Some(libc::ENOTSOCK) => {
-                    return Ok(())
-                }
+                Err(FrameError::Io(e)) if e.raw_os_error() == Some(libc::ENOTSOCK) => return Ok(()),
                 Err(FrameError::Oversized { len, id }) => {
                     conn.replies.error(
                         id.unwrap_or(0),
