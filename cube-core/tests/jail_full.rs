@@ -209,3 +209,63 @@ fn hibernate_and_wake_keep_the_variable() {
     assert_eq!(py(&sb.agent().unwrap(), "x"), "'kept'");
     destroy_and_check(sb);
 }
+
+#[test]
+fn a_sandbox_cannot_point_agent_connections_at_a_host_socket() {
+    // Runs without CRIU too: the agent's socket is on the sandbox's /tmp either way.
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 || cube_jail::CgroupLayout::detect().is_err() {
+        eprintln!("skipping: jails need root and a readable cgroup hierarchy");
+        return;
+    }
+    let env = Env::new();
+    let sb = env.create();
+    // A host socket the sandbox's code must not make host clients reach.
+    let host_dir = tempfile::TempDir::new().unwrap();
+    let host_socket = host_dir.path().canonicalize().unwrap().join("host.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&host_socket).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let agent = sb.agent().unwrap();
+    let script = format!(
+        "rm -f /tmp/.cube-agent.sock && ln -s {} /tmp/.cube-agent.sock",
+        host_socket.display()
+    );
+    let out = agent
+        .exec(ExecRequest {
+            argv: vec!["/bin/sh".into(), "-c".into(), script],
+            ..ExecRequest::default()
+        })
+        .unwrap();
+    assert_eq!(
+        out.exit.code,
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A plain connect through the link would follow the absolute symlink on the host:
+    // the threat is real here.
+    let link = sb.dir().join("agent.sock");
+    let plain = std::os::unix::net::UnixStream::connect(&link);
+    assert!(
+        plain.is_ok(),
+        "the symlink on the sandbox's /tmp was not followed"
+    );
+    drop(plain);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while listener.accept().is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the plain connect went elsewhere"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The agent's connections resolve inside the sandbox's root, where the host path
+    // does not exist.
+    assert!(sb.agent().is_err());
+    assert!(
+        listener.accept().is_err(),
+        "a host client was redirected to a host socket"
+    );
+    drop(agent);
+    sb.destroy().unwrap();
+}

@@ -165,7 +165,9 @@ impl Sandbox {
             return Err(SandboxError::Hibernated(self.id.clone()));
         }
         let socket = self.dir.join(crate::supervisor::jail_sandbox::AGENT_SOCKET);
-        cube_agent::client::Client::connect_unix(&socket)
+        crate::supervisor::jail_sandbox::connect_agent(&socket)
+            .map_err(cube_agent::client::ClientError::Connect)
+            .and_then(cube_agent::client::Client::new)
             .map_err(|e| SandboxError::Agent(self.id.clone(), e))
     }
 

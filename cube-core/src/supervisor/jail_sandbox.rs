@@ -184,7 +184,9 @@ impl JailSandbox {
             jail.set_limits(&limits).map_err(|e| error_chain(&e))?;
         }
         if !settings.env.is_empty() {
-            let client = cube_agent::client::Client::connect_unix(&dir.join(AGENT_SOCKET))
+            let client = connect_agent(&dir.join(AGENT_SOCKET))
+                .map_err(cube_agent::client::ClientError::Connect)
+                .and_then(cube_agent::client::Client::new)
                 .map_err(|e| format!("connecting to the agent: {}", error_chain(&e)))?;
             client
                 .set_env(settings.env.clone(), Vec::new())
@@ -658,6 +660,55 @@ impl JailSandbox {
         }
         let _ = std::fs::remove_file(self.dir.join(AGENT_SOCKET));
     }
+}
+
+/// Connects to the agent of the jail sandbox whose `agent.sock` link is `link`,
+/// resolving the path inside the sandbox's root with `openat2(RESOLVE_IN_ROOT)`: the
+/// socket sits on the sandbox's own /tmp, where its code can replace it with a
+/// symlink, and a plain connect through `/proc/<pid>/root` would follow an absolute
+/// one on the host (to any host socket). Here it stays inside the sandbox.
+pub fn connect_agent(link: &Path) -> std::io::Result<std::os::unix::net::UnixStream> {
+    use std::io::{Error, ErrorKind};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let target = std::fs::read_link(link)?;
+    let bad = || {
+        Error::new(
+            ErrorKind::InvalidData,
+            format!("{} is not a jail agent link", link.display()),
+        )
+    };
+    let text = target.to_str().ok_or_else(bad)?;
+    let root = text.strip_suffix(AGENT_INNER_SOCKET).ok_or_else(bad)?;
+    let pid = root
+        .strip_prefix("/proc/")
+        .and_then(|r| r.strip_suffix("/root"))
+        .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        .ok_or_else(bad)?;
+    let root = std::fs::File::open(format!("/proc/{pid}/root"))?;
+    let inner =
+        std::ffi::CString::new(AGENT_INNER_SOCKET.trim_start_matches('/')).map_err(|_| bad())?;
+    // SAFETY: open_how is plain data; all-zero is valid and the fields are set below.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
+    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: openat2 reads the path and `how` (of the size passed) during the call;
+    // the returned descriptor is owned right away.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root.as_raw_fd(),
+            inner.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by openat2 and nothing else owns it.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // connect() follows the descriptor's magic link to the socket it names.
+    std::os::unix::net::UnixStream::connect(format!("/proc/self/fd/{}", socket.as_raw_fd()))
 }
 
 /// Where the agent finds the read end of its lifeline.
