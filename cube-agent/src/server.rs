@@ -59,6 +59,7 @@ pub struct Agent {
 
 struct Inner {
     connections: Arc<Mutex<Connections>>,
+    next_connection: std::sync::atomic::AtomicU64,
     execs: ExecTable,
     contexts: Contexts,
     env: RwLock<BTreeMap<String, String>>,
@@ -139,6 +140,8 @@ enum WriteState {
 
 /// Per-stream state kept by the reading thread.
 struct Connection {
+    /// This stream's number: exec ids are the client's, so execs are keyed by both.
+    number: u64,
     replies: Arc<Replies>,
     handshaken: bool,
     writes: HashMap<u64, WriteState>,
@@ -150,6 +153,7 @@ impl Agent {
         Self {
             inner: Arc::new(Inner {
                 connections: Arc::default(),
+                next_connection: std::sync::atomic::AtomicU64::new(1),
                 contexts: Contexts::new(config.reaper.clone()),
                 execs: ExecTable::new(config.reaper),
                 env: RwLock::new(config.env.into_iter().collect()),
@@ -229,6 +233,7 @@ impl Agent {
             .try_clone_transport()
             .map_err(ServerError::Clone)?;
         let mut conn = Connection {
+            number: self.inner.next_connection.fetch_add(1, Ordering::Relaxed),
             replies: Arc::new(Replies {
                 _registration: self.register(write_half.raw_fd()),
                 writer: Mutex::new(Box::new(write_half)),
@@ -344,7 +349,7 @@ impl Agent {
                 replies.send(id, ResponseBody::Contexts(self.inner.contexts.list()));
             }
             RequestBody::Kill { exec_id, signal } => {
-                let body = match self.inner.execs.kill(exec_id, signal) {
+                let body = match self.inner.execs.kill((conn.number, exec_id), signal) {
                     Ok(()) => ResponseBody::Done,
                     Err(e) => ResponseBody::Error(e.to_reply()),
                 };
@@ -413,12 +418,12 @@ impl Agent {
                     );
                 }
             },
-            other => self.spawn_handler(Arc::clone(&conn.replies), id, other),
+            other => self.spawn_handler(Arc::clone(&conn.replies), conn.number, id, other),
         }
     }
 
     /// Runs a request that may block (processes, filesystem) on its own thread.
-    fn spawn_handler(&self, replies: Arc<Replies>, id: u64, body: RequestBody) {
+    fn spawn_handler(&self, replies: Arc<Replies>, connection: u64, id: u64, body: RequestBody) {
         if self.inner.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
             self.inner.in_flight.fetch_sub(1, Ordering::SeqCst);
             replies.error(id, ErrorCode::Busy, "too many requests in flight");
@@ -429,7 +434,7 @@ impl Agent {
         let spawned = std::thread::Builder::new()
             .name(format!("request-{id}"))
             .spawn(move || {
-                let body = agent.run_blocking(&thread_replies, id, body);
+                let body = agent.run_blocking(&thread_replies, connection, id, body);
                 thread_replies.send(id, body);
                 agent.inner.in_flight.fetch_sub(1, Ordering::SeqCst);
             });
@@ -444,7 +449,13 @@ impl Agent {
     }
 
     /// Runs one blocking request, emitting its events, and returns its final answer.
-    fn run_blocking(&self, replies: &Replies, id: u64, body: RequestBody) -> ResponseBody {
+    fn run_blocking(
+        &self,
+        replies: &Replies,
+        connection: u64,
+        id: u64,
+        body: RequestBody,
+    ) -> ResponseBody {
         let mut emit = |b: ResponseBody| replies.send(id, b);
         let done = |r: Result<(), files::FilesError>| match r {
             Ok(()) => ResponseBody::Done,
@@ -453,12 +464,16 @@ impl Agent {
         match body {
             RequestBody::Exec(req) => {
                 let env = self.env_snapshot();
-                match self.inner.execs.run(id, &req, &env, &mut emit) {
+                match self
+                    .inner
+                    .execs
+                    .run((connection, id), &req, &env, &mut emit)
+                {
                     Ok(exit) => ResponseBody::Exited(exit),
                     Err(e) => ResponseBody::Error(e.to_reply()),
                 }
             }
-            RequestBody::Wait { exec_id } => match self.inner.execs.wait(exec_id) {
+            RequestBody::Wait { exec_id } => match self.inner.execs.wait((connection, exec_id)) {
                 Ok(exit) => ResponseBody::Exited(exit),
                 Err(e) => ResponseBody::Error(e.to_reply()),
             },
@@ -713,5 +728,57 @@ mod tests {
             (agent.clone(), Client::new(b).unwrap(), h)
         };
         third.call(RequestBody::Health).unwrap();
+    }
+
+    #[test]
+    fn two_connections_may_use_the_same_exec_id() {
+        let (agent, first, _h) = pair();
+        let (a, b) = UnixStream::pair().unwrap();
+        let served = agent.clone();
+        std::thread::spawn(move || served.serve(a));
+        let second = Client::new(b).unwrap();
+        let sleep = |client: &Client| {
+            client
+                .start_with_id(
+                    7,
+                    RequestBody::Exec(ExecRequest {
+                        argv: vec!["sleep".into(), "30".into()],
+                        ..Default::default()
+                    }),
+                )
+                .unwrap()
+        };
+        let mut one = sleep(&first);
+        let mut two = sleep(&second);
+        for call in [&mut one, &mut two] {
+            let started = call.recv().unwrap().unwrap();
+            assert!(
+                matches!(started, ResponseBody::Started { .. }),
+                "{started:?}"
+            );
+        }
+        // A kill of id 7 on the second connection reaches its own exec only.
+        second
+            .call(RequestBody::Kill {
+                exec_id: 7,
+                signal: libc::SIGKILL,
+            })
+            .unwrap();
+        match two.finish().unwrap() {
+            ResponseBody::Exited(exit) => assert_eq!(exit.signal, Some(libc::SIGKILL)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            agent.execs().running(),
+            1,
+            "the first connection's exec went too"
+        );
+        first
+            .call(RequestBody::Kill {
+                exec_id: 7,
+                signal: libc::SIGKILL,
+            })
+            .unwrap();
+        assert!(matches!(one.finish().unwrap(), ResponseBody::Exited(_)));
     }
 }
