@@ -190,7 +190,7 @@ pub fn parse_timeout(seconds: Option<f64>) -> Result<Option<Duration>, CliError>
     match seconds {
         None => Ok(None),
         Some(s) if s.is_finite() && s > 0.0 && s < 1e9 => Ok(Some(Duration::from_secs_f64(s))),
-        Some(s) => Err(CliError::failed(format!(
+        Some(s) => Err(CliError::usage(format!(
             "--timeout must be a positive number of seconds, not {s}"
         ))),
     }

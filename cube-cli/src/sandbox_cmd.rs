@@ -8,8 +8,12 @@ use cube_core::snapshot::MachineConfig;
 use cube_core::test_guest::WorkingSet;
 use cube_core::{CreateOptions, Engine, Runtime, RuntimeConfig, SnapshotKind, HOST_TEMPLATE};
 
+use cube_core::sandbox::PortMapping;
+
+use crate::net_cmd::{self, NetworkArgs, PolicyArgs};
 use crate::run_cmd::{self, CodeLanguage};
-use crate::{chain, store_root, CliError};
+use crate::table::{self, Table};
+use crate::{chain, files_cmd, store_root, CliError};
 
 /// What a filesystem snapshot means for the user, said wherever one is taken or used.
 const FILESYSTEM_NOTE: &str = "filesystem snapshot: files only; a rollback or clone \
@@ -92,6 +96,8 @@ pub enum SandboxCommand {
         /// Destroy the sandbox after this many seconds.
         #[arg(long, value_name = "S")]
         lifetime: Option<f64>,
+        #[command(flatten)]
+        network: NetworkArgs,
     },
     /// Run a command in a sandbox, streaming its output; exits with its exit code.
     ///
@@ -135,20 +141,59 @@ pub enum SandboxCommand {
         #[arg(long)]
         json: bool,
     },
-    /// List sandboxes.
+    /// List sandboxes; with an id, list files inside that sandbox instead
     ///
-    /// Example: cube sandbox ls --json
+    /// Examples:
+    ///   cube sandbox ls --json
+    ///   cube sandbox ls sb-0123456789abcdef /tmp --depth 2
+    #[command(verbatim_doc_comment)]
     Ls {
+        /// Sandbox id: list the files under PATH inside it.
+        id: Option<String>,
+        /// Directory inside the sandbox (with an id).
+        #[arg(default_value = "/", requires = "id")]
+        path: String,
+        /// Levels to descend below PATH (with an id).
+        #[arg(long, default_value_t = 1, value_name = "N", requires = "id",
+              value_parser = clap::value_parser!(u32).range(1..))]
+        depth: u32,
         /// Print JSON.
         #[arg(long)]
         json: bool,
     },
-    /// Show a sandbox's state.
+    /// Show a sandbox's state: engine, status, machine or jail, labels and snapshots.
     ///
-    /// Example: cube sandbox inspect sb-0123456789abcdef
+    /// Example: cube sandbox inspect sb-0123456789abcdef --json
     Inspect {
         /// Sandbox id.
         id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Copy a file into or out of a sandbox (ID:/path), streamed
+    ///
+    /// `-` is stdin/stdout; a directory destination keeps the file's name; a bar
+    /// shows progress on a terminal.
+    ///
+    /// Examples:
+    ///   cube sandbox cp ./data.csv sb-0123456789abcdef:/tmp/data.csv
+    ///   cube sandbox cp sb-0123456789abcdef:/tmp/out.png .
+    #[command(verbatim_doc_comment)]
+    Cp {
+        /// Source: a host path, `-`, or ID:/path.
+        src: String,
+        /// Destination: a host path, `-`, or ID:/path.
+        dst: String,
+    },
+    /// Print a file from inside a sandbox.
+    ///
+    /// Example: cube sandbox cat sb-0123456789abcdef /etc/os-release
+    Cat {
+        /// Sandbox id.
+        id: String,
+        /// Absolute path inside the sandbox.
+        path: String,
     },
     /// Snapshot a sandbox; prints the snapshot id (and its kind on stderr: full, or
     /// filesystem for a jail).
@@ -216,6 +261,38 @@ pub enum SandboxCommand {
         id: String,
         /// MiB to write.
         mib: u64,
+    },
+    /// Show a sandbox's network: device, policy, exposed ports, traffic counters.
+    ///
+    /// Example: cube sandbox net sb-0123456789abcdef --json
+    Net {
+        /// Sandbox id.
+        id: String,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Replace a live sandbox's egress policy (new connections see it at once).
+    ///
+    /// Example: cube sandbox policy sb-0123456789abcdef --deny-out 203.0.113.0/24
+    Policy {
+        /// Sandbox id.
+        id: String,
+        #[command(flatten)]
+        policy: PolicyArgs,
+    },
+    /// Serve a sandbox port on the host's addresses, or withdraw it (--remove).
+    ///
+    /// Example: cube sandbox expose sb-0123456789abcdef 8080:80
+    Expose {
+        /// Sandbox id.
+        id: String,
+        /// PORT or HOST_PORT:SANDBOX_PORT.
+        #[arg(value_parser = net_cmd::parse_port)]
+        port: PortMapping,
+        /// Withdraw the host port instead.
+        #[arg(long)]
+        remove: bool,
     },
     /// Destroy sandboxes.
     ///
@@ -308,19 +385,31 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
             cpu_millis,
             pids_max,
             lifetime,
+            network,
         } => {
             let template = template
                 .or(positional)
                 .unwrap_or_else(|| HOST_TEMPLATE.to_string());
+            let engine: cube_core::EngineChoice = engine.into();
+            // Said up front, before a supervisor fails deep inside on a missing device.
+            let template_engine = rt
+                .templates()?
+                .into_iter()
+                .find(|t| t.name == template)
+                .map(|t| t.engine);
+            if engine == cube_core::EngineChoice::Vm || template_engine == Some(Engine::Vm) {
+                crate::require_kvm(std::path::Path::new(crate::KVM_DEVICE))?;
+            }
             let options = CreateOptions {
                 ephemeral: false,
-                engine: engine.into(),
+                engine,
                 env,
                 metadata: labels.into_iter().collect(),
                 lifetime: run_cmd::parse_timeout(lifetime)?,
                 memory_mib,
                 cpu_millis,
                 pids_max,
+                network: network.options()?,
             };
             let sb = rt.create(&template, options)?;
             println!("{}", sb.id());
@@ -349,50 +438,72 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
             return run_cmd::run_cell(&client, &context, language.into(), &code, timeout);
         }
         SandboxCommand::Snapshots { id, json } => {
-            let snaps = rt.snapshots(id.as_deref())?;
-            if json {
-                let text = serde_json::to_string_pretty(&snaps)
-                    .map_err(|e| CliError::failed(chain(&e)))?;
-                println!("{text}");
-            } else {
-                println!("{:<24} {:<22} {:<6} KIND", "ID", "SANDBOX", "ENGINE");
-                for s in snaps {
-                    println!("{:<24} {:<22} {:<6} {}", s.id, s.sandbox, s.engine, s.kind);
+            if let Some(id) = &id {
+                // An unknown sandbox is an error, not an empty list.
+                if !rt.list()?.iter().any(|m| &m.id == id) {
+                    return Err(cube_core::SandboxError::UnknownSandbox(id.clone()).into());
                 }
             }
+            let snaps = rt.snapshots(id.as_deref())?;
+            if json {
+                crate::print_json(&snaps)?;
+            } else {
+                let mut t = Table::new(&["ID", "SANDBOX", "ENGINE", "KIND", "CREATED"]);
+                for s in snaps {
+                    t.row(vec![
+                        s.id,
+                        s.sandbox,
+                        s.engine.to_string(),
+                        s.kind.to_string(),
+                        table::human_age(s.created_unix),
+                    ]);
+                }
+                t.print();
+            }
         }
-        SandboxCommand::Ls { json } => {
+        SandboxCommand::Ls {
+            id: Some(id),
+            path,
+            depth,
+            json,
+        } => files_cmd::list(&rt, &id, &path, depth, json)?,
+        SandboxCommand::Ls { id: None, json, .. } => {
             let list = rt.list()?;
             if json {
-                let text =
-                    serde_json::to_string_pretty(&list).map_err(|e| CliError::failed(chain(&e)))?;
-                println!("{text}");
+                crate::print_json(&list)?;
             } else {
-                println!("{:<22} {:<6} {:<10} ORIGIN", "ID", "ENGINE", "STATE");
+                let mut t = Table::new(&["ID", "ENGINE", "STATE", "CREATED", "ORIGIN", "LABELS"]);
                 for meta in list {
                     let state = match rt.attach(&meta.id).and_then(|mut s| s.status()) {
                         Ok(s) => format!("{:?}", s.status).to_lowercase(),
                         Err(_) => "gone".to_string(),
                     };
-                    println!(
-                        "{:<22} {:<6} {:<10} {}",
-                        meta.id, meta.engine, state, meta.origin
-                    );
+                    t.row(vec![
+                        meta.id,
+                        meta.engine.to_string(),
+                        state,
+                        table::human_age(meta.created_unix),
+                        meta.origin,
+                        table::labels(&meta.metadata),
+                    ]);
                 }
+                t.print();
             }
         }
-        SandboxCommand::Inspect { id } => {
+        SandboxCommand::Inspect { id, json } => {
             let status = rt.attach(&id)?.status()?;
             let mut value =
                 serde_json::to_value(&status).map_err(|e| CliError::failed(chain(&e)))?;
             let record = rt.list()?.into_iter().find(|m| m.id == id);
             let snapshots = rt.snapshots(Some(&id))?;
             if let Some(map) = value.as_object_mut() {
-                if let Some(record) = record {
-                    map.insert("origin".into(), record.origin.into());
+                map.insert("id".into(), id.clone().into());
+                if let Some(record) = &record {
+                    map.insert("origin".into(), record.origin.clone().into());
+                    map.insert("created_unix".into(), record.created_unix.into());
                     map.insert(
                         "metadata".into(),
-                        serde_json::to_value(record.metadata)
+                        serde_json::to_value(&record.metadata)
                             .map_err(|e| CliError::failed(chain(&e)))?,
                     );
                 }
@@ -401,10 +512,65 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                     serde_json::to_value(&snapshots).map_err(|e| CliError::failed(chain(&e)))?,
                 );
             }
-            let text =
-                serde_json::to_string_pretty(&value).map_err(|e| CliError::failed(chain(&e)))?;
-            println!("{text}");
+            if json {
+                crate::print_json(&value)?;
+            } else {
+                let status_text = format!("{:?}", status.status).to_lowercase();
+                let mut t = Table::new(&["FIELD", "VALUE"]);
+                t.row(vec!["id".into(), id.clone()]);
+                t.row(vec!["engine".into(), status.engine.to_string()]);
+                t.row(vec!["status".into(), status_text]);
+                t.row(vec!["supervisor pid".into(), status.pid.to_string()]);
+                t.row(vec![
+                    "memory (rss)".into(),
+                    table::human_bytes(status.rss_kib << 10),
+                ]);
+                if let Some(machine) = &status.config {
+                    t.row(vec!["vcpus".into(), machine.vcpus.to_string()]);
+                    t.row(vec![
+                        "guest memory".into(),
+                        table::human_bytes(machine.memory_bytes),
+                    ]);
+                }
+                if let Some(jail) = &status.jail {
+                    let pid = jail.pid.map_or("- (hibernated)".into(), |p| p.to_string());
+                    t.row(vec!["agent pid".into(), pid]);
+                    t.row(vec![
+                        "writable layer".into(),
+                        jail.layer.display().to_string(),
+                    ]);
+                    t.row(vec![
+                        "agent socket".into(),
+                        jail.agent_socket.display().to_string(),
+                    ]);
+                }
+                if let Some(record) = &record {
+                    t.row(vec!["origin".into(), record.origin.clone()]);
+                    t.row(vec![
+                        "created".into(),
+                        table::human_age(record.created_unix),
+                    ]);
+                    t.row(vec!["labels".into(), table::labels(&record.metadata)]);
+                }
+                t.row(vec![
+                    "snapshots".into(),
+                    if snapshots.is_empty() {
+                        "-".into()
+                    } else {
+                        snapshots
+                            .iter()
+                            .map(|s| format!("{} ({})", s.id, s.kind))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    },
+                ]);
+                t.print();
+            }
         }
+        SandboxCommand::Cp { src, dst } => {
+            files_cmd::copy(&rt, &src, &dst)?;
+        }
+        SandboxCommand::Cat { id, path } => files_cmd::cat(&rt, &id, &path)?,
         SandboxCommand::Snapshot { id, json } => {
             let snap = rt.attach(&id)?.snapshot()?;
             if json {
@@ -452,6 +618,21 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
         SandboxCommand::Hibernate { id } => rt.attach(&id)?.hibernate()?,
         SandboxCommand::Wake { id } => rt.attach(&id)?.wake()?,
         SandboxCommand::Dirty { id, mib } => rt.attach(&id)?.guest_dirty(mib, 1)?,
+        SandboxCommand::Net { id, json } => {
+            let report = rt.attach(&id)?.network()?;
+            net_cmd::print_report(&report, json)?;
+        }
+        SandboxCommand::Policy { id, policy } => {
+            rt.attach(&id)?.set_policy(&policy.policy()?)?;
+        }
+        SandboxCommand::Expose { id, port, remove } => {
+            let mut sb = rt.attach(&id)?;
+            if remove {
+                sb.unexpose(port.host_port)?;
+            } else {
+                sb.expose(port)?;
+            }
+        }
         SandboxCommand::Rm { ids } => {
             for id in ids {
                 match rt.attach(&id) {

@@ -22,8 +22,12 @@ pub enum StoreCommand {
     },
     /// Show where the store is and whether it can reflink.
     ///
-    /// Example: cube store info
-    Info,
+    /// Example: cube store info --json
+    Info {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 fn parse_size(text: &str) -> Result<u64, CliError> {
@@ -78,13 +82,30 @@ pub fn run(store: Option<&Path>, command: StoreCommand) -> Result<(), CliError> 
             );
             Ok(())
         }
-        StoreCommand::Info => {
+        StoreCommand::Info { json } => {
+            if !root.exists() {
+                return Err(CliError::not_found(format!(
+                    "there is no store at {}",
+                    root.display()
+                ))
+                .hint("create one with `cube store setup`, or pass --store"));
+            }
             let fs =
                 cube_storage::filesystem_name(&root).map_err(|e| CliError::failed(chain(&e)))?;
             let reflink = cube_storage::supports_reflink(&root).unwrap_or(false);
+            if json {
+                return crate::print_json(&serde_json::json!({
+                    "store": root,
+                    "filesystem": fs,
+                    "reflink": reflink,
+                }));
+            }
             println!("store      {}", root.display());
             println!("filesystem {fs}");
             println!("reflink    {reflink}");
+            if !reflink {
+                eprintln!("hint: snapshots fall back to sparse copies; `cube store setup` puts the store on a reflink-capable XFS image");
+            }
             Ok(())
         }
     }

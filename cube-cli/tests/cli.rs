@@ -110,7 +110,7 @@ fn sandboxes_live_across_invocations() {
         serde_json::from_str(&ok(s, &["sandbox", "ls", "--json"])).unwrap();
     assert_eq!(listed[0]["id"], id.as_str());
     let inspect: serde_json::Value =
-        serde_json::from_str(&ok(s, &["sandbox", "inspect", &id])).unwrap();
+        serde_json::from_str(&ok(s, &["sandbox", "inspect", &id, "--json"])).unwrap();
     assert_eq!(inspect["status"], "Running");
 
     ok(s, &["sandbox", "dirty", &id, "2"]);
@@ -119,12 +119,12 @@ fn sandboxes_live_across_invocations() {
     ok(s, &["sandbox", "rollback", &id, &snap]);
     ok(s, &["sandbox", "pause", &id]);
     let paused: serde_json::Value =
-        serde_json::from_str(&ok(s, &["sandbox", "inspect", &id])).unwrap();
+        serde_json::from_str(&ok(s, &["sandbox", "inspect", &id, "--json"])).unwrap();
     assert_eq!(paused["status"], "Paused");
     ok(s, &["sandbox", "resume", &id]);
     ok(s, &["sandbox", "hibernate", &id]);
     let hibernated: serde_json::Value =
-        serde_json::from_str(&ok(s, &["sandbox", "inspect", &id])).unwrap();
+        serde_json::from_str(&ok(s, &["sandbox", "inspect", &id, "--json"])).unwrap();
     assert_eq!(hibernated["status"], "Hibernated");
     ok(s, &["sandbox", "wake", &id]);
     let clones: Vec<String> = ok(s, &["sandbox", "clone", &id, "-n", "2"])

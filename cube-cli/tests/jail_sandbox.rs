@@ -169,7 +169,7 @@ fn a_jail_sandbox_lives_across_invocations() {
     );
     let snap_json = json(s, &["sandbox", "snapshot", &id, "--json"]);
     assert_eq!(snap_json["kind"], "filesystem");
-    let inspect = json(s, &["sandbox", "inspect", &id]);
+    let inspect = json(s, &["sandbox", "inspect", &id, "--json"]);
     assert_eq!(inspect["engine"], "jail");
     assert_eq!(inspect["status"], "Running");
     assert_eq!(inspect["metadata"]["team"], "blue");

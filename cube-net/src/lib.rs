@@ -19,6 +19,7 @@
 //! egress policy decides.
 
 pub mod addressing;
+pub mod bench;
 pub mod datapath;
 pub mod netlink;
 pub mod netns;

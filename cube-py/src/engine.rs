@@ -53,6 +53,8 @@ pub struct CreateRequest {
     pub metadata: BTreeMap<String, String>,
     /// The sandbox is destroyed after this long.
     pub lifetime: Option<Duration>,
+    /// Its network; None: loopback only.
+    pub network: Option<cube_core::sandbox::NetworkOptions>,
 }
 
 /// An engine as named from Python.
@@ -93,6 +95,7 @@ pub fn create(
         env: request.env,
         metadata: request.metadata,
         lifetime: request.lifetime,
+        network: request.network,
         ..CreateOptions::default()
     };
     runtime.create(template, options)

@@ -14,6 +14,7 @@ mod errors;
 mod exec_id;
 mod files;
 mod interrupt;
+mod network;
 mod sandbox;
 mod text_stream;
 
@@ -45,7 +46,8 @@ mod _native {
 
     /// Creates a sandbox.
     #[pyfunction]
-    #[pyo3(signature = (template, engine="auto", envs=None, metadata=None, lifetime=None, store=None))]
+    #[pyo3(signature = (template, engine="auto", envs=None, metadata=None, lifetime=None, store=None, network=false, internet=true, allow_out=None, deny_out=None, expose=None))]
+    #[allow(clippy::too_many_arguments)]
     fn create(
         py: Python<'_>,
         template: &str,
@@ -54,6 +56,11 @@ mod _native {
         metadata: Option<BTreeMap<String, String>>,
         lifetime: Option<f64>,
         store: Option<PathBuf>,
+        network: bool,
+        internet: bool,
+        allow_out: Option<Vec<String>>,
+        deny_out: Option<Vec<String>>,
+        expose: Option<Vec<String>>,
     ) -> PyResult<NativeSandbox> {
         let engine_name = EngineName::parse(engine).ok_or_else(|| {
             raise(
@@ -66,6 +73,7 @@ mod _native {
             env: envs.unwrap_or_default().into_iter().collect(),
             metadata: metadata.unwrap_or_default(),
             lifetime: seconds("timeout", lifetime)?,
+            network: crate::network::options(network, internet, allow_out, deny_out, expose)?,
         };
         let template = template.to_string();
         let (runtime, sandbox) = py

@@ -185,6 +185,36 @@ impl NativeSandbox {
         self.with_handle(py, |sb| sb.wake())
     }
 
+    /// The sandbox's network as a dict (device, policy, exposed ports, counters).
+    fn network_status<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let report = self.with_handle(py, |sb| sb.network())?;
+        crate::network::report_dict(py, &report)
+    }
+
+    /// Replaces the sandbox's egress policy.
+    #[pyo3(signature = (internet=true, allow_out=None, deny_out=None))]
+    fn set_policy(
+        &self,
+        py: Python<'_>,
+        internet: bool,
+        allow_out: Option<Vec<String>>,
+        deny_out: Option<Vec<String>>,
+    ) -> PyResult<()> {
+        let policy = crate::network::policy(internet, allow_out, deny_out)?;
+        self.with_handle(py, |sb| sb.set_policy(&policy))
+    }
+
+    /// Serves sandbox port `sandbox_port` at `host_port` on the host's addresses.
+    fn expose(&self, py: Python<'_>, host_port: u16, sandbox_port: u16) -> PyResult<()> {
+        let port = crate::network::port(&format!("{host_port}:{sandbox_port}"))?;
+        self.with_handle(py, |sb| sb.expose(port))
+    }
+
+    /// Withdraws exposed host port `host_port`.
+    fn unexpose(&self, py: Python<'_>, host_port: u16) -> PyResult<()> {
+        self.with_handle(py, |sb| sb.unexpose(host_port))
+    }
+
     /// Destroys the sandbox; false when this handle had already killed it.
     fn kill(&self, py: Python<'_>) -> PyResult<bool> {
         self.forget_agent();

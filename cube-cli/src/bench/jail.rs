@@ -138,6 +138,7 @@ pub fn run(root: &Path, repeats: usize, json: bool) -> Result<(), CliError> {
         supervisor: None,
     })?;
     let report = measure(root, &pooled, &unpooled, repeats)?;
+    super::progress_done();
     if json {
         println!("{}", serde_json::to_string_pretty(&report).map_err(failed)?);
     } else {

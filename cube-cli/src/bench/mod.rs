@@ -3,6 +3,7 @@
 
 mod floor;
 mod jail;
+mod network;
 mod stats;
 
 use std::path::Path;
@@ -29,6 +30,10 @@ pub struct BenchArgs {
     /// Engine to measure.
     #[arg(long, default_value = "vm", value_parser = ["vm", "jail"])]
     engine: String,
+    /// Measure networking instead: attach times from the pool, and TCP through
+    /// Cube's eBPF NAT against a plain veth path, in namespaces of its own.
+    #[arg(long)]
+    network: bool,
     /// Guest memory in MiB (the reference spec is 2 GiB).
     #[arg(long, default_value_t = 2048)]
     memory_mib: u64,
@@ -120,12 +125,27 @@ fn failed(e: impl std::error::Error) -> CliError {
     CliError::failed(chain(&e))
 }
 
+/// The bench's phases: a spinner on a terminal, `bench: ...` lines otherwise.
+static PHASES: std::sync::OnceLock<crate::progress::Phases> = std::sync::OnceLock::new();
+
 fn progress(message: &str) {
-    eprintln!("bench: {message}");
+    PHASES
+        .get_or_init(|| crate::progress::Phases::new("bench"))
+        .phase(message);
+}
+
+/// Clears the spinner before the report is printed.
+fn progress_done() {
+    if let Some(p) = PHASES.get() {
+        p.finish();
+    }
 }
 
 pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
     let root = store_root(store)?;
+    if args.network {
+        return network::run(&root, args.quick, args.json);
+    }
     if args.engine == "jail" {
         return jail::run(&root, if args.quick { 10 } else { 30 }, args.json);
     }
@@ -165,6 +185,7 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
         .map_err(CliError::from)?;
     let result = run_plan(&rt, &template, machine, &plan, args);
     let _ = rt.remove_template(&template);
+    progress_done();
     let report = result?;
     if args.json {
         let text = serde_json::to_string_pretty(&report).map_err(failed)?;

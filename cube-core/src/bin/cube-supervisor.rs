@@ -52,8 +52,9 @@ fn main() {
     unsafe { libc::setsid() };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("CUBE_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            tracing_subscriber::EnvFilter::try_from_env("CUBE_LOG").unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("info,netlink_packet_route=error")
+            }),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -41,6 +41,15 @@ impl std::fmt::Display for Engine {
 }
 
 /// The engine a caller asks for.
+///
+/// ```
+/// use cube_core::{Engine, EngineChoice};
+///
+/// let choice: EngineChoice = "jail".parse().unwrap();
+/// assert!(choice.accepts(Engine::Jail) && !choice.accepts(Engine::Vm));
+/// assert!(EngineChoice::Auto.accepts(Engine::Vm));
+/// assert!("qemu".parse::<EngineChoice>().is_err());
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum EngineChoice {
@@ -89,6 +98,12 @@ impl std::str::FromStr for EngineChoice {
 }
 
 /// What a snapshot holds. Never silently one for the other: callers see which.
+///
+/// ```
+/// use cube_core::SnapshotKind;
+/// assert_eq!(SnapshotKind::Filesystem.to_string(), "filesystem");
+/// assert_eq!(SnapshotKind::Full.to_string(), "full");
+/// ```
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SnapshotKind {

@@ -12,13 +12,54 @@
 //! included) and files come back at rollback, clone and wake. Elsewhere they are of
 //! kind [`SnapshotKind::Filesystem`], with the reason in [`Snapshot::fallback`]:
 //! rollback, clone and wake restore the files and restart the processes.
+//!
+//! # Example
+//!
+//! The whole life of a sandbox: create, run a cell, snapshot, break something, roll
+//! back, clone, destroy. (`no_run`: the jail engine needs root for namespaces, mounts
+//! and cgroups. `cube-core/examples/agent_loop.rs` is the same as a program to run.)
+//!
+//! ```no_run
+//! use cube_agent::protocol::Language;
+//! use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let rt = Runtime::open(RuntimeConfig {
+//!     store_root: "/var/lib/cube".into(),
+//!     pool_size: 0,
+//!     supervisor: None,
+//! })?;
+//! let mut sb = rt.create(HOST_TEMPLATE, CreateOptions::new(true))?;
+//!
+//! let agent = sb.agent()?;
+//! agent.create_context("main", Language::Python, Some("/home/user"))?;
+//! let r = agent.run_code("main", "open('notes', 'w').write('v1')\n6 * 7", None)?;
+//! assert_eq!(r.value.as_deref(), Some("42"));
+//!
+//! drop(agent);
+//! let snap = sb.snapshot()?; // full with CRIU (connections end), else filesystem
+//! let agent = sb.agent()?;
+//! agent.run_code("main", "import os; os.remove('notes')", None)?;
+//! drop(agent);
+//! sb.rollback(&snap.id)?; // the file is back (and the interpreter's state, if full)
+//!
+//! let clones = rt.clone_sandbox(&mut sb, 2, 2, CreateOptions::new(true))?;
+//! for clone in clones {
+//!     clone.destroy()?;
+//! }
+//! sb.destroy()?;
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod metadata;
+pub mod network;
 mod runtime;
 
 use std::path::{Path, PathBuf};
 
 pub use metadata::{Engine, EngineChoice, SandboxMeta, SnapshotKind, SnapshotMeta, TemplateMeta};
+pub use network::{NetworkCounters, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
 pub use runtime::{CreateOptions, Runtime, RuntimeConfig};
 
 /// The built-in jail template: the host's own userland (with its python3), read-only,
@@ -30,6 +71,27 @@ use crate::supervisor::{ClientError, SupervisorClient};
 use crate::vmm::machine::SnapshotStats;
 
 /// Why a sandbox operation failed.
+///
+/// Callers match on the variants that mean "the name is wrong"
+/// ([`SandboxError::UnknownSandbox`], [`SandboxError::UnknownTemplate`],
+/// [`SandboxError::UnknownSnapshot`]) to tell them from failures of the host:
+///
+/// ```
+/// use cube_core::{Runtime, RuntimeConfig, SandboxError};
+///
+/// let store = tempfile::tempdir().unwrap();
+/// let rt = Runtime::open(RuntimeConfig {
+///     store_root: store.path().into(),
+///     pool_size: 0,
+///     // Started when a sandbox is created; opening and reading the store need none.
+///     supervisor: Some("/usr/local/bin/cube-supervisor".into()),
+/// })
+/// .unwrap();
+/// match rt.attach("sb-0000000000000000") {
+///     Err(SandboxError::UnknownSandbox(id)) => assert_eq!(id, "sb-0000000000000000"),
+///     other => panic!("expected UnknownSandbox, got {:?}", other.err()),
+/// }
+/// ```
 #[derive(Debug, thiserror::Error)]
 pub enum SandboxError {
     /// The store failed.
@@ -103,6 +165,9 @@ pub enum SandboxError {
     /// The sandbox is hibernated: it has no processes, its agent included.
     #[error("Sandbox {0} is hibernated: wake it first")]
     Hibernated(String),
+    /// The sandbox's network could not be set up or changed.
+    #[error("Network")]
+    Network(#[source] crate::supervisor::jail_network::JailNetworkError),
     /// The sandbox's agent could not be reached.
     #[error("Sandbox {0}'s agent")]
     Agent(String, #[source] cube_agent::client::ClientError),
@@ -156,6 +221,20 @@ impl Sandbox {
     /// hibernated sandbox is an error. A full-state snapshot, rollback, clone or
     /// hibernation ends every connection (CRIU cannot save one to the host): connect
     /// again afterwards.
+    ///
+    /// ```no_run
+    /// // no_run: the jail engine needs root (namespaces, mounts, cgroups).
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let rt = cube_core::Runtime::open(cube_core::RuntimeConfig::new()?)?;
+    /// let sb = rt.attach("sb-0123456789abcdef")?;
+    /// let out = sb.agent()?.exec(cube_agent::protocol::ExecRequest {
+    ///     argv: vec!["uname".into(), "-r".into()],
+    ///     ..Default::default()
+    /// })?;
+    /// print!("{}", String::from_utf8_lossy(&out.stdout));
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn agent(&self) -> Result<cube_agent::client::Client, SandboxError> {
         if self.engine != Engine::Jail {
             return Err(SandboxError::NoAgent(self.engine));
@@ -205,6 +284,19 @@ impl Sandbox {
     }
 
     /// Stops the vCPUs (VM) or freezes every process (jail); memory stays.
+    ///
+    /// ```no_run
+    /// // no_run: the jail engine needs root (namespaces, mounts, cgroups).
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let rt = cube_core::Runtime::open(cube_core::RuntimeConfig::new()?)?;
+    /// let mut sb = rt.attach("sb-0123456789abcdef")?;
+    /// sb.pause()?; // frozen: no CPU used, memory kept
+    /// sb.resume()?;
+    /// sb.hibernate()?; // processes end, the files stay on disk
+    /// sb.wake()?; // started afresh on the same files
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn pause(&mut self) -> Result<(), SandboxError> {
         self.call_ok(&Request::Pause)
     }
@@ -312,6 +404,33 @@ impl Sandbox {
             Response::Digest(d) => Ok(d),
             other => Err(self.unexpected(other)),
         }
+    }
+
+    /// The sandbox's network: device, policy, exposed ports, counters.
+    pub fn network(&mut self) -> Result<NetworkReport, SandboxError> {
+        match self.call(&Request::NetworkStatus)? {
+            Response::Network(report) => Ok(report),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Replaces the sandbox's egress policy; new connections see it at once.
+    pub fn set_policy(&mut self, policy: &NetworkPolicy) -> Result<(), SandboxError> {
+        policy
+            .to_egress()
+            .map_err(|e| SandboxError::Network(e.into()))?;
+        self.call_ok(&Request::SetPolicy(policy.clone()))
+    }
+
+    /// Serves sandbox port `port.sandbox_port` at `port.host_port` on the host's
+    /// addresses (not 127.0.0.0/8), TCP.
+    pub fn expose(&mut self, port: PortMapping) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Expose(port))
+    }
+
+    /// Withdraws exposed host port `host_port`.
+    pub fn unexpose(&mut self, host_port: u16) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Unexpose { host_port })
     }
 
     /// Ends the sandbox: the supervisor releases the VM and exits, and the sandbox's

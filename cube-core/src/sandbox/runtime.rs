@@ -42,6 +42,22 @@ impl RuntimeConfig {
 }
 
 /// Options for a new sandbox.
+///
+/// ```
+/// use std::time::Duration;
+/// use cube_core::{CreateOptions, EngineChoice};
+///
+/// let options = CreateOptions {
+///     engine: EngineChoice::Jail,
+///     env: vec![("MODE".into(), "test".into())],
+///     metadata: [("team".to_string(), "search".to_string())].into(),
+///     lifetime: Some(Duration::from_secs(600)),
+///     memory_mib: Some(512),
+///     ..CreateOptions::new(false)
+/// };
+/// assert!(!options.ephemeral);
+/// assert_eq!(options.engine.to_string(), "jail");
+/// ```
 #[derive(Clone, Debug, Default)]
 pub struct CreateOptions {
     /// End the sandbox when the handle that created it is dropped (or its process dies).
@@ -62,10 +78,18 @@ pub struct CreateOptions {
     pub cpu_millis: Option<u32>,
     /// Most processes and threads at once (jail engine).
     pub pids_max: Option<u32>,
+    /// A network from the host's pool (jail engine); None: loopback only.
+    pub network: Option<super::network::NetworkOptions>,
 }
 
 impl CreateOptions {
     /// Defaults, and ephemeral or not; usable in constants.
+    ///
+    /// ```
+    /// use cube_core::{CreateOptions, EngineChoice};
+    /// const SCRATCH: CreateOptions = CreateOptions::new(true);
+    /// assert!(SCRATCH.ephemeral && SCRATCH.engine == EngineChoice::Auto);
+    /// ```
     pub const fn new(ephemeral: bool) -> CreateOptions {
         CreateOptions {
             ephemeral,
@@ -76,6 +100,7 @@ impl CreateOptions {
             memory_mib: None,
             cpu_millis: None,
             pids_max: None,
+            network: None,
         }
     }
 
@@ -88,6 +113,7 @@ impl CreateOptions {
             lifetime_ms: self
                 .lifetime
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            network: self.network.clone(),
         }
     }
 
@@ -104,6 +130,25 @@ impl CreateOptions {
 }
 
 /// The entry point: creates, lists and reattaches sandboxes, and builds templates.
+///
+/// Opening a store and reading it needs no privileges:
+///
+/// ```
+/// use cube_core::{Engine, Runtime, RuntimeConfig, HOST_TEMPLATE};
+///
+/// let store = tempfile::tempdir().unwrap();
+/// let rt = Runtime::open(RuntimeConfig {
+///     store_root: store.path().into(),
+///     pool_size: 0, // start a supervisor per create instead of keeping some warm
+///     // Started when a sandbox is created; opening and reading the store need none.
+///     supervisor: Some("/usr/local/bin/cube-supervisor".into()),
+/// })
+/// .unwrap();
+/// let templates = rt.templates().unwrap();
+/// assert!(templates.iter().any(|t| t.name == HOST_TEMPLATE && t.engine == Engine::Jail));
+/// assert!(rt.list().unwrap().is_empty());
+/// assert!(rt.snapshots(None).unwrap().is_empty());
+/// ```
 pub struct Runtime {
     store: Store,
     pool: SupervisorPool,
@@ -255,6 +300,18 @@ impl Runtime {
     /// [`CreateOptions::engine`]). A VM template's memory is mapped copy-on-write, no
     /// boot; [`HOST_TEMPLATE`] starts a jail on the host's userland with an empty
     /// writable layer.
+    ///
+    /// ```no_run
+    /// // no_run: the jail engine needs root (namespaces, mounts, cgroups).
+    /// use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let rt = Runtime::open(RuntimeConfig::new()?)?;
+    /// let sb = rt.create(HOST_TEMPLATE, CreateOptions::new(false))?;
+    /// println!("{} runs on the {} engine", sb.id(), sb.engine());
+    /// // Not ephemeral: it outlives this process; `rt.attach(id)` finds it again.
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn create(&self, template: &str, options: CreateOptions) -> Result<Sandbox, SandboxError> {
         if template == HOST_TEMPLATE {
             options.check_engine(&format!("template {template}"), Engine::Jail)?;
@@ -335,6 +392,16 @@ impl Runtime {
         options: CreateOptions,
         prepare: impl FnOnce(&Path) -> Result<(), SandboxError>,
     ) -> Result<Sandbox, SandboxError> {
+        if let Some(network) = &options.network {
+            if engine != Engine::Jail {
+                return Err(SandboxError::Network(
+                    crate::supervisor::jail_network::JailNetworkError::VmEngine,
+                ));
+            }
+            network
+                .validate()
+                .map_err(|e| SandboxError::Network(e.into()))?;
+        }
         let id = Store::new_id("sb")?;
         let dir = self.store.sandbox_dir(&id)?;
         std::fs::create_dir(&dir).map_err(io_error(format!("creating {}", dir.display())))?;
@@ -396,6 +463,19 @@ impl Runtime {
 
     /// Snapshots `sandbox` and creates `n` sandboxes from that snapshot, `concurrency`
     /// at a time. The snapshot belongs to `sandbox`.
+    ///
+    /// ```no_run
+    /// // no_run: the jail engine needs root (namespaces, mounts, cgroups).
+    /// use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let rt = Runtime::open(RuntimeConfig::new()?)?;
+    /// let mut sb = rt.create(HOST_TEMPLATE, CreateOptions::new(true))?;
+    /// // Four copies of its files, made two at a time, each ending with its handle.
+    /// let tries = rt.clone_sandbox(&mut sb, 4, 2, CreateOptions::new(true))?;
+    /// assert_eq!(tries.len(), 4);
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn clone_sandbox(
         &self,
         sandbox: &mut Sandbox,
@@ -452,7 +532,19 @@ impl Runtime {
         Ok(sandboxes)
     }
 
-    /// Reattaches to a running sandbox.
+    /// Reattaches to a running sandbox, from this process or another one.
+    ///
+    /// ```no_run
+    /// // no_run: needs a sandbox made earlier, e.g. by `cube sandbox create` (root).
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let rt = cube_core::Runtime::open(cube_core::RuntimeConfig::new()?)?;
+    /// for meta in rt.list()? {
+    ///     let mut sb = rt.attach(&meta.id)?;
+    ///     println!("{} {:?}", meta.id, sb.status()?.status);
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
     pub fn attach(&self, id: &str) -> Result<Sandbox, SandboxError> {
         let dir = self.store.sandbox_dir(id)?;
         if !dir.join(SANDBOX_META).is_file() {
@@ -507,6 +599,7 @@ impl Runtime {
     /// Removes a sandbox whose supervisor is gone (crashed, or the host rebooted).
     pub fn remove_stale(&self, id: &str) -> Result<(), SandboxError> {
         let dir = self.store.sandbox_dir(id)?;
+        crate::supervisor::jail_network::release_recorded(&dir).map_err(SandboxError::Network)?;
         remove_sandbox_files(&self.store, id, &dir)
     }
 }

@@ -26,6 +26,7 @@ use cube_jail::checkpoint::{self, Checkpoint};
 use cube_jail::{Criu, Jail, JailConfig, JailExit, Limits, ReadOnlyBind, Stdio};
 use cube_storage::Durability;
 
+use super::jail_network::{JailNetwork, JailNetworkError};
 use super::protocol::{JailStatus, MachineStatus, Response, Settings, StatusReport};
 use crate::error_report::chain as error_chain;
 use crate::sandbox::metadata::{
@@ -118,6 +119,8 @@ pub struct JailSandbox {
     generation: u64,
     /// Teardowns of replaced jails still under way; joined by destroy.
     retiring: Vec<std::thread::JoinHandle<()>>,
+    /// The sandbox's network, when it asked for one (see [`JailNetwork`]).
+    network: Option<Box<JailNetwork>>,
 }
 
 impl JailSandbox {
@@ -140,6 +143,7 @@ impl JailSandbox {
             paused: false,
             generation: 0,
             retiring: Vec::new(),
+            network: None,
         };
         let snapshot = layer.and_then(Path::parent).filter(|s| is_checkpoint(s));
         if let Some(snapshot) = snapshot {
@@ -192,7 +196,7 @@ impl JailSandbox {
                 .set_env(settings.env.clone(), Vec::new())
                 .map_err(|e| format!("setting the environment: {}", error_chain(&e)))?;
         }
-        Ok(JailSandbox {
+        let mut sandbox = JailSandbox {
             id: id.to_string(),
             dir: dir.to_path_buf(),
             settings,
@@ -202,7 +206,37 @@ impl JailSandbox {
             paused: false,
             generation: 0,
             retiring: Vec::new(),
-        })
+            network: None,
+        };
+        sandbox.connect_network()?;
+        Ok(sandbox)
+    }
+
+    /// Gives the running jail its network (a new device after a restart), when the
+    /// sandbox has one.
+    fn connect_network(&mut self) -> Result<(), String> {
+        let Some(options) = self.settings.network.clone() else {
+            return Ok(());
+        };
+        let Some(pid) = self.jail.as_ref().map(Jail::pid) else {
+            return Ok(());
+        };
+        let fail = |e: JailNetworkError| format!("attaching the network: {}", error_chain(&e));
+        match self.network.as_mut() {
+            Some(network) => network.reconnect(pid).map_err(fail),
+            None => {
+                self.network = Some(Box::new(
+                    JailNetwork::attach(pid, &options, &self.dir).map_err(fail)?,
+                ));
+                Ok(())
+            }
+        }
+    }
+
+    fn network(&mut self) -> Result<&mut JailNetwork, String> {
+        self.network
+            .as_deref_mut()
+            .ok_or_else(|| "this sandbox has no network (create it with one)".to_string())
     }
 
     /// The sandbox's directory.
@@ -227,7 +261,10 @@ impl JailSandbox {
         let lifeline = Lifeline::new()?;
         let spawned = Jail::spawn_with_fds(&config, AGENT_ARGV, &lifeline.fds());
         match spawned {
-            Ok(jail) => self.install(jail, lifeline),
+            Ok(jail) => {
+                self.install(jail, lifeline)?;
+                self.connect_network()
+            }
             Err(e) => {
                 // A failed spawn gives the seed back: a copy made for this start goes,
                 // a hibernated layer stays for the next wake.
@@ -251,7 +288,16 @@ impl JailSandbox {
         let lifeline = Lifeline::new()?;
         let jail = checkpoint::restore(criu, image_dir, &config, &lifeline.fds())
             .map_err(|e| format!("restoring the jail: {}", error_chain(&e)))?;
-        self.install(jail, lifeline)
+        self.install(jail, lifeline)?;
+        self.connect_network()
+    }
+
+    /// Why this sandbox's state cannot go through CRIU, if it cannot: its network
+    /// device's other end is on the host, which a checkpoint cannot hold.
+    fn full_state_blocker(&self) -> Option<String> {
+        self.network
+            .as_ref()
+            .map(|_| "a sandbox with a network: CRIU cannot save its device's host end".to_string())
     }
 
     /// Makes `jail` the running one once its agent listens.
@@ -326,6 +372,9 @@ impl JailSandbox {
             }
             Request::Hibernate => {
                 self.hibernate()?;
+                if let Some(network) = self.network.as_mut() {
+                    network.disconnect();
+                }
                 Ok(Response::Ok)
             }
             Request::Wake => {
@@ -338,6 +387,25 @@ impl JailSandbox {
             | Request::ReadMemory { .. }
             | Request::MemoryDigest => {
                 Err("a jail sandbox has no guest memory (this request is for test VMs)".into())
+            }
+            Request::NetworkStatus => {
+                let report = self.network()?.report();
+                Ok(Response::Network(report.map_err(|e| error_chain(&e))?))
+            }
+            Request::SetPolicy(policy) => {
+                let set = self.network()?.set_policy(policy);
+                set.map_err(|e| error_chain(&e))?;
+                Ok(Response::Ok)
+            }
+            Request::Expose(port) => {
+                let exposed = self.network()?.expose(port);
+                exposed.map_err(|e| error_chain(&e))?;
+                Ok(Response::Ok)
+            }
+            Request::Unexpose { host_port } => {
+                let withdrawn = self.network()?.unexpose(host_port);
+                withdrawn.map_err(|e| error_chain(&e))?;
+                Ok(Response::Ok)
             }
         }
     }
@@ -432,6 +500,9 @@ impl JailSandbox {
             self.jail.is_none() && is_checkpoint(&self.dir.join(HIBERNATED_CHECKPOINT));
         let full = match criu() {
             Err(why) => Err(format!("no working CRIU: {why}")),
+            Ok(_) if self.full_state_blocker().is_some() => {
+                Err(self.full_state_blocker().unwrap_or_default())
+            }
             Ok(_) if hibernated_full => {
                 // The hibernation's checkpoint is the state: copy it.
                 cube_storage::clone_tree(&self.dir.join(HIBERNATED_CHECKPOINT), staging)
@@ -573,9 +644,10 @@ impl JailSandbox {
         }
         let image_dir = self.dir.join(HIBERNATED_CHECKPOINT);
         let _ = std::fs::remove_dir_all(&image_dir);
-        let dumped = match criu() {
-            Ok(criu) => self.dump(criu, &image_dir, false),
-            Err(why) => Err(format!("no working CRIU: {why}")),
+        let dumped = match (criu(), self.full_state_blocker()) {
+            (_, Some(why)) => Err(why),
+            (Ok(criu), None) => self.dump(criu, &image_dir, false),
+            (Err(why), None) => Err(format!("no working CRIU: {why}")),
         };
         let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
         self.lifeline = None;
@@ -654,6 +726,10 @@ impl JailSandbox {
             if let Err(e) = jail.destroy() {
                 tracing::warn!(sandbox = %self.id, "destroying the jail: {}", error_chain(&e));
             }
+        }
+        // The device goes with the jail's namespace; this also clears the datapath.
+        if let Some(mut network) = self.network.take() {
+            network.disconnect();
         }
         for leftover in [HIBERNATED_LAYER, HIBERNATED_CHECKPOINT, SEED_LAYER] {
             let _ = std::fs::remove_dir_all(self.dir.join(leftover));

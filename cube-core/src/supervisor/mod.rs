@@ -2,6 +2,7 @@
 //! created it, and serves the library over a unix socket.
 
 pub mod client;
+pub mod jail_network;
 pub mod jail_sandbox;
 pub mod pool;
 pub mod protocol;

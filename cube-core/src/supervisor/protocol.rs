@@ -11,6 +11,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::sandbox::metadata::{Engine, SnapshotKind};
+use crate::sandbox::network::{NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
 use crate::snapshot::MachineConfig;
 use crate::test_guest::WorkingSet;
 use crate::vmm::machine::SnapshotStats;
@@ -71,6 +72,8 @@ pub struct Settings {
     pub pids_max: Option<u32>,
     /// Destroy the sandbox this many milliseconds after it was adopted.
     pub lifetime_ms: Option<u64>,
+    /// A network from the host's pool (jail); None: loopback only.
+    pub network: Option<NetworkOptions>,
 }
 
 /// A request to a supervisor.
@@ -138,6 +141,17 @@ pub enum Request {
     MemoryDigest,
     /// Release everything and exit.
     Destroy,
+    /// Report the sandbox's network.
+    NetworkStatus,
+    /// Replace the sandbox's egress policy.
+    SetPolicy(NetworkPolicy),
+    /// Expose a sandbox port on the host.
+    Expose(PortMapping),
+    /// Withdraw an exposed host port.
+    Unexpose {
+        /// The host port.
+        host_port: u16,
+    },
 }
 
 /// Machine state as a supervisor reports it.
@@ -213,6 +227,8 @@ pub enum Response {
     Digest(Vec<u32>),
     /// The request failed; the message says why.
     Error(String),
+    /// The sandbox's network.
+    Network(NetworkReport),
 }
 
 /// Writes one frame.

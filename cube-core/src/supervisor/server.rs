@@ -623,6 +623,12 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
             }
             Ok(Response::Digest(digests))
         }
+        Request::NetworkStatus
+        | Request::SetPolicy(_)
+        | Request::Expose(_)
+        | Request::Unexpose { .. } => {
+            Err("networking is wired for jail sandboxes only so far".into())
+        }
     }
 }
 

@@ -45,12 +45,14 @@ from .models import (  # noqa: E402
     Execution,
     ExecutionError,
     Logs,
+    NetworkCounters,
+    NetworkInfo,
     Result,
     SandboxInfo,
     Snapshot,
     WriteInfo,
 )
-from .sandbox import CommandHandle, Commands, Files, Sandbox  # noqa: E402
+from .sandbox import CommandHandle, Commands, Files, Network, Sandbox  # noqa: E402
 
 #: The template :meth:`Sandbox.create` uses when none is named.
 DEFAULT_TEMPLATE: str = _native.default_template()
@@ -85,6 +87,9 @@ __all__ = [
     "InvalidArgument",
     "IsADirectory",
     "Logs",
+    "Network",
+    "NetworkCounters",
+    "NetworkInfo",
     "NotADirectory",
     "PermissionDenied",
     "Result",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import base64
 import datetime
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
 @dataclass
@@ -215,3 +215,44 @@ class Context:
 
     id: str
     language: str
+
+
+@dataclass(frozen=True)
+class NetworkCounters:
+    """A sandbox's traffic as its datapath counted it."""
+
+    tx_packets: int
+    tx_bytes: int
+    rx_packets: int
+    rx_bytes: int
+    dropped: int
+    """Packets refused (policy, no flow, malformed)."""
+
+
+@dataclass(frozen=True)
+class NetworkInfo:
+    """A sandbox's network: device, egress policy, exposed ports, counters."""
+
+    device: str
+    """The host side of its device (empty while hibernated)."""
+    address: str
+    gateway: str
+    internet: bool
+    allow_out: List[str]
+    deny_out: List[str]
+    exposed: List[Tuple[int, int]]
+    """``(host_port, sandbox_port)`` pairs."""
+    counters: NetworkCounters
+
+    @classmethod
+    def _from_native(cls, raw: Dict[str, Any]) -> "NetworkInfo":
+        return cls(
+            device=raw["device"],
+            address=raw["address"],
+            gateway=raw["gateway"],
+            internet=bool(raw["internet"]),
+            allow_out=list(raw["allow_out"]),
+            deny_out=list(raw["deny_out"]),
+            exposed=[(int(h), int(s)) for h, s in raw["exposed"]],
+            counters=NetworkCounters(**raw["counters"]),
+        )

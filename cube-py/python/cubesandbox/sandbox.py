@@ -27,6 +27,8 @@ from .models import (
     EntryInfo,
     Execution,
     ExecutionError,
+    NetworkCounters,
+    NetworkInfo,
     Result,
     SandboxInfo,
     Snapshot,
@@ -247,6 +249,59 @@ class Files:
         return self.get_info(new_path)
 
 
+PortSpec = Union[int, str, Tuple[int, int]]
+
+
+def _port(spec: PortSpec) -> str:
+    """``8080``, ``"8080:80"`` or ``(8080, 80)`` as ``"HOST:SANDBOX"``."""
+    if isinstance(spec, bool):
+        raise InvalidArgument(f"bad port {spec!r}")
+    if isinstance(spec, int):
+        return str(spec)
+    if isinstance(spec, tuple):
+        host, sandbox = spec
+        return f"{int(host)}:{int(sandbox)}"
+    return str(spec)
+
+
+class Network:
+    """The sandbox's network (``sandbox.network``): its egress policy, exposed ports
+    and traffic counters. Only sandboxes created with a network have one."""
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    def info(self) -> NetworkInfo:
+        """Device, policy, exposed ports and counters now."""
+        return NetworkInfo._from_native(self._native.network_status())
+
+    @property
+    def counters(self) -> NetworkCounters:
+        """Traffic so far (:class:`NetworkCounters`)."""
+        return self.info().counters
+
+    def set_policy(
+        self,
+        *,
+        internet: bool = True,
+        allow_out: Sequence[str] = (),
+        deny_out: Sequence[str] = (),
+    ) -> None:
+        """Replaces the egress policy; new connections see it at once. ``allow_out``
+        opens CIDRs the defaults refuse (private ranges; the host itself as an exact
+        ``/32``), ``deny_out`` refuses CIDRs; the longer matching prefix wins."""
+        self._native.set_policy(internet, list(allow_out), list(deny_out))
+
+    def expose(self, port: int, sandbox_port: Optional[int] = None) -> None:
+        """Serves ``sandbox_port`` (default: ``port``) of the sandbox at ``port`` on
+        the host's addresses (not 127.0.0.1), TCP."""
+        self._native.expose(port, port if sandbox_port is None else sandbox_port)
+
+    def unexpose(self, port: int) -> None:
+        """Withdraws exposed host port ``port``."""
+        self._native.unexpose(port)
+
+
 class Sandbox:
     """One Cube sandbox.
 
@@ -260,6 +315,7 @@ class Sandbox:
         self._store = _store
         self.commands = Commands(_native_sandbox)
         self.files = Files(_native_sandbox)
+        self.network = Network(_native_sandbox)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -273,6 +329,11 @@ class Sandbox:
         envs: Optional[Mapping[str, str]] = None,
         metadata: Optional[Mapping[str, str]] = None,
         store: StorePath = None,
+        network: bool = False,
+        internet: bool = True,
+        allow_out: Sequence[str] = (),
+        deny_out: Sequence[str] = (),
+        expose: Sequence[PortSpec] = (),
     ) -> "Sandbox":
         """Starts a sandbox from ``template`` (default: the built-in ``host``
         template, the host's userland read-only with Python 3).
@@ -282,6 +343,11 @@ class Sandbox:
         ``envs`` are environment variables of every process in it; ``metadata`` labels
         show up in :meth:`list`; ``store`` picks a store other than the default
         (``$CUBE_HOME``).
+
+        ``network=True`` gives a jail sandbox a network (NAT through the host; private
+        ranges and the host refused by default); without it the sandbox has loopback
+        only. ``internet``, ``allow_out``, ``deny_out`` (CIDRs) and ``expose`` (ports:
+        ``8080``, ``"8080:80"`` or ``(8080, 80)``) imply it.
         """
         native = _native.create(
             template or _native.default_template(),
@@ -290,6 +356,11 @@ class Sandbox:
             dict(metadata) if metadata else None,
             timeout,
             _store(store),
+            network,
+            internet,
+            list(allow_out),
+            list(deny_out),
+            [_port(p) for p in expose],
         )
         return cls(_native_sandbox=native, _store=_store(store))
 

@@ -1,0 +1,301 @@
+//! A jail sandbox's network, held by its supervisor: a veth from the host's
+//! `cube-net` pool created straight into the jail's own network namespace (by the
+//! jail's PID), the datapath state for it, and its release.
+//!
+//! The pool is host-wide (its maps and links are pinned in bpffs, its devices are on
+//! the host), and every supervisor opens its own handle on it. `Pool::open` adopts
+//! what is on the host and deletes veths no sandbox registered, so opening, attaching
+//! and releasing happen under one host-wide file lock: no supervisor's rebuild can
+//! take a device another is still setting up. A supervisor that was killed leaves a
+//! registered device; it goes with the jail's namespace, and the next `Pool::open`
+//! clears the datapath entries of devices that are gone. The device name is also
+//! recorded in the sandbox directory ([`DEVICE_RECORD`]) so that removing a stale
+//! sandbox can release it by name while its jail lives on.
+//!
+//! Opening the pool per supervisor is the expensive part of a networked create
+//! (190-300 ms here: the datapath is loaded and the uplink programs re-attached);
+//! a long-lived pool owner would take it off the create path.
+//!
+//! `attach_veth` (a pair made straight into the jail's namespace, ~15 ms) is used
+//! rather than a prepared namespace the jail would join: jails are pre-started by
+//! pooled supervisors before anyone asks for a network, so they already own a
+//! namespace by the time a create arrives.
+
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+
+use cube_net::{Attachment, NetnsRef, Pool, PoolConfig, PoolError, Protocol};
+
+use crate::sandbox::network::{
+    NetworkError, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping,
+};
+
+/// Environment variable naming the host pool (default [`DEFAULT_POOL`]). Keep one
+/// pool per host: every pool attaches its datapath to the host's uplinks and lo, and
+/// a second one there sees the first one's traffic.
+pub const POOL_ENV: &str = "CUBE_NET_POOL";
+/// The host pool every sandbox shares unless [`POOL_ENV`] says otherwise.
+pub const DEFAULT_POOL: &str = "cube";
+/// File in the sandbox directory naming the host side of its device.
+pub const DEVICE_RECORD: &str = "network.device";
+
+/// Why a sandbox's network could not be set up or changed.
+#[derive(Debug, thiserror::Error)]
+pub enum JailNetworkError {
+    /// The options are malformed.
+    #[error("network options")]
+    Options(#[from] NetworkError),
+    /// The pool failed.
+    #[error("network pool")]
+    Pool(#[from] PoolError),
+    /// The host-wide pool lock could not be taken.
+    #[error("locking {0}")]
+    Lock(PathBuf, #[source] std::io::Error),
+    /// The pool name is unusable.
+    #[error("{POOL_ENV}={0:?}: 1 to 8 letters, digits or '-'")]
+    PoolName(String),
+    /// The sandbox's device is not attached (hibernated).
+    #[error("the sandbox has no network device while hibernated")]
+    Detached,
+    /// The sandbox does not expose this port.
+    #[error("host port {0} is not exposed by this sandbox")]
+    NotExposed(u16),
+    /// Networking is wired for jail sandboxes only so far.
+    #[error("networking is wired for jail sandboxes only so far (the VM engine's TAP is not attached yet)")]
+    VmEngine,
+    /// The device record could not be written.
+    #[error("recording the device in {0}")]
+    Record(PathBuf, #[source] std::io::Error),
+}
+
+type Result<T> = std::result::Result<T, JailNetworkError>;
+
+/// The host pool's name: `$CUBE_NET_POOL` or [`DEFAULT_POOL`].
+pub fn pool_name() -> Result<String> {
+    let name = std::env::var(POOL_ENV).unwrap_or_else(|_| DEFAULT_POOL.to_string());
+    let fits = !name.is_empty()
+        && name.len() <= 8
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-');
+    if !fits {
+        return Err(JailNetworkError::PoolName(name));
+    }
+    Ok(name)
+}
+
+/// The configuration of host pool `name`: devices are made on attach (jails own
+/// their namespaces), named after the pool.
+pub fn pool_config(name: &str) -> PoolConfig {
+    PoolConfig {
+        name: name.to_string(),
+        prefix: name.to_string(),
+        veths: 0,
+        taps: 0,
+        ..PoolConfig::default()
+    }
+}
+
+/// The host-wide lock around opening the pool, attaching and releasing.
+pub struct PoolLock {
+    _file: File,
+}
+
+impl PoolLock {
+    /// Blocks until this process holds the lock of pool `config`.
+    pub fn take(config: &PoolConfig) -> Result<PoolLock> {
+        let dir = config.run_dir.clone();
+        let path = dir.join(format!("{}.lock", config.name));
+        let file = std::fs::create_dir_all(&dir)
+            .and_then(|()| {
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(&path)
+            })
+            .map_err(|e| JailNetworkError::Lock(path.clone(), e))?;
+        // SAFETY: flock on a descriptor this function owns; no memory is involved.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(JailNetworkError::Lock(
+                path,
+                std::io::Error::last_os_error(),
+            ));
+        }
+        // Closing the file releases the lock.
+        Ok(PoolLock { _file: file })
+    }
+}
+
+/// Opens the host pool under its lock (the lock is returned held).
+pub fn open_pool() -> Result<(Pool, PoolLock)> {
+    let config = pool_config(&pool_name()?);
+    let lock = PoolLock::take(&config)?;
+    let pool = Pool::open(config)?;
+    Ok((pool, lock))
+}
+
+/// A jail sandbox's network.
+pub struct JailNetwork {
+    pool: Pool,
+    attachment: Option<Attachment>,
+    policy: NetworkPolicy,
+    exposed: Vec<PortMapping>,
+    record: PathBuf,
+}
+
+impl JailNetwork {
+    /// Gives the jail whose PID 1 is `pid` its network, with `options` in force, and
+    /// records the device in `dir`.
+    pub fn attach(pid: i32, options: &NetworkOptions, dir: &Path) -> Result<JailNetwork> {
+        options.validate()?;
+        let (pool, lock) = open_pool()?;
+        let mut network = JailNetwork {
+            pool,
+            attachment: None,
+            policy: options.policy.clone(),
+            exposed: options.expose.clone(),
+            record: dir.join(DEVICE_RECORD),
+        };
+        drop(lock);
+        network.connect(pid)?;
+        Ok(network)
+    }
+
+    /// Attaches a device in `pid`'s namespace and puts the policy and exposed ports on
+    /// it; on failure nothing stays attached.
+    fn connect(&mut self, pid: i32) -> Result<()> {
+        let egress = self.policy.to_egress()?;
+        let attachment = {
+            let _lock = PoolLock::take(self.pool.config())?;
+            self.pool.attach_veth(&NetnsRef::Pid(pid), &egress)?
+        };
+        let ready = (|| -> Result<()> {
+            for port in &self.exposed {
+                self.pool.expose(
+                    &attachment,
+                    port.host_port,
+                    port.sandbox_port,
+                    Protocol::Tcp,
+                )?;
+            }
+            std::fs::write(&self.record, attachment.host_ifname())
+                .map_err(|e| JailNetworkError::Record(self.record.clone(), e))
+        })();
+        match ready {
+            Ok(()) => {
+                self.attachment = Some(attachment);
+                Ok(())
+            }
+            Err(e) => {
+                self.release_attachment(attachment);
+                Err(e)
+            }
+        }
+    }
+
+    /// After the jail was replaced (rollback, wake): the old device goes, a new one
+    /// comes in the new jail's namespace with the same policy and ports.
+    pub fn reconnect(&mut self, pid: i32) -> Result<()> {
+        self.disconnect();
+        self.connect(pid)
+    }
+
+    /// Releases the device and its datapath state, keeping policy and ports for a
+    /// later [`JailNetwork::reconnect`].
+    pub fn disconnect(&mut self) {
+        if let Some(attachment) = self.attachment.take() {
+            self.release_attachment(attachment);
+        }
+    }
+
+    fn release_attachment(&self, attachment: Attachment) {
+        let name = attachment.host_ifname().to_string();
+        let released = PoolLock::take(self.pool.config())
+            .map_err(|e| e.to_string())
+            .and_then(|_lock| self.pool.release(attachment).map_err(|e| e.to_string()));
+        if let Err(e) = released {
+            tracing::warn!(device = %name, "releasing the sandbox's network: {e}");
+        }
+        let _ = std::fs::remove_file(&self.record);
+    }
+
+    /// Replaces the egress policy; new flows see it at once.
+    pub fn set_policy(&mut self, policy: NetworkPolicy) -> Result<()> {
+        let egress = policy.to_egress()?;
+        if let Some(attachment) = &self.attachment {
+            self.pool.set_policy(attachment, &egress)?;
+        }
+        self.policy = policy;
+        Ok(())
+    }
+
+    /// Serves sandbox port `port.sandbox_port` at `port.host_port` on the host.
+    pub fn expose(&mut self, port: PortMapping) -> Result<()> {
+        let attachment = self.attachment.as_ref().ok_or(JailNetworkError::Detached)?;
+        if let Some(old) = self
+            .exposed
+            .iter()
+            .position(|p| p.host_port == port.host_port)
+        {
+            self.pool
+                .unexpose(attachment, port.host_port, Protocol::Tcp)?;
+            self.exposed.remove(old);
+        }
+        self.pool
+            .expose(attachment, port.host_port, port.sandbox_port, Protocol::Tcp)?;
+        self.exposed.push(port);
+        Ok(())
+    }
+
+    /// Withdraws host port `host_port`.
+    pub fn unexpose(&mut self, host_port: u16) -> Result<()> {
+        let index = self
+            .exposed
+            .iter()
+            .position(|p| p.host_port == host_port)
+            .ok_or(JailNetworkError::NotExposed(host_port))?;
+        if let Some(attachment) = &self.attachment {
+            self.pool.unexpose(attachment, host_port, Protocol::Tcp)?;
+        }
+        self.exposed.remove(index);
+        Ok(())
+    }
+
+    /// Device, policy, ports and counters now.
+    pub fn report(&self) -> Result<NetworkReport> {
+        let (host_ifname, counters) = match &self.attachment {
+            Some(a) => (a.host_ifname().to_string(), self.pool.counters(a)?.into()),
+            None => (String::new(), Default::default()),
+        };
+        Ok(NetworkReport {
+            host_ifname,
+            guest_addr: cube_net::addressing::GUEST_ADDR,
+            gateway: cube_net::addressing::GATEWAY_ADDR,
+            policy: self.policy.clone(),
+            exposed: self.exposed.clone(),
+            counters,
+        })
+    }
+}
+
+impl Drop for JailNetwork {
+    fn drop(&mut self) {
+        self.disconnect();
+    }
+}
+
+/// Releases the device recorded in a stale sandbox's directory (its supervisor is
+/// gone); nothing to do when none is recorded or the pool already let it go.
+pub fn release_recorded(dir: &Path) -> Result<()> {
+    let record = dir.join(DEVICE_RECORD);
+    let Ok(name) = std::fs::read_to_string(&record) else {
+        return Ok(());
+    };
+    let (pool, _lock) = open_pool()?;
+    match pool.release_by_name(name.trim()) {
+        Ok(()) | Err(PoolError::NotAttached(_)) => {}
+        Err(e) => return Err(e.into()),
+    }
+    let _ = std::fs::remove_file(&record);
+    Ok(())
+}

@@ -1,0 +1,448 @@
+//! Jail sandbox networks through the Sandbox API, in a little internet this test
+//! builds from a network namespace on this machine ("outside", 198.51.100.2 and
+//! 203.0.113.2, behind a veth whose host end is 198.51.100.1): NAT to an outside
+//! HTTP server, a denied CIDR and the host's own address refused, a live policy
+//! change, a port exposed from a sandbox reachable from the host, two sandboxes kept
+//! apart unless allowed, and nothing left of a sandbox's network after destroy.
+//!
+//! The sandboxes use the host's pool (one datapath per host: a second pool's
+//! programs on the same uplinks would see the first one's traffic); the test removes
+//! it at the end when it was not there before.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use cube_agent::client::Client;
+use cube_agent::protocol::{ExecRequest, RequestBody};
+use cube_core::sandbox::{NetworkOptions, NetworkPolicy, PortMapping};
+use cube_core::supervisor::jail_network::{open_pool, pool_config, pool_name};
+use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
+
+const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
+const HOST_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
+const OUT_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
+const FAR_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+
+fn skip() -> bool {
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: sandbox networks need root (namespaces, netlink, eBPF)");
+        return true;
+    }
+    if cube_jail::CgroupLayout::detect().is_err() {
+        eprintln!("skipping: no cgroup hierarchy is readable");
+        return true;
+    }
+    if !Path::new(SUPERVISOR).with_file_name("cube-agent").is_file() {
+        panic!("cube-agent is missing: cargo build -p cube-agent first");
+    }
+    if Command::new("ip").arg("-V").output().is_err() {
+        eprintln!("skipping: iproute2 (`ip`) is missing");
+        return true;
+    }
+    false
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The outside namespace, its servers, the host's own server and the test pool;
+/// all removed on drop.
+struct Lab {
+    ns: String,
+    uplink: String,
+    pool: String,
+    /// Whether the host's pool existed before the test (then it stays).
+    pool_existed: bool,
+    servers: Vec<Child>,
+    _www: tempfile::TempDir,
+    _store: tempfile::TempDir,
+    store_root: PathBuf,
+}
+
+impl Lab {
+    /// None (with the reason printed) where the datapath cannot load here.
+    fn new() -> Option<Lab> {
+        let tag = std::process::id() % 100_000;
+        let pool = pool_name().unwrap();
+        let pool_config = pool_config(&pool);
+        let pool_existed = pool_config.bpffs.join("cube-net").join(&pool).exists();
+        let www = tempfile::TempDir::new().unwrap();
+        std::fs::create_dir(www.path().join("out")).unwrap();
+        std::fs::write(www.path().join("out/index.html"), "outside").unwrap();
+        std::fs::create_dir(www.path().join("host")).unwrap();
+        std::fs::write(www.path().join("host/index.html"), "host").unwrap();
+        let store = tempfile::TempDir::new().unwrap();
+        let mut lab = Lab {
+            ns: format!("cnout{tag}"),
+            uplink: format!("cnu{tag}"),
+            pool,
+            pool_existed,
+            servers: Vec::new(),
+            store_root: store.path().canonicalize().unwrap(),
+            _www: www,
+            _store: store,
+        };
+        ip(&["netns", "add", &lab.ns]);
+        ip(&[
+            "link",
+            "add",
+            &lab.uplink,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            &lab.ns,
+        ]);
+        ip(&["addr", "add", "198.51.100.1/24", "dev", &lab.uplink]);
+        ip(&["link", "set", &lab.uplink, "up"]);
+        ip(&[
+            "-n",
+            &lab.ns,
+            "addr",
+            "add",
+            "198.51.100.2/24",
+            "dev",
+            "eth0",
+        ]);
+        ip(&["-n", &lab.ns, "addr", "add", "203.0.113.2/32", "dev", "lo"]);
+        ip(&["-n", &lab.ns, "link", "set", "eth0", "up"]);
+        ip(&["-n", &lab.ns, "link", "set", "lo", "up"]);
+        ip(&[
+            "-n",
+            &lab.ns,
+            "route",
+            "add",
+            "default",
+            "via",
+            "198.51.100.1",
+        ]);
+        ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.2"]);
+        let www = lab._www.path().to_path_buf();
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &lab.ns,
+                "python3",
+                "-m",
+                "http.server",
+                "80",
+            ])
+            .arg("--directory")
+            .arg(www.join("out"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        lab.servers.push(out);
+        let host = Command::new("python3")
+            .args(["-m", "http.server", "18081", "--bind", "198.51.100.1"])
+            .arg("--directory")
+            .arg(www.join("host"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        lab.servers.push(host);
+        for addr in [(OUT_ADDR, 80), (FAR_ADDR, 80), (HOST_ADDR, 18081)] {
+            wait_for(SocketAddr::from(addr));
+        }
+        // Opening the pool loads the datapath: the place to learn it cannot load here.
+        if let Err(e) = open_pool() {
+            eprintln!("skipping: the eBPF datapath cannot load here: {e}");
+            return None;
+        }
+        Some(lab)
+    }
+
+    fn runtime(&self) -> Runtime {
+        Runtime::open(RuntimeConfig {
+            store_root: self.store_root.clone(),
+            pool_size: 0,
+            supervisor: Some(PathBuf::from(SUPERVISOR)),
+        })
+        .unwrap()
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        for server in &mut self.servers {
+            let _ = server.kill();
+            let _ = server.wait();
+        }
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.uplink])
+            .status();
+        if self.pool_existed {
+            return;
+        }
+        if let Ok((pool, _lock)) = open_pool() {
+            let _ = pool.destroy();
+        }
+        let config = pool_config(&self.pool);
+        let _ = std::fs::remove_file(config.run_dir.join(format!("{}.lock", self.pool)));
+    }
+}
+
+fn wait_for(addr: SocketAddr) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+        assert!(Instant::now() < deadline, "{addr} never came up");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// GET `http://addr:port/` from inside the sandbox; the body, or why it failed.
+fn get_inside(agent: &Client, addr: Ipv4Addr, port: u16) -> Result<String, String> {
+    let script = "import sys, urllib.request\n\
+        print(urllib.request.urlopen(sys.argv[1], timeout=2).read().decode(), end='')";
+    let out = agent
+        .exec(ExecRequest {
+            argv: vec![
+                "python3".into(),
+                "-c".into(),
+                script.into(),
+                format!("http://{addr}:{port}/"),
+            ],
+            timeout_ms: Some(10_000),
+            ..ExecRequest::default()
+        })
+        .unwrap();
+    if out.exit.code == Some(0) {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+/// GET `/` at `addr` from the host; the status line.
+fn get_from_host(addr: SocketAddr) -> std::io::Result<String> {
+    let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    stream.write_all(b"GET / HTTP/1.0\r\n\r\n")?;
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer)?;
+    Ok(answer.lines().next().unwrap_or_default().to_string())
+}
+
+fn with_network(policy: NetworkPolicy, expose: Vec<PortMapping>) -> CreateOptions {
+    CreateOptions {
+        network: Some(NetworkOptions { policy, expose }),
+        ..CreateOptions::default()
+    }
+}
+
+fn ifindex(name: &str) -> Option<u32> {
+    std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
+#[test]
+fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave_nothing() {
+    if skip() {
+        return;
+    }
+    let Some(lab) = Lab::new() else { return };
+    let rt = lab.runtime();
+
+    // A sandbox without a network has loopback only, as before.
+    let mut plain = rt.create(HOST_TEMPLATE, CreateOptions::default()).unwrap();
+    assert!(get_inside(&plain.agent().unwrap(), OUT_ADDR, 80).is_err());
+    assert!(plain.network().is_err(), "no network, no report");
+    plain.destroy().unwrap();
+
+    // NAT to the outside; a denied CIDR and the host's own address refused.
+    let denying = NetworkPolicy {
+        deny_out: vec!["203.0.113.0/24".into()],
+        ..NetworkPolicy::default()
+    };
+    let mut a = rt
+        .create(HOST_TEMPLATE, with_network(denying, Vec::new()))
+        .unwrap();
+    let agent_a = a.agent().unwrap();
+    assert_eq!(get_inside(&agent_a, OUT_ADDR, 80).unwrap(), "outside");
+    assert!(
+        get_inside(&agent_a, FAR_ADDR, 80).is_err(),
+        "denied CIDR reached"
+    );
+    assert!(
+        get_inside(&agent_a, HOST_ADDR, 18081).is_err(),
+        "the host reached"
+    );
+    let report = a.network().unwrap();
+    assert!(report.counters.tx_packets >= 4, "{report:?}");
+    assert!(report.counters.rx_bytes > 0, "{report:?}");
+    assert!(report.counters.dropped > 0, "{report:?}");
+
+    // Live policy changes: lift the deny; then offline; then the host exactly.
+    a.set_policy(&NetworkPolicy::default()).unwrap();
+    assert_eq!(get_inside(&agent_a, FAR_ADDR, 80).unwrap(), "outside");
+    a.set_policy(&NetworkPolicy {
+        internet: false,
+        ..NetworkPolicy::default()
+    })
+    .unwrap();
+    assert!(
+        get_inside(&agent_a, OUT_ADDR, 80).is_err(),
+        "offline reached out"
+    );
+    assert!(a
+        .set_policy(&NetworkPolicy {
+            allow_out: vec!["not-a-cidr".into()],
+            ..NetworkPolicy::default()
+        })
+        .is_err());
+
+    // A port exposed from sandbox b, reachable from the host.
+    let port = 18000 + (std::process::id() % 900) as u16;
+    let mut b = rt
+        .create(
+            HOST_TEMPLATE,
+            with_network(
+                NetworkPolicy::default(),
+                vec![PortMapping {
+                    host_port: port,
+                    sandbox_port: 8000,
+                }],
+            ),
+        )
+        .unwrap();
+    let agent_b = b.agent().unwrap();
+    let _server = agent_b
+        .start(RequestBody::Exec(ExecRequest {
+            argv: [
+                "python3",
+                "-m",
+                "http.server",
+                "8000",
+                "--directory",
+                "/tmp",
+            ]
+            .map(String::from)
+            .to_vec(),
+            ..ExecRequest::default()
+        }))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while get_inside(&agent_b, Ipv4Addr::LOCALHOST, 8000).is_err() {
+        assert!(Instant::now() < deadline, "the server in b never came up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let exposed = SocketAddr::from((HOST_ADDR, port));
+    let status = get_from_host(exposed).unwrap();
+    assert!(status.contains(" 200 "), "{status}");
+
+    // Sandboxes are apart: a reaches b's port only once its policy allows the host.
+    a.set_policy(&NetworkPolicy::default()).unwrap();
+    assert!(
+        get_inside(&agent_a, HOST_ADDR, port).is_err(),
+        "a reached b"
+    );
+    a.set_policy(&NetworkPolicy {
+        allow_out: vec![format!("{HOST_ADDR}/32")],
+        ..NetworkPolicy::default()
+    })
+    .unwrap();
+    assert!(
+        get_inside(&agent_a, HOST_ADDR, port).is_ok(),
+        "allowed, yet refused"
+    );
+
+    // Unexpose, expose again live.
+    b.unexpose(port).unwrap();
+    assert!(
+        get_from_host(exposed).is_err(),
+        "withdrawn port still served"
+    );
+    b.expose(PortMapping {
+        host_port: port,
+        sandbox_port: 8000,
+    })
+    .unwrap();
+    assert!(get_from_host(exposed).unwrap().contains(" 200 "));
+    assert!(b.unexpose(port + 1).is_err(), "a port never exposed");
+
+    // After destroy nothing of either network is left.
+    let (pool, lock) = open_pool().unwrap();
+    drop(lock);
+    for sandbox in [a, b] {
+        let name = {
+            let mut sandbox = sandbox;
+            let name = sandbox.network().unwrap().host_ifname;
+            let index = ifindex(&name).expect("the host end exists while attached");
+            sandbox.destroy().unwrap();
+            (name, index)
+        };
+        assert!(ifindex(&name.0).is_none(), "{} left on the host", name.0);
+        let residue = pool.residue(&name.0, name.1).unwrap();
+        assert_eq!(residue, cube_net::Residue::default(), "{}", name.0);
+    }
+    assert!(get_from_host(exposed).is_err(), "port served after destroy");
+    drop(agent_a);
+    drop(agent_b);
+
+    // A killed supervisor: removing the stale sandbox releases its device by the
+    // name recorded in its directory.
+    let mut c = rt
+        .create(
+            HOST_TEMPLATE,
+            with_network(NetworkPolicy::default(), Vec::new()),
+        )
+        .unwrap();
+    let id = c.id().to_string();
+    let name = c.network().unwrap().host_ifname;
+    let index = ifindex(&name).unwrap();
+    let status = c.status().unwrap();
+    let jail = status.jail.clone().unwrap();
+    drop(c);
+    // SAFETY: signals a process this test started (through the runtime).
+    unsafe { libc::kill(status.pid as i32, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rt.attach(&id).is_ok() {
+        assert!(Instant::now() < deadline, "the supervisor did not die");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The jail ends with its supervisor (the agent's lifeline), and its namespace with
+    // it may already have taken the device; removing the stale sandbox releases
+    // whatever is left either way.
+    rt.remove_stale(&id).unwrap();
+    assert!(
+        ifindex(&name).is_none(),
+        "{name} left after removing the stale sandbox"
+    );
+    let (pool, lock) = open_pool().unwrap();
+    drop(lock);
+    assert_eq!(
+        pool.residue(&name, index).unwrap(),
+        cube_net::Residue::default()
+    );
+    // The orphaned jail is this test's to end: its agent, then its cgroups.
+    if let Some(pid) = jail.pid {
+        // SAFETY: the jail's init, started by this test's sandbox.
+        unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    }
+    for dir in jail.cgroups.iter().rev() {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::fs::remove_dir(dir).is_err() && dir.exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
