@@ -18,6 +18,10 @@ use crate::protocol::{
 };
 use crate::transport::Transport;
 
+/// How long [`Client::connect_unix`] and [`Client::new`] wait for the agent's `Hello`:
+/// a stopped or frozen agent accepts connections into its backlog but never answers.
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Chunk size the client uses for streamed writes.
 const WRITE_CHUNK: usize = 1024 * 1024;
 
@@ -120,18 +124,39 @@ pub struct ExecOutput {
 }
 
 impl Client {
-    /// Connects to an agent listening on a unix socket and shakes hands.
+    /// Connects to an agent listening on a unix socket and shakes hands, giving up
+    /// after [`HANDSHAKE_TIMEOUT`].
     pub fn connect_unix(path: &Path) -> Result<Self, ClientError> {
-        let stream = UnixStream::connect(path).map_err(ClientError::Connect)?;
-        Self::new(stream)
+        Self::connect_unix_timeout(path, HANDSHAKE_TIMEOUT)
     }
 
-    /// Takes over a connected stream and shakes hands.
+    /// Like [`Client::connect_unix`], waiting at most `timeout` for the handshake.
+    pub fn connect_unix_timeout(path: &Path, timeout: Duration) -> Result<Self, ClientError> {
+        let stream = UnixStream::connect(path).map_err(ClientError::Connect)?;
+        Self::with_handshake_timeout(stream, timeout)
+    }
+
+    /// Takes over a connected stream and shakes hands, giving up after
+    /// [`HANDSHAKE_TIMEOUT`].
     pub fn new<T: Transport>(transport: T) -> Result<Self, ClientError> {
+        Self::with_handshake_timeout(transport, HANDSHAKE_TIMEOUT)
+    }
+
+    /// Like [`Client::new`], waiting at most `timeout` for the handshake.
+    pub fn with_handshake_timeout<T: Transport>(
+        transport: T,
+        timeout: Duration,
+    ) -> Result<Self, ClientError> {
         let client = Self::without_handshake(transport)?;
-        match client.call(RequestBody::Hello {
+        let mut hello = client.start(RequestBody::Hello {
             protocol: PROTOCOL_VERSION,
-        })? {
+        })?;
+        let answer = match hello.recv_timeout(timeout)? {
+            Some(ResponseBody::Error(e)) => return Err(ClientError::Agent(e)),
+            Some(body) => body,
+            None => return Err(ClientError::Disconnected),
+        };
+        match answer {
             ResponseBody::Hello { protocol, .. } if protocol == PROTOCOL_VERSION => Ok(client),
             ResponseBody::Hello { protocol, .. } => Err(ClientError::Version(protocol)),
             other => Err(ClientError::Unexpected(format!("{other:?}"))),
@@ -489,4 +514,23 @@ fn read_loop<T: Read>(stream: T, routes: Routes, unsolicited: Sender<Response>) 
     }
     // Dropping the senders wakes every waiting call with `Disconnected`.
     lock(&routes).clear();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    #[test]
+    fn a_silent_agent_makes_the_handshake_time_out() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("silent.sock");
+        // Accepts connections (as a frozen agent's backlog does) and never answers.
+        let listener = UnixListener::bind(&path).unwrap();
+        let err = Client::connect_unix_timeout(&path, Duration::from_millis(200))
+            .err()
+            .unwrap();
+        assert!(matches!(err, ClientError::Timeout), "{err}");
+        drop(listener);
+    }
 }

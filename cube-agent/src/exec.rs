@@ -125,10 +125,15 @@ struct Entry {
     ended: Condvar,
 }
 
-/// The execs of one agent, by id.
+/// What an exec is known by: the connection that started it (a number the server
+/// gives each stream) and its request id there. Ids are the clients' own, so two
+/// clients numbering from 1 must not meet in one table.
+pub type ExecKey = (u64, u64);
+
+/// The execs of one agent, by connection and id.
 pub struct ExecTable {
     reaper: Reaper,
-    entries: Mutex<HashMap<u64, Arc<Entry>>>,
+    entries: Mutex<HashMap<ExecKey, Arc<Entry>>>,
 }
 
 /// Receives the events of a running exec; returns false once nobody listens any more
@@ -144,7 +149,7 @@ impl ExecTable {
         }
     }
 
-    fn entries(&self) -> MutexGuard<'_, HashMap<u64, Arc<Entry>>> {
+    fn entries(&self) -> MutexGuard<'_, HashMap<ExecKey, Arc<Entry>>> {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -161,16 +166,17 @@ impl ExecTable {
         &self.reaper
     }
 
-    /// Runs `req` under `id` to its end, emitting `Started` and output events; returns
+    /// Runs `req` under `key` to its end, emitting `Started` and output events; returns
     /// how it ended (the caller sends `Exited`). `base_env` is the sandbox-wide
     /// environment.
     pub fn run(
         &self,
-        id: u64,
+        key: ExecKey,
         req: &ExecRequest,
         base_env: &[(String, String)],
         emit: Emit<'_>,
     ) -> Result<ExitInfo, ExecError> {
+        let id = key.1;
         let program = req
             .argv
             .first()
@@ -223,7 +229,7 @@ impl ExecTable {
         // Holding the table lock across spawn keeps the id check and insert atomic.
         let (mut child, status, entry) = {
             let mut entries = self.entries();
-            if entries.contains_key(&id) {
+            if entries.contains_key(&key) {
                 return Err(ExecError::IdInUse(id));
             }
             let (child, status) =
@@ -239,7 +245,7 @@ impl ExecTable {
                 exit: Mutex::new(None),
                 ended: Condvar::new(),
             });
-            entries.insert(id, Arc::clone(&entry));
+            entries.insert(key, Arc::clone(&entry));
             (child, status, entry)
         };
         let mut listening = emit(ResponseBody::Started { pid: child.id() });
@@ -277,16 +283,16 @@ impl ExecTable {
                 // Never leave a process running that nobody can see any more.
                 let _ = killpg(entry.pgid, Signal::SIGKILL);
                 let _ = status.wait_timeout(Duration::from_secs(5));
-                self.finish(id, &entry, None);
+                self.finish(key, &entry, None);
                 return Err(e);
             }
         };
-        self.finish(id, &entry, Some(exit));
+        self.finish(key, &entry, Some(exit));
         Ok(exit)
     }
 
     /// Records how an exec ended and forgets it unless it is a background exec.
-    fn finish(&self, id: u64, entry: &Arc<Entry>, exit: Option<ExitInfo>) {
+    fn finish(&self, key: ExecKey, entry: &Arc<Entry>, exit: Option<ExitInfo>) {
         let info = exit.unwrap_or(ExitInfo {
             code: None,
             signal: None,
@@ -295,16 +301,17 @@ impl ExecTable {
         *lock(&entry.exit) = Some(info);
         entry.ended.notify_all();
         if !entry.background || exit.is_none() {
-            self.entries().remove(&id);
+            self.entries().remove(&key);
         }
     }
 
     /// Sends `signal` to the process group of a running exec.
-    pub fn kill(&self, id: u64, signal: i32) -> Result<(), ExecError> {
+    pub fn kill(&self, key: ExecKey, signal: i32) -> Result<(), ExecError> {
+        let id = key.1;
         let sig = Signal::try_from(signal).map_err(|_| ExecError::BadSignal(signal))?;
         let entry = self
             .entries()
-            .get(&id)
+            .get(&key)
             .cloned()
             .ok_or(ExecError::NoSuchExec(id))?;
         // The exit is recorded within one poll step of the leader being reaped, and
@@ -319,10 +326,11 @@ impl ExecTable {
 
     /// Waits for an exec to end and returns how it ended; a background exec is
     /// forgotten once waited for.
-    pub fn wait(&self, id: u64) -> Result<ExitInfo, ExecError> {
+    pub fn wait(&self, key: ExecKey) -> Result<ExitInfo, ExecError> {
+        let id = key.1;
         let entry = self
             .entries()
-            .get(&id)
+            .get(&key)
             .cloned()
             .ok_or(ExecError::NoSuchExec(id))?;
         let mut exit = lock(&entry.exit);
@@ -336,7 +344,7 @@ impl ExecTable {
                 .unwrap_or_else(PoisonError::into_inner);
         };
         drop(exit);
-        self.entries().remove(&id);
+        self.entries().remove(&key);
         Ok(info)
     }
 
@@ -488,7 +496,7 @@ mod tests {
     fn run(table: &ExecTable, id: u64, r: &ExecRequest) -> (Vec<u8>, Vec<u8>, ExitInfo) {
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let exit = table
-            .run(id, r, &[("BASE".into(), "b".into())], &mut |body| {
+            .run((0, id), r, &[("BASE".into(), "b".into())], &mut |body| {
                 match body {
                     ResponseBody::Stdout(b) => out.extend(b),
                     ResponseBody::Stderr(b) => err.extend(b),
@@ -563,33 +571,41 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let t = Arc::clone(&table);
         let runner = std::thread::spawn(move || {
-            t.run(3, &r, &[], &mut |body| {
+            t.run((0, 3), &r, &[], &mut |body| {
                 let _ = tx.send(body);
                 true
             })
         });
         assert!(matches!(rx.recv().unwrap(), ResponseBody::Started { .. }));
-        table.kill(3, libc::SIGTERM).unwrap();
-        let exit = table.wait(3).unwrap();
+        table.kill((0, 3), libc::SIGTERM).unwrap();
+        let exit = table.wait((0, 3)).unwrap();
         assert_eq!(exit.signal, Some(libc::SIGTERM));
         runner.join().unwrap().unwrap();
-        assert!(matches!(table.wait(3), Err(ExecError::NoSuchExec(3))));
-        assert!(matches!(table.kill(3, 9), Err(ExecError::NoSuchExec(3))));
-        assert!(matches!(table.kill(3, 999), Err(ExecError::BadSignal(999))));
+        assert!(matches!(table.wait((0, 3)), Err(ExecError::NoSuchExec(3))));
+        assert!(matches!(
+            table.kill((0, 3), 9),
+            Err(ExecError::NoSuchExec(3))
+        ));
+        assert!(matches!(
+            table.kill((0, 3), 999),
+            Err(ExecError::BadSignal(999))
+        ));
     }
 
     #[test]
     fn bad_requests_are_refused() {
         let table = ExecTable::new(Reaper::per_child());
-        let err = table.run(4, &req(&[]), &[], &mut |_| true).unwrap_err();
+        let err = table
+            .run((0, 4), &req(&[]), &[], &mut |_| true)
+            .unwrap_err();
         assert_eq!(err.to_reply().code, ErrorCode::InvalidArgument);
         let err = table
-            .run(5, &req(&["/no/such/program"]), &[], &mut |_| true)
+            .run((0, 5), &req(&["/no/such/program"]), &[], &mut |_| true)
             .unwrap_err();
         assert_eq!(err.to_reply().code, ErrorCode::NotFound);
         let mut r = req(&["true"]);
         r.cwd = Some("/no/such/dir".into());
-        let err = table.run(6, &r, &[], &mut |_| true).unwrap_err();
+        let err = table.run((0, 6), &r, &[], &mut |_| true).unwrap_err();
         assert_eq!(err.to_reply().code, ErrorCode::NotFound);
     }
 }

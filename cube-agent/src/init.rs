@@ -44,12 +44,18 @@ pub fn become_subreaper() -> Result<(), InitError> {
     }
 }
 
-/// The signals that shut the agent down.
+/// The signal that makes the agent close every host connection (and go on serving new
+/// ones): what the host sends before a CRIU checkpoint of the sandbox, which cannot hold
+/// a stream whose peer is outside. See [`Agent::drop_connections`].
+pub const DISCONNECT_SIGNAL: Signal = Signal::SIGUSR2;
+
+/// The signals that shut the agent down, and [`DISCONNECT_SIGNAL`].
 fn termination_signals() -> SigSet {
     let mut set = SigSet::empty();
     set.add(Signal::SIGTERM);
     set.add(Signal::SIGINT);
     set.add(Signal::SIGHUP);
+    set.add(DISCONNECT_SIGNAL);
     set
 }
 
@@ -75,6 +81,11 @@ pub fn spawn_signal_thread(set: SigSet, agent: Agent, grace: Duration) -> Result
                     continue;
                 }
             };
+            if sig == DISCONNECT_SIGNAL {
+                let closed = agent.drop_connections();
+                tracing::debug!(closed, "host connections dropped");
+                continue;
+            }
             tracing::info!(signal = ?sig, "shutting down");
             shutdown(&agent, sig, grace);
             std::process::exit(0);

@@ -50,19 +50,21 @@ pub enum RequestBody {
         /// Variables to remove.
         unset: Vec<String>,
     },
-    /// Runs a process; its id is the request id. Answered by `Started`, then `Stdout` and
-    /// `Stderr` chunks as they are produced, then `Exited`.
+    /// Runs a process; its id is the request id, on this connection (another
+    /// connection's exec of the same id is a different one, and `Kill`/`Wait` reach only
+    /// the execs of the connection they come on). Answered by `Started`, then `Stdout`
+    /// and `Stderr` chunks as they are produced, then `Exited`.
     Exec(ExecRequest),
     /// Sends a signal to the process group of a running exec. Answered by `Done`.
     Kill {
-        /// The id of the `Exec` request.
+        /// The id of the `Exec` request on this connection.
         exec_id: u64,
         /// The signal number, e.g. 9 or 15.
         signal: i32,
     },
     /// Waits for a background exec to end. Answered by `Exited`.
     Wait {
-        /// The id of the `Exec` request.
+        /// The id of the `Exec` request on this connection.
         exec_id: u64,
     },
     /// Streams a file: `FileChunk`s, then `FileEnd`.

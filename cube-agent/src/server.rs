@@ -8,6 +8,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::{BufReader, Write};
+use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -57,6 +58,8 @@ pub struct Agent {
 }
 
 struct Inner {
+    connections: Arc<Mutex<Connections>>,
+    next_connection: std::sync::atomic::AtomicU64,
     execs: ExecTable,
     contexts: Contexts,
     env: RwLock<BTreeMap<String, String>>,
@@ -64,8 +67,38 @@ struct Inner {
     in_flight: AtomicUsize,
 }
 
+/// The descriptors of every stream being served, so that they can be closed at once
+/// ([`Agent::drop_connections`]).
+#[derive(Default)]
+struct Connections {
+    next: u64,
+    fds: HashMap<u64, RawFd>,
+}
+
+/// One descriptor's entry in [`Connections`], removed on drop. It must drop before the
+/// descriptor closes (declared after its owner, or before it in a struct), so that
+/// [`Agent::drop_connections`] never touches a number reused meanwhile.
+struct Registration {
+    connections: Arc<Mutex<Connections>>,
+    key: Option<u64>,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        if let Some(key) = self.key {
+            lock(&self.connections).fds.remove(&key);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
 /// The writing half of a stream, shared by every thread answering on it.
 struct Replies {
+    // Before `writer`: fields drop in order, and the entry must go first.
+    _registration: Registration,
     writer: Mutex<Box<dyn Write + Send>>,
 }
 
@@ -107,6 +140,8 @@ enum WriteState {
 
 /// Per-stream state kept by the reading thread.
 struct Connection {
+    /// This stream's number: exec ids are the client's, so execs are keyed by both.
+    number: u64,
     replies: Arc<Replies>,
     handshaken: bool,
     writes: HashMap<u64, WriteState>,
@@ -117,6 +152,8 @@ impl Agent {
     pub fn new(config: AgentConfig) -> Self {
         Self {
             inner: Arc::new(Inner {
+                connections: Arc::default(),
+                next_connection: std::sync::atomic::AtomicU64::new(1),
                 contexts: Contexts::new(config.reaper.clone()),
                 execs: ExecTable::new(config.reaper),
                 env: RwLock::new(config.env.into_iter().collect()),
@@ -144,19 +181,69 @@ impl Agent {
         execs.signal_all(Signal::SIGKILL);
     }
 
+    fn register(&self, fd: Option<RawFd>) -> Registration {
+        let connections = Arc::clone(&self.inner.connections);
+        let key = fd.map(|fd| {
+            let mut c = lock(&connections);
+            c.next += 1;
+            let key = c.next;
+            c.fds.insert(key, fd);
+            key
+        });
+        Registration { connections, key }
+    }
+
+    /// Closes every stream being served: each is shut down (so its reader sees the end
+    /// and its peer a closed connection) and its descriptor replaced by `/dev/null`
+    /// (answers still under way go nowhere). Afterwards this process holds no connected
+    /// socket of the host, which is what a checkpoint of the sandbox needs: CRIU cannot
+    /// save a stream whose other end is outside it. Clients reconnect. Returns how many
+    /// descriptors were closed.
+    pub fn drop_connections(&self) -> usize {
+        let connections = lock(&self.inner.connections);
+        if connections.fds.is_empty() {
+            return 0;
+        }
+        // SAFETY: open(2) of a constant path; the descriptor is owned right away.
+        let null = unsafe { libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+        if null < 0 {
+            tracing::warn!(error = %std::io::Error::last_os_error(), "cannot open /dev/null");
+        }
+        for fd in connections.fds.values() {
+            // SAFETY: `fd` is registered, so its owner has not closed it (the entry goes
+            // before the descriptor, under this lock); shutdown and dup3 only change
+            // what the descriptor refers to.
+            unsafe {
+                libc::shutdown(*fd, libc::SHUT_RDWR);
+                if null >= 0 {
+                    libc::dup3(null, *fd, libc::O_CLOEXEC);
+                }
+            }
+        }
+        if null >= 0 {
+            // SAFETY: closes the descriptor opened above, owned by nothing else.
+            unsafe { libc::close(null) };
+        }
+        connections.fds.len()
+    }
+
     /// Serves one stream until the peer closes it.
     pub fn serve<T: Transport>(&self, transport: T) -> Result<(), ServerError> {
         let write_half = transport
             .try_clone_transport()
             .map_err(ServerError::Clone)?;
         let mut conn = Connection {
+            number: self.inner.next_connection.fetch_add(1, Ordering::Relaxed),
             replies: Arc::new(Replies {
+                _registration: self.register(write_half.raw_fd()),
                 writer: Mutex::new(Box::new(write_half)),
             }),
             handshaken: false,
             writes: HashMap::new(),
         };
         let mut reader = BufReader::with_capacity(256 * 1024, transport);
+        // Declared after `reader`, so it drops first.
+        let _registration = self.register(reader.get_ref().raw_fd());
         let mut buf = Vec::new();
         loop {
             match frame::read_frame(&mut reader, &mut buf) {
@@ -169,6 +256,9 @@ impl Agent {
                     }
                 },
                 Ok(false) | Err(FrameError::Truncated) => return Ok(()),
+                // drop_connections put /dev/null in the socket's place (std reads
+                // sockets with recv): the stream was ended on purpose.
+                Err(FrameError::Io(e)) if e.raw_os_error() == Some(libc::ENOTSOCK) => return Ok(()),
                 Err(FrameError::Oversized { len, id }) => {
                     conn.replies.error(
                         id.unwrap_or(0),
@@ -275,7 +365,7 @@ impl Agent {
                 };
             }
             RequestBody::Kill { exec_id, signal } => {
-                let body = match self.inner.execs.kill(exec_id, signal) {
+                let body = match self.inner.execs.kill((conn.number, exec_id), signal) {
                     Ok(()) => ResponseBody::Done,
                     Err(e) => ResponseBody::Error(e.to_reply()),
                 };
@@ -344,12 +434,12 @@ impl Agent {
                     );
                 }
             },
-            other => self.spawn_handler(Arc::clone(&conn.replies), id, other),
+            other => self.spawn_handler(Arc::clone(&conn.replies), conn.number, id, other),
         }
     }
 
     /// Runs a request that may block (processes, filesystem) on its own thread.
-    fn spawn_handler(&self, replies: Arc<Replies>, id: u64, body: RequestBody) {
+    fn spawn_handler(&self, replies: Arc<Replies>, connection: u64, id: u64, body: RequestBody) {
         if self.inner.in_flight.fetch_add(1, Ordering::SeqCst) >= MAX_IN_FLIGHT {
             self.inner.in_flight.fetch_sub(1, Ordering::SeqCst);
             replies.error(id, ErrorCode::Busy, "too many requests in flight");
@@ -360,7 +450,7 @@ impl Agent {
         let spawned = std::thread::Builder::new()
             .name(format!("request-{id}"))
             .spawn(move || {
-                let body = agent.run_blocking(&thread_replies, id, body);
+                let body = agent.run_blocking(&thread_replies, connection, id, body);
                 thread_replies.send(id, body);
                 agent.inner.in_flight.fetch_sub(1, Ordering::SeqCst);
             });
@@ -375,7 +465,13 @@ impl Agent {
     }
 
     /// Runs one blocking request, emitting its events, and returns its final answer.
-    fn run_blocking(&self, replies: &Replies, id: u64, body: RequestBody) -> ResponseBody {
+    fn run_blocking(
+        &self,
+        replies: &Replies,
+        connection: u64,
+        id: u64,
+        body: RequestBody,
+    ) -> ResponseBody {
         let mut emit = |b: ResponseBody| replies.send(id, b);
         let done = |r: Result<(), files::FilesError>| match r {
             Ok(()) => ResponseBody::Done,
@@ -384,12 +480,16 @@ impl Agent {
         match body {
             RequestBody::Exec(req) => {
                 let env = self.env_snapshot();
-                match self.inner.execs.run(id, &req, &env, &mut emit) {
+                match self
+                    .inner
+                    .execs
+                    .run((connection, id), &req, &env, &mut emit)
+                {
                     Ok(exit) => ResponseBody::Exited(exit),
                     Err(e) => ResponseBody::Error(e.to_reply()),
                 }
             }
-            RequestBody::Wait { exec_id } => match self.inner.execs.wait(exec_id) {
+            RequestBody::Wait { exec_id } => match self.inner.execs.wait((connection, exec_id)) {
                 Ok(exit) => ResponseBody::Exited(exit),
                 Err(e) => ResponseBody::Error(e.to_reply()),
             },
@@ -634,5 +734,98 @@ mod tests {
             Err(ClientError::Agent(e)) => assert_eq!(e.code, ErrorCode::InvalidArgument),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn drop_connections_closes_every_stream_and_serving_goes_on() {
+        let (agent, first, handle) = pair();
+        let (a, b) = UnixStream::pair().unwrap();
+        let served = agent.clone();
+        let second_handle = std::thread::spawn(move || served.serve(a));
+        let second = Client::new(b).unwrap();
+        // A background exec holds its connection's writer on another thread.
+        let sleeper = first
+            .start(RequestBody::Exec(ExecRequest {
+                argv: vec!["sleep".into(), "0.3".into()],
+                ..Default::default()
+            }))
+            .unwrap();
+        assert_eq!(
+            agent.drop_connections(),
+            4,
+            "two descriptors per connection"
+        );
+        handle.join().unwrap().unwrap();
+        second_handle.join().unwrap().unwrap();
+        for client in [&first, &second] {
+            let err = client.call(RequestBody::Health).unwrap_err();
+            assert!(
+                matches!(err, ClientError::Disconnected | ClientError::Send(_)),
+                "{err}"
+            );
+        }
+        drop(sleeper);
+        // The exec's thread answers into /dev/null and unregisters when it ends.
+        std::thread::sleep(std::time::Duration::from_millis(500));
+        assert_eq!(agent.drop_connections(), 0);
+        let (_agent2, third, _h) = {
+            let (a, b) = UnixStream::pair().unwrap();
+            let served = agent.clone();
+            let h = std::thread::spawn(move || served.serve(a));
+            (agent.clone(), Client::new(b).unwrap(), h)
+        };
+        third.call(RequestBody::Health).unwrap();
+    }
+
+    #[test]
+    fn two_connections_may_use_the_same_exec_id() {
+        let (agent, first, _h) = pair();
+        let (a, b) = UnixStream::pair().unwrap();
+        let served = agent.clone();
+        std::thread::spawn(move || served.serve(a));
+        let second = Client::new(b).unwrap();
+        let sleep = |client: &Client| {
+            client
+                .start_with_id(
+                    7,
+                    RequestBody::Exec(ExecRequest {
+                        argv: vec!["sleep".into(), "30".into()],
+                        ..Default::default()
+                    }),
+                )
+                .unwrap()
+        };
+        let mut one = sleep(&first);
+        let mut two = sleep(&second);
+        for call in [&mut one, &mut two] {
+            let started = call.recv().unwrap().unwrap();
+            assert!(
+                matches!(started, ResponseBody::Started { .. }),
+                "{started:?}"
+            );
+        }
+        // A kill of id 7 on the second connection reaches its own exec only.
+        second
+            .call(RequestBody::Kill {
+                exec_id: 7,
+                signal: libc::SIGKILL,
+            })
+            .unwrap();
+        match two.finish().unwrap() {
+            ResponseBody::Exited(exit) => assert_eq!(exit.signal, Some(libc::SIGKILL)),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            agent.execs().running(),
+            1,
+            "the first connection's exec went too"
+        );
+        first
+            .call(RequestBody::Kill {
+                exec_id: 7,
+                signal: libc::SIGKILL,
+            })
+            .unwrap();
+        assert!(matches!(one.finish().unwrap(), ResponseBody::Exited(_)));
     }
 }

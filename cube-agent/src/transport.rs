@@ -14,6 +14,12 @@ pub trait Transport: Read + Write + Send + 'static {
 
     /// Shuts both directions down so a thread blocked reading the other handle wakes up.
     fn shutdown_transport(&self) -> io::Result<()>;
+
+    /// The descriptor under this handle, when it has one: how the agent closes every
+    /// host connection at once (see [`crate::server::Agent::drop_connections`]).
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        None
+    }
 }
 
 impl Transport for UnixStream {
@@ -24,6 +30,10 @@ impl Transport for UnixStream {
     fn shutdown_transport(&self) -> io::Result<()> {
         self.shutdown(std::net::Shutdown::Both)
     }
+
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(std::os::fd::AsRawFd::as_raw_fd(self))
+    }
 }
 
 impl Transport for std::net::TcpStream {
@@ -33,6 +43,10 @@ impl Transport for std::net::TcpStream {
 
     fn shutdown_transport(&self) -> io::Result<()> {
         self.shutdown(std::net::Shutdown::Both)
+    }
+
+    fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+        Some(std::os::fd::AsRawFd::as_raw_fd(self))
     }
 }
 
@@ -187,6 +201,10 @@ pub mod vsock {
         fn shutdown_transport(&self) -> io::Result<()> {
             // SAFETY: shutdown(2) on a socket this stream owns.
             check(unsafe { libc::shutdown(self.0.as_raw_fd(), libc::SHUT_RDWR) })
+        }
+
+        fn raw_fd(&self) -> Option<std::os::fd::RawFd> {
+            Some(self.0.as_raw_fd())
         }
     }
 

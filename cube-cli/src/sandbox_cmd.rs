@@ -588,7 +588,10 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
             }
             match snap.kind {
                 SnapshotKind::Full => eprintln!("full snapshot: memory, CPU and files"),
-                SnapshotKind::Filesystem => eprintln!("{FILESYSTEM_NOTE}"),
+                SnapshotKind::Filesystem => match &snap.fallback {
+                    Some(why) => eprintln!("{FILESYSTEM_NOTE}\n(not a full snapshot: {why})"),
+                    None => eprintln!("{FILESYSTEM_NOTE}"),
+                },
             }
         }
         SandboxCommand::Rollback { id, snapshot } => {
@@ -607,7 +610,13 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
             for clone in rt.clone_sandbox(&mut sb, n, 2, CreateOptions::default())? {
                 println!("{}", clone.id());
             }
-            if sb.engine() == Engine::Jail {
+            // The snapshot the clones came from is the sandbox's newest.
+            let kind = rt
+                .snapshots(Some(&id))?
+                .into_iter()
+                .max_by_key(|s| s.created_unix)
+                .map(|s| s.kind);
+            if sb.engine() == Engine::Jail && kind == Some(SnapshotKind::Filesystem) {
                 eprintln!("clones made from a {FILESYSTEM_NOTE}");
             }
         }

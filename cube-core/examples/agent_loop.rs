@@ -9,10 +9,11 @@
 //! sudo target/debug/examples/agent_loop
 //! ```
 //!
-//! A jail's snapshots hold its files, not its processes: after a rollback or in a
-//! clone the interpreter starts afresh, so the loop keeps its state in files, as an
-//! agent that can be restarted should. They live under /home/user: /tmp is a private
-//! tmpfs, which no snapshot holds.
+//! Without a working CRIU a jail's snapshots hold its files, not its processes: after
+//! a rollback or in a clone the interpreter starts afresh, so the loop keeps its state
+//! in files, as an agent that can be restarted should (with CRIU the interpreter comes
+//! back too). They live under /home/user: /tmp is a private tmpfs, which only a full
+//! snapshot holds.
 
 use std::error::Error;
 use std::time::{Duration, Instant};
@@ -82,9 +83,12 @@ fn main() -> Result<()> {
     );
     show("cell 2", &cell(&agent, "sum(data)")?);
 
-    // 2. Snapshot before a step that may wreck the sandbox.
+    // 2. Snapshot before a step that may wreck the sandbox. (A full snapshot ends
+    // agent connections: connect again.)
+    drop(agent);
     let snap = sb.snapshot()?;
     println!("snapshot {} ({})", snap.id, snap.kind);
+    let agent = sb.agent()?;
     let risky = cell(
         &agent,
         "import os\nos.remove('/home/user/data.txt')\nraise RuntimeError('the tool crashed half-way')",

@@ -400,7 +400,7 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
     drop(agent_b);
 
     // A killed supervisor: removing the stale sandbox releases its device by the
-    // name recorded in its directory, although its jail still holds the namespace.
+    // name recorded in its directory.
     let mut c = rt
         .create(
             HOST_TEMPLATE,
@@ -420,7 +420,9 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
         assert!(Instant::now() < deadline, "the supervisor did not die");
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(ifindex(&name).is_some(), "the jail still holds its device");
+    // The jail ends with its supervisor (the agent's lifeline), and its namespace with
+    // it may already have taken the device; removing the stale sandbox releases
+    // whatever is left either way.
     rt.remove_stale(&id).unwrap();
     assert!(
         ifindex(&name).is_none(),

@@ -32,7 +32,11 @@ pub fn connect(py: Python<'_>, socket: PathBuf) -> PyResult<Client> {
         .spawn(move || {
             let deadline = Instant::now() + RESTART_WAIT;
             loop {
-                match Client::connect_unix(&socket) {
+                // Resolved inside the sandbox's root: its code can replace the socket.
+                let connected = cube_core::supervisor::jail_sandbox::connect_agent(&socket)
+                    .map_err(ClientError::Connect)
+                    .and_then(Client::new);
+                match connected {
                     Err(ClientError::Connect(_)) if Instant::now() < deadline => {
                         std::thread::sleep(RETRY_INTERVAL)
                     }

@@ -151,6 +151,8 @@ impl NativeSandbox {
 
     /// Takes a snapshot; returns `(id, kind)`, kind `full` or `filesystem`.
     fn snapshot(&self, py: Python<'_>) -> PyResult<(String, String)> {
+        // A full jail snapshot ends the agent's connections (CRIU cannot save them).
+        self.forget_agent();
         let s = self.with_handle(py, engine::snapshot)?;
         Ok((s.id, s.kind.to_string()))
     }
@@ -232,6 +234,8 @@ impl NativeSandbox {
             return Ok(Vec::new());
         }
         let runtime = Arc::clone(&self.runtime);
+        // Cloning snapshots this sandbox, which ends its agent connections.
+        self.forget_agent();
         let clones = self.with_handle(py, |sb| engine::clone_sandbox(&runtime, sb, n))?;
         Ok(clones
             .into_iter()

@@ -55,6 +55,9 @@ def test_a_snapshot_of_another_sandbox_is_refused(sandbox: Sandbox) -> None:
 
 def test_clones_start_from_the_parent_and_diverge(sandbox: Sandbox) -> None:
     sandbox.files.write("/home/user/origin.txt", "parent")
+    sandbox.run_code("v = ['parent']")
+    # What a clone's snapshot holds on this host: with processes where CRIU works.
+    full = sandbox.create_snapshot().is_full
     clones = sandbox.clone(2)
     try:
         assert len(clones) == 2
@@ -63,8 +66,18 @@ def test_clones_start_from_the_parent_and_diverge(sandbox: Sandbox) -> None:
         for i, c in enumerate(clones):
             assert c.files.read("/home/user/origin.txt") == "parent"
             c.files.write("/home/user/origin.txt", f"clone {i}")
+            if full:
+                # The interpreter came along: the clone has the parent's variable.
+                assert c.run_code("v").text == "['parent']"
+                c.run_code(f"v.append('clone {i}')")
         assert [c.files.read("/home/user/origin.txt") for c in clones] == ["clone 0", "clone 1"]
         assert sandbox.files.read("/home/user/origin.txt") == "parent"
+        if full:
+            assert sandbox.run_code("v").text == "['parent']"
+            assert [c.run_code("v").text for c in clones] == [
+                "['parent', 'clone 0']",
+                "['parent', 'clone 1']",
+            ]
     finally:
         for c in clones:
             c.kill()
@@ -87,6 +100,9 @@ def test_a_paused_sandbox_answers_only_after_resume(sandbox: Sandbox) -> None:
 
 def test_hibernate_and_wake_keep_the_files(sandbox: Sandbox) -> None:
     sandbox.files.write("/home/user/kept.txt", "kept")
+    sandbox.run_code("kept = 41")
+    # Hibernation keeps the processes where snapshots are full (CRIU works).
+    full = sandbox.create_snapshot().is_full
     try:
         sandbox.hibernate()
     except cubesandbox.EngineUnavailable as e:
@@ -94,6 +110,8 @@ def test_hibernate_and_wake_keep_the_files(sandbox: Sandbox) -> None:
     sandbox.wake()
     assert sandbox.files.read("/home/user/kept.txt") == "kept"
     assert sandbox.commands.run("echo awake").stdout == "awake\n"
+    if full:
+        assert sandbox.run_code("kept").text == "41"
 
 
 def test_list_shows_metadata_and_connect_reattaches() -> None:

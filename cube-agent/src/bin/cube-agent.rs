@@ -14,7 +14,7 @@ use cube_agent::reaper::Reaper;
 use cube_agent::server::{Agent, AgentConfig};
 
 const USAGE: &str = "usage: cube-agent (--listen <unix socket path> | --listen-fd <N> | --fd <N> \
-                     | --vsock <port> [--modules <list>]) [--grace-ms <ms>]";
+                     | --vsock <port> [--modules <list>]) [--grace-ms <ms>] [--lifeline-fd <N>]";
 
 /// The vsock port the agent serves in a microVM when started without arguments.
 const VM_AGENT_PORT: u32 = 1024;
@@ -34,12 +34,16 @@ struct Args {
     grace: Duration,
     /// Kernel modules to load first (a VM's initramfs lists its virtio drivers).
     modules: Option<PathBuf>,
+    /// The read end of a pipe whose write end only the host holds: when it reads as
+    /// closed, the host is gone and the agent shuts the sandbox down.
+    lifeline: Option<RawFd>,
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut mode = None;
     let mut grace = Duration::from_secs(2);
     let mut modules = None;
+    let mut lifeline = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let mut value = || args.next().ok_or(format!("{arg} needs a value"));
@@ -62,6 +66,14 @@ fn parse_args() -> Result<Args, String> {
                 mode = Some(Mode::Vsock(v.parse().map_err(|_| format!("bad port {v}"))?));
             }
             "--modules" => modules = Some(PathBuf::from(value()?)),
+            "--lifeline-fd" => {
+                let v = value()?;
+                let fd: RawFd = v.parse().map_err(|_| format!("bad fd {v}"))?;
+                if fd < 0 {
+                    return Err(format!("bad fd {v}"));
+                }
+                lifeline = Some(fd);
+            }
             "--grace-ms" => {
                 let v = value()?;
                 grace = Duration::from_millis(v.parse().map_err(|_| format!("bad grace {v}"))?);
@@ -83,6 +95,7 @@ fn parse_args() -> Result<Args, String> {
         mode: mode.ok_or(USAGE)?,
         grace,
         modules,
+        lifeline,
     })
 }
 
@@ -121,6 +134,15 @@ fn main() -> ExitCode {
     });
     if let Err(e) = init::spawn_signal_thread(signals, agent.clone(), args.grace) {
         return fail(&e);
+    }
+    if let Some(fd) = args.lifeline {
+        let fd = match take_host_fd(fd) {
+            Ok(fd) => fd,
+            Err(code) => return code,
+        };
+        if let Err(e) = watch_lifeline(fd, agent.clone(), args.grace) {
+            return fail(&e);
+        }
     }
     tracing::info!(pid1 = init::is_pid1(), "cube-agent starting");
     if let Mode::Vsock(_) = args.mode {
@@ -208,6 +230,32 @@ fn take_host_fd(fd: RawFd) -> Result<OwnedFd, ExitCode> {
     // SAFETY: the fd was handed to this process for the agent's exclusive use, is open
     // (checked above) and nothing else in this process owns it.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Shuts the sandbox down once `fd` reads as closed: the host that held its write end
+/// is gone (a supervisor killed outright leaves no one to stop its jail otherwise).
+fn watch_lifeline(fd: OwnedFd, agent: Agent, grace: Duration) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("lifeline".into())
+        .spawn(move || {
+            let mut pipe = std::fs::File::from(fd);
+            let mut buf = [0u8; 64];
+            loop {
+                match std::io::Read::read(&mut pipe, &mut buf) {
+                    Ok(0) => break,
+                    Ok(_) => continue,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "lifeline unreadable");
+                        break;
+                    }
+                }
+            }
+            tracing::warn!("the host is gone: shutting down");
+            init::shutdown(&agent, nix::sys::signal::Signal::SIGTERM, grace);
+            std::process::exit(0);
+        })
+        .map(drop)
 }
 
 /// Serves each connection on its own thread, for as long as the listener lives.

@@ -36,6 +36,43 @@ struct RunRow {
     p95_ms: f64,
 }
 
+/// p50/p95 of one measured operation.
+#[derive(Serialize)]
+struct Timing {
+    p50_ms: f64,
+    p95_ms: f64,
+}
+
+impl Timing {
+    fn of(samples: &[Duration]) -> Timing {
+        let (p50, p95) = percentiles_ms(samples);
+        Timing {
+            p50_ms: round2(p50),
+            p95_ms: round2(p95),
+        }
+    }
+}
+
+/// The full-state (CRIU) path on a sandbox whose Python context holds a variable: each
+/// operation's time until the state is usable again (agent reconnected and the
+/// variable read back), over `n` samples.
+#[derive(Serialize)]
+struct FullStateRows {
+    n: usize,
+    /// Dumping the processes and reflinking the layer, sandbox left running.
+    snapshot: Timing,
+    /// Restoring the snapshot in place, to the variable read back.
+    rollback: Timing,
+    /// A new sandbox restored from the snapshot, to the variable read back.
+    clone: Timing,
+    /// Dumping the processes and stopping them.
+    hibernate: Timing,
+    /// Restoring them, to the variable read back.
+    wake: Timing,
+    /// Bytes of CRIU images in one snapshot (the Python interpreter and the agent).
+    image_bytes: u64,
+}
+
 #[derive(Serialize)]
 struct JailReport {
     guest: &'static str,
@@ -57,6 +94,12 @@ struct JailReport {
     resume_p95_ms: f64,
     hibernate_ms: f64,
     wake_ms: f64,
+    /// What the snapshots above hold: "full" (processes through CRIU) or "filesystem".
+    snapshot_kind: String,
+    /// Why they hold files only, when they do.
+    snapshot_fallback: Option<String>,
+    /// The full-state path with live interpreter state; None without a working CRIU.
+    full_state: Option<FullStateRows>,
     memory_overhead_mib_per_sandbox: Option<f64>,
     memory_overhead_sandboxes: Option<usize>,
     memory_pss_mib_per_sandbox: f64,
@@ -215,6 +258,7 @@ fn measure(
     let mut snapshot_rows = Vec::new();
     let mut clone_rows = Vec::new();
     let mut rollbacks = Vec::new();
+    let mut snapshot_kind = None;
     let mut written = 0;
     for dirty_mib in [0u64, 10, 100] {
         if dirty_mib > written {
@@ -230,6 +274,9 @@ fn measure(
         let start = Instant::now();
         let snap = sb.snapshot()?;
         let snapshot_ms = ms(start.elapsed());
+        snapshot_kind = Some((snap.kind.to_string(), snap.fallback.clone()));
+        // A full snapshot ended the agent's connections.
+        client = sb.agent()?;
         let start = Instant::now();
         let clone = unpooled.create_from_snapshot(&snap.id, CreateOptions::new(true))?;
         let clone_client = clone.agent()?;
@@ -274,6 +321,14 @@ fn measure(
         .map(proportional_set_kib)
         .unwrap_or(0);
     sb.destroy()?;
+
+    let (snapshot_kind, snapshot_fallback) = snapshot_kind.unwrap_or_default();
+    let full_state = if snapshot_kind == "full" {
+        progress("jail: full-state snapshot, rollback, clone, hibernate, wake");
+        Some(full_state(unpooled, repeats)?)
+    } else {
+        None
+    };
 
     progress("jail: `true` end to end against bwrap, API path against direct");
     let cube = std::env::current_exe().map_err(failed)?;
@@ -373,6 +428,9 @@ fn measure(
         resume_p95_ms: round2(resume_p95),
         hibernate_ms: round2(ms(hibernate)),
         wake_ms: round2(ms(wake)),
+        snapshot_kind,
+        snapshot_fallback,
+        full_state,
         memory_overhead_mib_per_sandbox: None,
         memory_overhead_sandboxes: None,
         memory_pss_mib_per_sandbox: round2(pss_kib as f64 / 1024.0),
@@ -387,6 +445,86 @@ fn measure(
         run_vs_bwrap_ratio: run_vs_bwrap.map(round2),
         api_vs_direct_ratio: round2(api_vs_direct),
         targets,
+    })
+}
+
+/// Reads `x` back in context "bench" of a new connection: the state is usable again.
+fn read_back(sb: &Sandbox) -> Result<(), CliError> {
+    let client = sb.agent()?;
+    let r = client
+        .run_code("bench", "x", Some(Duration::from_secs(30)))
+        .map_err(failed)?;
+    if r.value.as_deref() != Some("41") {
+        return Err(CliError::failed(format!(
+            "the restored sandbox lost its state: x = {:?}, error {:?}",
+            r.value, r.error
+        )));
+    }
+    Ok(())
+}
+
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter_map(|e| e.metadata().ok())
+                .filter(std::fs::Metadata::is_file)
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0)
+}
+
+/// Times the full-state operations on a sandbox with a live Python context.
+fn full_state(rt: &Runtime, repeats: usize) -> Result<FullStateRows, CliError> {
+    let mut sb = rt.create(HOST_TEMPLATE, CreateOptions::new(true))?;
+    {
+        let client = sb.agent()?;
+        client
+            .create_context("bench", Language::Python, None)
+            .map_err(failed)?;
+        client
+            .run_code("bench", "x = 41", Some(Duration::from_secs(30)))
+            .map_err(failed)?;
+    }
+    let (mut snapshots, mut rollbacks, mut clones, mut hibernates, mut wakes) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut image_bytes = 0;
+    for _ in 0..repeats {
+        let start = Instant::now();
+        let snap = sb.snapshot()?;
+        snapshots.push(start.elapsed());
+        image_bytes = dir_bytes(&snap.dir.join("images"));
+
+        let start = Instant::now();
+        sb.rollback(&snap.id)?;
+        read_back(&sb)?;
+        rollbacks.push(start.elapsed());
+
+        let start = Instant::now();
+        let clone = rt.create_from_snapshot(&snap.id, CreateOptions::new(true))?;
+        read_back(&clone)?;
+        clones.push(start.elapsed());
+        clone.destroy()?;
+
+        let start = Instant::now();
+        sb.hibernate()?;
+        hibernates.push(start.elapsed());
+        let start = Instant::now();
+        sb.wake()?;
+        read_back(&sb)?;
+        wakes.push(start.elapsed());
+    }
+    sb.destroy()?;
+    Ok(FullStateRows {
+        n: repeats,
+        snapshot: Timing::of(&snapshots),
+        rollback: Timing::of(&rollbacks),
+        clone: Timing::of(&clones),
+        hibernate: Timing::of(&hibernates),
+        wake: Timing::of(&wakes),
+        image_bytes,
     })
 }
 
@@ -516,6 +654,29 @@ fn print_table(r: &JailReport) {
         "hibernate {} ms, wake to agent ready {} ms",
         r.hibernate_ms, r.wake_ms
     );
+    println!("snapshot kind: {}", r.snapshot_kind);
+    if let Some(why) = &r.snapshot_fallback {
+        println!("  (files only: {why})");
+    }
+    if let Some(f) = &r.full_state {
+        println!(
+            "full state, Python context with a variable (n={}, {} KiB of images):",
+            f.n,
+            f.image_bytes / 1024
+        );
+        for (what, t) in [
+            ("snapshot", &f.snapshot),
+            ("rollback to variable read back", &f.rollback),
+            ("clone to variable read back", &f.clone),
+            ("hibernate", &f.hibernate),
+            ("wake to variable read back", &f.wake),
+        ] {
+            println!(
+                "  {what:<46} p50 {:>8} ms  p95 {:>8} ms",
+                t.p50_ms, t.p95_ms
+            );
+        }
+    }
     for t in &r.targets {
         println!(
             "target {:<40} {:>8} (limit {}) {}",

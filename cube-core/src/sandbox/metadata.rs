@@ -166,6 +166,10 @@ pub struct SnapshotMeta {
     /// The engine of the sandbox it was taken from (clones run on the same one).
     #[serde(default)]
     pub engine: Engine,
+    /// Why the snapshot holds files only where a full one was tried (a jail without a
+    /// working CRIU, or a failed dump).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<String>,
 }
 
 /// A template's record in the store.

@@ -8,8 +8,10 @@
 //! cgroups, seccomp, a copy-on-write writable layer over the host's read-only
 //! userland; weaker isolation, one shared kernel). A template records its engine;
 //! [`HOST_TEMPLATE`] is the built-in jail template. A jail's snapshots are of kind
-//! [`SnapshotKind::Filesystem`]: rollback, clone and wake restore its files and
-//! restart its processes, so running processes and interpreter contexts are lost.
+//! [`SnapshotKind::Full`] where a working CRIU exists: processes (interpreter contexts
+//! included) and files come back at rollback, clone and wake. Elsewhere they are of
+//! kind [`SnapshotKind::Filesystem`], with the reason in [`Snapshot::fallback`]:
+//! rollback, clone and wake restore the files and restart the processes.
 //!
 //! # Example
 //!
@@ -34,10 +36,12 @@
 //! let r = agent.run_code("main", "open('notes', 'w').write('v1')\n6 * 7", None)?;
 //! assert_eq!(r.value.as_deref(), Some("42"));
 //!
-//! let snap = sb.snapshot()?; // a jail's: SnapshotKind::Filesystem
+//! drop(agent);
+//! let snap = sb.snapshot()?; // full with CRIU (connections end), else filesystem
+//! let agent = sb.agent()?;
 //! agent.run_code("main", "import os; os.remove('notes')", None)?;
 //! drop(agent);
-//! sb.rollback(&snap.id)?; // the file is back; the interpreter restarted
+//! sb.rollback(&snap.id)?; // the file is back (and the interpreter's state, if full)
 //!
 //! let clones = rt.clone_sandbox(&mut sb, 2, 2, CreateOptions::new(true))?;
 //! for clone in clones {
@@ -200,6 +204,9 @@ pub struct Snapshot {
     pub stats: SnapshotStats,
     /// What it holds: the whole state, or the filesystem only.
     pub kind: SnapshotKind,
+    /// Why a jail's snapshot holds the filesystem only (no working CRIU, or its dump
+    /// failed); None for a full one.
+    pub fallback: Option<String>,
 }
 
 /// A handle on one sandbox.
@@ -230,7 +237,10 @@ impl Sandbox {
     /// A new connection to the sandbox's agent (handshake done). Any number may be
     /// open at once, from any process: the agent listens on `agent.sock` in the
     /// sandbox's directory. While the sandbox is paused the handshake waits for
-    /// [`Sandbox::resume`]; a hibernated sandbox is an error.
+    /// [`Sandbox::resume`] (up to [`cube_agent::client::HANDSHAKE_TIMEOUT`]); a
+    /// hibernated sandbox is an error. A full-state snapshot, rollback, clone or
+    /// hibernation ends every connection (CRIU cannot save one to the host): connect
+    /// again afterwards.
     ///
     /// A VM sandbox's agent is reached over the vsock device's host socket
     /// (`vsock.sock`) with its `CONNECT` handshake; a guest whose agent does not
@@ -258,17 +268,14 @@ impl Sandbox {
             )
             .map_err(|e| SandboxError::VmAgent(self.id.clone(), e));
         }
-        // The socket outlives the agent (the supervisor holds it): without this check
-        // the handshake would wait for a wake that may never come.
-        if self
-            .dir
-            .join(crate::supervisor::jail_sandbox::HIBERNATED_LAYER)
-            .exists()
-        {
+        // A clear error rather than the dangling socket link's "not found".
+        if crate::supervisor::jail_sandbox::is_hibernated(&self.dir) {
             return Err(SandboxError::Hibernated(self.id.clone()));
         }
         let socket = self.dir.join(crate::supervisor::jail_sandbox::AGENT_SOCKET);
-        cube_agent::client::Client::connect_unix(&socket)
+        crate::supervisor::jail_sandbox::connect_agent(&socket)
+            .map_err(cube_agent::client::ClientError::Connect)
+            .and_then(cube_agent::client::Client::new)
             .map_err(|e| SandboxError::Agent(self.id.clone(), e))
     }
 
@@ -329,18 +336,24 @@ impl Sandbox {
     }
 
     /// Takes a snapshot; the sandbox keeps running. A VM's is [`SnapshotKind::Full`]
-    /// (only dirty pages are written); a jail's is [`SnapshotKind::Filesystem`]: its
-    /// writable layer, cloned while its processes are frozen.
+    /// (only dirty pages are written). A jail's is [`SnapshotKind::Full`] where CRIU
+    /// works (its processes dumped, its writable layer reflinked alongside, agent
+    /// connections ended), else [`SnapshotKind::Filesystem`] with the reason in
+    /// [`Snapshot::fallback`]: the layer, cloned while its processes are frozen.
     pub fn snapshot(&mut self) -> Result<Snapshot, SandboxError> {
         let store = &self.store;
         let id = cube_storage::Store::new_id("snap")?;
         let dest = store.snapshot_dir(&id)?;
         let staging = store.root().join("tmp").join(format!("{id}.staging"));
-        let (stats, kind) = match self.call(&Request::Snapshot {
+        let (stats, kind, fallback) = match self.call(&Request::Snapshot {
             staging,
             dest: dest.clone(),
         })? {
-            Response::Snapshot { stats, kind } => (stats, kind),
+            Response::Snapshot {
+                stats,
+                kind,
+                fallback,
+            } => (stats, kind, fallback),
             other => return Err(self.unexpected(other)),
         };
         Ok(Snapshot {
@@ -348,6 +361,7 @@ impl Sandbox {
             dir: dest,
             stats,
             kind,
+            fallback,
         })
     }
 

@@ -358,8 +358,9 @@ impl Runtime {
     }
 
     /// Creates a sandbox from snapshot `snapshot`, on the engine of the sandbox it was
-    /// taken from. A jail snapshot's writable layer is cloned; its processes start
-    /// afresh (the snapshot is of kind [`super::SnapshotKind::Filesystem`]).
+    /// taken from. A jail snapshot's writable layer is cloned; its processes are
+    /// restored from a [`super::SnapshotKind::Full`] one (where CRIU works) and start
+    /// afresh from a [`super::SnapshotKind::Filesystem`] one.
     pub fn create_from_snapshot(
         &self,
         snapshot: &str,

@@ -1,22 +1,29 @@
 //! A jail sandbox as its supervisor holds it: the jail whose PID 1 is Cube's agent,
 //! the agent's socket, the writable layer and what snapshots copy of it.
 //!
-//! The supervisor binds `<sandbox dir>/agent.sock` itself and hands the listening
-//! descriptor to the agent (`--listen-fd`), so any host process reaches the agent at
-//! a path outside the jail's root, and the socket survives an agent restart
-//! (rollback, wake): connections made meanwhile wait in its backlog.
+//! The agent binds its listening socket inside the sandbox ([`AGENT_INNER_SOCKET`], on
+//! the sandbox's private /tmp), so that CRIU can save and restore it with the rest of
+//! the sandbox. The public path `<sandbox dir>/agent.sock` is a symlink to it through
+//! `/proc/<PID 1>/root`, replaced whenever PID 1 changes (rollback, wake); a connect
+//! through it reaches the agent of the moment. Before every checkpoint the supervisor
+//! has the agent close its host connections ([`DISCONNECT_SIGNAL`]): CRIU cannot save a
+//! stream whose peer is outside the sandbox. Clients reconnect.
 //!
-//! Snapshots here are of kind [`SnapshotKind::Filesystem`]: the writable layer is
-//! cloned (reflinked where the store's filesystem can) while the processes are frozen.
-//! A rollback or wake starts a new jail on a copy of a layer, so processes and
-//! interpreter contexts start afresh. A full-state (process memory) path slots in at
-//! [`JailSandbox::snapshot`] and [`JailSandbox::rollback`] once one exists.
+//! Snapshots are of kind [`SnapshotKind::Full`] where a working CRIU exists (probed
+//! once per supervisor): the processes are dumped with the writable layer reflinked
+//! alongside, and rollback, clone and wake restore them, interpreter variables and all.
+//! Where CRIU is missing or a dump fails, snapshots fall back to
+//! [`SnapshotKind::Filesystem`] with the reason in the snapshot's record and the
+//! supervisor's log: the layer is cloned while the processes are frozen, and a
+//! rollback or wake starts a new jail on a copy, so processes start afresh.
 
-use std::os::fd::AsFd;
-use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
-use cube_jail::{Jail, JailConfig, JailExit, Limits, ReadOnlyBind, Stdio};
+use cube_agent::init::DISCONNECT_SIGNAL;
+use cube_jail::checkpoint::{self, Checkpoint};
+use cube_jail::{Criu, Jail, JailConfig, JailExit, Limits, ReadOnlyBind, Stdio};
 use cube_storage::Durability;
 
 use super::jail_network::{JailNetwork, JailNetworkError};
@@ -27,8 +34,17 @@ use crate::sandbox::metadata::{
 };
 use crate::vmm::machine::SnapshotStats;
 
-/// The agent's socket inside a jail sandbox's directory.
+/// The agent's socket inside a jail sandbox's directory: a symlink to
+/// [`AGENT_INNER_SOCKET`] through the agent's `/proc/<pid>/root`.
 pub const AGENT_SOCKET: &str = "agent.sock";
+/// Where the agent listens inside the sandbox: on its private /tmp, which CRIU saves.
+pub const AGENT_INNER_SOCKET: &str = "/tmp/.cube-agent.sock";
+/// A full-state hibernation's checkpoint, inside the sandbox directory.
+pub const HIBERNATED_CHECKPOINT: &str = "hibernated";
+/// How long a starting or restored agent has to listen.
+const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the agent has to close its host connections before a checkpoint.
+const DISCONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The jail's own directory (its root and writable layer) inside the sandbox directory.
 pub const JAIL_DIR: &str = "jail";
 /// A snapshot's copy of the writable layer, inside the snapshot directory.
@@ -39,8 +55,6 @@ pub const HIBERNATED_LAYER: &str = "layer.hibernated";
 const SEED_LAYER: &str = "layer.seed";
 /// Where the agent binary appears inside the jail.
 pub const AGENT_PATH: &str = "/.cube/cube-agent";
-/// The descriptor number the agent finds its listening socket at.
-const AGENT_FD: i32 = 3;
 /// Environment variable naming the agent binary.
 pub const AGENT_ENV: &str = "CUBE_AGENT";
 /// File name of the agent binary.
@@ -63,6 +77,33 @@ pub fn locate_agent() -> Result<PathBuf, String> {
         .ok_or_else(not_found)
 }
 
+/// Whether the sandbox in `dir` is hibernated (its processes stopped, its state on
+/// disk).
+pub fn is_hibernated(dir: &Path) -> bool {
+    dir.join(HIBERNATED_LAYER).exists() || dir.join(HIBERNATED_CHECKPOINT).exists()
+}
+
+/// The host's CRIU, probed once per supervisor; the error says why full-state
+/// snapshots are unavailable.
+fn criu() -> Result<&'static Criu, &'static str> {
+    static CRIU: OnceLock<Result<Criu, String>> = OnceLock::new();
+    CRIU.get_or_init(|| {
+        let probed = Criu::probe().map_err(|e| error_chain(&e));
+        match &probed {
+            Ok(c) => tracing::debug!(criu = %c.path().display(), version = %c.version(), "full-state jail snapshots through CRIU"),
+            Err(why) => tracing::warn!("jail snapshots hold files only: {why}"),
+        }
+        probed
+    })
+    .as_ref()
+    .map_err(String::as_str)
+}
+
+/// Whether `dir` holds a CRIU checkpoint (a full-state snapshot or hibernation).
+fn is_checkpoint(dir: &Path) -> bool {
+    dir.join(checkpoint::MANIFEST).is_file()
+}
+
 /// One jail sandbox.
 pub struct JailSandbox {
     id: String,
@@ -71,9 +112,10 @@ pub struct JailSandbox {
     /// A built template's tree under the overlay root; None: the host's userland.
     tree: Option<PathBuf>,
     agent: PathBuf,
-    listener: UnixListener,
     /// None while hibernated (or after destroy).
     jail: Option<Jail>,
+    /// The write end of the running jail's lifeline (see [`Lifeline`]).
+    lifeline: Option<std::os::fd::OwnedFd>,
     paused: bool,
     /// Bumped on every (re)start of the jail.
     generation: u64,
@@ -84,8 +126,9 @@ pub struct JailSandbox {
 }
 
 impl JailSandbox {
-    /// Binds the agent socket and starts the jail, on the template tree `tree` (the
-    /// host's userland when None) and on a copy of `layer` when given.
+    /// Starts the jail on the template tree `tree` (the host's userland when None): on a
+    /// copy of `layer` when given, restoring its processes too when `layer` is the layer
+    /// of a full-state snapshot (a clone).
     pub fn start(
         id: &str,
         dir: &Path,
@@ -94,23 +137,33 @@ impl JailSandbox {
         settings: Settings,
     ) -> Result<JailSandbox, String> {
         let agent = locate_agent()?;
-        let socket = dir.join(AGENT_SOCKET);
-        let _ = std::fs::remove_file(&socket);
-        let listener = UnixListener::bind(&socket)
-            .map_err(|e| format!("binding {}: {e}", socket.display()))?;
         let mut sandbox = JailSandbox {
             id: id.to_string(),
             dir: dir.to_path_buf(),
             settings,
             tree,
             agent,
-            listener,
             jail: None,
+            lifeline: None,
             paused: false,
             generation: 0,
             retiring: Vec::new(),
             network: None,
         };
+        let snapshot = layer.and_then(Path::parent).filter(|s| is_checkpoint(s));
+        if let Some(snapshot) = snapshot {
+            match criu() {
+                Ok(criu) => {
+                    sandbox.restore(criu, snapshot)?;
+                    return Ok(sandbox);
+                }
+                Err(why) => tracing::warn!(
+                    sandbox = %id,
+                    "starting from the files of full-state snapshot {} only: {why}",
+                    snapshot.display()
+                ),
+            }
+        }
         let seed = match layer {
             Some(layer) => Some(sandbox.stage_seed(layer)?),
             None => None,
@@ -129,22 +182,20 @@ impl JailSandbox {
     ) -> Result<JailSandbox, String> {
         let PrespawnedJail {
             mut jail,
-            listener,
             agent,
-            socket: pool_socket,
+            lifeline,
         } = ready;
-        let socket = dir.join(AGENT_SOCKET);
         jail.relocate(&dir.join(JAIL_DIR))
             .map_err(|e| error_chain(&e))?;
-        std::fs::rename(&pool_socket.0, &socket)
-            .map_err(|e| format!("moving the agent socket to {}: {e}", socket.display()))?;
-        pool_socket.disarm();
+        publish_socket(dir, jail.pid())?;
         let limits = limits(&settings)?;
         if limits != Limits::default() {
             jail.set_limits(&limits).map_err(|e| error_chain(&e))?;
         }
         if !settings.env.is_empty() {
-            let client = cube_agent::client::Client::connect_unix(&socket)
+            let client = connect_agent(&dir.join(AGENT_SOCKET))
+                .map_err(cube_agent::client::ClientError::Connect)
+                .and_then(cube_agent::client::Client::new)
                 .map_err(|e| format!("connecting to the agent: {}", error_chain(&e)))?;
             client
                 .set_env(settings.env.clone(), Vec::new())
@@ -156,8 +207,8 @@ impl JailSandbox {
             settings,
             tree: None,
             agent,
-            listener,
             jail: Some(jail),
+            lifeline: Some(lifeline),
             paused: false,
             generation: 0,
             retiring: Vec::new(),
@@ -199,27 +250,26 @@ impl JailSandbox {
         &self.dir
     }
 
+    /// The name of the next jail: each start gets its own cgroups, since a replaced
+    /// jail's may still be going away.
+    fn next_name(&self) -> String {
+        format!("{}-{}", self.id, self.generation + 1)
+    }
+
     fn spawn(&mut self, seed: Option<PathBuf>) -> Result<(), String> {
-        // Each start gets its own cgroups: a replaced jail's may still be going away.
-        let name = format!("{}-{}", self.id, self.generation + 1);
         let config = jail_config(
-            &name,
+            &self.next_name(),
             &self.dir.join(JAIL_DIR),
             &self.agent,
             &self.settings,
             self.tree.as_deref(),
             seed.clone(),
         )?;
-        let spawned = Jail::spawn_with_fds(
-            &config,
-            &[AGENT_PATH, "--listen-fd", "3"],
-            &[(self.listener.as_fd(), AGENT_FD)],
-        );
+        let lifeline = Lifeline::new()?;
+        let spawned = Jail::spawn_with_fds(&config, AGENT_ARGV, &lifeline.fds());
         match spawned {
             Ok(jail) => {
-                self.jail = Some(jail);
-                self.paused = false;
-                self.generation += 1;
+                self.install(jail, lifeline)?;
                 self.connect_network()
             }
             Err(e) => {
@@ -231,6 +281,46 @@ impl JailSandbox {
                 Err(format!("starting the jail: {}", error_chain(&e)))
             }
         }
+    }
+
+    /// Restores the checkpoint in `image_dir` as this sandbox's jail.
+    fn restore(&mut self, criu: &Criu, image_dir: &Path) -> Result<(), String> {
+        let config = jail_config(
+            &self.next_name(),
+            &self.dir.join(JAIL_DIR),
+            &self.agent,
+            &self.settings,
+            self.tree.as_deref(),
+            None,
+        )?;
+        let lifeline = Lifeline::new()?;
+        let jail = checkpoint::restore(criu, image_dir, &config, &lifeline.fds())
+            .map_err(|e| format!("restoring the jail: {}", error_chain(&e)))?;
+        self.install(jail, lifeline)?;
+        self.connect_network()
+    }
+
+    /// Why this sandbox's state cannot go through CRIU, if it cannot: its network
+    /// device's other end is on the host, which a checkpoint cannot hold.
+    fn full_state_blocker(&self) -> Option<String> {
+        self.network
+            .as_ref()
+            .map(|_| "a sandbox with a network: CRIU cannot save its device's host end".to_string())
+    }
+
+    /// Makes `jail` the running one once its agent listens.
+    fn install(&mut self, mut jail: Jail, lifeline: Lifeline) -> Result<(), String> {
+        if let Err(e) = publish_socket(&self.dir, jail.pid()) {
+            let _ = jail.kill();
+            let _ = jail.wait();
+            let _ = jail.destroy();
+            return Err(e);
+        }
+        self.jail = Some(jail);
+        self.lifeline = Some(lifeline.write);
+        self.paused = false;
+        self.generation += 1;
+        Ok(())
     }
 
     /// Clones `layer` next to the jail, ready to be moved in as the next start's layer.
@@ -252,6 +342,9 @@ impl JailSandbox {
     fn layer(&self) -> PathBuf {
         match self.jail.as_ref().and_then(Jail::layer_dir) {
             Some(l) => l.to_path_buf(),
+            None if self.dir.join(HIBERNATED_CHECKPOINT).exists() => {
+                self.dir.join(HIBERNATED_CHECKPOINT).join(LAYER_DIR)
+            }
             None => self.dir.join(HIBERNATED_LAYER),
         }
     }
@@ -274,10 +367,11 @@ impl JailSandbox {
                 Ok(Response::Ok)
             }
             Request::Snapshot { staging, dest } => {
-                let stats = self.snapshot(&staging, &dest)?;
+                let meta = self.snapshot(&staging, &dest)?;
                 Ok(Response::Snapshot {
-                    stats,
-                    kind: SnapshotKind::Filesystem,
+                    stats: meta.stats,
+                    kind: meta.kind,
+                    fallback: meta.fallback,
                 })
             }
             Request::Rollback { snapshot } => {
@@ -285,23 +379,14 @@ impl JailSandbox {
                 Ok(Response::Ok)
             }
             Request::Hibernate => {
-                let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
-                let keep = self.dir.join(HIBERNATED_LAYER);
-                let _ = std::fs::remove_dir_all(&keep);
-                jail.destroy_keeping_layer(&keep)
-                    .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))?;
+                self.hibernate()?;
                 if let Some(network) = self.network.as_mut() {
                     network.disconnect();
                 }
-                self.paused = false;
                 Ok(Response::Ok)
             }
             Request::Wake => {
-                if self.jail.is_some() {
-                    return Err("sandbox is not hibernated".into());
-                }
-                let layer = self.dir.join(HIBERNATED_LAYER);
-                self.spawn(Some(layer))?;
+                self.wake()?;
                 Ok(Response::Ok)
             }
             Request::GuestDirty { .. }
@@ -375,10 +460,42 @@ impl JailSandbox {
         }
     }
 
-    /// Clones the writable layer into `staging` with its record, then moves it to
-    /// `dest`. The processes are frozen while the layer is copied, so the copy is one
-    /// instant of the files.
-    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotStats, String> {
+    /// Dumps the running jail into `image_dir` (made here) through CRIU, leaving it
+    /// running or not. The agent first closes its host connections; a client that
+    /// connects again before the freeze makes the dump fail, so it is tried twice.
+    fn dump(&mut self, criu: &Criu, image_dir: &Path, leave_running: bool) -> Result<(), String> {
+        let was_paused = self.paused;
+        let jail = self.running()?;
+        if was_paused {
+            // The agent must run to close its connections; dump freezes it again.
+            jail.resume().map_err(|e| error_chain(&e))?;
+        }
+        let options = checkpoint::DumpOptions {
+            leave_running,
+            passed_fds: vec![LIFELINE_FD],
+        };
+        let mut result = Err(String::new());
+        for _ in 0..2 {
+            result = disconnect_agent(jail.pid()).and_then(|()| {
+                checkpoint::dump(criu, jail, image_dir, &options)
+                    .map(|_| ())
+                    .map_err(|e| error_chain(&e))
+            });
+            if result.is_ok() {
+                break;
+            }
+        }
+        if was_paused && leave_running {
+            jail.pause().map_err(|e| error_chain(&e))?;
+        }
+        result
+    }
+
+    /// Writes a snapshot into `staging` with its record, then moves it to `dest`: a
+    /// full-state one through CRIU where it works, else the layer alone (the reason
+    /// recorded). The processes are frozen while the layer is copied, so the copy is
+    /// one instant of the files (and of the processes, for a full one).
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, String> {
         let snapshot_id = dest
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -386,30 +503,54 @@ impl JailSandbox {
         if dest.exists() {
             return Err(format!("{} already exists", dest.display()));
         }
-        std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let start = Instant::now();
+        let hibernated_full =
+            self.jail.is_none() && is_checkpoint(&self.dir.join(HIBERNATED_CHECKPOINT));
+        let full = match criu() {
+            Err(why) => Err(format!("no working CRIU: {why}")),
+            Ok(_) if self.full_state_blocker().is_some() => {
+                Err(self.full_state_blocker().unwrap_or_default())
+            }
+            Ok(_) if hibernated_full => {
+                // The hibernation's checkpoint is the state: copy it.
+                cube_storage::clone_tree(&self.dir.join(HIBERNATED_CHECKPOINT), staging)
+                    .map(|_| ())
+                    .map_err(|e| format!("copying the hibernated checkpoint: {}", error_chain(&e)))
+            }
+            Ok(_) if self.jail.is_none() => {
+                Err("the sandbox was hibernated without its processes".to_string())
+            }
+            Ok(criu) => self.dump(criu, staging, true),
+        };
+        let (kind, fallback, reflinked) = match full {
+            // CRIU's dump reflinks the layer where the store's filesystem can.
+            Ok(()) => (
+                SnapshotKind::Full,
+                None,
+                cube_storage::reflink::supports_reflink(staging).unwrap_or(false),
+            ),
+            Err(why) => {
+                tracing::warn!(sandbox = %self.id, "snapshot {snapshot_id} holds files only: {why}");
+                let _ = std::fs::remove_dir_all(staging);
+                let reflinked = self.snapshot_files(staging)?;
+                (SnapshotKind::Filesystem, Some(why), reflinked)
+            }
+        };
+        tracing::debug!(elapsed = ?start.elapsed(), %kind, "snapshot written");
         let result = (|| {
-            let layer = self.layer();
-            let freeze = !self.paused && self.jail.is_some();
-            if freeze {
-                self.running()?.pause().map_err(|e| error_chain(&e))?;
-            }
-            let copied = cube_storage::clone_tree(&layer, &staging.join(LAYER_DIR));
-            if freeze {
-                self.running()?.resume().map_err(|e| error_chain(&e))?;
-            }
-            let copied = copied.map_err(|e| format!("copying the layer: {}", error_chain(&e)))?;
             let stats = SnapshotStats {
                 dirty_pages: 0,
                 bytes_written: 0,
-                reflinked: copied.copied_files == 0,
+                reflinked,
             };
             let meta = SnapshotMeta {
                 id: snapshot_id,
                 sandbox: self.id.clone(),
                 created_unix: now_unix(),
                 stats,
-                kind: SnapshotKind::Filesystem,
+                kind,
                 engine: Engine::Jail,
+                fallback,
             };
             let bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
             cube_storage::write_atomic_bytes_with(
@@ -420,7 +561,7 @@ impl JailSandbox {
             )
             .map_err(|e| error_chain(&e))?;
             std::fs::rename(staging, dest).map_err(|e| format!("committing snapshot: {e}"))?;
-            Ok(stats)
+            Ok(meta)
         })();
         if result.is_err() {
             let _ = std::fs::remove_dir_all(staging);
@@ -428,32 +569,130 @@ impl JailSandbox {
         result
     }
 
-    /// Puts the snapshot's layer back and restarts the sandbox's processes on it.
+    /// Clones the writable layer into `staging/layer`, the processes frozen meanwhile;
+    /// true when every file was reflinked.
+    fn snapshot_files(&mut self, staging: &Path) -> Result<bool, String> {
+        std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let layer = self.layer();
+        let freeze = !self.paused && self.jail.is_some();
+        if freeze {
+            self.running()?.pause().map_err(|e| error_chain(&e))?;
+        }
+        let copied = cube_storage::clone_tree(&layer, &staging.join(LAYER_DIR));
+        if freeze {
+            self.running()?.resume().map_err(|e| error_chain(&e))?;
+        }
+        match copied {
+            Ok(stats) => Ok(stats.copied_files == 0),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(staging);
+                Err(format!("copying the layer: {}", error_chain(&e)))
+            }
+        }
+    }
+
+    /// Puts the snapshot back: a full-state one restores the processes, a filesystem
+    /// one restarts them on a copy of its layer.
     fn rollback(&mut self, snapshot: &Path) -> Result<(), String> {
         let meta: SnapshotMeta =
             cube_storage::read_verified(&snapshot.join(SNAPSHOT_META), SNAPSHOT_META_KIND)
                 .map_err(|e| error_chain(&e))?;
-        if meta.engine != Engine::Jail || meta.kind != SnapshotKind::Filesystem {
+        if meta.engine != Engine::Jail {
             return Err(format!(
-                "snapshot {} is a {} {} snapshot; this jail sandbox takes filesystem ones",
-                meta.id, meta.engine, meta.kind
+                "snapshot {} is a {} snapshot; this is a jail sandbox",
+                meta.id, meta.engine
             ));
         }
-        let start = std::time::Instant::now();
+        let start = Instant::now();
+        let criu = match meta.kind {
+            SnapshotKind::Full => Some(criu().map_err(|why| {
+                format!(
+                    "snapshot {} holds processes, but there is no working CRIU: {why}",
+                    meta.id
+                )
+            })?),
+            SnapshotKind::Filesystem => None,
+        };
+        if let Some(criu) = criu {
+            // Refuse a damaged checkpoint before the running jail goes.
+            Checkpoint::open(snapshot).map_err(|e| error_chain(&e))?;
+            self.stop_current()?;
+            self.restore(criu, snapshot)?;
+            tracing::debug!(elapsed = ?start.elapsed(), "rollback: processes restored");
+            return Ok(());
+        }
         // Copy first: a snapshot that cannot be copied leaves the sandbox as it was.
         let seed = self.stage_seed(&snapshot.join(LAYER_DIR))?;
         tracing::debug!(elapsed = ?start.elapsed(), "rollback: layer copied");
-        if let Some(jail) = self.jail.take() {
-            if let Err(e) = self.retire(jail) {
-                let _ = std::fs::remove_dir_all(&seed);
-                return Err(format!("stopping the jail: {}", error_chain(&e)));
-            }
+        if let Err(e) = self.stop_current() {
+            let _ = std::fs::remove_dir_all(&seed);
+            return Err(e);
         }
-        tracing::debug!(elapsed = ?start.elapsed(), "rollback: old jail stopped");
-        let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATED_LAYER));
         let spawned = self.spawn(Some(seed));
         tracing::debug!(elapsed = ?start.elapsed(), "rollback: new jail started");
         spawned
+    }
+
+    /// Ends the running jail (if any) and any hibernated state, for a rollback.
+    fn stop_current(&mut self) -> Result<(), String> {
+        if let Some(jail) = self.jail.take() {
+            self.retire(jail)
+                .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))?;
+        }
+        let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATED_LAYER));
+        let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATED_CHECKPOINT));
+        Ok(())
+    }
+
+    /// Stops the processes, keeping their state on disk: a CRIU checkpoint where it
+    /// works, else the layer alone (the processes start afresh at wake).
+    fn hibernate(&mut self) -> Result<(), String> {
+        if self.jail.is_none() {
+            return Err("sandbox is already hibernated".into());
+        }
+        let image_dir = self.dir.join(HIBERNATED_CHECKPOINT);
+        let _ = std::fs::remove_dir_all(&image_dir);
+        let dumped = match (criu(), self.full_state_blocker()) {
+            (_, Some(why)) => Err(why),
+            (Ok(criu), None) => self.dump(criu, &image_dir, false),
+            (Err(why), None) => Err(format!("no working CRIU: {why}")),
+        };
+        let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
+        self.lifeline = None;
+        self.paused = false;
+        match dumped {
+            Ok(()) => jail
+                .destroy()
+                .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e))),
+            Err(why) => {
+                tracing::warn!(sandbox = %self.id, "hibernating the files only: {why}");
+                let keep = self.dir.join(HIBERNATED_LAYER);
+                let _ = std::fs::remove_dir_all(&keep);
+                jail.destroy_keeping_layer(&keep)
+                    .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))
+            }
+        }
+    }
+
+    /// Brings a hibernated sandbox back: restores its checkpoint, or starts new
+    /// processes on its layer.
+    fn wake(&mut self) -> Result<(), String> {
+        if self.jail.is_some() {
+            return Err("sandbox is not hibernated".into());
+        }
+        let image_dir = self.dir.join(HIBERNATED_CHECKPOINT);
+        if is_checkpoint(&image_dir) {
+            let criu = criu().map_err(|why| {
+                format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}")
+            })?;
+            self.restore(criu, &image_dir)?;
+            if let Err(e) = std::fs::remove_dir_all(&image_dir) {
+                tracing::warn!(sandbox = %self.id, "removing the woken checkpoint: {e}");
+            }
+            return Ok(());
+        }
+        let layer = self.dir.join(HIBERNATED_LAYER);
+        self.spawn(Some(layer))
     }
 
     /// Ends a replaced jail's processes now (so its agent accepts nothing more) and
@@ -500,72 +739,202 @@ impl JailSandbox {
         if let Some(mut network) = self.network.take() {
             network.disconnect();
         }
-        for leftover in [HIBERNATED_LAYER, SEED_LAYER] {
+        for leftover in [HIBERNATED_LAYER, HIBERNATED_CHECKPOINT, SEED_LAYER] {
             let _ = std::fs::remove_dir_all(self.dir.join(leftover));
         }
         let _ = std::fs::remove_file(self.dir.join(AGENT_SOCKET));
     }
 }
 
+/// Connects to the agent of the jail sandbox whose `agent.sock` link is `link`,
+/// resolving the path inside the sandbox's root with `openat2(RESOLVE_IN_ROOT)`: the
+/// socket sits on the sandbox's own /tmp, where its code can replace it with a
+/// symlink, and a plain connect through `/proc/<pid>/root` would follow an absolute
+/// one on the host (to any host socket). Here it stays inside the sandbox.
+pub fn connect_agent(link: &Path) -> std::io::Result<std::os::unix::net::UnixStream> {
+    use std::io::{Error, ErrorKind};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let target = std::fs::read_link(link)?;
+    let bad = || {
+        Error::new(
+            ErrorKind::InvalidData,
+            format!("{} is not a jail agent link", link.display()),
+        )
+    };
+    let text = target.to_str().ok_or_else(bad)?;
+    let root = text.strip_suffix(AGENT_INNER_SOCKET).ok_or_else(bad)?;
+    let pid = root
+        .strip_prefix("/proc/")
+        .and_then(|r| r.strip_suffix("/root"))
+        .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        .ok_or_else(bad)?;
+    let root = std::fs::File::open(format!("/proc/{pid}/root"))?;
+    let inner =
+        std::ffi::CString::new(AGENT_INNER_SOCKET.trim_start_matches('/')).map_err(|_| bad())?;
+    // SAFETY: open_how is plain data; all-zero is valid and the fields are set below.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
+    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: openat2 reads the path and `how` (of the size passed) during the call;
+    // the returned descriptor is owned right away.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root.as_raw_fd(),
+            inner.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by openat2 and nothing else owns it.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // connect() follows the descriptor's magic link to the socket it names.
+    std::os::unix::net::UnixStream::connect(format!("/proc/self/fd/{}", socket.as_raw_fd()))
+}
+
+/// Where the agent finds the read end of its lifeline.
+const LIFELINE_FD: i32 = 3;
+/// How the agent is started in a jail.
+const AGENT_ARGV: &[&str] = &[
+    AGENT_PATH,
+    "--listen",
+    AGENT_INNER_SOCKET,
+    "--lifeline-fd",
+    "3",
+];
+
+/// A pipe whose read end the agent watches and whose write end only the supervisor
+/// holds (close-on-exec, so no other child inherits it): when the supervisor dies,
+/// even by SIGKILL, the agent reads the end and shuts its sandbox down. (A parent-death
+/// signal would not do: it follows the thread that spawned the jail, and request
+/// threads come and go.) A pipe, not a socket, so that CRIU can carry it over.
+struct Lifeline {
+    read: std::os::fd::OwnedFd,
+    write: std::os::fd::OwnedFd,
+}
+
+impl Lifeline {
+    fn new() -> Result<Lifeline, String> {
+        let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| format!("creating the agent's lifeline: {e}"))?;
+        Ok(Lifeline { read, write })
+    }
+
+    fn fds(&self) -> [(std::os::fd::BorrowedFd<'_>, i32); 1] {
+        use std::os::fd::AsFd;
+        [(self.read.as_fd(), LIFELINE_FD)]
+    }
+}
+
+/// The agent's socket as the host reaches it while `pid` is the sandbox's PID 1.
+fn inner_socket(pid: i32) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/root{AGENT_INNER_SOCKET}"))
+}
+
+/// Waits until the agent of PID 1 `pid` accepts connections, then points
+/// `<dir>/agent.sock` at its socket (replacing the link atomically).
+fn publish_socket(dir: &Path, pid: i32) -> Result<(), String> {
+    wait_listening(pid)?;
+    let inner = inner_socket(pid);
+    let link = dir.join(AGENT_SOCKET);
+    let tmp = dir.join(format!("{AGENT_SOCKET}.new"));
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(&inner, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, &link))
+        .map_err(|e| format!("linking {} to the agent: {e}", link.display()))
+}
+
+/// Has the agent (PID 1 `pid`) close its host connections, and waits until its only
+/// socket is the listening one.
+fn disconnect_agent(pid: i32) -> Result<(), String> {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), DISCONNECT_SIGNAL)
+        .map_err(|e| format!("signalling the agent: {e}"))?;
+    let fd_dir = PathBuf::from(format!("/proc/{pid}/fd"));
+    let deadline = Instant::now() + DISCONNECT_TIMEOUT;
+    loop {
+        let sockets = std::fs::read_dir(&fd_dir)
+            .map_err(|e| format!("reading {}: {e}", fd_dir.display()))?
+            .filter_map(Result::ok)
+            .filter(|e| {
+                std::fs::read_link(e.path())
+                    .map(|l| l.as_os_str().as_encoded_bytes().starts_with(b"socket:"))
+                    .unwrap_or(false)
+            })
+            .count();
+        if sockets <= 1 {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "the agent still holds {} host connections",
+                sockets - 1
+            ));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
 /// A jail on the host template with its agent running, started by a pooled
-/// supervisor before anyone asked for it: adopting it costs two renames instead of a
-/// jail start.
+/// supervisor before anyone asked for it: adopting it costs a rename and a symlink
+/// instead of a jail start.
 pub struct PrespawnedJail {
-    // Field order is drop order: the jail (destroyed on drop) goes before its socket.
     jail: Jail,
-    listener: UnixListener,
-    socket: SocketFile,
     agent: PathBuf,
-}
-
-/// A socket path removed on drop unless disarmed (once it was moved elsewhere).
-struct SocketFile(PathBuf);
-
-impl SocketFile {
-    fn disarm(self) {
-        std::mem::forget(self);
-    }
-}
-
-impl Drop for SocketFile {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
+    lifeline: std::os::fd::OwnedFd,
 }
 
 impl PrespawnedJail {
-    /// Starts a default jail in a scratch entry of `scratch` with its socket next to it.
+    /// Starts a default jail in a scratch entry of `scratch` and waits for its agent.
     /// `scratch` must be on the store's filesystem (it is renamed into a sandbox).
     pub fn start(scratch: &Path) -> Result<PrespawnedJail, String> {
         let agent = locate_agent()?;
         // Named as the store's scratch entries of a live process, so that no clean-up
-        // of stale scratch removes them under a running jail.
-        let entry = |purpose| {
-            cube_storage::scratch_entry_name(purpose)
-                .map(|n| scratch.join(n))
-                .map_err(|e| error_chain(&e))
-        };
-        let socket = entry("agentsock")?;
-        let state_dir = entry("jail")?;
-        let listener = UnixListener::bind(&socket)
-            .map_err(|e| format!("binding {}: {e}", socket.display()))?;
+        // of stale scratch removes it under a running jail.
+        let state_dir = cube_storage::scratch_entry_name("jail")
+            .map(|n| scratch.join(n))
+            .map_err(|e| error_chain(&e))?;
         let name = format!("pool-{}", std::process::id());
         let config = jail_config(&name, &state_dir, &agent, &Settings::default(), None, None)?;
-        let jail = Jail::spawn_with_fds(
-            &config,
-            &[AGENT_PATH, "--listen-fd", "3"],
-            &[(listener.as_fd(), AGENT_FD)],
-        )
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&socket);
-            format!("starting the jail: {}", error_chain(&e))
-        })?;
+        let lifeline = Lifeline::new()?;
+        let mut jail = Jail::spawn_with_fds(&config, AGENT_ARGV, &lifeline.fds())
+            .map_err(|e| format!("starting the jail: {}", error_chain(&e)))?;
+        if let Err(e) = wait_listening(jail.pid()) {
+            let _ = jail.kill();
+            let _ = jail.wait();
+            let _ = jail.destroy();
+            return Err(e);
+        }
         Ok(PrespawnedJail {
             jail,
-            listener,
-            socket: SocketFile(socket),
             agent,
+            lifeline: lifeline.write,
         })
+    }
+}
+
+/// Waits until the agent of PID 1 `pid` listens. (The probe connection is closed at
+/// once; the agent sees it end.)
+fn wait_listening(pid: i32) -> Result<(), String> {
+    let inner = inner_socket(pid);
+    let deadline = Instant::now() + AGENT_READY_TIMEOUT;
+    let mut pause = Duration::from_micros(50);
+    loop {
+        match std::os::unix::net::UnixStream::connect(&inner) {
+            Ok(_) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(format!(
+                    "the agent did not listen at {}: {e}",
+                    inner.display()
+                ))
+            }
+            Err(_) => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_micros(500));
+            }
+        }
     }
 }
 
@@ -580,6 +949,18 @@ fn limits(settings: &Settings) -> Result<Limits, String> {
     };
     limits.validate().map_err(|e| error_chain(&e))?;
     Ok(limits)
+}
+
+/// Whether this process's standard error is `/dev/null`.
+fn stderr_is_null() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (
+        std::fs::metadata("/proc/self/fd/2"),
+        std::fs::metadata("/dev/null"),
+    ) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
 }
 
 fn jail_config(
@@ -602,8 +983,14 @@ fn jail_config(
         source: agent.to_path_buf(),
         target: PathBuf::from(AGENT_PATH),
     });
-    // The agent's own diagnostics go where the supervisor's do.
-    config.stderr = Stdio::Inherit;
+    // The agent's own diagnostics go where the supervisor's do. Where that is
+    // /dev/null, the jail opens its own: a checkpoint cannot restore one host file as
+    // two different kinds of stream (stdin is /dev/null too).
+    config.stderr = if stderr_is_null() {
+        Stdio::Null
+    } else {
+        Stdio::Inherit
+    };
     config.env.push(("RUST_LOG".into(), "warn".into()));
     config.env.extend(settings.env.iter().cloned());
     config.limits = limits(settings)?;

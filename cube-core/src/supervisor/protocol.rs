@@ -225,6 +225,9 @@ pub enum Response {
         stats: SnapshotStats,
         /// What it holds.
         kind: SnapshotKind,
+        /// Why a jail's snapshot holds files only, where a full one was not possible.
+        #[serde(default)]
+        fallback: Option<String>,
     },
     /// Guest memory bytes.
     Memory(#[serde(with = "serde_bytes")] Vec<u8>),

@@ -527,6 +527,7 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
             Ok(Response::Snapshot {
                 stats,
                 kind: SnapshotKind::Full,
+                fallback: None,
             })
         }
         Request::Rollback { snapshot } => {
@@ -738,6 +739,7 @@ fn write_snapshot(
             stats,
             kind: SnapshotKind::Full,
             engine: Engine::Vm,
+            fallback: None,
         };
         let meta_bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
         cube_storage::write_atomic_bytes_with(

@@ -1,0 +1,81 @@
+//! Jail snapshots where no working CRIU exists: they hold the files only, say so in
+//! their kind and give the reason, and rollback, clone and wake restart the processes.
+//! The supervisors of this test binary are pointed at a CRIU that does not exist
+//! (`CUBE_CRIU`), which is how a host without one looks; its one test runs alone in
+//! this process, so setting the variable races with nothing.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use cube_agent::client::Client;
+use cube_agent::protocol::{ExecRequest, Language};
+use cube_core::sandbox::SnapshotKind;
+use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
+
+const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
+
+fn sh(client: &Client, script: &str) -> String {
+    let out = client
+        .exec(ExecRequest {
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            ..ExecRequest::default()
+        })
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn without_criu_snapshots_hold_files_and_say_why() {
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 || cube_jail::CgroupLayout::detect().is_err() {
+        eprintln!("skipping: jails need root and a readable cgroup hierarchy");
+        return;
+    }
+    if !Path::new("/usr/bin/python3").exists() {
+        eprintln!("skipping: no /usr/bin/python3 on the host template");
+        return;
+    }
+    std::env::set_var(cube_jail::criu::CRIU_ENV, "/nonexistent/criu");
+    let dir = tempfile::TempDir::new().unwrap();
+    let rt = Runtime::open(RuntimeConfig {
+        store_root: dir.path().canonicalize().unwrap(),
+        pool_size: 0,
+        supervisor: Some(PathBuf::from(SUPERVISOR)),
+    })
+    .unwrap();
+    let mut sb = rt.create(HOST_TEMPLATE, CreateOptions::new(false)).unwrap();
+    let agent = sb.agent().unwrap();
+    agent.create_context("py", Language::Python, None).unwrap();
+    let set = agent
+        .run_code("py", "x = 41", Some(Duration::from_secs(30)))
+        .unwrap();
+    assert!(set.error.is_none());
+    sh(&agent, "echo before > $HOME/f");
+    let snap = sb.snapshot().unwrap();
+    assert_eq!(snap.kind, SnapshotKind::Filesystem);
+    let why = snap
+        .fallback
+        .clone()
+        .expect("the fallback gives its reason");
+    assert!(
+        why.contains("CRIU") && why.contains("/nonexistent/criu"),
+        "{why}"
+    );
+    let listed = rt.snapshots(Some(sb.id())).unwrap();
+    assert_eq!(listed[0].fallback.as_deref(), Some(why.as_str()));
+    // A filesystem snapshot leaves the connection alone.
+    sh(&agent, "echo after > $HOME/f");
+    sb.rollback(&snap.id).unwrap();
+    let agent = sb.agent().unwrap();
+    assert_eq!(sh(&agent, "cat $HOME/f"), "before\n");
+    // The processes started afresh: the interpreter context is gone.
+    assert!(agent.list_contexts().unwrap().is_empty());
+    sb.hibernate().unwrap();
+    sb.wake().unwrap();
+    assert_eq!(sh(&sb.agent().unwrap(), "cat $HOME/f"), "before\n");
+    let sb_dir = sb.dir().to_path_buf();
+    sb.destroy().unwrap();
+    assert!(!sb_dir.exists());
+}

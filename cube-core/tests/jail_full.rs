@@ -1,0 +1,271 @@
+//! Full-state jail snapshots through CRIU, behind the Sandbox API: a Python variable
+//! set before a snapshot is back after rollback, a clone sees it, source and clone do
+//! not see each other's changes, hibernate/wake keeps it, and destroy leaves nothing.
+//! Skipped (with the reason) where no working CRIU exists.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cube_agent::client::Client;
+use cube_agent::protocol::{ExecRequest, Language};
+use cube_core::sandbox::SnapshotKind;
+use cube_core::supervisor::protocol::MachineStatus;
+use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
+
+const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
+
+/// True (after saying why) where these tests cannot run.
+fn skip() -> bool {
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: jails need root (namespaces, mounts, cgroups)");
+        return true;
+    }
+    if cube_jail::CgroupLayout::detect().is_err() {
+        eprintln!("skipping: no cgroup hierarchy is readable");
+        return true;
+    }
+    if let Err(e) = cube_jail::Criu::probe() {
+        eprintln!("skipping: no working CRIU: {e}");
+        return true;
+    }
+    if !Path::new("/usr/bin/python3").exists() {
+        eprintln!("skipping: no /usr/bin/python3 on the host template");
+        return true;
+    }
+    false
+}
+
+struct Env {
+    _dir: tempfile::TempDir,
+    rt: Runtime,
+}
+
+impl Env {
+    fn new() -> Env {
+        let dir = tempfile::TempDir::new().unwrap();
+        let rt = Runtime::open(RuntimeConfig {
+            store_root: dir.path().canonicalize().unwrap(),
+            pool_size: 0,
+            supervisor: Some(PathBuf::from(SUPERVISOR)),
+        })
+        .unwrap();
+        Env { _dir: dir, rt }
+    }
+
+    fn create(&self) -> Sandbox {
+        self.rt
+            .create(HOST_TEMPLATE, CreateOptions::new(false))
+            .unwrap()
+    }
+}
+
+/// The value of the last expression of `code` in context "py" (made on first use).
+fn py(client: &Client, code: &str) -> String {
+    if !client
+        .list_contexts()
+        .unwrap()
+        .iter()
+        .any(|c| c.name == "py")
+    {
+        client.create_context("py", Language::Python, None).unwrap();
+    }
+    let r = client
+        .run_code("py", code, Some(Duration::from_secs(30)))
+        .unwrap();
+    assert!(r.error.is_none(), "{code}: {:?}", r.error);
+    r.value.unwrap_or_default()
+}
+
+fn sh(client: &Client, script: &str) -> String {
+    let out = client
+        .exec(ExecRequest {
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            ..ExecRequest::default()
+        })
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Destroys `sb` and checks that no process, cgroup, mount or file of it is left.
+fn destroy_and_check(mut sb: Sandbox) {
+    let status = sb.status().unwrap();
+    let jail = status.jail.clone().unwrap();
+    let dir = sb.dir().to_path_buf();
+    let pids: Vec<u32> = jail
+        .cgroups
+        .iter()
+        .flat_map(|d| {
+            std::fs::read_to_string(d.join("cgroup.procs"))
+                .unwrap_or_default()
+                .lines()
+                .map(|l| l.parse::<u32>().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    assert!(!pids.is_empty(), "the sandbox's cgroups hold its processes");
+    sb.destroy().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Path::new(&format!("/proc/{}", status.pid)).exists() {
+        assert!(Instant::now() < deadline, "the supervisor survived destroy");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    for pid in pids {
+        assert!(
+            !Path::new(&format!("/proc/{pid}")).exists(),
+            "process {pid} survived"
+        );
+    }
+    for cg in &jail.cgroups {
+        assert!(!cg.exists(), "cgroup {} survived", cg.display());
+    }
+    assert!(!dir.exists(), "sandbox directory survived");
+    assert!(
+        cube_jail::rootfs::mounts_under(&dir).unwrap().is_empty(),
+        "a mount survived"
+    );
+}
+
+#[test]
+fn rollback_brings_back_a_python_variable() {
+    if skip() {
+        return;
+    }
+    let env = Env::new();
+    let mut sb = env.create();
+    let agent = sb.agent().unwrap();
+    assert_eq!(py(&agent, "x = 41\nx"), "41");
+    sh(&agent, "echo before > $HOME/f");
+    let snap = sb.snapshot().unwrap();
+    assert_eq!(snap.kind, SnapshotKind::Full, "{:?}", snap.fallback);
+    assert!(snap.fallback.is_none());
+    // The snapshot dropped the connection: the client reconnects.
+    let agent = sb.agent().unwrap();
+    assert_eq!(py(&agent, "x"), "41", "the context survives the snapshot");
+    assert_eq!(py(&agent, "x = 99\nx"), "99");
+    sh(&agent, "echo after > $HOME/f");
+    sb.rollback(&snap.id).unwrap();
+    let agent = sb.agent().unwrap();
+    assert_eq!(py(&agent, "x"), "41");
+    assert_eq!(sh(&agent, "cat $HOME/f"), "before\n");
+    // Again, from the same snapshot.
+    assert_eq!(py(&agent, "x += 1\nx"), "42");
+    sb.rollback(&snap.id).unwrap();
+    assert_eq!(py(&sb.agent().unwrap(), "x"), "41");
+    destroy_and_check(sb);
+}
+
+#[test]
+fn a_clone_sees_the_variable_and_diverges_from_its_source() {
+    if skip() {
+        return;
+    }
+    let env = Env::new();
+    let mut source = env.create();
+    assert_eq!(py(&source.agent().unwrap(), "x = [1]\nx"), "[1]");
+    let mut clones = env
+        .rt
+        .clone_sandbox(&mut source, 1, 1, CreateOptions::new(false))
+        .unwrap();
+    let clone = clones.pop().unwrap();
+    let a = source.agent().unwrap();
+    let b = clone.agent().unwrap();
+    assert_eq!(py(&b, "x"), "[1]", "the clone sees the source's variable");
+    assert_eq!(py(&b, "x.append(2)\nx"), "[1, 2]");
+    assert_eq!(py(&a, "x"), "[1]", "the source saw the clone's change");
+    assert_eq!(py(&a, "x.append(3)\nx"), "[1, 3]");
+    assert_eq!(py(&b, "x"), "[1, 2]", "the clone saw the source's change");
+    sh(&b, "echo clone > $HOME/only-clone");
+    assert_eq!(sh(&a, "ls $HOME"), "");
+    destroy_and_check(clone);
+    destroy_and_check(source);
+}
+
+#[test]
+fn hibernate_and_wake_keep_the_variable() {
+    if skip() {
+        return;
+    }
+    let env = Env::new();
+    let mut sb = env.create();
+    assert_eq!(py(&sb.agent().unwrap(), "x = 'kept'\nx"), "'kept'");
+    let pid = sb.status().unwrap().jail.unwrap().pid.unwrap();
+    sb.hibernate().unwrap();
+    assert_eq!(sb.status().unwrap().status, MachineStatus::Hibernated);
+    assert!(
+        !Path::new(&format!("/proc/{pid}")).exists(),
+        "processes outlived hibernate"
+    );
+    // A snapshot of the hibernated sandbox is full too, and a rollback to it works.
+    let snap = sb.snapshot().unwrap();
+    assert_eq!(snap.kind, SnapshotKind::Full, "{:?}", snap.fallback);
+    sb.wake().unwrap();
+    let agent = sb.agent().unwrap();
+    assert_eq!(py(&agent, "x"), "'kept'");
+    assert_eq!(py(&agent, "x = 'changed'\nx"), "'changed'");
+    sb.rollback(&snap.id).unwrap();
+    assert_eq!(py(&sb.agent().unwrap(), "x"), "'kept'");
+    destroy_and_check(sb);
+}
+
+#[test]
+fn a_sandbox_cannot_point_agent_connections_at_a_host_socket() {
+    // Runs without CRIU too: the agent's socket is on the sandbox's /tmp either way.
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 || cube_jail::CgroupLayout::detect().is_err() {
+        eprintln!("skipping: jails need root and a readable cgroup hierarchy");
+        return;
+    }
+    let env = Env::new();
+    let sb = env.create();
+    // A host socket the sandbox's code must not make host clients reach.
+    let host_dir = tempfile::TempDir::new().unwrap();
+    let host_socket = host_dir.path().canonicalize().unwrap().join("host.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&host_socket).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let agent = sb.agent().unwrap();
+    let script = format!(
+        "rm -f /tmp/.cube-agent.sock && ln -s {} /tmp/.cube-agent.sock",
+        host_socket.display()
+    );
+    let out = agent
+        .exec(ExecRequest {
+            argv: vec!["/bin/sh".into(), "-c".into(), script],
+            ..ExecRequest::default()
+        })
+        .unwrap();
+    assert_eq!(
+        out.exit.code,
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // A plain connect through the link would follow the absolute symlink on the host:
+    // the threat is real here.
+    let link = sb.dir().join("agent.sock");
+    let plain = std::os::unix::net::UnixStream::connect(&link);
+    assert!(
+        plain.is_ok(),
+        "the symlink on the sandbox's /tmp was not followed"
+    );
+    drop(plain);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while listener.accept().is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the plain connect went elsewhere"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The agent's connections resolve inside the sandbox's root, where the host path
+    // does not exist.
+    assert!(sb.agent().is_err());
+    assert!(
+        listener.accept().is_err(),
+        "a host client was redirected to a host socket"
+    );
+    drop(agent);
+    sb.destroy().unwrap();
+}
