@@ -544,12 +544,17 @@ impl Pool {
                 .map(|link| link.name.clone())
                 .collect(),
         };
-        for uplink in &uplinks {
-            state
-                .datapath
-                .attach(Program::ToHost, uplink, Hook::Ingress)?;
+        // Hooks this datapath build attached before stay as they are: re-attaching
+        // costs tens of ms per open and leaves the uplink briefly without a program.
+        let hooks = uplinks
+            .iter()
+            .map(|uplink| (uplink.as_str(), Hook::Ingress))
+            .chain([("lo", Hook::Egress)]);
+        for (ifname, hook) in hooks {
+            if !state.datapath.attached_current(Program::ToHost, ifname, hook) {
+                state.datapath.attach(Program::ToHost, ifname, hook)?;
+            }
         }
-        state.datapath.attach(Program::ToHost, "lo", Hook::Egress)?;
         // Packets the datapath hands to the host's own stack come in through lo
         // with a host address as source (a sandbox's NAT address, or the host's own
         // address for replies from exposed ports); without accept_local the
@@ -1191,6 +1196,7 @@ impl Pool {
         }
         let pin_dir = self.config.pin_dir();
         Datapath::unpin_maps(&pin_dir.join("maps"))?;
+        Datapath::unpin_programs(&pin_dir.join("programs"))?;
         for dir in [pin_dir.join("maps"), pin_dir.join("links"), pin_dir.clone()] {
             match std::fs::remove_dir(&dir) {
                 Ok(()) => {}
