@@ -551,7 +551,10 @@ impl Pool {
             .map(|uplink| (uplink.as_str(), Hook::Ingress))
             .chain([("lo", Hook::Egress)]);
         for (ifname, hook) in hooks {
-            if !state.datapath.attached_current(Program::ToHost, ifname, hook) {
+            if !state
+                .datapath
+                .attached_current(Program::ToHost, ifname, hook)
+            {
                 state.datapath.attach(Program::ToHost, ifname, hook)?;
             }
         }
