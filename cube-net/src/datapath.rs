@@ -440,7 +440,7 @@ impl Datapath {
         let name = program.name();
         let pin = self.programs_dir.join(name);
         if let Ok(pinned) = SchedClassifier::from_pin(&pin) {
-            return Ok(Classifier::Pinned(pinned));
+            return Ok(Classifier::Pinned(Box::new(pinned)));
         }
         let classifier: &mut SchedClassifier = self
             .ebpf
@@ -908,7 +908,7 @@ fn remove_where<K: Pod, V: Pod>(
 
 /// A program ready to attach: loaded from this build's pin, or held by the object.
 enum Classifier<'a> {
-    Pinned(SchedClassifier),
+    Pinned(Box<SchedClassifier>),
     Loaded(&'a mut SchedClassifier),
 }
 
