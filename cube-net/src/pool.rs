@@ -366,8 +366,9 @@ fn write_sysctl(path: PathBuf, value: &str) -> Result<()> {
 
 impl Pool {
     /// Opens (or, after a crash, rebuilds) the pool in the calling thread's network
-    /// namespace: loads the datapath, attaches it to the uplinks and lo, adopts the
-    /// pool devices already on the host, and creates the missing ones.
+    /// namespace: loads the datapath (reusing this build's pinned programs), attaches
+    /// it to the uplinks and lo where this build's program is not attached already,
+    /// adopts the pool devices already on the host, and creates the missing ones.
     pub fn open(config: PoolConfig) -> Result<Self> {
         config.validate()?;
         ensure_bpffs(&config.bpffs)?;
@@ -523,7 +524,8 @@ impl Pool {
     }
 
     /// Re-reads the host's addresses (refused to sandboxes by default, and where
-    /// exposed ports are served) and re-attaches the uplink programs.
+    /// exposed ports are served) and attaches the uplink programs where this datapath
+    /// build's are not attached already.
     pub fn refresh_host(&self) -> Result<()> {
         self.in_host(|| self.refresh_host_here())
     }
