@@ -402,6 +402,11 @@ impl Datapath {
             }
         }
         let programs_dir = programs_root.join(build);
+        // Pinned programs hold the maps they were loaded with: when a map is about
+        // to be made anew, they would keep using the old one, so they go too.
+        if !MAP_NAMES.iter().all(|name| maps_dir.join(name).exists()) {
+            remove_program_pins(&programs_dir)?;
+        }
         std::fs::create_dir_all(&programs_dir)
             .map_err(|error| DatapathError::Pin(programs_dir.clone(), error))?;
         let ebpf = EbpfLoader::new()
