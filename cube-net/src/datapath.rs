@@ -336,10 +336,43 @@ pub const MAP_NAMES: [&str; 10] = [
     "cube_ct_exposed",
 ];
 
-/// A loaded datapath: programs verified and loaded, maps shared through their pins.
+/// A loaded datapath: maps shared through their pins, programs loaded when first
+/// attached and shared through their pins too.
+///
+/// Verifying the programs and re-attaching the uplinks is most of what opening a
+/// pool costs, and re-attaching briefly detaches the uplinks' programs. So programs
+/// are pinned under `programs/<build id>/` once verified: an open by the same
+/// datapath build attaches the pinned programs and leaves uplinks that run them
+/// alone ([`Datapath::attached_current`]); a different build finds another id,
+/// drops the old program pins and attaches its own, deliberately replacing the old
+/// build's attachments.
 pub struct Datapath {
     ebpf: Ebpf,
     links_dir: PathBuf,
+    programs_dir: PathBuf,
+}
+
+/// An id of the compiled datapath object (FNV-1a of its bytes): program pins and
+/// attachments are reused only by the build that made them.
+pub fn build_id() -> String {
+    let hash = OBJECT.iter().fold(0xcbf2_9ce4_8422_2325u64, |hash, byte| {
+        (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
+    });
+    format!("{hash:016x}")
+}
+
+/// Unpins every program pinned in `dir` and removes it; a missing `dir` is fine.
+fn remove_program_pins(dir: &Path) -> Result<()> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(DatapathError::Pin(dir.to_path_buf(), error)),
+    };
+    for entry in entries.filter_map(|entry| entry.ok()) {
+        let path = entry.path();
+        std::fs::remove_file(&path).map_err(|error| DatapathError::Pin(path, error))?;
+    }
+    std::fs::remove_dir(dir).map_err(|error| DatapathError::Pin(dir.to_path_buf(), error))
 }
 
 fn map_error(name: &'static str) -> impl Fn(MapError) -> DatapathError {
@@ -359,20 +392,68 @@ impl Datapath {
         for dir in [&maps_dir, &links_dir] {
             std::fs::create_dir_all(dir).map_err(|error| DatapathError::Pin(dir.clone(), error))?;
         }
-        let mut ebpf = EbpfLoader::new()
+        let programs_root = pin_dir.join("programs");
+        let build = build_id();
+        if let Ok(entries) = std::fs::read_dir(&programs_root) {
+            for entry in entries.filter_map(|entry| entry.ok()) {
+                if entry.file_name().to_str() != Some(build.as_str()) {
+                    remove_program_pins(&entry.path())?;
+                }
+            }
+        }
+        let programs_dir = programs_root.join(build);
+        // Pinned programs hold the maps they were loaded with: when a map is about
+        // to be made anew, they would keep using the old one, so they go too.
+        if !MAP_NAMES.iter().all(|name| maps_dir.join(name).exists()) {
+            remove_program_pins(&programs_dir)?;
+        }
+        std::fs::create_dir_all(&programs_dir)
+            .map_err(|error| DatapathError::Pin(programs_dir.clone(), error))?;
+        let ebpf = EbpfLoader::new()
             .map_pin_path(&maps_dir)
             .set_max_entries("cube_ct_out", max_flows)
             .set_max_entries("cube_ct_in", max_flows)
             .set_max_entries("cube_ct_exposed", max_flows)
             .load(OBJECT)
             .map_err(|error| DatapathError::Load(Box::new(error)))?;
-        for program in [Program::FromSandbox, Program::ToHost] {
-            let name = program.name();
-            let classifier: &mut SchedClassifier = ebpf
-                .program_mut(name)
-                .ok_or(DatapathError::MissingProgram(name))?
-                .try_into()
-                .map_err(|_| DatapathError::MissingProgram(name))?;
+        Ok(Self {
+            ebpf,
+            links_dir,
+            programs_dir,
+        })
+    }
+
+    /// Whether `ifname`'s `hook` already runs this build's `program` through a link
+    /// this pool pinned: such a hook can stay as it is.
+    pub fn attached_current(&self, program: Program, ifname: &str, hook: Hook) -> bool {
+        if !tcx_supported() || PinnedLink::from_pin(self.link_pin(ifname, hook)).is_err() {
+            return false;
+        }
+        let Ok(pinned) = SchedClassifier::from_pin(self.programs_dir.join(program.name())) else {
+            return false;
+        };
+        let Ok(id) = pinned.info().map(|info| info.id()) else {
+            return false;
+        };
+        SchedClassifier::query_tcx(ifname, hook.attach_type())
+            .is_ok_and(|(_, programs)| programs.iter().any(|info| info.id() == id))
+    }
+
+    /// `program` as pinned by this build, or else verified and loaded here and then
+    /// pinned for the next open.
+    fn classifier(&mut self, program: Program) -> Result<Classifier<'_>> {
+        let name = program.name();
+        let pin = self.programs_dir.join(name);
+        if let Ok(pinned) = SchedClassifier::from_pin(&pin) {
+            return Ok(Classifier::Pinned(Box::new(pinned)));
+        }
+        let classifier: &mut SchedClassifier = self
+            .ebpf
+            .program_mut(name)
+            .ok_or(DatapathError::MissingProgram(name))?
+            .try_into()
+            .map_err(|_| DatapathError::MissingProgram(name))?;
+        if classifier.fd().is_err() {
             classifier.load().map_err(|error| DatapathError::Program {
                 op: "load",
                 program: name,
@@ -380,7 +461,12 @@ impl Datapath {
                 source: Box::new(error),
             })?;
         }
-        Ok(Self { ebpf, links_dir })
+        if !pin.exists() {
+            classifier
+                .pin(&pin)
+                .map_err(|error| DatapathError::Pin(pin.clone(), io::Error::other(error)))?;
+        }
+        Ok(Classifier::Loaded(classifier))
     }
 
     /// Where the link of `program` on `ifname`'s `hook` is pinned.
@@ -403,12 +489,8 @@ impl Datapath {
                 source: Box::new(error),
             }
         };
-        let classifier: &mut SchedClassifier = self
-            .ebpf
-            .program_mut(name)
-            .ok_or(DatapathError::MissingProgram(name))?
-            .try_into()
-            .map_err(|_| DatapathError::MissingProgram(name))?;
+        let mut classifier = self.classifier(program)?;
+        let classifier = classifier.get();
         if !tcx_supported() {
             if let Err(error) = tc::qdisc_add_clsact(ifname) {
                 if error.raw_os_error() != Some(libc::EEXIST) {
@@ -776,6 +858,20 @@ impl Datapath {
         Ok(removed)
     }
 
+    /// Unpins every program of the pool under `programs_root` (every build's).
+    pub fn unpin_programs(programs_root: &Path) -> Result<()> {
+        if let Ok(entries) = std::fs::read_dir(programs_root) {
+            for entry in entries.filter_map(|entry| entry.ok()) {
+                remove_program_pins(&entry.path())?;
+            }
+        }
+        match std::fs::remove_dir(programs_root) {
+            Ok(()) => Ok(()),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(error) => Err(DatapathError::Pin(programs_root.to_path_buf(), error)),
+        }
+    }
+
     /// Unpins every map of the pool (the maps die with the last program using them).
     pub fn unpin_maps(maps_dir: &Path) -> Result<()> {
         for name in MAP_NAMES {
@@ -813,6 +909,21 @@ fn remove_where<K: Pod, V: Pod>(
         }
     }
     Ok(removed)
+}
+
+/// A program ready to attach: loaded from this build's pin, or held by the object.
+enum Classifier<'a> {
+    Pinned(Box<SchedClassifier>),
+    Loaded(&'a mut SchedClassifier),
+}
+
+impl Classifier<'_> {
+    fn get(&mut self) -> &mut SchedClassifier {
+        match self {
+            Self::Pinned(classifier) => classifier,
+            Self::Loaded(classifier) => classifier,
+        }
+    }
 }
 
 /// Unpins a link pin, which detaches its program; a missing pin is fine.

@@ -366,8 +366,9 @@ fn write_sysctl(path: PathBuf, value: &str) -> Result<()> {
 
 impl Pool {
     /// Opens (or, after a crash, rebuilds) the pool in the calling thread's network
-    /// namespace: loads the datapath, attaches it to the uplinks and lo, adopts the
-    /// pool devices already on the host, and creates the missing ones.
+    /// namespace: loads the datapath (reusing this build's pinned programs), attaches
+    /// it to the uplinks and lo where this build's program is not attached already,
+    /// adopts the pool devices already on the host, and creates the missing ones.
     pub fn open(config: PoolConfig) -> Result<Self> {
         config.validate()?;
         ensure_bpffs(&config.bpffs)?;
@@ -523,7 +524,8 @@ impl Pool {
     }
 
     /// Re-reads the host's addresses (refused to sandboxes by default, and where
-    /// exposed ports are served) and re-attaches the uplink programs.
+    /// exposed ports are served) and attaches the uplink programs where this datapath
+    /// build's are not attached already.
     pub fn refresh_host(&self) -> Result<()> {
         self.in_host(|| self.refresh_host_here())
     }
@@ -544,12 +546,20 @@ impl Pool {
                 .map(|link| link.name.clone())
                 .collect(),
         };
-        for uplink in &uplinks {
-            state
+        // Hooks this datapath build attached before stay as they are: re-attaching
+        // costs tens of ms per open and leaves the uplink briefly without a program.
+        let hooks = uplinks
+            .iter()
+            .map(|uplink| (uplink.as_str(), Hook::Ingress))
+            .chain([("lo", Hook::Egress)]);
+        for (ifname, hook) in hooks {
+            if !state
                 .datapath
-                .attach(Program::ToHost, uplink, Hook::Ingress)?;
+                .attached_current(Program::ToHost, ifname, hook)
+            {
+                state.datapath.attach(Program::ToHost, ifname, hook)?;
+            }
         }
-        state.datapath.attach(Program::ToHost, "lo", Hook::Egress)?;
         // Packets the datapath hands to the host's own stack come in through lo
         // with a host address as source (a sandbox's NAT address, or the host's own
         // address for replies from exposed ports); without accept_local the
@@ -1191,6 +1201,7 @@ impl Pool {
         }
         let pin_dir = self.config.pin_dir();
         Datapath::unpin_maps(&pin_dir.join("maps"))?;
+        Datapath::unpin_programs(&pin_dir.join("programs"))?;
         for dir in [pin_dir.join("maps"), pin_dir.join("links"), pin_dir.clone()] {
             match std::fs::remove_dir(&dir) {
                 Ok(()) => {}

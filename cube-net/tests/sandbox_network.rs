@@ -345,6 +345,19 @@ fn pool_rebuilds_after_a_crash() {
     lab.http_get("dies", OUT_ADDR, 80).unwrap();
     let alive_name = alive.host_ifname().to_string();
     let (dead_name, dead_index) = (dies.host_ifname().to_string(), dies.host_ifindex());
+    // A re-attach replaces a hook's link, and with it the link's pin.
+    let links_dir = std::path::Path::new("/sys/fs/bpf/cube-net")
+        .join(&config.name)
+        .join("links");
+    let uplink_pins = || {
+        ["up0-ingress", "lo-egress"].map(|pin| {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata(links_dir.join(pin))
+                .map(|meta| meta.ino())
+                .ok()
+        })
+    };
+    let before = uplink_pins();
     // The process dies without releasing anything; one sandbox dies with it.
     drop(pool);
     drop(alive);
@@ -365,6 +378,14 @@ fn pool_rebuilds_after_a_crash() {
 
     let guard = PoolGuard(lab.open_pool(config));
     let pool = guard.pool();
+    if cube_net::datapath::tcx_supported() {
+        assert!(before.iter().all(Option::is_some), "{before:?}");
+        assert_eq!(
+            uplink_pins(),
+            before,
+            "reopening with the same datapath build re-attached the uplink or lo"
+        );
+    }
     assert_eq!(pool.attached().unwrap(), vec![alive_name.clone()]);
     assert_eq!(
         pool.free().unwrap().0,

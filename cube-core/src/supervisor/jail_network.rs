@@ -12,9 +12,11 @@
 //! recorded in the sandbox directory ([`DEVICE_RECORD`]) so that removing a stale
 //! sandbox can release it by name while its jail lives on.
 //!
-//! Opening the pool per supervisor is the expensive part of a networked create
-//! (190-300 ms here: the datapath is loaded and the uplink programs re-attached);
-//! a long-lived pool owner would take it off the create path.
+//! Opening the pool per supervisor costs ~20 ms once the host pool is set up: the
+//! datapath's programs are reused from their pins and uplinks already running them
+//! are left attached (see `cube_net::datapath::Datapath`). Only the first open by a
+//! datapath build verifies the programs and attaches the uplinks (~150 ms); a
+//! long-lived pool owner would take the rest off the create path too.
 //!
 //! `attach_veth` (a pair made straight into the jail's namespace, ~15 ms) is used
 //! rather than a prepared namespace the jail would join: jails are pre-started by
