@@ -582,7 +582,9 @@ impl Jail {
                     .read(true)
                     .custom_flags(libc::O_DIRECTORY)
                     .open(d)?;
-                let procs = OpenOptions::new().write(true).open(d.join("cgroup.procs"))?;
+                let procs = OpenOptions::new()
+                    .write(true)
+                    .open(d.join("cgroup.procs"))?;
                 Ok((dir, procs))
             })
             .transpose()
@@ -659,9 +661,9 @@ impl Jail {
                 .collect(),
         };
 
+        let v2_dir_fd = v2_files.as_ref().map(|(dir, _)| dir.as_raw_fd());
         // SAFETY: the child only runs `child_main`, which makes raw system calls over
         // memory prepared above and never returns (exec or _exit).
-        let v2_dir_fd = v2_files.as_ref().map(|(dir, _)| dir.as_raw_fd());
         let pid = match unsafe {
             namespaces::clone_into_namespaces(config.namespaces.clone_flags(), v2_dir_fd)
         }? {

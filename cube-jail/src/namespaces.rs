@@ -134,6 +134,8 @@ pub unsafe fn clone_into_namespaces(
     cgroup: Option<RawFd>,
 ) -> Result<(Cloned, bool), NamespaceError> {
     if let Some(fd) = cgroup {
+        // `c_ulong` is narrower than u64 on 32-bit targets.
+        #[allow(clippy::unnecessary_cast)]
         let args = CloneArgs {
             flags: flags as u64 | CLONE_INTO_CGROUP,
             exit_signal: libc::SIGCHLD as u64,
