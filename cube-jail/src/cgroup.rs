@@ -532,6 +532,27 @@ impl SandboxCgroup {
             .collect()
     }
 
+    /// How a new, single-threaded process joins the sandbox without the kernel's
+    /// global cgroup migration lock, whose write side waits for an RCU grace period
+    /// (intermittently 10-20 ms on the CI hosts): the v2 directory, to be given to
+    /// `clone3` with `CLONE_INTO_CGROUP` (a fork needs only the lock's read side), and
+    /// the v1 `tasks` files, into which the process writes `0` (moving only the calling
+    /// thread skips the lock; for a single-threaded process that is the whole process).
+    pub fn join_points(&self) -> (Option<&Path>, Vec<PathBuf>) {
+        let v2 = self
+            .dirs
+            .iter()
+            .find(|(v, _)| *v == CgroupVersion::V2)
+            .map(|(_, d)| d.as_path());
+        let v1 = self
+            .dirs
+            .iter()
+            .filter(|(v, _)| *v == CgroupVersion::V1)
+            .map(|(_, d)| d.join("tasks"))
+            .collect();
+        (v2, v1)
+    }
+
     /// The freezer in use, if any.
     pub fn freezer(&self) -> Option<&Freezer> {
         self.freezer.as_ref()

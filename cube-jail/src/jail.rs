@@ -2,8 +2,9 @@
 //!
 //! # How the child is made safely from a multi-threaded parent
 //! Everything that allocates, reads files or can fail in a complicated way happens in
-//! the parent before the `clone`: the cgroups are created and their `cgroup.procs`
-//! files opened, the sandbox directory and mount points are made, the mount plan, the
+//! the parent before the `clone`: the cgroups are created and opened (the child is
+//! born in the v2 one through `clone3`'s `CLONE_INTO_CGROUP` and writes itself into the
+//! v1 ones' `tasks`, neither of which waits on the kernel's global migration lock), the sandbox directory and mount points are made, the mount plan, the
 //! seccomp BPF, argv, envp and the exec candidates are built as C data. The child (a
 //! fork-style `clone` that is already PID 1 of its new PID namespace, so no second fork
 //! is needed) then only issues raw system calls over that memory: no allocation, no
@@ -22,6 +23,7 @@ use std::fs::{File, OpenOptions};
 use std::io::Read;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
@@ -336,7 +338,11 @@ impl JailExit {
 
 /// Everything the child needs, prepared by the parent; see the module docs.
 struct ChildPlan<'a> {
-    cgroup_procs: Vec<RawFd>,
+    /// The v2 `cgroup.procs`, written only where `clone3` could not start the child in
+    /// the v2 cgroup already.
+    v2_procs: Option<RawFd>,
+    /// The v1 `tasks` files (see [`SandboxCgroup::join_points`]).
+    v1_tasks: Vec<RawFd>,
     new_cgroup_ns: bool,
     mounts: &'a MountPlan,
     hostname: Option<CString>,
@@ -364,8 +370,8 @@ fn stage<T>(
 }
 
 /// Runs in the cloned child: set up, then exec; on failure report and exit.
-fn child_main(p: &ChildPlan<'_>) -> ! {
-    let (s, index, errno) = match child_setup(p) {
+fn child_main(p: &ChildPlan<'_>, in_v2_cgroup: bool) -> ! {
+    let (s, index, errno) = match child_setup(p, in_v2_cgroup) {
         Ok(never) => match never {},
         Err(f) => f,
     };
@@ -383,7 +389,7 @@ fn child_main(p: &ChildPlan<'_>) -> ! {
 
 enum Never {}
 
-fn child_setup(p: &ChildPlan<'_>) -> std::result::Result<Never, ChildFailure> {
+fn child_setup(p: &ChildPlan<'_>, in_v2_cgroup: bool) -> std::result::Result<Never, ChildFailure> {
     // Modes of mount points and device nodes are exact; restored before exec.
     // SAFETY: umask has no failure mode and no memory effects.
     unsafe { libc::umask(0) };
@@ -393,7 +399,8 @@ fn child_setup(p: &ChildPlan<'_>) -> std::result::Result<Never, ChildFailure> {
     // process group.
     // SAFETY: integer-only system call.
     unsafe { libc::setsid() };
-    for (i, fd) in p.cgroup_procs.iter().enumerate() {
+    let v2 = if in_v2_cgroup { None } else { p.v2_procs };
+    for (i, fd) in v2.iter().chain(&p.v1_tasks).enumerate() {
         // SAFETY: writes one byte from a static string to an open descriptor.
         let r = unsafe { libc::write(*fd, b"0".as_ptr().cast(), 1) };
         if r != 1 {
@@ -567,15 +574,26 @@ impl Jail {
             config.seed_layer.as_deref(),
         )?;
 
-        let procs_files = cgroup
-            .procs_files()
+        let (v2_dir, v1_tasks) = cgroup.join_points();
+        let io = |action| move |source| JailError::Io { action, source };
+        let v2_files = v2_dir
+            .map(|d| -> std::io::Result<(File, File)> {
+                let dir = OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_DIRECTORY)
+                    .open(d)?;
+                let procs = OpenOptions::new()
+                    .write(true)
+                    .open(d.join("cgroup.procs"))?;
+                Ok((dir, procs))
+            })
+            .transpose()
+            .map_err(io("open the v2 cgroup"))?;
+        let tasks_files = v1_tasks
             .iter()
             .map(|p| OpenOptions::new().write(true).open(p))
             .collect::<std::io::Result<Vec<File>>>()
-            .map_err(|source| JailError::Io {
-                action: "open cgroup.procs",
-                source,
-            })?;
+            .map_err(io("open a v1 cgroup's tasks"))?;
         let mut child_ends: Vec<OwnedFd> = Vec::new();
         let mut parent_ends: [Option<File>; 3] = [None, None, None];
         let mut stdio_fds: [Option<RawFd>; 3] = [None; 3];
@@ -621,7 +639,8 @@ impl Jail {
         let mut envp_p: Vec<*const libc::c_char> = envp_c.iter().map(|c| c.as_ptr()).collect();
         envp_p.push(std::ptr::null());
         let plan = ChildPlan {
-            cgroup_procs: procs_files.iter().map(AsRawFd::as_raw_fd).collect(),
+            v2_procs: v2_files.as_ref().map(|(_, procs)| procs.as_raw_fd()),
+            v1_tasks: tasks_files.iter().map(AsRawFd::as_raw_fd).collect(),
             new_cgroup_ns: config.namespaces.cgroup,
             mounts: &mounts,
             hostname,
@@ -642,17 +661,20 @@ impl Jail {
                 .collect(),
         };
 
+        let v2_dir_fd = v2_files.as_ref().map(|(dir, _)| dir.as_raw_fd());
         // SAFETY: the child only runs `child_main`, which makes raw system calls over
         // memory prepared above and never returns (exec or _exit).
-        let pid =
-            match unsafe { namespaces::clone_into_namespaces(config.namespaces.clone_flags()) }? {
-                Cloned::Child => child_main(&plan),
-                Cloned::Parent(pid) => pid,
-            };
+        let pid = match unsafe {
+            namespaces::clone_into_namespaces(config.namespaces.clone_flags(), v2_dir_fd)
+        }? {
+            (Cloned::Child, in_v2_cgroup) => child_main(&plan, in_v2_cgroup),
+            (Cloned::Parent(pid), _) => pid,
+        };
         drop(report_write);
         drop(passed_sources);
         drop(child_ends);
-        drop(procs_files);
+        drop(v2_files);
+        drop(tasks_files);
 
         let mut jail = Jail {
             name: config.name.clone(),

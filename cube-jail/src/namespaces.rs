@@ -12,6 +12,7 @@
 //! sandbox cgroups, so that its cgroup root is the sandbox cgroup and not the host's.
 
 use std::ffi::CString;
+use std::os::fd::RawFd;
 
 use nix::errno::Errno;
 
@@ -97,12 +98,70 @@ pub enum Cloned {
     Child,
 }
 
-/// Creates a child process in new namespaces, fork-style.
+/// `clone3` flag: the child starts in the cgroup `CloneArgs::cgroup` names (Linux 5.7).
+const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+
+/// `struct clone_args` of `linux/sched.h`, up to `cgroup` (CLONE_ARGS_SIZE_VER2).
+#[repr(C)]
+#[derive(Default)]
+struct CloneArgs {
+    flags: u64,
+    pidfd: u64,
+    child_tid: u64,
+    parent_tid: u64,
+    exit_signal: u64,
+    stack: u64,
+    stack_size: u64,
+    tls: u64,
+    set_tid: u64,
+    set_tid_size: u64,
+    cgroup: u64,
+}
+
+/// Creates a child process in new namespaces, fork-style. With `cgroup` (an open v2
+/// cgroup directory) the child is born in that cgroup through `clone3`'s
+/// `CLONE_INTO_CGROUP`, which, unlike a later write to `cgroup.procs`, never takes the
+/// write side of the kernel's global migration lock. The boolean says whether that
+/// happened (in both processes): false without `cgroup`, or where the kernel (or a
+/// seccomp filter around this process) has no `clone3`; the child must then join the
+/// v2 cgroup itself.
 ///
 /// # Safety
 /// In a multi-threaded program the child may only make async-signal-safe calls (no
 /// allocation, no locks) until it calls `execve` or `_exit`.
-pub unsafe fn clone_into_namespaces(flags: libc::c_ulong) -> Result<Cloned, NamespaceError> {
+pub unsafe fn clone_into_namespaces(
+    flags: libc::c_ulong,
+    cgroup: Option<RawFd>,
+) -> Result<(Cloned, bool), NamespaceError> {
+    if let Some(fd) = cgroup {
+        // `c_ulong` is narrower than u64 on 32-bit targets.
+        #[allow(clippy::unnecessary_cast)]
+        let args = CloneArgs {
+            flags: flags as u64 | CLONE_INTO_CGROUP,
+            exit_signal: libc::SIGCHLD as u64,
+            cgroup: fd as u64,
+            ..CloneArgs::default()
+        };
+        // SAFETY: `args` is a live, fully initialised clone_args of the size passed. A
+        // zero stack and no CLONE_VM/CLONE_SETTLS duplicate the calling thread like
+        // fork(); the pointer fields are zero and unused without their flags. The
+        // caller upholds the child's async-signal-safety contract.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_clone3,
+                &args as *const CloneArgs,
+                std::mem::size_of::<CloneArgs>(),
+            )
+        };
+        match r {
+            -1 => match Errno::last() {
+                Errno::ENOSYS | Errno::E2BIG => {}
+                e => return Err(NamespaceError::Clone(e)),
+            },
+            0 => return Ok((Cloned::Child, true)),
+            pid => return Ok((Cloned::Parent(pid as libc::pid_t), true)),
+        }
+    }
     // SAFETY: clone with a null stack and no CLONE_VM/CLONE_SETTLS duplicates the calling
     // thread like fork(); the null tid pointers are unused without the *_TID flags. The
     // caller upholds the child's async-signal-safety contract.
@@ -118,8 +177,8 @@ pub unsafe fn clone_into_namespaces(flags: libc::c_ulong) -> Result<Cloned, Name
     };
     match r {
         -1 => Err(NamespaceError::Clone(Errno::last())),
-        0 => Ok(Cloned::Child),
-        pid => Ok(Cloned::Parent(pid as libc::pid_t)),
+        0 => Ok((Cloned::Child, false)),
+        pid => Ok((Cloned::Parent(pid as libc::pid_t), false)),
     }
 }
 
