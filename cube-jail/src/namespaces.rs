@@ -1,9 +1,10 @@
 //! Creating the sandbox's namespaces and configuring the ones that need it (UTS hostname,
 //! loopback in the network namespace, cgroup namespace after the cgroup join).
 //!
-//! The sandbox process is made with a raw `clone` system call that creates the mount,
-//! PID, network, IPC and UTS namespaces at once, so the child is PID 1 of its PID
-//! namespace without a second fork. With a null stack pointer `clone` behaves like
+//! The sandbox process is made with a raw `clone3` system call (`CLONE_INTO_CGROUP`, so it
+//! is born in its v2 cgroup; plain `clone` where `clone3` is refused) that creates the
+//! mount, PID, network, IPC and UTS namespaces at once, so the child is PID 1 of its PID
+//! namespace without a second fork. With a null stack pointer the call behaves like
 //! `fork`: the child gets a copy-on-write copy of the calling thread only. Like after
 //! `fork` in a multi-threaded program, the child may then only make async-signal-safe
 //! calls until `execve`; see `jail.rs` for how that is kept.
