@@ -15,7 +15,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 
 use super::chain_io::Segments;
-use super::device::{DeviceError, VirtioDevice};
+use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{Chain, ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1};
@@ -95,18 +95,12 @@ struct BlockState {
     read_only: bool,
 }
 
-struct Active {
-    memory: VirtioMemory,
-    queues: Vec<Queue>,
-    interrupt: Arc<VirtioInterrupt>,
-}
-
 /// The virtio block device.
 pub struct Block {
     file: File,
     capacity_sectors: u64,
     options: BlockOptions,
-    active: Option<Active>,
+    active: Option<ActiveQueues>,
 }
 
 impl Block {
@@ -312,20 +306,13 @@ impl VirtioDevice for Block {
         queues: Vec<Queue>,
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<(), DeviceError> {
-        if self.active.is_some() {
-            return Err(DeviceError::AlreadyActivated);
-        }
-        if queues.len() != QUEUE_SIZES.len() {
-            return Err(DeviceError::QueueCount {
-                expected: QUEUE_SIZES.len(),
-                given: queues.len(),
-            });
-        }
-        self.active = Some(Active {
+        ActiveQueues::install(
+            &mut self.active,
+            QUEUE_SIZES.len(),
             memory,
             queues,
             interrupt,
-        });
+        )?;
         Ok(())
     }
 
@@ -372,7 +359,7 @@ impl VirtioDevice for Block {
 }
 
 impl Block {
-    fn serve_queue(&self, active: &mut Active, index: u16) -> Result<(), DeviceError> {
+    fn serve_queue(&self, active: &mut ActiveQueues, index: u16) -> Result<(), DeviceError> {
         let queue = active
             .queues
             .get_mut(usize::from(index))
@@ -406,19 +393,6 @@ impl Block {
         }
         Ok(())
     }
-}
-
-/// Copies the part of `config` at `offset` into `data`; bytes past its end stay as
-/// they are.
-pub(crate) fn copy_config(config: &[u8], offset: u64, data: &mut [u8]) {
-    let Ok(offset) = usize::try_from(offset) else {
-        return;
-    };
-    if offset >= config.len() {
-        return;
-    }
-    let n = (config.len() - offset).min(data.len());
-    data[..n].copy_from_slice(&config[offset..offset + n]);
 }
 
 #[cfg(test)]

@@ -134,3 +134,55 @@ pub trait VirtioDevice: Send {
         Ok(())
     }
 }
+
+/// What an activated device owns until reset: guest memory, its queues and its interrupt.
+pub(crate) struct ActiveQueues {
+    /// Guest memory the queues point into.
+    pub(crate) memory: VirtioMemory,
+    /// The validated queues, in the device's order.
+    pub(crate) queues: Vec<Queue>,
+    /// The device's interrupt.
+    pub(crate) interrupt: Arc<VirtioInterrupt>,
+}
+
+impl ActiveQueues {
+    /// Activates a device with `expected` queues into `slot`: refused when it is active
+    /// already (no reset in between) or when the transport hands over another number of
+    /// queues.
+    pub(crate) fn install(
+        slot: &mut Option<ActiveQueues>,
+        expected: usize,
+        memory: VirtioMemory,
+        queues: Vec<Queue>,
+        interrupt: Arc<VirtioInterrupt>,
+    ) -> Result<(), DeviceError> {
+        if slot.is_some() {
+            return Err(DeviceError::AlreadyActivated);
+        }
+        if queues.len() != expected {
+            return Err(DeviceError::QueueCount {
+                expected,
+                given: queues.len(),
+            });
+        }
+        *slot = Some(ActiveQueues {
+            memory,
+            queues,
+            interrupt,
+        });
+        Ok(())
+    }
+}
+
+/// Copies the part of `config` at `offset` into `data`; bytes past its end stay as
+/// they are.
+pub(crate) fn copy_config(config: &[u8], offset: u64, data: &mut [u8]) {
+    let Ok(offset) = usize::try_from(offset) else {
+        return;
+    };
+    if offset >= config.len() {
+        return;
+    }
+    let n = (config.len() - offset).min(data.len());
+    data[..n].copy_from_slice(&config[offset..offset + n]);
+}

@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::chain_io::Segments;
-use super::device::{DeviceError, VirtioDevice};
+use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{ChainError, Queue};
 use super::tap::{Tap, VNET_HDR_LEN};
@@ -42,12 +42,6 @@ struct NetState {
     mac: [u8; 6],
 }
 
-struct Active {
-    memory: VirtioMemory,
-    queues: Vec<Queue>,
-    interrupt: Arc<VirtioInterrupt>,
-}
-
 /// The virtio network device.
 pub struct Net {
     tap: Tap,
@@ -57,7 +51,7 @@ pub struct Net {
     /// for them).
     tap_readable: bool,
     frame: Vec<u8>,
-    active: Option<Active>,
+    active: Option<ActiveQueues>,
 }
 
 impl Net {
@@ -83,7 +77,7 @@ impl Net {
     }
 
     /// Sends every frame the guest queued for transmission.
-    fn transmit(&mut self, active: &mut Active) -> Result<bool, DeviceError> {
+    fn transmit(&mut self, active: &mut ActiveQueues) -> Result<bool, DeviceError> {
         let queue_err = |source| DeviceError::Queue { index: TX, source };
         let mem = active.memory.clone();
         let mut used_any = false;
@@ -122,7 +116,7 @@ impl Net {
     }
 
     /// Moves frames from the TAP into receive buffers while both last.
-    fn receive(&mut self, active: &mut Active) -> Result<bool, DeviceError> {
+    fn receive(&mut self, active: &mut ActiveQueues) -> Result<bool, DeviceError> {
         let queue_err = |source| DeviceError::Queue { index: RX, source };
         let mem = active.memory.clone();
         let mut used_any = false;
@@ -184,7 +178,7 @@ impl Net {
         result
     }
 
-    fn run_active(&mut self, active: &mut Active, tx: bool) -> Result<(), DeviceError> {
+    fn run_active(&mut self, active: &mut ActiveQueues, tx: bool) -> Result<(), DeviceError> {
         let mut interrupt = false;
         if tx && self.transmit(active)? {
             interrupt |= active.queues[usize::from(TX)]
@@ -220,7 +214,7 @@ impl VirtioDevice for Net {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        super::block::copy_config(&self.mac, offset, data);
+        copy_config(&self.mac, offset, data);
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {
@@ -234,20 +228,13 @@ impl VirtioDevice for Net {
         queues: Vec<Queue>,
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<(), DeviceError> {
-        if self.active.is_some() {
-            return Err(DeviceError::AlreadyActivated);
-        }
-        if queues.len() != QUEUE_SIZES.len() {
-            return Err(DeviceError::QueueCount {
-                expected: QUEUE_SIZES.len(),
-                given: queues.len(),
-            });
-        }
-        self.active = Some(Active {
+        ActiveQueues::install(
+            &mut self.active,
+            QUEUE_SIZES.len(),
             memory,
             queues,
             interrupt,
-        });
+        )?;
         Ok(())
     }
 

@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use vm_memory::Bytes;
 
-use super::device::{DeviceError, VirtioDevice};
+use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{Chain, ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1, VIRTIO_ID_RNG};
@@ -29,16 +29,10 @@ pub const MAX_BYTES_PER_REQUEST: usize = 1 << 20;
 const QUEUE_SIZES: [u16; 1] = [RNG_QUEUE_SIZE];
 const CHUNK: usize = 4096;
 
-struct Active {
-    memory: VirtioMemory,
-    queues: Vec<Queue>,
-    interrupt: Arc<VirtioInterrupt>,
-}
-
 /// The virtio entropy device.
 #[derive(Default)]
 pub struct Rng {
-    active: Option<Active>,
+    active: Option<ActiveQueues>,
     generation: u64,
 }
 
@@ -68,7 +62,7 @@ impl VirtioDevice for Rng {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        super::block::copy_config(&self.generation.to_le_bytes(), offset, data);
+        copy_config(&self.generation.to_le_bytes(), offset, data);
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
@@ -80,20 +74,13 @@ impl VirtioDevice for Rng {
         queues: Vec<Queue>,
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<(), DeviceError> {
-        if self.active.is_some() {
-            return Err(DeviceError::AlreadyActivated);
-        }
-        if queues.len() != QUEUE_SIZES.len() {
-            return Err(DeviceError::QueueCount {
-                expected: QUEUE_SIZES.len(),
-                given: queues.len(),
-            });
-        }
-        self.active = Some(Active {
+        ActiveQueues::install(
+            &mut self.active,
+            QUEUE_SIZES.len(),
             memory,
             queues,
             interrupt,
-        });
+        )?;
         Ok(())
     }
 

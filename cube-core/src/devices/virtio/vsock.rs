@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::chain_io::Segments;
-use super::device::{DeviceError, VirtioDevice};
+use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1};
@@ -242,12 +242,6 @@ struct VsockState {
     guest_cid: u64,
 }
 
-struct Active {
-    memory: VirtioMemory,
-    queues: Vec<Queue>,
-    interrupt: Arc<VirtioInterrupt>,
-}
-
 /// The virtio socket device.
 pub struct Vsock {
     guest_cid: u64,
@@ -260,7 +254,7 @@ pub struct Vsock {
     next_token: u64,
     next_host_port: u32,
     reset_event_pending: bool,
-    active: Option<Active>,
+    active: Option<ActiveQueues>,
 }
 
 fn epoll_add(epoll: &Epoll, fd: RawFd, events: EventSet, token: u64) -> std::io::Result<()> {
@@ -708,7 +702,7 @@ impl Vsock {
         self.send_control(key.0, key.1, op::RESPONSE, 0);
     }
 
-    fn process_tx(&mut self, active: &mut Active) -> Result<bool, DeviceError> {
+    fn process_tx(&mut self, active: &mut ActiveQueues) -> Result<bool, DeviceError> {
         let queue_err = |source| DeviceError::Queue { index: TX, source };
         let mem = active.memory.clone();
         let mut used_any = false;
@@ -740,7 +734,7 @@ impl Vsock {
     }
 
     /// Moves outbound packets (and fresh host data) into the guest's receive buffers.
-    fn fill_rx(&mut self, active: &mut Active) -> Result<bool, DeviceError> {
+    fn fill_rx(&mut self, active: &mut ActiveQueues) -> Result<bool, DeviceError> {
         let queue_err = |source| DeviceError::Queue { index: RX, source };
         let mem = active.memory.clone();
         let mut used_any = false;
@@ -806,7 +800,7 @@ impl Vsock {
     }
 
     /// Tells the guest its connections are gone (after a restore).
-    fn deliver_reset_event(&mut self, active: &mut Active) -> Result<bool, DeviceError> {
+    fn deliver_reset_event(&mut self, active: &mut ActiveQueues) -> Result<bool, DeviceError> {
         if !self.reset_event_pending {
             return Ok(false);
         }
@@ -834,7 +828,7 @@ impl Vsock {
         Ok(true)
     }
 
-    fn run(&mut self, active: &mut Active, tx: bool) -> Result<(), DeviceError> {
+    fn run(&mut self, active: &mut ActiveQueues, tx: bool) -> Result<(), DeviceError> {
         let mut interrupt = false;
         if tx && self.process_tx(active)? {
             interrupt |= active.queues[usize::from(TX)]
@@ -860,7 +854,7 @@ impl Vsock {
 
     fn with_active(
         &mut self,
-        f: impl FnOnce(&mut Self, &mut Active) -> Result<(), DeviceError>,
+        f: impl FnOnce(&mut Self, &mut ActiveQueues) -> Result<(), DeviceError>,
     ) -> Result<(), DeviceError> {
         let mut active = self.active.take().ok_or(DeviceError::NotActivated)?;
         let result = f(self, &mut active);
@@ -958,7 +952,7 @@ impl VirtioDevice for Vsock {
     }
 
     fn read_config(&self, offset: u64, data: &mut [u8]) {
-        super::block::copy_config(&self.guest_cid.to_le_bytes(), offset, data);
+        copy_config(&self.guest_cid.to_le_bytes(), offset, data);
     }
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
@@ -970,20 +964,13 @@ impl VirtioDevice for Vsock {
         queues: Vec<Queue>,
         interrupt: Arc<VirtioInterrupt>,
     ) -> Result<(), DeviceError> {
-        if self.active.is_some() {
-            return Err(DeviceError::AlreadyActivated);
-        }
-        if queues.len() != QUEUE_SIZES.len() {
-            return Err(DeviceError::QueueCount {
-                expected: QUEUE_SIZES.len(),
-                given: queues.len(),
-            });
-        }
-        self.active = Some(Active {
+        ActiveQueues::install(
+            &mut self.active,
+            QUEUE_SIZES.len(),
             memory,
             queues,
             interrupt,
-        });
+        )?;
         // A restored device tells the guest at once that its connections are gone. A
         // guest whose rings are broken only breaks its own device: the activation (and
         // so a restore) stands, as the same failure on a later notification would.
