@@ -41,6 +41,7 @@ fi
 
 echo "setup: building (release)"
 cargo build --release --workspace --bins --locked
+bash scripts/build-agent.sh --release --locked
 install -m 0755 target/release/cube target/release/cube-supervisor target/release/cube-agent /usr/local/bin/
 
 echo "setup: python package tools"

@@ -2,13 +2,15 @@
 //! host<->agent protocol it speaks.
 //!
 //! The host side uses [`frame`], [`protocol`], [`transport`] and [`client`]; the agent
-//! side adds [`server`], [`exec`], [`files`], [`reaper`] and [`init`].
+//! side adds [`server`], [`exec`], [`files`], [`reaper`] and [`init`], and
+//! [`one_command`] for a sandbox that runs one command and ends.
 
 pub mod client;
 pub mod exec;
 pub mod files;
 pub mod frame;
 pub mod init;
+pub mod one_command;
 pub mod protocol;
 pub mod reaper;
 pub mod reseed;

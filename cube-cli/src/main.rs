@@ -5,6 +5,7 @@ mod build_progress;
 mod debug_cmd;
 mod doctor;
 mod files_cmd;
+mod interrupts;
 mod net_cmd;
 pub mod progress;
 mod run_cmd;

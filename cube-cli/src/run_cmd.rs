@@ -2,10 +2,14 @@
 //! PID 1 is Cube's agent; the sandbox is destroyed when the command ends, fails or is
 //! interrupted, so nothing (process, mount, cgroup, file) outlives the invocation.
 //!
-//! The jail gets the agent binary bound read-only at [`AGENT_PATH`] and one end of a
-//! socket pair at fd 3; this process talks to the agent over the other end. Each
-//! invocation is a new sandbox: nothing, not even a `cube code` variable, carries over
-//! to the next one.
+//! The jail gets the agent binary bound read-only at [`AGENT_PATH`]. For `cube run` the
+//! agent is started as `cube-agent --exec -- CMD...`: init of the sandbox, it runs the
+//! command on the standard streams this process was given (so output arrives as it is
+//! written, stdin of any size or a terminal works, and nothing is copied on the way) and
+//! exits with the command's status, which ends the sandbox. For `cube code` it gets one
+//! end of a socket pair at fd 3 and serves the agent protocol; this process talks to it
+//! over the other end. Each invocation is a new sandbox: nothing, not even a `cube
+//! code` variable, carries over to the next one.
 //!
 //! They drive cube-jail directly rather than through the Sandbox API: an ephemeral API
 //! sandbox measured 1.4 times slower end to end on the CI hosts (the supervisor start
@@ -24,7 +28,7 @@ use clap::{Args, ValueEnum};
 use cube_agent::client::{Client, ClientError};
 use cube_agent::protocol::{ErrorCode, ExecRequest, ExitInfo, Language, RequestBody, ResponseBody};
 use cube_core::EngineChoice;
-use cube_jail::{Jail, JailConfig, ReadOnlyBind, Stdio};
+use cube_jail::{Jail, JailConfig, JailExit, ReadOnlyBind, Stdio};
 
 use crate::{chain, store_root, CliError};
 
@@ -47,7 +51,8 @@ pub const EXIT_TIMEOUT: u8 = 124;
 /// Exit code after Ctrl-C or SIGTERM.
 const EXIT_INTERRUPTED: i32 = 130;
 
-/// Largest standard input forwarded to a command (it travels in one agent message).
+/// Largest standard input `cube sandbox exec` forwards to a command (it travels in one
+/// agent message).
 const MAX_STDIN: u64 = 3 << 20;
 
 /// Which engine runs the sandbox.
@@ -130,13 +135,192 @@ pub struct CodeArgs {
 pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
     check_engine(args.sandbox.engine)?;
     let timeout = timeout(&args.sandbox)?;
-    let stdin = forwarded_stdin()?;
-    let session = Session::start(store, &args.sandbox)?;
-    let result = stream_exec(&session.client, &args.command, timeout, stdin);
-    let destroyed = session.finish();
-    let code = result?;
-    destroyed?;
-    Ok(code)
+    let mut argv = vec![AGENT_PATH.to_string(), "--exec".into(), "--".into()];
+    argv.extend(args.command.iter().cloned());
+    let mut config = jail_config(store, &args.sandbox)?;
+    // Nothing of a `cube run` sandbox is kept: its root needs no disk.
+    config.root = cube_jail::RootSpec::HostUserlandInMemory;
+    // The command writes straight to our streams; a terminal among them stays out of
+    // reach of TIOCSTI, as the jail gives the sandbox a session of its own.
+    config.stdin = Stdio::Inherit;
+    config.stdout = Stdio::Inherit;
+    config.stderr = Stdio::Inherit;
+    // A closed stderr must not kill this process (SIGPIPE) before it destroys the
+    // sandbox; what it writes there is best effort.
+    // SAFETY: installs no handler; no memory effects.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    let watch = Watch::start(timeout)?;
+    {
+        // Held across the spawn: an interrupt meanwhile waits, then kills the jail.
+        let mut slot = watch.lock();
+        let jail = Jail::spawn(&config, &argv)
+            .map_err(|e| CliError::failed(format!("creating the sandbox: {}", chain(&e))))?;
+        slot.jail = Some(jail);
+        if slot.outcome.is_some() {
+            slot.kill();
+        }
+    }
+    let waited = watch.wait_for_init();
+    let (exit, destroyed) = {
+        let mut slot = watch.lock();
+        match slot.jail.take() {
+            Some(mut jail) => {
+                let exit = jail.wait();
+                let destroyed = jail.destroy();
+                (exit, destroyed)
+            }
+            None => return Err(CliError::failed("the sandbox disappeared")),
+        }
+    };
+    let outcome = watch.lock().outcome;
+    destroyed.map_err(|e| CliError::failed(format!("destroying the sandbox: {}", chain(&e))))?;
+    waited?;
+    match outcome {
+        Some(Outcome::Interrupted) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "cube: interrupted, the sandbox was destroyed"
+            );
+            Ok(EXIT_INTERRUPTED as u8)
+        }
+        Some(Outcome::TimedOut) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "cube: the command ran out of time, the sandbox was destroyed"
+            );
+            Ok(EXIT_TIMEOUT)
+        }
+        None => match exit
+            .map_err(|e| CliError::failed(format!("waiting for the sandbox: {}", chain(&e))))?
+        {
+            JailExit::Exited(code) => Ok((code & 0xff) as u8),
+            JailExit::Signaled(sig) => Ok((128 + (sig & 0x7f)) as u8),
+        },
+    }
+}
+
+/// Why the sandbox of `cube run` was ended from outside.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Ctrl-C or SIGTERM.
+    Interrupted,
+    /// `--timeout` passed.
+    TimedOut,
+}
+
+/// The running sandbox of `cube run`, shared with the thread that ends it on an
+/// interrupt or at the deadline.
+#[derive(Default)]
+struct Slot {
+    jail: Option<Jail>,
+    outcome: Option<Outcome>,
+}
+
+impl Slot {
+    /// Kills the sandbox's init (the kernel takes every process of it along); the
+    /// main thread, waiting for init, then reaps and destroys it.
+    fn kill(&mut self) {
+        if let Some(jail) = self.jail.as_mut() {
+            if let Err(e) = jail.kill() {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "cube: stopping the sandbox: {}",
+                    chain(&e)
+                );
+            }
+        }
+    }
+}
+
+/// The watcher of `cube run`: a thread that takes SIGINT and SIGTERM (blocked in every
+/// other thread) and the deadline, records why, and kills the sandbox.
+struct Watch {
+    slot: Arc<Mutex<Slot>>,
+}
+
+impl Watch {
+    /// Starts the watcher. Must run before any other thread starts, so that every
+    /// thread inherits the blocked signals and only the watcher receives them.
+    fn start(timeout: Option<Duration>) -> Result<Watch, CliError> {
+        let signals = crate::interrupts::block()?;
+        let slot = Arc::new(Mutex::new(Slot::default()));
+        let shared = Arc::clone(&slot);
+        let deadline = timeout.map(|t| Instant::now() + t);
+        std::thread::Builder::new()
+            .name("watch".into())
+            .spawn(move || {
+                let outcome = match wait_signal_until(&signals, deadline) {
+                    Some(_) => Outcome::Interrupted,
+                    None => Outcome::TimedOut,
+                };
+                let mut slot = shared.lock().unwrap_or_else(PoisonError::into_inner);
+                slot.outcome.get_or_insert(outcome);
+                slot.kill();
+            })
+            .map_err(|e| CliError::failed(format!("starting the watcher thread: {e}")))?;
+        Ok(Watch { slot })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.slot.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Blocks until the sandbox's init has ended, without reaping it: until it is
+    /// reaped (under the lock) its pid cannot be reused, so a kill from the watcher
+    /// meanwhile can only reach it.
+    fn wait_for_init(&self) -> Result<(), CliError> {
+        let Some(pid) = self.lock().jail.as_ref().map(Jail::pid) else {
+            return Ok(());
+        };
+        loop {
+            // SAFETY: `info` is a live, zeroed siginfo_t that waitid fills in; `pid` is
+            // our own unreaped child.
+            let rc = unsafe {
+                let mut info: libc::siginfo_t = std::mem::zeroed();
+                libc::waitid(
+                    libc::P_PID,
+                    pid as libc::id_t,
+                    &mut info,
+                    libc::WEXITED | libc::WNOWAIT,
+                )
+            };
+            if rc == 0 {
+                return Ok(());
+            }
+            let e = std::io::Error::last_os_error();
+            if e.kind() != std::io::ErrorKind::Interrupted {
+                return Err(CliError::failed(format!("waiting for the sandbox: {e}")));
+            }
+        }
+    }
+}
+
+/// Waits for one of `signals` until `deadline` (for ever without one); the signal, or
+/// None when the deadline passed first.
+fn wait_signal_until(
+    signals: &nix::sys::signal::SigSet,
+    deadline: Option<Instant>,
+) -> Option<libc::c_int> {
+    loop {
+        let Some(deadline) = deadline else {
+            return signals.wait().ok().map(|s| s as libc::c_int);
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ts = libc::timespec {
+            tv_sec: left.as_secs() as libc::time_t,
+            tv_nsec: left.subsec_nanos() as libc::c_long,
+        };
+        // SAFETY: `signals` is a valid sigset and `ts` a live timespec; a null siginfo
+        // pointer is allowed.
+        let sig = unsafe { libc::sigtimedwait(signals.as_ref(), std::ptr::null_mut(), &ts) };
+        if sig > 0 {
+            return Some(sig);
+        }
+        match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::EAGAIN) => return None,
+            _ => continue,
+        }
+    }
 }
 
 /// Runs `cube code`; exits 1 when the cell raised an error.
@@ -241,6 +425,33 @@ fn agent_binary() -> Result<PathBuf, CliError> {
     Ok(path)
 }
 
+/// The jail of one invocation: the host's userland, the agent bound in, the limits
+/// asked for, its directory under the store's `tmp`.
+fn jail_config(store: Option<&Path>, args: &SandboxArgs) -> Result<JailConfig, CliError> {
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(CliError::unsupported(
+            "the jail engine needs root (namespaces, mounts and cgroups)",
+        )
+        .hint("run cube as root"));
+    }
+    let agent = agent_binary()?;
+    let tmp = store_root(store)?.join("tmp");
+    std::fs::create_dir_all(&tmp)
+        .map_err(|e| CliError::failed(format!("creating {}: {e}", tmp.display())))?;
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let name = format!("run-{}-{nanos}", std::process::id());
+    let mut config = JailConfig::new(&name, tmp.join(&name));
+    config.binds.push(ReadOnlyBind {
+        source: agent,
+        target: PathBuf::from(AGENT_PATH),
+    });
+    config.limits.memory_bytes = args.memory_mib.map(|m| m << 20);
+    Ok(config)
+}
+
 /// The running sandbox: shared with the interrupt watcher, which destroys it on Ctrl-C.
 type SharedJail = Arc<Mutex<Option<Jail>>>;
 
@@ -252,37 +463,16 @@ struct Session {
 
 impl Session {
     fn start(store: Option<&Path>, args: &SandboxArgs) -> Result<Session, CliError> {
-        // SAFETY: geteuid has no failure mode.
-        if unsafe { libc::geteuid() } != 0 {
-            return Err(CliError::unsupported(
-                "the jail engine needs root (namespaces, mounts and cgroups)",
-            )
-            .hint("run cube as root"));
-        }
-        let agent = agent_binary()?;
         let jail: SharedJail = Arc::new(Mutex::new(None));
         // Before any other thread exists, so the mask holds in all of them.
         destroy_on_interrupt(Arc::clone(&jail))?;
-        // A closed stdout (`cube run ... | head`) must end in a clean destroy, not in
-        // death by SIGPIPE; the agent restores the default for the command itself.
+        // A closed stdout (`cube code ... | head`) must end in a clean destroy, not in
+        // death by SIGPIPE.
         // SAFETY: installs no handler; no memory effects.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-
-        let tmp = store_root(store)?.join("tmp");
-        std::fs::create_dir_all(&tmp)
-            .map_err(|e| CliError::failed(format!("creating {}: {e}", tmp.display())))?;
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let name = format!("run-{}-{nanos}", std::process::id());
-        let mut config = JailConfig::new(&name, tmp.join(&name));
-        config.binds.push(ReadOnlyBind {
-            source: agent,
-            target: PathBuf::from(AGENT_PATH),
-        });
+        let mut config = jail_config(store, args)?;
         config.env.push(("RUST_LOG".into(), "warn".into()));
         config.stderr = Stdio::Pipe;
-        config.limits.memory_bytes = args.memory_mib.map(|m| m << 20);
 
         let (ours, theirs) = UnixStream::pair()
             .map_err(|e| CliError::failed(format!("creating the agent socket: {e}")))?;
@@ -457,13 +647,7 @@ fn destroy(jail: &SharedJail) -> Result<(), CliError> {
 /// thread starts, so that every thread inherits the blocked signals and only the
 /// watcher receives them.
 fn destroy_on_interrupt(jail: SharedJail) -> Result<(), CliError> {
-    use nix::sys::signal::{SigSet, Signal};
-    let mut signals = SigSet::empty();
-    signals.add(Signal::SIGINT);
-    signals.add(Signal::SIGTERM);
-    signals
-        .thread_block()
-        .map_err(|e| CliError::failed(format!("blocking signals: {e}")))?;
+    let signals = crate::interrupts::block()?;
     std::thread::Builder::new()
         .name("interrupt".into())
         .spawn(move || {

@@ -202,6 +202,36 @@ fn run_streams_stderr_while_the_command_still_runs() {
 }
 
 #[test]
+fn run_hands_the_command_its_streams_stdin_of_any_size_included() {
+    if skip() {
+        return;
+    }
+    let cube = Cube::new();
+    let mut child = cube
+        .command(&[
+            "run",
+            "--",
+            "sh",
+            "-c",
+            "wc -c; test -t 0 || echo not-a-terminal",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let mut stdin = child.stdin.take().unwrap();
+    // More than one agent message could carry, written while the command reads.
+    let writer = std::thread::spawn(move || stdin.write_all(&vec![b'x'; 5 << 20]).unwrap());
+    let out = child.wait_with_output().unwrap();
+    writer.join().unwrap();
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), format!("{}\nnot-a-terminal\n", 5 << 20));
+    cube.assert_clean(pid);
+}
+
+#[test]
 fn timeout_exits_124_and_leaves_no_process() {
     if skip() {
         return;

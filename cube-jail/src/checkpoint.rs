@@ -559,6 +559,10 @@ pub fn dump(
         .iter()
         .find(|m| m.mount_point == Path::new("/"))
         .ok_or(CheckpointError::NotRunning)?;
+    if root.fs_type == "tmpfs" {
+        // RootSpec::HostUserlandInMemory: there is no layer on disk to keep.
+        return Err(CheckpointError::UnsupportedRoot("kept in memory".into()));
+    }
     let overlay = root.fs_type == "overlay";
     // The writable layer: the root directory itself, or the overlay's upper directory.
     let layer = match (overlay, jail.state_dir()) {
@@ -747,6 +751,9 @@ pub fn restore(
     let lower = match (&config.root, manifest.overlay) {
         (crate::RootSpec::HostUserland, false) => None,
         (crate::RootSpec::Overlay { lower, .. }, true) => Some(lower),
+        (crate::RootSpec::HostUserlandInMemory, _) => {
+            return Err(CheckpointError::UnsupportedRoot("kept in memory".into()))
+        }
         (_, true) => {
             return Err(CheckpointError::UnsupportedRoot(
                 "not an overlay; the checkpoint's was".into(),

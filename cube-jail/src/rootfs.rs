@@ -5,7 +5,9 @@
 //! The parent prepares everything that needs allocation: it creates the sandbox
 //! directory and the mount points in it, and turns the mounts into a [`MountPlan`] of
 //! ready-made C strings. The child, inside its new mount namespace, executes the plan
-//! with raw system calls. All mounts therefore exist only in the sandbox's mount
+//! with raw system calls. For [`RootSpec::HostUserlandInMemory`] the mount points and
+//! small files are steps of the plan too, made by the child on a tmpfs of its own: the
+//! disk sees one empty directory. All mounts therefore exist only in the sandbox's mount
 //! namespace (propagation is made private first) and vanish with its last process; the
 //! host's mount table never sees them.
 
@@ -52,6 +54,9 @@ pub enum RootfsError {
     /// A read-only bind's source is not a regular file or directory on the host.
     #[error("bind source {0} is not a file or directory")]
     InvalidBindSource(PathBuf),
+    /// A root kept in memory cannot start from a layer on disk.
+    #[error("a root kept in memory cannot be seeded from a layer on disk")]
+    SeedInMemory,
     /// A mount under the sandbox directory could not be detached.
     #[error("cannot unmount {path}")]
     Unmount {
@@ -74,6 +79,12 @@ pub enum RootSpec {
     /// sandbox directory.
     #[default]
     HostUserland,
+    /// Like [`RootSpec::HostUserland`], but `/` is a tmpfs made inside the sandbox's own
+    /// mount namespace: the set-up writes nothing to disk, nothing is left to delete,
+    /// and what the sandbox writes (its home) lives in memory charged to its cgroup and
+    /// goes with it. For sandboxes that keep nothing (`cube run`); such a root has no
+    /// layer to snapshot.
+    HostUserlandInMemory,
     /// Template trees under an overlayfs whose upper and work directories are in the
     /// sandbox directory: writes are copied up, the templates stay untouched. The first
     /// tree is the topmost.
@@ -160,9 +171,21 @@ pub(crate) enum Step {
         flags: libc::c_ulong,
         data: Option<CString>,
     },
+    /// mkdir, then chmod (the umask must not narrow the mode).
     Mkdir {
         path: CString,
         mode: libc::mode_t,
+    },
+    /// A new regular file (never following a link) holding `content`.
+    WriteFile {
+        path: CString,
+        content: Vec<u8>,
+        mode: libc::mode_t,
+    },
+    Chown {
+        path: CString,
+        uid: libc::uid_t,
+        gid: libc::gid_t,
     },
     Mknod {
         path: CString,
@@ -294,8 +317,65 @@ fn run_step(step: &Step) -> std::result::Result<(), Errno> {
                 )
             })
         }
-        // SAFETY: `path` is a live NUL-terminated string.
-        Step::Mkdir { path, mode } => check(unsafe { libc::mkdir(path.as_ptr(), *mode) }),
+        Step::Mkdir { path, mode } => {
+            // SAFETY: `path` is a live NUL-terminated string.
+            check(unsafe { libc::mkdir(path.as_ptr(), *mode) })?;
+            // SAFETY: as above.
+            check(unsafe { libc::chmod(path.as_ptr(), *mode) })
+        }
+        Step::WriteFile {
+            path,
+            content,
+            mode,
+        } => {
+            // SAFETY: `path` is a live NUL-terminated string.
+            let fd = unsafe {
+                libc::open(
+                    path.as_ptr(),
+                    libc::O_WRONLY
+                        | libc::O_CREAT
+                        | libc::O_EXCL
+                        | libc::O_NOFOLLOW
+                        | libc::O_CLOEXEC,
+                    *mode,
+                )
+            };
+            if fd < 0 {
+                return Err(Errno::last());
+            }
+            let mut written = 0;
+            let mut result = Ok(());
+            while written < content.len() {
+                // SAFETY: the pointer and length stay inside `content`.
+                let n = unsafe {
+                    libc::write(
+                        fd,
+                        content[written..].as_ptr().cast(),
+                        content.len() - written,
+                    )
+                };
+                if n < 0 {
+                    if Errno::last() == Errno::EINTR {
+                        continue;
+                    }
+                    result = Err(Errno::last());
+                    break;
+                }
+                written += n as usize;
+            }
+            // SAFETY: `fd` is the descriptor opened above; fchmod and close touch no memory.
+            unsafe {
+                if result.is_ok() && libc::fchmod(fd, *mode) != 0 {
+                    result = Err(Errno::last());
+                }
+                libc::close(fd);
+            }
+            result
+        }
+        Step::Chown { path, uid, gid } => {
+            // SAFETY: `path` is a live NUL-terminated string.
+            check(unsafe { libc::lchown(path.as_ptr(), *uid, *gid) })
+        }
         Step::Mknod { path, mode, dev } => {
             // SAFETY: `path` is a live NUL-terminated string.
             check(unsafe { libc::mknod(path.as_ptr(), *mode, *dev) })
@@ -465,7 +545,7 @@ impl RootfsLayout {
         }
         let root = state_dir.join("root");
         let layer = match spec {
-            RootSpec::HostUserland => root.clone(),
+            RootSpec::HostUserland | RootSpec::HostUserlandInMemory => root.clone(),
             RootSpec::Overlay { .. } => state_dir.join("upper"),
         };
         Ok(RootfsLayout {
@@ -517,6 +597,9 @@ pub fn prepare_seeded(
 ) -> Result<(RootfsLayout, MountPlan)> {
     validate_path(state_dir)?;
     if let Some(seed) = seed {
+        if *spec == RootSpec::HostUserlandInMemory {
+            return Err(RootfsError::SeedInMemory);
+        }
         match fs::symlink_metadata(seed) {
             Ok(m) if m.is_dir() => {}
             _ => return Err(RootfsError::MissingTemplate(seed.to_path_buf())),
@@ -541,26 +624,33 @@ pub fn prepare_seeded(
         Err(e) => return Err(io_err("create", state_dir)(e)),
     }
     // From here on the layout owns the directory and removes it on error.
-    let layer = match spec {
-        RootSpec::HostUserland => state_dir.join("root"),
-        RootSpec::Overlay { .. } => state_dir.join("upper"),
+    let (root, layer) = match spec {
+        RootSpec::HostUserland => (state_dir.join("root"), state_dir.join("root")),
+        // The tmpfs is mounted on the (empty) sandbox directory itself.
+        RootSpec::HostUserlandInMemory => (state_dir.to_path_buf(), state_dir.to_path_buf()),
+        RootSpec::Overlay { .. } => (state_dir.join("root"), state_dir.join("upper")),
     };
     let layout = RootfsLayout {
         state_dir: state_dir.to_path_buf(),
-        root: state_dir.join("root"),
+        root: root.clone(),
         layer,
         seed: seed.map(Path::to_path_buf),
         removed: false,
     };
-    let root = layout.root.clone();
     if let Some(seed) = seed {
         fs::rename(seed, &layout.layer).map_err(io_err("move", seed))?;
     }
-    ensure_dir(&root, 0o755)?;
     let mut plan = MountPlan {
         steps: Vec::new(),
         descriptions: Vec::new(),
         root: cpath(&root)?,
+    };
+    let mut skeleton = match spec {
+        RootSpec::HostUserlandInMemory => Skeleton::InChild,
+        _ => {
+            ensure_dir(&root, 0o755)?;
+            Skeleton::OnDisk
+        }
     };
     // Nothing the sandbox mounts may propagate back to the host.
     plan.mount(
@@ -571,8 +661,8 @@ pub fn prepare_seeded(
         None,
     )?;
 
-    // `prep` is where the parent creates mount points and files: the root itself, or
-    // the overlay's upper directory, whose contents show through the merged root.
+    // `prep` is where mount points and files are made: the root itself, or the
+    // overlay's upper directory, whose contents show through the merged root.
     let prep = match spec {
         RootSpec::HostUserland => {
             plan.mount(Some(&root), &root, None, libc::MS_BIND | libc::MS_REC, None)?;
@@ -582,6 +672,16 @@ pub fn prepare_seeded(
                 None,
                 libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NODEV,
                 None,
+            )?;
+            root.clone()
+        }
+        RootSpec::HostUserlandInMemory => {
+            plan.mount(
+                Some(Path::new("tmpfs")),
+                &root,
+                Some("tmpfs"),
+                libc::MS_NOSUID | libc::MS_NODEV,
+                Some("mode=755"),
             )?;
             root.clone()
         }
@@ -611,24 +711,24 @@ pub fn prepare_seeded(
     if matches!(
         spec,
         RootSpec::HostUserland
+            | RootSpec::HostUserlandInMemory
             | RootSpec::Overlay {
                 host_userland: true,
                 ..
             }
     ) {
-        add_host_userland(&mut plan, &prep, &root, hostname)?;
+        add_host_userland(&mut plan, &mut skeleton, &prep, &root, hostname)?;
     }
 
     // Home of the sandbox user: the one place in / it may write.
-    ensure_dir(&prep.join("home"), 0o755)?;
+    skeleton.dir(&mut plan, &prep.join("home"), 0o755)?;
     let home = prep.join(HOME.trim_start_matches('/'));
-    ensure_dir(&home, 0o700)?;
-    std::os::unix::fs::lchown(&home, Some(identity.uid), Some(identity.gid))
-        .map_err(io_err("chown", &home))?;
+    skeleton.dir(&mut plan, &home, 0o700)?;
+    skeleton.chown(&mut plan, &home, identity)?;
 
     // Fresh /proc of the sandbox's PID namespace, with the kernel knobs read-only.
     let proc_dir = root.join("proc");
-    mkdir_all(&prep.join("proc"), 0o555)?;
+    skeleton.mount_point_dir(&mut plan, &prep.join("proc"), 0o555)?;
     plan.mount(
         Some(Path::new("proc")),
         &proc_dir,
@@ -647,7 +747,7 @@ pub fn prepare_seeded(
 
     // Minimal /dev on its own tmpfs: a few character devices, private ptys, shm.
     let dev = root.join("dev");
-    mkdir_all(&prep.join("dev"), 0o755)?;
+    skeleton.mount_point_dir(&mut plan, &prep.join("dev"), 0o755)?;
     plan.mount(
         Some(Path::new("tmpfs")),
         &dev,
@@ -708,7 +808,7 @@ pub fn prepare_seeded(
     }
 
     // Private /tmp; its pages are charged to the sandbox's memory cgroup.
-    mkdir_all(&prep.join("tmp"), 0o1777)?;
+    skeleton.mount_point_dir(&mut plan, &prep.join("tmp"), 0o1777)?;
     plan.mount(
         Some(Path::new("tmpfs")),
         &root.join("tmp"),
@@ -717,15 +817,153 @@ pub fn prepare_seeded(
         Some("mode=1777"),
     )?;
     for bind in binds {
-        add_bind(&mut plan, &prep, &root, bind)?;
+        add_bind(&mut plan, &mut skeleton, &prep, &root, bind)?;
     }
     Ok((layout, plan))
+}
+
+/// Where the directories, mount points and small files of a root are made.
+enum Skeleton {
+    /// On disk, by the parent, before the clone; what a seeded layer has already (with
+    /// the right type) is reused, anything else in the way is replaced.
+    OnDisk,
+    /// By the child, as steps of the plan, in the fresh tmpfs of an in-memory root,
+    /// where nothing exists yet.
+    InChild,
+}
+
+impl Skeleton {
+    fn dir(&mut self, plan: &mut MountPlan, path: &Path, mode: u32) -> Result<()> {
+        match self {
+            Skeleton::OnDisk => ensure_dir(path, mode),
+            Skeleton::InChild => {
+                plan.push(
+                    Step::Mkdir {
+                        path: cpath(path)?,
+                        mode,
+                    },
+                    format!("mkdir {}", path.display()),
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// A directory something is mounted on: its mode does not matter once covered, so
+    /// one a seeded layer has is left alone.
+    fn mount_point_dir(&mut self, plan: &mut MountPlan, path: &Path, mode: u32) -> Result<()> {
+        match self {
+            Skeleton::OnDisk => mkdir_all(path, mode),
+            Skeleton::InChild => self.dir(plan, path, mode),
+        }
+    }
+
+    fn file(&mut self, plan: &mut MountPlan, path: &Path, content: &[u8], mode: u32) -> Result<()> {
+        match self {
+            Skeleton::OnDisk => ensure_file(path, content, mode),
+            Skeleton::InChild => {
+                plan.push(
+                    Step::WriteFile {
+                        path: cpath(path)?,
+                        content: content.to_vec(),
+                        mode,
+                    },
+                    format!("create {}", path.display()),
+                );
+                Ok(())
+            }
+        }
+    }
+
+    fn symlink(&mut self, plan: &mut MountPlan, dest: &Path, link: &Path) -> Result<()> {
+        match self {
+            Skeleton::OnDisk => {
+                // A seeded layer has the link already; anything else there is replaced.
+                if fs::read_link(link).is_ok_and(|have| have == dest) {
+                    return Ok(());
+                }
+                if fs::symlink_metadata(link).is_ok() {
+                    remove_entry(link)?;
+                }
+                std::os::unix::fs::symlink(dest, link).map_err(io_err("create symlink", link))
+            }
+            Skeleton::InChild => {
+                plan.push(
+                    Step::Symlink {
+                        target: cpath(dest)?,
+                        link: cpath(link)?,
+                    },
+                    format!("symlink {}", link.display()),
+                );
+                Ok(())
+            }
+        }
+    }
+
+    fn chown(&mut self, plan: &mut MountPlan, path: &Path, identity: Identity) -> Result<()> {
+        match self {
+            Skeleton::OnDisk => {
+                std::os::unix::fs::lchown(path, Some(identity.uid), Some(identity.gid))
+                    .map_err(io_err("chown", path))
+            }
+            Skeleton::InChild => {
+                plan.push(
+                    Step::Chown {
+                        path: cpath(path)?,
+                        uid: identity.uid,
+                        gid: identity.gid,
+                    },
+                    format!("chown {}", path.display()),
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// What is at `path` already (None: nothing). A child-made skeleton has only what
+    /// the plan made.
+    fn existing(&self, plan: &MountPlan, path: &Path) -> Result<Option<Entry>> {
+        match self {
+            Skeleton::OnDisk => match fs::symlink_metadata(path) {
+                Ok(m) if m.is_dir() => Ok(Some(Entry::Dir)),
+                Ok(m) if m.is_file() => Ok(Some(Entry::File)),
+                Ok(_) => Ok(Some(Entry::Other)),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+                Err(e) => Err(io_err("inspect", path)(e)),
+            },
+            Skeleton::InChild => {
+                let wanted = path.as_os_str().as_bytes();
+                Ok(plan.steps.iter().rev().find_map(|step| match step {
+                    Step::Mkdir { path, .. } if path.as_bytes() == wanted => Some(Entry::Dir),
+                    Step::WriteFile { path, .. } if path.as_bytes() == wanted => Some(Entry::File),
+                    Step::Mknod { path, .. } if path.as_bytes() == wanted => Some(Entry::Other),
+                    Step::Symlink { link, .. } if link.as_bytes() == wanted => Some(Entry::Other),
+                    _ => None,
+                }))
+            }
+        }
+    }
+}
+
+/// The kind of an entry a skeleton has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Entry {
+    Dir,
+    File,
+    /// A symlink, device node or anything else no mount point may be.
+    Other,
 }
 
 /// Makes the mount point of `bind` in the writable layer (`prep`) and adds the bind to
 /// the plan. A target inside a mount the plan already makes is refused: its mount
 /// point would be hidden by that mount, or could not be created at all.
-fn add_bind(plan: &mut MountPlan, prep: &Path, root: &Path, bind: &ReadOnlyBind) -> Result<()> {
+fn add_bind(
+    plan: &mut MountPlan,
+    skeleton: &mut Skeleton,
+    prep: &Path,
+    root: &Path,
+    bind: &ReadOnlyBind,
+) -> Result<()> {
     let bad_target = || RootfsError::InvalidBindTarget(bind.target.clone());
     let relative = bind.target.strip_prefix("/").map_err(|_| bad_target())?;
     let components: Vec<&std::ffi::OsStr> = relative
@@ -753,46 +991,61 @@ fn add_bind(plan: &mut MountPlan, prep: &Path, root: &Path, bind: &ReadOnlyBind)
     let mut dir = prep.to_path_buf();
     for part in parents {
         dir.push(part);
-        match fs::symlink_metadata(&dir) {
-            Ok(m) if m.is_dir() => {}
+        match skeleton.existing(plan, &dir)? {
+            Some(Entry::Dir) => {}
             // A symlink could lead the mount point out of the sandbox directory.
-            Ok(_) => return Err(bad_target()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => mkdir(&dir, 0o755)?,
-            Err(e) => return Err(io_err("inspect", &dir)(e)),
+            Some(_) => return Err(bad_target()),
+            None => skeleton.dir(plan, &dir, 0o755)?,
         }
     }
     let point = dir.join(last);
+    let existing = skeleton.existing(plan, &point)?;
+    // On disk the entry is (re)made either way, as a seeded layer's may have the wrong
+    // mode; in the child only once.
+    let make = existing.is_none() || matches!(skeleton, Skeleton::OnDisk);
     if meta.is_dir() {
-        if fs::symlink_metadata(&point).is_ok_and(|m| !m.is_dir()) {
+        if existing.is_some_and(|e| e != Entry::Dir) {
             return Err(bad_target());
         }
-        ensure_dir(&point, 0o755)?;
+        if make {
+            skeleton.dir(plan, &point, 0o755)?;
+        }
     } else if meta.is_file() {
-        if fs::symlink_metadata(&point).is_ok_and(|m| !m.is_file()) {
+        if existing.is_some_and(|e| e != Entry::File) {
             return Err(bad_target());
         }
-        ensure_file(&point, b"", 0o644)?;
+        if make {
+            skeleton.file(plan, &point, b"", 0o644)?;
+        }
     } else {
         return Err(RootfsError::InvalidBindSource(bind.source.clone()));
     }
     plan.bind_readonly(&bind.source, &target)
 }
 
-fn add_host_userland(plan: &mut MountPlan, prep: &Path, root: &Path, hostname: &str) -> Result<()> {
+fn add_host_userland(
+    plan: &mut MountPlan,
+    skeleton: &mut Skeleton,
+    prep: &Path,
+    root: &Path,
+    hostname: &str,
+) -> Result<()> {
     let host_root = Path::new("/");
     for name in HOST_TOP_DIRS {
         mirror_host_entry(
             plan,
+            skeleton,
             &host_root.join(name),
             &prep.join(name),
             &root.join(name),
         )?;
     }
     let etc = prep.join("etc");
-    ensure_dir(&etc, 0o755)?;
+    skeleton.dir(plan, &etc, 0o755)?;
     for name in HOST_ETC_ENTRIES {
         mirror_host_entry(
             plan,
+            skeleton,
             &Path::new("/etc").join(name),
             &etc.join(name),
             &root.join("etc").join(name),
@@ -806,15 +1059,20 @@ fn add_host_userland(plan: &mut MountPlan, prep: &Path, root: &Path, hostname: &
         ),
         ("resolv.conf", String::new()),
     ] {
-        let p = etc.join(name);
-        ensure_file(&p, content.as_bytes(), 0o644)?;
+        skeleton.file(plan, &etc.join(name), content.as_bytes(), 0o644)?;
     }
     Ok(())
 }
 
 /// Copies a host symlink as a symlink, or creates a mount point and a read-only bind of
 /// a host file or directory. Entries the host lacks are skipped.
-fn mirror_host_entry(plan: &mut MountPlan, host: &Path, prep: &Path, target: &Path) -> Result<()> {
+fn mirror_host_entry(
+    plan: &mut MountPlan,
+    skeleton: &mut Skeleton,
+    host: &Path,
+    prep: &Path,
+    target: &Path,
+) -> Result<()> {
     let meta = match fs::symlink_metadata(host) {
         Ok(m) => m,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
@@ -822,20 +1080,12 @@ fn mirror_host_entry(plan: &mut MountPlan, host: &Path, prep: &Path, target: &Pa
     };
     if meta.file_type().is_symlink() {
         let dest = fs::read_link(host).map_err(io_err("read link", host))?;
-        // A seeded layer has the link already; anything else there is replaced.
-        if fs::read_link(prep).is_ok_and(|have| have == dest) {
-            return Ok(());
-        }
-        if fs::symlink_metadata(prep).is_ok() {
-            remove_entry(prep)?;
-        }
-        std::os::unix::fs::symlink(&dest, prep).map_err(io_err("create symlink", prep))?;
-        return Ok(());
+        return skeleton.symlink(plan, &dest, prep);
     }
     if meta.is_dir() {
-        ensure_dir(prep, 0o755)?;
+        skeleton.dir(plan, prep, 0o755)?;
     } else if meta.is_file() {
-        ensure_file(prep, b"", 0o644)?;
+        skeleton.file(plan, prep, b"", 0o644)?;
     } else {
         return Ok(());
     }
@@ -935,6 +1185,71 @@ mod tests {
         );
         assert!(!layout.root().join("etc/shadow").exists());
         assert!(plan.describe(0).contains("mount"));
+        layout.remove().unwrap();
+        assert!(!dir.exists());
+    }
+
+    #[test]
+    fn an_in_memory_root_is_all_plan_and_no_disk() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("sb");
+        let agent = ReadOnlyBind {
+            source: PathBuf::from("/bin/sh"),
+            target: PathBuf::from("/.cube/agent"),
+        };
+        let (layout, plan) = prepare(
+            &dir,
+            &RootSpec::HostUserlandInMemory,
+            id(),
+            "box",
+            std::slice::from_ref(&agent),
+        )
+        .unwrap();
+        // Only the (empty) mount point of the tmpfs is on disk.
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 0);
+        assert_eq!(layout.root(), dir);
+        let described: Vec<&str> = (0..plan.len()).map(|i| plan.describe(i)).collect();
+        let has = |what: &str| described.iter().any(|d| d.contains(what));
+        assert!(
+            has(&format!("on {} (tmpfs)", dir.display())),
+            "{described:?}"
+        );
+        assert!(has("create ") && has("/etc/hostname"), "{described:?}");
+        assert!(
+            has("chown ") && has("mkdir ") && has("/.cube"),
+            "{described:?}"
+        );
+        // The tmpfs comes first (after making / private), every step after it.
+        assert!(described[1].contains("(tmpfs)"), "{described:?}");
+        // A bind target whose parent the plan made as a file is refused.
+        let bad = ReadOnlyBind {
+            source: PathBuf::from("/bin/sh"),
+            target: PathBuf::from("/etc/hostname/x"),
+        };
+        assert!(matches!(
+            prepare(
+                &tmp.path().join("sb2"),
+                &RootSpec::HostUserlandInMemory,
+                id(),
+                "h",
+                &[bad]
+            ),
+            Err(RootfsError::InvalidBindTarget(_))
+        ));
+        // Nothing on disk to seed it from.
+        let seed = tmp.path().join("seed");
+        fs::create_dir(&seed).unwrap();
+        assert!(matches!(
+            prepare_seeded(
+                &tmp.path().join("sb3"),
+                &RootSpec::HostUserlandInMemory,
+                id(),
+                "h",
+                &[],
+                Some(&seed)
+            ),
+            Err(RootfsError::SeedInMemory)
+        ));
         layout.remove().unwrap();
         assert!(!dir.exists());
     }

@@ -1,4 +1,5 @@
-//! Destroy leaves nothing behind; overlay roots copy on write.
+//! Destroy leaves nothing behind; overlay roots copy on write; in-memory roots never
+//! reach the disk.
 
 mod common;
 
@@ -74,6 +75,47 @@ fn dropping_a_jail_destroys_it() {
     assert!(!Path::new(&format!("/proc/{pid}")).exists());
     assert!(dirs.iter().all(|d| !d.exists()));
     assert!(!c.state_dir.exists());
+}
+
+#[test]
+fn an_in_memory_root_never_touches_the_disk_and_leaves_nothing() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = common::config(tmp.path(), "memory");
+    c.root = RootSpec::HostUserlandInMemory;
+    c.stdout = Stdio::Pipe;
+    c.stderr = Stdio::Pipe;
+    let script = "echo kept > ~/f && cat ~/f; \
+                  touch /etc/x 2>/dev/null || echo etc-not-writable; \
+                  touch /x 2>/dev/null || echo root-not-writable; \
+                  cat /etc/hostname; python3 -c 'print(6*7)'";
+    let mut jail = Jail::spawn(&c, &["/bin/sh", "-c", script]).unwrap();
+    let state_dir = jail.state_dir().unwrap().to_path_buf();
+    // The host sees the sandbox directory empty: the root is a tmpfs in the
+    // sandbox's own mount namespace.
+    assert_eq!(fs::read_dir(&state_dir).unwrap().count(), 0);
+    let out = common::collect(&mut jail);
+    assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
+    assert_eq!(
+        out.stdout,
+        format!(
+            "kept\netc-not-writable\nroot-not-writable\n{}\n42\n",
+            c.hostname
+        )
+    );
+    assert_eq!(fs::read_dir(&state_dir).unwrap().count(), 0);
+    let dirs: Vec<_> = jail
+        .cgroup()
+        .unwrap()
+        .dirs()
+        .map(Path::to_path_buf)
+        .collect();
+    jail.destroy().unwrap();
+    assert!(!state_dir.exists(), "sandbox directory survived destroy");
+    assert!(dirs.iter().all(|d| !d.exists()));
+    assert!(common::host_mounts_under(tmp.path()).is_empty());
 }
 
 #[test]

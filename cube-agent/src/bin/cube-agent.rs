@@ -1,7 +1,8 @@
 //! The agent binary: the sandbox's init, serving the host over a unix socket
 //! (`--listen PATH`), a listening socket the host bound for it (`--listen-fd N`: the
 //! socket's path can then lie outside the sandbox's root, where any host process
-//! reaches it) or an already connected stream (`--fd N`).
+//! reaches it) or an already connected stream (`--fd N`); or, with `--exec -- CMD...`,
+//! the init of a sandbox that runs one command and ends with it.
 
 use std::os::fd::{FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -14,7 +15,8 @@ use cube_agent::reaper::Reaper;
 use cube_agent::server::{Agent, AgentConfig};
 
 const USAGE: &str = "usage: cube-agent (--listen <unix socket path> | --listen-fd <N> | --fd <N> \
-                     | --vsock <port> [--modules <list>]) [--grace-ms <ms>] [--lifeline-fd <N>]";
+                     | --vsock <port> [--modules <list>]) [--grace-ms <ms>] [--lifeline-fd <N>]\n       \
+                     cube-agent --exec -- <command> [<argument>...]";
 
 /// The vsock port the agent serves in a microVM when started without arguments.
 const VM_AGENT_PORT: u32 = 1024;
@@ -27,6 +29,8 @@ enum Mode {
     Fd(RawFd),
     /// Inside a microVM: listen on this vsock port.
     Vsock(u32),
+    /// Run this command as the sandbox's only job and exit with its status.
+    Exec(Vec<std::ffi::OsString>),
 }
 
 struct Args {
@@ -44,7 +48,29 @@ fn parse_args() -> Result<Args, String> {
     let mut grace = Duration::from_secs(2);
     let mut modules = None;
     let mut lifeline = None;
-    let mut args = std::env::args().skip(1);
+    let mut exec = None;
+    let mut raw = std::env::args_os().skip(1);
+    let mut before_exec = Vec::new();
+    for arg in raw.by_ref() {
+        if arg == "--exec" {
+            // Everything after `--exec --` is the command, bytes as given.
+            let rest: Vec<_> = raw.by_ref().collect();
+            let command = match rest.split_first() {
+                Some((dashes, command)) if dashes == "--" => command.to_vec(),
+                _ => rest,
+            };
+            if command.is_empty() {
+                return Err(format!("--exec needs a command\n{USAGE}"));
+            }
+            exec = Some(command);
+            break;
+        }
+        before_exec.push(
+            arg.into_string()
+                .map_err(|a| format!("argument {a:?} is not UTF-8"))?,
+        );
+    }
+    let mut args = before_exec.into_iter();
     while let Some(arg) = args.next() {
         let mut value = || args.next().ok_or(format!("{arg} needs a value"));
         match arg.as_str() {
@@ -82,6 +108,12 @@ fn parse_args() -> Result<Args, String> {
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
+    if let Some(command) = exec {
+        if mode.is_some() {
+            return Err(format!("--exec runs without a host channel\n{USAGE}"));
+        }
+        mode = Some(Mode::Exec(command));
+    }
     // PID 1 of a microVM started from Cube's initramfs (scripts/build-initramfs.sh)
     // gets no arguments: serve vsock and load the initramfs's virtio modules.
     if mode.is_none() && cube_agent::init::is_pid1() {
@@ -107,6 +139,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Mode::Exec(command) = &args.mode {
+        return exec_one(command);
+    }
     // Before any thread starts, so every thread inherits the mask.
     let signals = match init::block_termination_signals() {
         Ok(s) => s,
@@ -209,6 +244,25 @@ fn main() -> ExitCode {
                 Err(code) => return code,
             };
             serve_listener(&agent, &UnixListener::from(fd))
+        }
+        Mode::Exec(command) => exec_one(&command),
+    }
+}
+
+/// `--exec`: runs one command as init and exits with its status. No tracing, no
+/// threads: the command's streams are the agent's own, and the only thing the host
+/// reads back is the exit status.
+fn exec_one(command: &[std::ffi::OsString]) -> ExitCode {
+    if !init::is_pid1() {
+        // Outside a PID namespace (tests), orphans still come back to us.
+        let _ = init::become_subreaper();
+    }
+    match cube_agent::one_command::run(command) {
+        Ok(status) => ExitCode::from(status),
+        Err(e) => {
+            let code = e.exit_status();
+            let _ = fail(&e);
+            ExitCode::from(code)
         }
     }
 }

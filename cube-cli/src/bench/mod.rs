@@ -214,13 +214,7 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
 /// Must run before any other thread starts, so that every thread inherits the blocked
 /// signals and only the watcher receives them.
 fn remove_on_interrupt(root: &Path, prefix: &str) -> Result<(), CliError> {
-    use nix::sys::signal::{SigSet, Signal};
-    let mut signals = SigSet::empty();
-    signals.add(Signal::SIGINT);
-    signals.add(Signal::SIGTERM);
-    signals
-        .thread_block()
-        .map_err(|e| CliError::failed(format!("blocking signals: {e}")))?;
+    let signals = crate::interrupts::block()?;
     let templates = root.join("templates");
     let prefix = prefix.to_string();
     std::thread::Builder::new()
