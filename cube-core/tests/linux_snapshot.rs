@@ -90,12 +90,12 @@ fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
     };
     let first = Console::default();
     let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
-    let vm =
+    let mut vm =
         linux_boot::boot_with_devices(&ctx, &config, Box::new(first.clone()), devices).unwrap();
     wait_for(&vm, &first, "Linux version", Duration::from_secs(120));
     vm.pause().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    vm.snapshot(dir.path()).unwrap();
+    vm.snapshot(dir.path(), None).unwrap();
     let printed_before = first.0.lock().unwrap().clone();
     drop(vm);
     assert!(

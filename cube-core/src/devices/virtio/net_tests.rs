@@ -320,3 +320,40 @@ fn a_frame_queued_before_a_snapshot_is_sent_after_restore() {
         std::thread::sleep(Duration::from_millis(5));
     }
 }
+
+#[test]
+fn a_disconnected_nic_drops_what_the_guest_sends_and_restores_onto_a_tap() {
+    let mem = memory();
+    let mut driver = Driver::new(Box::new(Net::disconnected(MAC).unwrap()), &mem);
+    assert_eq!(driver.read32(regs::DEVICE_ID), VIRTIO_ID_NET);
+    let rx = Ring::at(&mem, 64, RX_RING);
+    let tx = Ring::at(&mem, 64, TX_RING);
+    driver.bring_up_queues(1 << VIRTIO_F_VERSION_1, &[&rx, &tx]);
+    let line = driver.line.clone();
+    let mut guest = Guest {
+        slot: VirtioSlot::new(driver.transport),
+        rx,
+        tx,
+        rx_seen: 0,
+    };
+    guest.post_rx(8);
+    guest.send(&arp_request([10, 79, 0, 2], [10, 79, 0, 1]));
+    // Consumed (the guest gets its buffer back), and nothing arrives.
+    assert_eq!(guest.tx.used_idx(), 1);
+    assert!(line.raises() > 0);
+    guest.slot.lock().process_backend();
+    assert_eq!(guest.rx.used_idx(), 0);
+    let state = guest.slot.lock().save();
+
+    // The same guest NIC continues on a TAP (a sandbox whose clone has a network).
+    let Some(ns) = NetNs::new("disc") else { return };
+    let tap = ns.enter(|| Tap::open("cubetap4").unwrap());
+    let restored = MmioTransport::restore(
+        Box::new(Net::new(tap, MAC).unwrap()),
+        mem,
+        Arc::new(RecordingLine::default()),
+        &state,
+    )
+    .unwrap();
+    assert!(restored.is_activated());
+}
