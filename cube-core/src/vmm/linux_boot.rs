@@ -185,6 +185,11 @@ impl LinuxVm {
         self.vcpus.iter().find_map(|v| v.fatal())
     }
 
+    /// Guest memory.
+    pub fn memory(&self) -> &GuestMemory {
+        &self.memory
+    }
+
     /// The guest's virtio devices.
     pub fn devices(&self) -> &VirtioDevices {
         &self.devices
