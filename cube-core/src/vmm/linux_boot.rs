@@ -103,19 +103,44 @@ pub enum BootError {
     Snapshot(String),
     /// No dirty-page tracking could be set up.
     #[error("Dirty-page tracking setup")]
-    Tracking(#[from] TrackingError),
+    Tracking(#[source] Box<TrackingError>),
     /// Collecting the dirty pages failed.
     #[error("Dirty-page tracking")]
-    Dirty(#[from] cube_mem::dirty::DirtyError),
+    Dirty(#[source] Box<cube_mem::dirty::DirtyError>),
     /// Writing the memory file failed.
     #[error("Writing the memory file")]
-    MemoryFile(#[from] cube_mem::memory_file::MemoryFileError),
+    MemoryFile(#[source] Box<cube_mem::memory_file::MemoryFileError>),
     /// The memory file a snapshot's diff is written against cannot be opened.
     #[error("Opening memory file {0}")]
     Parent(PathBuf, #[source] std::io::Error),
     /// The root disk could not be copied into the snapshot.
     #[error("Copying the root disk into the snapshot")]
-    Disk(#[from] cube_storage::CloneError),
+    Disk(#[source] Box<cube_storage::CloneError>),
+}
+
+// Boxed: these errors are large, and a BootError travels inside SandboxError.
+impl From<TrackingError> for BootError {
+    fn from(e: TrackingError) -> Self {
+        BootError::Tracking(Box::new(e))
+    }
+}
+
+impl From<cube_mem::dirty::DirtyError> for BootError {
+    fn from(e: cube_mem::dirty::DirtyError) -> Self {
+        BootError::Dirty(Box::new(e))
+    }
+}
+
+impl From<cube_mem::memory_file::MemoryFileError> for BootError {
+    fn from(e: cube_mem::memory_file::MemoryFileError) -> Self {
+        BootError::MemoryFile(Box::new(e))
+    }
+}
+
+impl From<cube_storage::CloneError> for BootError {
+    fn from(e: cube_storage::CloneError) -> Self {
+        BootError::Disk(Box::new(e))
+    }
 }
 
 /// What to boot.
