@@ -368,9 +368,13 @@ fn a_linux_vm_sandbox_with_a_network_has_a_pool_tap_behind_its_nic_until_destroy
     sb.destroy().unwrap();
     assert!(ifindex(&tap).is_none(), "{tap} outlived its sandbox");
     assert_eq!(residue(&tap, index), cube_net::Residue::default());
+    // The pool is the host's: remove it only if this test brought it and nobody
+    // else (another test run) attached a device meanwhile.
     if !pool_existed {
         if let Ok((pool, _lock)) = cube_core::supervisor::jail_network::open_pool() {
-            pool.destroy().unwrap();
+            if pool.attached().unwrap().is_empty() {
+                pool.destroy().unwrap();
+            }
         }
     }
 }
