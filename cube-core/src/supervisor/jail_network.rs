@@ -351,6 +351,8 @@ pub fn release_recorded(dir: &Path) -> Result<()> {
         Ok(()) | Err(PoolError::NotAttached(_)) => {}
         Err(e) => return Err(e.into()),
     }
+    // A VM's TAP went back to the pool, which keeps none free.
+    pool.trim()?;
     let _ = std::fs::remove_file(&record);
     Ok(())
 }
