@@ -205,6 +205,31 @@ fn a_running_linux_vm_sandbox_snapshots_diffs_rolls_back_clones_hibernates_and_w
     assert!(second.stats.bytes_written < MEMORY_BYTES / 4);
     assert!(changed <= second.stats.dirty_pages);
 
+    // A snapshot that fails half way (its disk cannot be copied: a directory stands
+    // where the disk was; the device keeps its open file) leaves no snapshot behind,
+    // the earlier ones as they were, and the sandbox running; the next one works.
+    let first_image = std::fs::read(&first_memory).unwrap();
+    let disk = sb.dir().join(ROOTFS_FILE);
+    let moved = sb.dir().join("rootfs.img.moved");
+    std::fs::rename(&disk, &moved).unwrap();
+    std::fs::create_dir(&disk).unwrap();
+    let snapshots_before = rt.snapshots(Some(sb.id())).unwrap().len();
+    assert!(sb.snapshot().is_err());
+    std::fs::remove_dir(&disk).unwrap();
+    std::fs::rename(&moved, &disk).unwrap();
+    assert_eq!(rt.snapshots(Some(sb.id())).unwrap().len(), snapshots_before);
+    let staging_left = std::fs::read_dir(rt.store().root().join("tmp"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(
+        staging_left, 0,
+        "a failed snapshot left its staging directory"
+    );
+    assert!(std::fs::read(&first_memory).unwrap() == first_image);
+    assert!(running(&mut sb));
+    let third = sb.snapshot().unwrap();
+    assert!(third.stats.dirty_pages > 0);
+
     // Rollback: the guest goes on from the first snapshot, its console continues.
     let generation = sb.status().unwrap().generation;
     let before = console_len(&sb);
@@ -262,7 +287,7 @@ fn a_running_linux_vm_sandbox_snapshots_diffs_rolls_back_clones_hibernates_and_w
     for dir in dirs {
         assert!(!dir.exists());
     }
-    assert!(!first.dir.exists() && !second.dir.exists());
+    assert!(!first.dir.exists() && !second.dir.exists() && !third.dir.exists());
 }
 
 /// What cube-net holds for the device `name`, from a handle of the test's own.
