@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use crate::devices::virtio::block::{Block, BlockOptions};
 use crate::devices::virtio::device::VirtioDevice;
+use crate::devices::virtio::net::Net;
 use crate::devices::virtio::rng::Rng;
 use crate::devices::virtio::vsock::Vsock;
 use crate::host_caps::KvmKind;
@@ -37,6 +38,9 @@ pub const PVM_STOCK_KERNEL: &str = "KVM on this host is PVM (no VMX/SVM): guest 
 pub const IMAGE_AGENT_PATH: &str = ".cube/cube-agent";
 /// The guest context id of a template's guest.
 pub const TEMPLATE_GUEST_CID: u64 = 3;
+/// The MAC address of a template's guest NIC (locally administered). Every sandbox
+/// has it: each sits alone behind its own TAP.
+pub const TEMPLATE_GUEST_MAC: [u8; 6] = [0x06, 0xcb, 0xa9, 0xfe, 0x00, 0x02];
 /// The kernel package directory the set-up unpacks Debian's cloud kernel into.
 pub const DEBIAN_CLOUD_KERNEL: &str = "kernels/debian-cloud";
 /// The set-up's kernel directory outside any store.
@@ -286,6 +290,11 @@ fn build_vm(
                 .map_err(|e| VmTemplateError::Device(crate::error_report::chain(&e)))?,
         ),
         Box::new(Rng::new()),
+        // Unplugged while building: a sandbox with a network gets a TAP behind it.
+        Box::new(
+            Net::disconnected(TEMPLATE_GUEST_MAC)
+                .map_err(|e| VmTemplateError::Device(crate::error_report::chain(&e)))?,
+        ),
     ];
     let tail = Arc::new(std::sync::Mutex::new((Vec::new(), String::new())));
     let config = LinuxBootConfig {
@@ -299,7 +308,7 @@ fn build_vm(
         cmdline_devices: false,
     };
     progress("booting the guest");
-    let vm = linux_boot::boot_with_devices(
+    let mut vm = linux_boot::boot_with_devices(
         &Arc::new(ctx),
         &config,
         Box::new(ConsoleTail(Arc::clone(&tail))),
@@ -337,7 +346,7 @@ fn build_vm(
     }
     progress("agent answered; snapshotting");
     vm.pause()?;
-    vm.snapshot(staging.path())?;
+    vm.snapshot(staging.path(), None)?;
     drop(vm);
     let meta = TemplateMeta {
         name: name.to_string(),

@@ -81,7 +81,7 @@ fn a_linux_template_snapshot_restores_as_a_sandbox_whose_agent_is_not_ready() {
         memory_bytes: 256 << 20,
         irqchip: true,
     };
-    let vm = linux_boot::boot_with_devices(
+    let mut vm = linux_boot::boot_with_devices(
         &Arc::new(KvmContext::open().unwrap()),
         &LinuxBootConfig {
             kernel,
@@ -104,7 +104,7 @@ fn a_linux_template_snapshot_restores_as_a_sandbox_whose_agent_is_not_ready() {
     let template = rt.store().template_dir("midboot").unwrap();
     std::fs::create_dir(&template).unwrap();
     vm.pause().unwrap();
-    vm.snapshot(&template).unwrap();
+    vm.snapshot(&template, None).unwrap();
     drop(vm);
     std::fs::copy(&disk, template.join(ROOTFS_FILE)).unwrap();
     let meta = TemplateMeta {

@@ -728,13 +728,20 @@ impl Pool {
         loop {
             let slot = {
                 let mut state = self.lock()?;
-                if state.free_veths.len() > self.config.veths {
+                let slot = if state.free_veths.len() > self.config.veths {
                     state.free_veths.pop()
                 } else if state.free_taps.len() > self.config.taps {
                     state.free_taps.pop()
                 } else {
                     None
+                };
+                // A free device is armed (see `arm`): its link pin would outlive it.
+                if let Some(slot) = &slot {
+                    state
+                        .datapath
+                        .detach(Program::FromSandbox, &slot.host.name, Hook::Ingress)?;
                 }
+                slot
             };
             let Some(slot) = slot else {
                 return Ok(deleted);

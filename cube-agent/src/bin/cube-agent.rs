@@ -194,6 +194,13 @@ fn main() -> ExitCode {
         }
     }
     if matches!(args.mode, Mode::Vsock(_)) && init::is_pid1() {
+        // A sandbox without a network still runs: its NIC just has nothing behind it.
+        match cube_agent::vm_init::configure_network() {
+            Ok(nic) => tracing::info!(nic, "network configured"),
+            Err(e) => tracing::warn!(error = %e, "configuring the network failed"),
+        }
+    }
+    if matches!(args.mode, Mode::Vsock(_)) && init::is_pid1() {
         // Clones of one VM snapshot must not share the kernel's random state.
         let _ = cube_agent::reseed::spawn_watcher();
     }

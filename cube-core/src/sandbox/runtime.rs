@@ -78,7 +78,8 @@ pub struct CreateOptions {
     pub cpu_millis: Option<u32>,
     /// Most processes and threads at once (jail engine).
     pub pids_max: Option<u32>,
-    /// A network from the host's pool (jail engine); None: loopback only.
+    /// A network from the host's pool: a veth for a jail, a TAP behind a Linux VM's
+    /// NIC; None: loopback only (a VM's NIC, if its template has one, stays unplugged).
     pub network: Option<super::network::NetworkOptions>,
 }
 
@@ -495,11 +496,6 @@ impl Runtime {
         prepare: impl FnOnce(&Path) -> Result<(), SandboxError>,
     ) -> Result<Sandbox, SandboxError> {
         if let Some(network) = &options.network {
-            if engine != Engine::Jail {
-                return Err(SandboxError::Network(
-                    crate::supervisor::jail_network::JailNetworkError::VmEngine,
-                ));
-            }
             network
                 .validate()
                 .map_err(|e| SandboxError::Network(e.into()))?;

@@ -22,6 +22,12 @@
 //! rather than a prepared namespace the jail would join: jails are pre-started by
 //! pooled supervisors before anyone asks for a network, so they already own a
 //! namespace by the time a create arrives.
+//!
+//! A Linux VM sandbox gets a TAP from the same pool instead ([`JailNetwork::attach_tap`]),
+//! with the same datapath program, policy and exposed ports on it; its supervisor
+//! opens the TAP for the VM's virtio-net device. Released, the TAP goes back to the
+//! pool, which keeps none free ([`pool_config`]): it is deleted with its program and
+//! link pin, so a destroyed VM sandbox leaves nothing on the host.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
@@ -63,9 +69,9 @@ pub enum JailNetworkError {
     /// The sandbox does not expose this port.
     #[error("host port {0} is not exposed by this sandbox")]
     NotExposed(u16),
-    /// Networking is wired for jail sandboxes only so far.
-    #[error("networking is wired for jail sandboxes only so far (the VM engine's TAP is not attached yet)")]
-    VmEngine,
+    /// The sandbox's guest cannot have a network.
+    #[error("{0}")]
+    NoGuestNic(String),
     /// The device record could not be written.
     #[error("recording the device in {0}")]
     Record(PathBuf, #[source] std::io::Error),
@@ -136,7 +142,16 @@ pub fn open_pool() -> Result<(Pool, PoolLock)> {
     Ok((pool, lock))
 }
 
-/// A jail sandbox's network.
+/// What a sandbox's device is attached for.
+#[derive(Clone, Copy, Debug)]
+enum Target {
+    /// A veth whose guest end goes into the namespace of the jail with this PID 1.
+    Jail(i32),
+    /// A TAP for a VM's NIC with this MAC address.
+    Vm([u8; 6]),
+}
+
+/// A sandbox's network: a jail's veth or a VM's TAP.
 pub struct JailNetwork {
     pool: Pool,
     attachment: Option<Attachment>,
@@ -159,17 +174,47 @@ impl JailNetwork {
             record: dir.join(DEVICE_RECORD),
         };
         drop(lock);
-        network.connect(pid)?;
+        network.connect(Target::Jail(pid))?;
         Ok(network)
     }
 
-    /// Attaches a device in `pid`'s namespace and puts the policy and exposed ports on
-    /// it; on failure nothing stays attached.
-    fn connect(&mut self, pid: i32) -> Result<()> {
+    /// Gives a VM sandbox its network: a TAP from the pool for the guest NIC whose MAC
+    /// is `guest_mac`, with `options` in force, recorded in `dir`. The VMM opens the
+    /// TAP by [`JailNetwork::tap_name`].
+    pub fn attach_tap(
+        guest_mac: [u8; 6],
+        options: &NetworkOptions,
+        dir: &Path,
+    ) -> Result<JailNetwork> {
+        options.validate()?;
+        let (pool, lock) = open_pool()?;
+        let mut network = JailNetwork {
+            pool,
+            attachment: None,
+            policy: options.policy.clone(),
+            exposed: options.expose.clone(),
+            record: dir.join(DEVICE_RECORD),
+        };
+        drop(lock);
+        network.connect(Target::Vm(guest_mac))?;
+        Ok(network)
+    }
+
+    /// The TAP a VM sandbox's NIC is to open (None for a jail's veth).
+    pub fn tap_name(&self) -> Option<&str> {
+        self.attachment.as_ref().and_then(Attachment::tap_name)
+    }
+
+    /// Attaches a device for `target` and puts the policy and exposed ports on it; on
+    /// failure nothing stays attached.
+    fn connect(&mut self, target: Target) -> Result<()> {
         let egress = self.policy.to_egress()?;
         let attachment = {
             let _lock = PoolLock::take(self.pool.config())?;
-            self.pool.attach_veth(&NetnsRef::Pid(pid), &egress)?
+            match target {
+                Target::Jail(pid) => self.pool.attach_veth(&NetnsRef::Pid(pid), &egress)?,
+                Target::Vm(mac) => self.pool.attach_tap(mac, &egress)?,
+            }
         };
         let ready = (|| -> Result<()> {
             for port in &self.exposed {
@@ -199,7 +244,7 @@ impl JailNetwork {
     /// comes in the new jail's namespace with the same policy and ports.
     pub fn reconnect(&mut self, pid: i32) -> Result<()> {
         self.disconnect();
-        self.connect(pid)
+        self.connect(Target::Jail(pid))
     }
 
     /// Releases the device and its datapath state, keeping policy and ports for a
@@ -212,9 +257,17 @@ impl JailNetwork {
 
     fn release_attachment(&self, attachment: Attachment) {
         let name = attachment.host_ifname().to_string();
+        let tap = attachment.tap_name().is_some();
         let released = PoolLock::take(self.pool.config())
             .map_err(|e| e.to_string())
-            .and_then(|_lock| self.pool.release(attachment).map_err(|e| e.to_string()));
+            .and_then(|_lock| {
+                self.pool.release(attachment).map_err(|e| e.to_string())?;
+                // A TAP returns to the pool, which keeps none free: it goes.
+                if tap {
+                    self.pool.trim().map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            });
         if let Err(e) = released {
             tracing::warn!(device = %name, "releasing the sandbox's network: {e}");
         }
@@ -298,6 +351,8 @@ pub fn release_recorded(dir: &Path) -> Result<()> {
         Ok(()) | Err(PoolError::NotAttached(_)) => {}
         Err(e) => return Err(e.into()),
     }
+    // A VM's TAP went back to the pool, which keeps none free.
+    pool.trim()?;
     let _ = std::fs::remove_file(&record);
     Ok(())
 }

@@ -1,58 +1,147 @@
 //! A Linux-guest VM sandbox as its supervisor holds it: a [`LinuxVm`] restored (never
 //! booted) from a template or snapshot, with its own copy of the root disk
 //! (`rootfs.img` in the sandbox directory), its vsock device's host socket at
-//! `<sandbox dir>/vsock.sock` (where [`crate::Sandbox::agent`] connects) and its
-//! entropy device, which moves to a new generation because every restore here is a
-//! clone; once the guest's agent answers, the host has it reseed the kernel CRNG.
+//! `<sandbox dir>/vsock.sock` (where [`crate::Sandbox::agent`] connects), its entropy
+//! device, and its NIC, with a TAP from cube-net's pool behind it when the sandbox was
+//! created with a network (see [`JailNetwork::attach_tap`]).
 //!
-//! The devices are attached in the order a VM template's guest had them
-//! ([`template_devices`]); a snapshot of another layout is refused by the restore.
+//! Every restore here (create, rollback, wake) counts as a clone: the rng moves to a
+//! new generation, the vsock device resets the guest's connections (their host ends
+//! are gone), and once the guest's agent answers the host has it reseed the kernel
+//! CRNG, so a guest never replays random state it already used.
+//!
+//! Snapshots, rollback and hibernation work as the test-guest VM's do: the memory
+//! file is a clone of the parent image with only the pages dirtied since written
+//! over it ([`LinuxVm::snapshot`]); a snapshot is written into a staging directory
+//! and renamed into place, so a failed or interrupted one leaves the sandbox running
+//! as it was and every earlier snapshot untouched; a rollback builds the new VM
+//! before it lets the old one go, and a failed one leaves the old one as it was.
+//!
+//! The devices are attached in the kinds and order the snapshot records
+//! ([`snapshot_devices`]); a snapshot with devices Cube cannot give a host side to is
+//! refused.
 
+use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::protocol::{MachineStatus, Response, StatusReport};
+use super::jail_network::{JailNetwork, JailNetworkError};
+use super::protocol::{MachineStatus, Response, Settings, StatusReport};
+use super::server::{flush_in_background, HIBERNATE_DIR};
 use crate::devices::virtio::block::{Block, BlockOptions};
 use crate::devices::virtio::device::VirtioDevice;
+use crate::devices::virtio::net::Net;
 use crate::devices::virtio::rng::Rng;
-use crate::devices::virtio::vsock::Vsock;
+use crate::devices::virtio::tap::Tap;
+use crate::devices::virtio::vsock::{Vsock, HOST_SOCKET_NAME};
 use crate::error_report::chain as error_chain;
-use crate::sandbox::metadata::Engine;
-use crate::snapshot::format::ROOTFS_FILE;
-use crate::vm_template::TEMPLATE_GUEST_CID;
+use crate::sandbox::metadata::{
+    now_unix, Engine, SnapshotKind, SnapshotMeta, SNAPSHOT_META, SNAPSHOT_META_KIND,
+};
+use crate::snapshot::format::{self, DeviceKind, GuestKind, ROOTFS_FILE};
+use crate::vm_template::{TEMPLATE_GUEST_CID, TEMPLATE_GUEST_MAC};
 use crate::vmm::linux_boot::LinuxVm;
+use crate::vmm::machine::SnapshotStats;
 use crate::vstate::KvmContext;
+use cube_storage::Durability;
 
 /// File the guest's serial console goes to, in the sandbox directory.
 pub const CONSOLE_LOG: &str = "console.log";
 
 /// The devices of a VM template's guest, in their order: the root disk `disk`, vsock
-/// with its host side in `dir`, entropy.
+/// with its host side in `dir`, entropy, and a NIC with nothing behind it.
 pub fn template_devices(disk: &Path, dir: &Path) -> Result<Vec<Box<dyn VirtioDevice>>, String> {
-    Ok(vec![
-        Box::new(
-            Block::open(disk, BlockOptions::default())
-                .map_err(|e| format!("opening {}: {}", disk.display(), error_chain(&e)))?,
-        ),
-        Box::new(Vsock::new(TEMPLATE_GUEST_CID, dir).map_err(|e| error_chain(&e))?),
-        Box::new(Rng::new()),
-    ])
+    let kinds = [
+        DeviceKind::Block,
+        DeviceKind::Vsock,
+        DeviceKind::Rng,
+        DeviceKind::Net,
+    ];
+    devices_of(&kinds, disk, dir, None)
 }
 
-/// One Linux-guest sandbox.
+/// Devices for a guest whose snapshot recorded `kinds`, in that order: `disk` as the
+/// root disk, the vsock host side in `dir`, and `tap` behind the NIC (or nothing). A
+/// TAP the guest has no NIC for is an error: a guest gets no device after it booted.
+pub fn snapshot_devices(
+    kinds: &[DeviceKind],
+    disk: &Path,
+    dir: &Path,
+    tap: Option<Tap>,
+) -> Result<Vec<Box<dyn VirtioDevice>>, String> {
+    if tap.is_some() && !kinds.contains(&DeviceKind::Net) {
+        return Err(
+            "the guest of this snapshot has no network device, so the sandbox cannot have a \
+             network (build the template again: templates now get a NIC)"
+                .into(),
+        );
+    }
+    devices_of(kinds, disk, dir, tap)
+}
+
+fn devices_of(
+    kinds: &[DeviceKind],
+    disk: &Path,
+    dir: &Path,
+    mut tap: Option<Tap>,
+) -> Result<Vec<Box<dyn VirtioDevice>>, String> {
+    let mut seen = Vec::with_capacity(kinds.len());
+    let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::with_capacity(kinds.len());
+    for &kind in kinds {
+        // One host side each: a second disk, socket or NIC has nothing to stand for.
+        if seen.contains(&kind) {
+            return Err(format!("the snapshot has more than one {kind:?} device"));
+        }
+        seen.push(kind);
+        devices.push(match kind {
+            DeviceKind::Block => Box::new(
+                Block::open(disk, BlockOptions::default())
+                    .map_err(|e| format!("opening {}: {}", disk.display(), error_chain(&e)))?,
+            ),
+            DeviceKind::Vsock => {
+                Box::new(Vsock::new(TEMPLATE_GUEST_CID, dir).map_err(|e| error_chain(&e))?)
+            }
+            DeviceKind::Rng => Box::new(Rng::new()),
+            DeviceKind::Net => Box::new(
+                match tap.take() {
+                    Some(tap) => Net::new(tap, TEMPLATE_GUEST_MAC),
+                    None => Net::disconnected(TEMPLATE_GUEST_MAC),
+                }
+                .map_err(|e| error_chain(&e))?,
+            ),
+        });
+    }
+    Ok(devices)
+}
+
+/// One Linux-guest sandbox. Field order is drop order: the VM (and its NIC's handle
+/// on the TAP) goes before the TAP, the TAP before the network gives it back.
 pub struct LinuxSandbox {
+    ctx: Arc<KvmContext>,
     dir: PathBuf,
+    /// None while hibernated (or once destroyed).
     vm: Option<LinuxVm>,
+    /// The TAP behind the NIC, kept across rollback and hibernation.
+    tap: Option<Tap>,
+    network: Option<Box<JailNetwork>>,
     paused: bool,
+    hibernated: bool,
+    /// Bumped on every restore (create, rollback, wake).
     generation: u64,
-    /// Tells the clone-reseed thread to give up (the sandbox is going away).
+    /// Tells the clone-reseed thread of the current VM to give up.
     stop_reseed: Arc<AtomicBool>,
+    /// Background flushes of snapshots this sandbox wrote; joined before it goes.
+    flushes: Vec<std::thread::JoinHandle<()>>,
 }
 
 /// How long after a restore the host keeps trying to reach the agent to reseed it.
 const RESEED_WINDOW: Duration = Duration::from_secs(30);
+/// The vsock socket's name while a rollback decides whether the old VM stays.
+const VSOCK_ASIDE: &str = "vsock.sock.previous";
+/// Where a rollback copies the snapshot's disk before the new VM takes it.
+const ROLLBACK_DISK: &str = "rootfs.img.rollback";
 
 /// Has the restored guest's agent reseed the kernel CRNG with fresh host entropy, as
 /// soon as it answers: a clone must not keep the random state of the snapshot it
@@ -97,8 +186,14 @@ fn reseed_when_ready(dir: PathBuf, stop: Arc<AtomicBool>) {
 impl LinuxSandbox {
     /// Restores the Linux snapshot in `snapshot` into a running VM whose disk is
     /// `dir/rootfs.img` (already copied there) and whose console goes to
-    /// `dir/console.log`.
-    pub fn restore(ctx: &Arc<KvmContext>, dir: &Path, snapshot: &Path) -> Result<Self, String> {
+    /// `dir/console.log`; with `settings.network`, a TAP from the host's pool goes
+    /// behind the guest's NIC.
+    pub fn restore(
+        ctx: &Arc<KvmContext>,
+        dir: &Path,
+        snapshot: &Path,
+        settings: &Settings,
+    ) -> Result<Self, String> {
         let disk = dir.join(ROOTFS_FILE);
         if !disk.is_file() {
             return Err(format!(
@@ -106,21 +201,35 @@ impl LinuxSandbox {
                 snapshot.display()
             ));
         }
-        let console = std::fs::File::create(dir.join(CONSOLE_LOG))
-            .map_err(|e| format!("creating the console log: {e}"))?;
-        let devices = template_devices(&disk, dir)?;
-        let vm = LinuxVm::restore(ctx, snapshot, Box::new(console), devices, true)
-            .map_err(|e| error_chain(&e))?;
-        vm.resume().map_err(|e| error_chain(&e))?;
-        let stop_reseed = Arc::new(AtomicBool::new(false));
-        reseed_when_ready(dir.to_path_buf(), Arc::clone(&stop_reseed));
-        Ok(LinuxSandbox {
+        let mut sandbox = LinuxSandbox {
+            ctx: Arc::clone(ctx),
             dir: dir.to_path_buf(),
-            vm: Some(vm),
+            vm: None,
+            tap: None,
+            network: None,
             paused: false,
-            generation: 1,
-            stop_reseed,
-        })
+            hibernated: false,
+            generation: 0,
+            stop_reseed: Arc::new(AtomicBool::new(true)),
+            flushes: Vec::new(),
+        };
+        if let Some(options) = &settings.network {
+            let fail = |e: JailNetworkError| format!("attaching the network: {}", error_chain(&e));
+            let network =
+                JailNetwork::attach_tap(TEMPLATE_GUEST_MAC, options, dir).map_err(fail)?;
+            let name = network
+                .tap_name()
+                .ok_or("the pool gave the VM no TAP")?
+                .to_string();
+            // On an error below the sandbox drops, and the network goes back.
+            sandbox.network = Some(Box::new(network));
+            sandbox.tap = Some(
+                Tap::open(&name).map_err(|e| format!("opening TAP {name}: {}", error_chain(&e)))?,
+            );
+        }
+        let vm = sandbox.build_vm(snapshot, &disk, true)?;
+        sandbox.start(vm)?;
+        Ok(sandbox)
     }
 
     /// The sandbox's directory.
@@ -128,13 +237,67 @@ impl LinuxSandbox {
         &self.dir
     }
 
-    fn vm(&self) -> Result<&LinuxVm, String> {
-        self.vm.as_ref().ok_or_else(|| "the VM is gone".to_string())
+    /// A VM restored from `snapshot` with `disk` as its root disk, paused; its console
+    /// starts a new log (`fresh`) or continues the sandbox's.
+    fn build_vm(&self, snapshot: &Path, disk: &Path, fresh: bool) -> Result<LinuxVm, String> {
+        let state = format::read_state(snapshot).map_err(|e| error_chain(&e))?;
+        if state.guest != GuestKind::Linux {
+            return Err(format!(
+                "{} holds Cube's test guest, not a Linux guest",
+                snapshot.display()
+            ));
+        }
+        let console = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(!fresh)
+            .truncate(fresh)
+            .open(self.dir.join(CONSOLE_LOG))
+            .map_err(|e| format!("opening the console log: {e}"))?;
+        let tap = match &self.tap {
+            Some(tap) => Some(
+                tap.try_clone()
+                    .map_err(|e| format!("sharing TAP {}: {e}", tap.name()))?,
+            ),
+            None => None,
+        };
+        let kinds: Vec<DeviceKind> = state.devices.iter().map(|d| d.kind).collect();
+        let devices = snapshot_devices(&kinds, disk, &self.dir, tap)?;
+        LinuxVm::restore(&self.ctx, snapshot, Box::new(console), devices, true)
+            .map_err(|e| error_chain(&e))
+    }
+
+    /// Lets a freshly restored VM run as the sandbox's, and has its agent reseeded.
+    fn start(&mut self, vm: LinuxVm) -> Result<(), String> {
+        vm.resume().map_err(|e| error_chain(&e))?;
+        self.stop_reseed.store(true, Ordering::Relaxed);
+        self.stop_reseed = Arc::new(AtomicBool::new(false));
+        reseed_when_ready(self.dir.clone(), Arc::clone(&self.stop_reseed));
+        // The old VM (a rollback's) stops here, after the new one took over.
+        self.vm = Some(vm);
+        self.paused = false;
+        self.hibernated = false;
+        self.generation += 1;
+        Ok(())
+    }
+
+    fn vm(&mut self) -> Result<&mut LinuxVm, String> {
+        if self.hibernated {
+            return Err("sandbox is hibernated: wake it first".into());
+        }
+        self.vm.as_mut().ok_or_else(|| "the VM is gone".to_string())
+    }
+
+    fn network(&mut self) -> Result<&mut JailNetwork, String> {
+        self.network
+            .as_deref_mut()
+            .ok_or_else(|| "this sandbox has no network (create it with one)".to_string())
     }
 
     /// Carries out one request.
     pub fn handle(&mut self, request: super::Request) -> Result<Response, String> {
         use super::Request;
+        let net = |e: JailNetworkError| error_chain(&e);
         match request {
             Request::Adopt { .. } => Err("already adopted".into()),
             Request::Destroy => Ok(Response::Ok),
@@ -149,22 +312,50 @@ impl LinuxSandbox {
                 self.paused = false;
                 Ok(Response::Ok)
             }
-            Request::Snapshot { .. }
-            | Request::Rollback { .. }
-            | Request::Hibernate
-            | Request::Wake => Err(
-                "snapshot, rollback and hibernate of Linux VM sandboxes are not wired into the \
-                 supervisor yet (LinuxVm::snapshot exists; clone from the template instead)"
-                    .into(),
-            ),
-            Request::NetworkStatus
-            | Request::SetPolicy(_)
-            | Request::Expose(_)
-            | Request::Unexpose { .. } => Err(
-                "Linux VM sandboxes have no network yet (the TAP from cube-net's pool is not \
-                 wired into the VM engine)"
-                    .into(),
-            ),
+            Request::Snapshot { staging, dest } => {
+                let stats = self.snapshot(&staging, &dest)?;
+                Ok(Response::Snapshot {
+                    stats,
+                    kind: SnapshotKind::Full,
+                    fallback: None,
+                })
+            }
+            Request::Rollback { snapshot } => {
+                self.rollback(&snapshot)?;
+                Ok(Response::Ok)
+            }
+            Request::Hibernate => {
+                self.hibernate()?;
+                Ok(Response::Ok)
+            }
+            Request::Wake => {
+                if !self.hibernated {
+                    return Err("sandbox is not hibernated".into());
+                }
+                let vm = self.build_vm(
+                    &self.dir.join(HIBERNATE_DIR),
+                    &self.dir.join(ROOTFS_FILE),
+                    false,
+                )?;
+                self.start(vm)?;
+                Ok(Response::Ok)
+            }
+            Request::NetworkStatus => {
+                let report = self.network()?.report().map_err(net)?;
+                Ok(Response::Network(report))
+            }
+            Request::SetPolicy(policy) => {
+                self.network()?.set_policy(policy).map_err(net)?;
+                Ok(Response::Ok)
+            }
+            Request::Expose(port) => {
+                self.network()?.expose(port).map_err(net)?;
+                Ok(Response::Ok)
+            }
+            Request::Unexpose { host_port } => {
+                self.network()?.unexpose(host_port).map_err(net)?;
+                Ok(Response::Ok)
+            }
             Request::GuestDirty { .. }
             | Request::GuestMode { .. }
             | Request::GuestWaitWorkingSet
@@ -175,8 +366,173 @@ impl LinuxSandbox {
         }
     }
 
+    /// Writes a snapshot (memory diff, devices, disk) into `staging`, moves it to
+    /// `dest` and has it flushed in the background. The sandbox keeps running (or
+    /// paused) as it was, whatever happens.
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotStats, String> {
+        let snapshot_id = dest
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .ok_or_else(|| format!("{} has no snapshot id", dest.display()))?;
+        let sandbox_id = self
+            .dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if dest.exists() {
+            return Err(format!("{} already exists", dest.display()));
+        }
+        let was_running = !self.paused;
+        let disk = self.dir.join(ROOTFS_FILE);
+        let vm = self.vm()?;
+        std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let written = (|| {
+            vm.pause().map_err(|e| error_chain(&e))?;
+            let stats = vm
+                .snapshot(staging, Some(&disk))
+                .map_err(|e| error_chain(&e))?;
+            let meta = SnapshotMeta {
+                id: snapshot_id,
+                sandbox: sandbox_id,
+                created_unix: now_unix(),
+                stats,
+                kind: SnapshotKind::Full,
+                engine: Engine::Vm,
+                fallback: None,
+            };
+            let meta_bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
+            cube_storage::write_atomic_bytes_with(
+                &staging.join(SNAPSHOT_META),
+                SNAPSHOT_META_KIND,
+                &meta_bytes,
+                Durability::Deferred,
+            )
+            .map_err(|e| error_chain(&e))?;
+            std::fs::rename(staging, dest).map_err(|e| format!("committing snapshot: {e}"))?;
+            Ok(stats)
+        })();
+        let committed = match written {
+            // The dirty pages stay pending in the VM until the snapshot is in place.
+            Ok(stats) => vm
+                .snapshot_committed(dest)
+                .map(|()| stats)
+                .map_err(|e| error_chain(&e)),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(staging);
+                Err(e)
+            }
+        };
+        let resumed = if was_running {
+            vm.resume().map_err(|e| error_chain(&e))
+        } else {
+            Ok(())
+        };
+        let stats = committed?;
+        resumed?;
+        self.track_flush(flush_in_background(dest.to_path_buf()));
+        Ok(stats)
+    }
+
+    /// Replaces the VM with one restored from `snapshot` (its disk copied over the
+    /// sandbox's). The new VM is built while the old one waits paused; if that fails
+    /// the old one continues as it was, with its disk and vsock socket.
+    fn rollback(&mut self, snapshot: &Path) -> Result<(), String> {
+        let source_disk = snapshot.join(ROOTFS_FILE);
+        if !source_disk.is_file() {
+            return Err(format!(
+                "{} has no root disk ({ROOTFS_FILE})",
+                snapshot.display()
+            ));
+        }
+        let staged = self.dir.join(ROLLBACK_DISK);
+        let _ = std::fs::remove_file(&staged);
+        cube_storage::clone_file(&source_disk, &staged).map_err(|e| error_chain(&e))?;
+        let was_running = !self.hibernated && !self.paused && self.vm.is_some();
+        let socket = self.dir.join(HOST_SOCKET_NAME);
+        let aside = self.dir.join(VSOCK_ASIDE);
+        let built = (|| {
+            if let Some(vm) = self.vm.as_ref().filter(|_| !self.hibernated) {
+                vm.pause().map_err(|e| error_chain(&e))?;
+            }
+            // The old VM's listener keeps its socket under another name, so that
+            // it can have it back if the new VM does not come up.
+            if socket.exists() {
+                std::fs::rename(&socket, &aside)
+                    .map_err(|e| format!("setting the vsock socket aside: {e}"))?;
+            }
+            self.build_vm(snapshot, &staged, false)
+        })();
+        match built {
+            Ok(vm) => {
+                std::fs::rename(&staged, self.dir.join(ROOTFS_FILE))
+                    .map_err(|e| format!("replacing the root disk: {e}"))?;
+                let _ = std::fs::remove_file(&aside);
+                self.start(vm)?;
+                // A hibernation image is of the state just left.
+                let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATE_DIR));
+                Ok(())
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&staged);
+                if aside.exists() {
+                    let _ = std::fs::remove_file(&socket);
+                    let _ = std::fs::rename(&aside, &socket);
+                }
+                if was_running {
+                    if let Some(vm) = &self.vm {
+                        let _ = vm.resume();
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Writes the state into `hibernate/` (memory as a diff against the parent image)
+    /// and releases the VM; the disk stays where it is, the TAP stays attached.
+    fn hibernate(&mut self) -> Result<(), String> {
+        let was_running = !self.paused;
+        let image = self.dir.join(HIBERNATE_DIR);
+        let staging = self.dir.join("hibernate.staging");
+        let old = self.dir.join("hibernate.old");
+        let vm = self.vm()?;
+        let _ = std::fs::remove_dir_all(&staging);
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::create_dir(&staging)
+            .map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let written = (|| {
+            vm.pause().map_err(|e| error_chain(&e))?;
+            vm.snapshot(&staging, None).map_err(|e| error_chain(&e))?;
+            if image.exists() {
+                std::fs::rename(&image, &old).map_err(|e| format!("moving old image: {e}"))?;
+            }
+            std::fs::rename(&staging, &image).map_err(|e| format!("committing image: {e}"))
+        })();
+        if let Err(e) = written {
+            let _ = std::fs::remove_dir_all(&staging);
+            if was_running {
+                let _ = vm.resume();
+            }
+            return Err(e);
+        }
+        let _ = std::fs::remove_dir_all(&old);
+        self.stop_reseed.store(true, Ordering::Relaxed);
+        self.vm = None;
+        let _ = std::fs::remove_file(self.dir.join(HOST_SOCKET_NAME));
+        self.hibernated = true;
+        self.paused = false;
+        self.track_flush(flush_in_background(image));
+        Ok(())
+    }
+
+    fn track_flush(&mut self, flush: Option<std::thread::JoinHandle<()>>) {
+        self.flushes.retain(|f| !f.is_finished());
+        self.flushes.extend(flush);
+    }
+
     fn status(&self) -> StatusReport {
         let status = match &self.vm {
+            None if self.hibernated => MachineStatus::Hibernated,
             None => MachineStatus::Failed("the VM is gone".into()),
             Some(vm) => match vm.fatal() {
                 Some(why) => MachineStatus::Failed(why),
@@ -197,13 +553,25 @@ impl LinuxSandbox {
         }
     }
 
-    /// Stops the vCPUs and releases the VM; the vsock socket goes too.
+    /// Stops the vCPUs and releases the VM, then its TAP and network (back to the
+    /// pool); the vsock socket goes too.
     pub fn destroy(&mut self) {
         self.stop_reseed.store(true, Ordering::Relaxed);
         self.vm = None;
-        let _ = std::fs::remove_file(
-            self.dir
-                .join(crate::devices::virtio::vsock::HOST_SOCKET_NAME),
-        );
+        self.tap = None;
+        if let Some(mut network) = self.network.take() {
+            network.disconnect();
+        }
+        // A flush still writing into a snapshot directory would race its removal.
+        for flush in std::mem::take(&mut self.flushes) {
+            let _ = flush.join();
+        }
+        let _ = std::fs::remove_file(self.dir.join(HOST_SOCKET_NAME));
+    }
+}
+
+impl Drop for LinuxSandbox {
+    fn drop(&mut self) {
+        self.destroy();
     }
 }

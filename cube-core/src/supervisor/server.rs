@@ -375,8 +375,18 @@ fn adopt(
         if state.guest == crate::snapshot::format::GuestKind::Linux {
             // The pre-built shell is shaped for the test guest.
             retire(shell);
-            return Ok(Held::Linux(LinuxSandbox::restore(&ctx, dir, snapshot)?));
+            return Ok(Held::Linux(LinuxSandbox::restore(
+                &ctx, dir, snapshot, &settings,
+            )?));
         }
+    }
+    if settings.network.is_some() {
+        retire(shell);
+        return Err(
+            "Cube's test guest has no network device: networks are for Linux VM and jail \
+             sandboxes"
+                .into(),
+        );
     }
     let machine = start_machine(&ctx, &source, shell)?;
     Ok(Held::Vm(Sandbox {
@@ -647,9 +657,7 @@ fn dispatch(sandbox: &mut Sandbox, request: Request) -> Result<Response, String>
         Request::NetworkStatus
         | Request::SetPolicy(_)
         | Request::Expose(_)
-        | Request::Unexpose { .. } => {
-            Err("networking is wired for jail sandboxes only so far".into())
-        }
+        | Request::Unexpose { .. } => Err("Cube's test guest has no network device".into()),
     }
 }
 
@@ -768,7 +776,7 @@ fn write_snapshot(
 }
 
 /// Syncs a finished snapshot to disk and marks it durable, off the request path.
-fn flush_in_background(dir: PathBuf) -> Option<std::thread::JoinHandle<()>> {
+pub(super) fn flush_in_background(dir: PathBuf) -> Option<std::thread::JoinHandle<()>> {
     let boot = match boot_id() {
         Ok(b) => b,
         Err(e) => {

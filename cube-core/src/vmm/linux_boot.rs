@@ -8,7 +8,9 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use cube_mem::dirty::{CombinedTracker, DirtyBitmap, DirtyTracker, DirtyTrackerKind};
 use cube_mem::GuestMemory;
+use cube_storage::Durability;
 use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
 use linux_loader::cmdline::Cmdline;
 use linux_loader::configurator::pvh::PvhBootConfigurator;
@@ -22,8 +24,9 @@ use vm_memory::{Bytes, GuestAddress};
 
 use super::acpi;
 use super::bzimage_boot;
+use super::dirty_tracking::{self, TrackingError};
 use super::layout::{ram_ranges, RamRange};
-use super::machine::{memory_layout, register_guest_memory};
+use super::machine::{memory_layout, register_guest_memory, SnapshotStats};
 use super::mmio_bus::MmioBus;
 use super::serial::LegacyPorts;
 use super::vcpu_runner::{PortIo, VcpuHandle, VcpuRunnerError};
@@ -98,6 +101,46 @@ pub enum BootError {
     /// A snapshot could not be written or read.
     #[error("Snapshot: {0}")]
     Snapshot(String),
+    /// No dirty-page tracking could be set up.
+    #[error("Dirty-page tracking setup")]
+    Tracking(#[source] Box<TrackingError>),
+    /// Collecting the dirty pages failed.
+    #[error("Dirty-page tracking")]
+    Dirty(#[source] Box<cube_mem::dirty::DirtyError>),
+    /// Writing the memory file failed.
+    #[error("Writing the memory file")]
+    MemoryFile(#[source] Box<cube_mem::memory_file::MemoryFileError>),
+    /// The memory file a snapshot's diff is written against cannot be opened.
+    #[error("Opening memory file {0}")]
+    Parent(PathBuf, #[source] std::io::Error),
+    /// The root disk could not be copied into the snapshot.
+    #[error("Copying the root disk into the snapshot")]
+    Disk(#[source] Box<cube_storage::CloneError>),
+}
+
+// Boxed: these errors are large, and a BootError travels inside SandboxError.
+impl From<TrackingError> for BootError {
+    fn from(e: TrackingError) -> Self {
+        BootError::Tracking(Box::new(e))
+    }
+}
+
+impl From<cube_mem::dirty::DirtyError> for BootError {
+    fn from(e: cube_mem::dirty::DirtyError) -> Self {
+        BootError::Dirty(Box::new(e))
+    }
+}
+
+impl From<cube_mem::memory_file::MemoryFileError> for BootError {
+    fn from(e: cube_mem::memory_file::MemoryFileError) -> Self {
+        BootError::MemoryFile(Box::new(e))
+    }
+}
+
+impl From<cube_storage::CloneError> for BootError {
+    fn from(e: cube_storage::CloneError) -> Self {
+        BootError::Disk(Box::new(e))
+    }
 }
 
 /// What to boot.
@@ -120,20 +163,56 @@ pub struct LinuxBootConfig {
     pub cmdline_devices: bool,
 }
 
-/// A booting (or booted) Linux guest. Field order is drop order.
+/// A booting (or booted) Linux guest. Field order is drop order: vCPU threads and
+/// the device loop stop before the VM closes, the VM closes before memory is unmapped.
+///
+/// Its memory is tracked for dirty pages from the start (KVM's dirty log where the
+/// host has it, see [`dirty_tracking`], joined with the VMM's own writes), so every
+/// snapshot after the first writes only the pages changed since the previous one.
 pub struct LinuxVm {
     vcpus: Vec<VcpuHandle>,
     ports: Arc<LegacyPorts>,
     devices: VirtioDevices,
+    tracker: CombinedTracker,
     vm: Vm,
     memory: GuestMemory,
     ram: Vec<RamRange>,
+    /// The complete memory file that, plus the pages dirtied since, equals guest
+    /// memory: the one restored from, then each committed snapshot's. Held open so
+    /// that removing that snapshot cannot break later diffs. None after a fresh boot.
+    parent: Option<std::fs::File>,
+    /// Dirty pages collected by a snapshot not committed yet (or that failed): they
+    /// are not safely anywhere but guest memory, so the next snapshot writes them too.
+    carry: Option<DirtyBitmap>,
+}
+
+/// Sets up dirty-page tracking for `memory` and registers it with `vm` accordingly.
+fn track_memory(vm: &Vm, memory: &GuestMemory) -> Result<CombinedTracker, BootError> {
+    let kind = dirty_tracking::chosen_kind()?;
+    // SAFETY: the caller moves `memory` into a LinuxVm, which drops it after the VM.
+    unsafe { register_guest_memory(vm, memory, kind == DirtyTrackerKind::KvmDirtyLog)? };
+    Ok(dirty_tracking::start(kind, vm, memory)?)
+}
+
+fn open_parent(path: &Path) -> Result<std::fs::File, BootError> {
+    std::fs::File::open(path).map_err(|e| BootError::Parent(path.to_path_buf(), e))
+}
+
+/// A path through which `file` opens again even after it was unlinked.
+fn fd_path(file: &std::fs::File) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
 
 impl LinuxVm {
     /// Why the guest stopped for good, if it did (triple fault, power-off, KVM error).
     pub fn fatal(&self) -> Option<String> {
         self.vcpus.iter().find_map(|v| v.fatal())
+    }
+
+    /// Guest memory.
+    pub fn memory(&self) -> &GuestMemory {
+        &self.memory
     }
 
     /// The guest's virtio devices.
@@ -160,42 +239,61 @@ impl LinuxVm {
         Ok(())
     }
 
-    /// Writes a full snapshot of the paused guest into the empty directory `dir`:
-    /// memory file, vCPU and VM state, and every virtio device's state (format v3).
-    /// The guest stays paused; [`LinuxVm::resume`] continues it.
+    /// Writes a snapshot of the paused guest into the empty directory `dir`: memory
+    /// file, vCPU and VM state, COM1's registers and every virtio device's state
+    /// (format v3); with `disk`, a copy of that file (the root disk) as
+    /// [`ROOTFS_FILE`](crate::snapshot::format::ROOTFS_FILE). The vCPUs must be
+    /// paused ([`LinuxVm::pause`]); they stay so.
+    ///
+    /// The devices are held still meanwhile (their transports locked, so the event
+    /// loop serves nothing), so memory, device state and disk are of one instant.
+    /// After a restore or a committed snapshot the memory file is a clone of that
+    /// parent (a reflink where the filesystem can) with only the pages dirtied since
+    /// written over it; after a fresh boot it holds the pages ever written.
+    ///
+    /// On failure the dirty pages are kept for the next attempt and the parent stays:
+    /// nothing is lost and no earlier snapshot is touched. Call
+    /// [`LinuxVm::snapshot_committed`] once `dir` has reached its final place.
     ///
     /// The devices' host sides are not in it (a clone gets its own disk copy, TAP and
-    /// sockets); COM1's registers are.
-    pub fn snapshot(&self, dir: &Path) -> Result<(), BootError> {
-        let snapshot_err = |e: &dyn std::fmt::Display| BootError::Snapshot(e.to_string());
-        cube_mem::memory_file::write_full(
-            &dir.join(MEMORY_FILE),
-            &self.memory,
-            None,
-            cube_storage::Durability::Deferred,
-        )
-        .map_err(|e| snapshot_err(&e))?;
-        let mut vcpus = Vec::with_capacity(self.vcpus.len());
-        for v in &self.vcpus {
-            vcpus.push(v.with_vcpu(|vcpu| vcpu.save_state())??);
+    /// sockets).
+    pub fn snapshot(
+        &mut self,
+        dir: &Path,
+        disk: Option<&Path>,
+    ) -> Result<SnapshotStats, BootError> {
+        let quiet = self.devices.quiesce();
+        // Collected with the devices still: nothing writes guest memory now.
+        let mut dirty = self.tracker.collect()?;
+        if let Some(carry) = self.carry.take() {
+            dirty.or(&carry)?;
         }
-        let devices = self.devices.save()?;
-        let state = MachineState {
-            format_version: format::FORMAT_VERSION,
-            config: MachineConfig {
-                vcpus: self.vcpus.len() as u8,
-                memory_bytes: self.ram.iter().map(|r| r.size).sum(),
-                irqchip: true,
+        let result = write_snapshot(
+            dir,
+            disk,
+            &dirty,
+            &SnapshotParts {
+                vcpus: &self.vcpus,
+                ports: &self.ports,
+                vm: &self.vm,
+                memory: &self.memory,
+                ram: &self.ram,
+                parent: self.parent.as_ref(),
             },
-            ram: self.ram.clone(),
-            guest: GuestKind::Linux,
-            vm: self.vm.save_state()?,
-            vcpus,
-            boot_id: durability::boot_id().map_err(|e| snapshot_err(&e))?,
-            devices,
-            serial: Some(self.ports.save_serial()),
-        };
-        format::write_state(dir, &state).map_err(|e| snapshot_err(&e))
+            || Ok(quiet.save()?),
+        );
+        drop(quiet);
+        // Until committed these pages are only in guest memory.
+        self.carry = Some(dirty);
+        result
+    }
+
+    /// Records that the snapshot last written now lives in `dir`: its memory file is
+    /// the parent of the next diff, and the pages it holds are no longer pending.
+    pub fn snapshot_committed(&mut self, dir: &Path) -> Result<(), BootError> {
+        self.parent = Some(open_parent(&dir.join(MEMORY_FILE))?);
+        self.carry = None;
+        Ok(())
     }
 
     /// Restores the Linux snapshot in `dir` into a new VM, paused. `devices` must be
@@ -216,8 +314,9 @@ impl LinuxVm {
                 "the snapshot holds Cube's test guest, not a Linux guest".into(),
             ));
         }
-        let memory =
-            GuestMemory::restore_private(memory_layout(&state.ram)?, &dir.join(MEMORY_FILE))?;
+        let memory_path = dir.join(MEMORY_FILE);
+        let memory = GuestMemory::restore_private(memory_layout(&state.ram)?, &memory_path)?;
+        let parent = open_parent(&memory_path)?;
         let vm = Vm::new(
             ctx,
             &VmConfig {
@@ -225,8 +324,7 @@ impl LinuxVm {
                 irqchip: true,
             },
         )?;
-        // SAFETY: `memory` moves into the returned LinuxVm, which drops it after the VM.
-        unsafe { register_guest_memory(&vm, &memory, false)? };
+        let tracker = track_memory(&vm, &memory)?;
         let mut vcpus = Vec::with_capacity(state.vcpus.len());
         for (index, vcpu_state) in state.vcpus.iter().enumerate() {
             let vcpu = Vcpu::new(&vm, index as u8)?;
@@ -262,11 +360,92 @@ impl LinuxVm {
             vcpus: handles,
             ports: legacy,
             devices,
+            tracker,
             vm,
             memory,
             ram: state.ram,
+            parent: Some(parent),
+            carry: None,
         })
     }
+}
+
+/// What a snapshot reads from a [`LinuxVm`] besides its devices.
+struct SnapshotParts<'a> {
+    vcpus: &'a [VcpuHandle],
+    ports: &'a LegacyPorts,
+    vm: &'a Vm,
+    memory: &'a GuestMemory,
+    ram: &'a [RamRange],
+    parent: Option<&'a std::fs::File>,
+}
+
+/// Writes memory (a diff against `parts.parent` where there is one), disk, and state
+/// into `dir`; `devices` saves the (quiesced) devices' state.
+fn write_snapshot(
+    dir: &Path,
+    disk: Option<&Path>,
+    dirty: &DirtyBitmap,
+    parts: &SnapshotParts<'_>,
+    devices: impl FnOnce() -> Result<Vec<format::DeviceRecord>, BootError>,
+) -> Result<SnapshotStats, BootError> {
+    let snapshot_err = |e: &dyn std::fmt::Display| BootError::Snapshot(e.to_string());
+    let memory_path = dir.join(MEMORY_FILE);
+    let dirty_pages = dirty.count() as u64;
+    let stats = match parts.parent {
+        Some(parent) => {
+            let diff = cube_mem::memory_file::write_diff(
+                &fd_path(parent),
+                &memory_path,
+                parts.memory,
+                dirty,
+                Durability::Deferred,
+            )?;
+            SnapshotStats {
+                dirty_pages,
+                bytes_written: diff.bytes_written,
+                reflinked: diff.clone_method == cube_storage::CloneMethod::Reflink,
+            }
+        }
+        None => {
+            // Fresh memory: the pages ever written, from the memfd's own extents.
+            let written = cube_mem::memory_file::write_full(
+                &memory_path,
+                parts.memory,
+                None,
+                Durability::Deferred,
+            )?;
+            SnapshotStats {
+                dirty_pages,
+                bytes_written: written.bytes_written,
+                reflinked: false,
+            }
+        }
+    };
+    if let Some(disk) = disk {
+        cube_storage::clone_file(disk, &dir.join(crate::snapshot::format::ROOTFS_FILE))?;
+    }
+    let mut vcpus = Vec::with_capacity(parts.vcpus.len());
+    for v in parts.vcpus {
+        vcpus.push(v.with_vcpu(|vcpu| vcpu.save_state())??);
+    }
+    let state = MachineState {
+        format_version: format::FORMAT_VERSION,
+        config: MachineConfig {
+            vcpus: parts.vcpus.len() as u8,
+            memory_bytes: parts.ram.iter().map(|r| r.size).sum(),
+            irqchip: true,
+        },
+        ram: parts.ram.to_vec(),
+        guest: GuestKind::Linux,
+        vm: parts.vm.save_state()?,
+        vcpus,
+        boot_id: durability::boot_id().map_err(|e| snapshot_err(&e))?,
+        devices: devices()?,
+        serial: Some(parts.ports.save_serial()),
+    };
+    format::write_state(dir, &state).map_err(|e| snapshot_err(&e))?;
+    Ok(stats)
 }
 
 /// Boots `config`; the serial console goes to `console`.
@@ -302,8 +481,7 @@ pub fn boot_with_devices(
             irqchip: true,
         },
     )?;
-    // SAFETY: `memory` moves into the returned LinuxVm, which drops it after the VM.
-    unsafe { register_guest_memory(&vm, &memory, false)? };
+    let tracker = track_memory(&vm, &memory)?;
     let bzimage = bzimage_boot::is_bzimage(&config.kernel)
         .map_err(|e| BootError::OpenKernel(config.kernel.clone(), e))?;
     let mut bus = MmioBus::new();
@@ -385,9 +563,12 @@ pub fn boot_with_devices(
         vcpus: handles,
         ports: legacy,
         devices,
+        tracker,
         vm,
         memory,
         ram,
+        parent: None,
+        carry: None,
     })
 }
 

@@ -3,7 +3,7 @@
 //! one ioeventfd per queue so queue notifications never stop a vCPU, and an entry on
 //! the kernel command line (`virtio_mmio.device=`) so Linux finds it without ACPI.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use kvm_ioctls::{IoEventAddress, VmFd};
 use vmm_sys_util::eventfd::EventFd;
@@ -255,10 +255,33 @@ impl VirtioDevices {
 
     /// The state of every device, for a snapshot taken while the vCPUs are paused.
     pub fn save(&self) -> Result<Vec<DeviceRecord>, VirtioDevicesError> {
-        self.devices
+        self.quiesce().save()
+    }
+
+    /// Holds every device still: each transport stays locked until the returned
+    /// guard is dropped, so neither the event loop (queue notifications, host-side
+    /// traffic) nor a vCPU can make a device touch guest memory, its disk or its state
+    /// meanwhile. With the vCPUs paused, guest memory and device state then describe
+    /// one instant. Locks are taken in attachment order.
+    pub fn quiesce(&self) -> Quiesced<'_> {
+        Quiesced {
+            transports: self.devices.iter().map(|d| d.slot.lock()).collect(),
+        }
+    }
+}
+
+/// Every device of a VM held still (see [`VirtioDevices::quiesce`]).
+pub struct Quiesced<'a> {
+    transports: Vec<MutexGuard<'a, MmioTransport>>,
+}
+
+impl Quiesced<'_> {
+    /// The state of every device, in attachment order.
+    pub fn save(&self) -> Result<Vec<DeviceRecord>, VirtioDevicesError> {
+        self.transports
             .iter()
-            .map(|d| {
-                let state = d.slot.lock().save();
+            .map(|transport| {
+                let state = transport.save();
                 let kind = DeviceKind::from_device_type(state.device_type)
                     .ok_or(VirtioDevicesError::UnknownDevice(state.device_type))?;
                 Ok(DeviceRecord { kind, state })

@@ -4,6 +4,11 @@
 //! Frames from the TAP are taken only while the guest has receive buffers: the TAP
 //! sits in the device's own edge-triggered epoll set, and a TAP left with frames
 //! (no buffers) is drained again when the guest adds buffers.
+//!
+//! A device may also have no TAP ([`Net::disconnected`]): a VM template's guest always
+//! has its NIC, and a sandbox created from it without a network keeps the NIC with
+//! nothing behind it (frames the guest sends are consumed and dropped, none arrive),
+//! since a guest cannot be given a device after it booted.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
@@ -44,7 +49,8 @@ struct NetState {
 
 /// The virtio network device.
 pub struct Net {
-    tap: Tap,
+    /// None: nothing behind the NIC.
+    tap: Option<Tap>,
     mac: [u8; 6],
     epoll: Epoll,
     /// The TAP may hold frames nobody read yet (edge-triggered: no new event comes
@@ -57,23 +63,40 @@ pub struct Net {
 impl Net {
     /// A device sending and receiving through `tap`, with MAC address `mac`.
     pub fn new(tap: Tap, mac: [u8; 6]) -> Result<Self, NetError> {
+        Self::with_backend(Some(tap), mac)
+    }
+
+    /// A device with MAC address `mac` and no TAP behind it: the guest's frames are
+    /// dropped and none arrive.
+    pub fn disconnected(mac: [u8; 6]) -> Result<Self, NetError> {
+        Self::with_backend(None, mac)
+    }
+
+    fn with_backend(tap: Option<Tap>, mac: [u8; 6]) -> Result<Self, NetError> {
         let epoll = Epoll::new().map_err(NetError::Epoll)?;
-        epoll
-            .ctl(
-                ControlOperation::Add,
-                tap.as_raw_fd(),
-                EpollEvent::new(EventSet::IN | EventSet::EDGE_TRIGGERED, 0),
-            )
-            .map_err(NetError::Epoll)?;
+        if let Some(tap) = &tap {
+            epoll
+                .ctl(
+                    ControlOperation::Add,
+                    tap.as_raw_fd(),
+                    EpollEvent::new(EventSet::IN | EventSet::EDGE_TRIGGERED, 0),
+                )
+                .map_err(NetError::Epoll)?;
+        }
         Ok(Net {
+            // Frames may have arrived before the set was made.
+            tap_readable: tap.is_some(),
             tap,
             mac,
             epoll,
-            // Frames may have arrived before the set was made.
-            tap_readable: true,
             frame: vec![0; MAX_FRAME],
             active: None,
         })
+    }
+
+    /// The TAP behind the device, if any.
+    pub fn tap_name(&self) -> Option<&str> {
+        self.tap.as_ref().map(Tap::name)
     }
 
     /// Sends every frame the guest queued for transmission.
@@ -92,10 +115,12 @@ impl Net {
                     let len = readable.len() as usize;
                     if len <= VNET_HDR_LEN || len > MAX_FRAME {
                         tracing::warn!(len, "virtio-net: frame of impossible length dropped");
-                    } else if readable.read_at(&mem, 0, &mut self.frame[..len]).is_ok() {
-                        // A full TAP queue drops the frame, as a busy wire would.
-                        if let Err(e) = self.tap.write_frame(&self.frame[..len]) {
-                            tracing::debug!("virtio-net: TAP write failed: {e}");
+                    } else if let Some(tap) = self.tap.as_mut() {
+                        if readable.read_at(&mem, 0, &mut self.frame[..len]).is_ok() {
+                            // A full TAP queue drops the frame, as a busy wire would.
+                            if let Err(e) = tap.write_frame(&self.frame[..len]) {
+                                tracing::debug!("virtio-net: TAP write failed: {e}");
+                            }
                         }
                     }
                 }
@@ -139,7 +164,11 @@ impl Net {
                     continue;
                 }
             };
-            let len = match self.tap.read_frame(&mut self.frame) {
+            let read = match self.tap.as_mut() {
+                Some(tap) => tap.read_frame(&mut self.frame),
+                None => Err(std::io::ErrorKind::WouldBlock.into()),
+            };
+            let len = match read {
                 Ok(n) => n,
                 Err(e) => {
                     if e.kind() != std::io::ErrorKind::WouldBlock {

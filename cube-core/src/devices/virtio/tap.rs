@@ -96,6 +96,16 @@ impl Tap {
         })
     }
 
+    /// A second handle on the same TAP queue (a dup of the descriptor): a VM that
+    /// replaces another (rollback) takes over the device while the old one still
+    /// holds it.
+    pub fn try_clone(&self) -> std::io::Result<Tap> {
+        Ok(Tap {
+            file: self.file.try_clone()?,
+            name: self.name.clone(),
+        })
+    }
+
     /// The interface name.
     pub fn name(&self) -> &str {
         &self.name

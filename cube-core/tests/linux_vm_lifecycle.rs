@@ -1,0 +1,405 @@
+//! A running Linux VM sandbox through the `Sandbox` API, created from a Debian kernel
+//! snapshotted mid-boot as a VM template (the kernel `scripts/fetch-kernel.sh`
+//! unpacks into the store): snapshots hold only the pages dirtied since their parent,
+//! rollback, a clone, and hibernate/wake keep the guest booting (its console goes on),
+//! a failed rollback leaves the sandbox as it was; and a sandbox created with a
+//! network has a TAP from cube-net's pool behind its NIC, with the datapath program,
+//! policy and exposed ports on it, all gone after destroy.
+//!
+//! On a PVM host the kernel runs emulated and stops for good about ten seconds after
+//! its banner (an instruction KVM cannot emulate), so every check that the guest goes
+//! on is made soon after the snapshot point it continues from.
+
+#![allow(clippy::unwrap_used)] // helpers of this test file, not library code
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cube_core::sandbox::metadata::{TemplateMeta, TEMPLATE_META, TEMPLATE_META_KIND};
+use cube_core::sandbox::{NetworkOptions, NetworkPolicy, PortMapping};
+use cube_core::snapshot::format::{MEMORY_FILE, ROOTFS_FILE, STATE_FILE};
+use cube_core::snapshot::MachineConfig;
+use cube_core::supervisor::linux_sandbox::{template_devices, CONSOLE_LOG};
+use cube_core::supervisor::protocol::MachineStatus;
+use cube_core::vm_agent::VmAgentError;
+use cube_core::vmm::linux_boot::{self, LinuxBootConfig};
+use cube_core::vstate::KvmContext;
+use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, SandboxError, SnapshotKind};
+
+const MEMORY_BYTES: u64 = 256 << 20;
+/// How long a guest may take to print its next console line here.
+const CONSOLE_WAIT: Duration = Duration::from_secs(60);
+
+fn kernel() -> Option<PathBuf> {
+    let path =
+        PathBuf::from(std::env::var_os("CUBE_HOME").unwrap_or_else(|| "/var/lib/cube".into()))
+            .join("kernels/debian-cloud/vmlinux");
+    if !Path::new("/dev/kvm").exists() {
+        eprintln!("skipping: /dev/kvm not present");
+        return None;
+    }
+    if !path.is_file() {
+        eprintln!(
+            "skipping: no guest kernel at {} (scripts/fetch-kernel.sh)",
+            path.display()
+        );
+        return None;
+    }
+    Some(path)
+}
+
+#[derive(Clone, Default)]
+struct Console(Arc<Mutex<String>>);
+
+impl Write for Console {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap()
+            .push_str(&String::from_utf8_lossy(buf));
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A runtime on a fresh store holding template `midboot`: the kernel with a VM
+/// template's devices, snapshotted as soon as it printed its banner.
+fn runtime_with_template(kernel: PathBuf, root: &Path) -> Runtime {
+    let rt = Runtime::open(RuntimeConfig {
+        store_root: root.join("store"),
+        pool_size: 0,
+        supervisor: Some(PathBuf::from(env!("CARGO_BIN_EXE_cube-supervisor"))),
+    })
+    .unwrap();
+    let build = root.join("build");
+    std::fs::create_dir(&build).unwrap();
+    let disk = build.join(ROOTFS_FILE);
+    std::fs::File::create(&disk)
+        .unwrap()
+        .set_len(16 << 20)
+        .unwrap();
+    let console = Console::default();
+    let machine = MachineConfig {
+        vcpus: 1,
+        memory_bytes: MEMORY_BYTES,
+        irqchip: true,
+    };
+    let mut vm = linux_boot::boot_with_devices(
+        &Arc::new(KvmContext::open().unwrap()),
+        &LinuxBootConfig {
+            kernel,
+            initrd: None,
+            cmdline: "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nokaslr".into(),
+            memory_bytes: machine.memory_bytes,
+            vcpus: machine.vcpus,
+            cmdline_devices: false,
+        },
+        Box::new(console.clone()),
+        template_devices(&disk, &build).unwrap(),
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !console.0.lock().unwrap().contains("Linux version") {
+        assert!(vm.fatal().is_none(), "{:?}", vm.fatal());
+        assert!(Instant::now() < deadline, "no banner in 120 s");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    vm.pause().unwrap();
+    let template = rt.store().template_dir("midboot").unwrap();
+    std::fs::create_dir(&template).unwrap();
+    vm.snapshot(&template, Some(&disk)).unwrap();
+    drop(vm);
+    let meta = TemplateMeta {
+        name: "midboot".into(),
+        engine: cube_core::Engine::Vm,
+        machine,
+        rootfs_bytes: 16 << 20,
+        created_unix: 0,
+        tree: None,
+        built_from: None,
+    };
+    cube_storage::write_atomic(&template.join(TEMPLATE_META), TEMPLATE_META_KIND, &meta).unwrap();
+    rt
+}
+
+fn console_len(sb: &Sandbox) -> usize {
+    std::fs::read(sb.dir().join(CONSOLE_LOG))
+        .map(|c| c.len())
+        .unwrap_or(0)
+}
+
+/// Waits until the sandbox's console log is longer than `than` bytes: the guest runs.
+fn wait_console_past(sb: &mut Sandbox, than: usize, what: &str) {
+    let deadline = Instant::now() + CONSOLE_WAIT;
+    while console_len(sb) <= than {
+        if let MachineStatus::Failed(why) = sb.status().unwrap().status {
+            panic!("{what}: the guest stopped before printing anything more: {why}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: the console stayed at {than} bytes for {CONSOLE_WAIT:?}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn running(sb: &mut Sandbox) -> bool {
+    sb.status().unwrap().status == MachineStatus::Running
+}
+
+fn pages_differing(a: &Path, b: &Path) -> u64 {
+    let (a, b) = (std::fs::read(a).unwrap(), std::fs::read(b).unwrap());
+    assert_eq!(a.len(), b.len());
+    a.chunks(4096)
+        .zip(b.chunks(4096))
+        .filter(|(x, y)| x != y)
+        .count() as u64
+}
+
+#[test]
+fn a_running_linux_vm_sandbox_snapshots_diffs_rolls_back_clones_hibernates_and_wakes() {
+    let Some(kernel) = kernel() else { return };
+    let root = tempfile::tempdir().unwrap();
+    let rt = runtime_with_template(kernel, root.path());
+    let template = rt.store().template_dir("midboot").unwrap();
+
+    let mut sb = rt.create("midboot", CreateOptions::new(true)).unwrap();
+    wait_console_past(&mut sb, 0, "the new sandbox");
+    assert!(running(&mut sb));
+
+    // The first snapshot: a diff against the template image it was restored from.
+    let first = sb.snapshot().unwrap();
+    assert_eq!(first.kind, SnapshotKind::Full);
+    let first_memory = first.dir.join(MEMORY_FILE);
+    assert_eq!(
+        std::fs::metadata(&first_memory).unwrap().len(),
+        MEMORY_BYTES
+    );
+    assert!(first.dir.join(ROOTFS_FILE).is_file() && first.dir.join(STATE_FILE).is_file());
+    let changed = pages_differing(&template.join(MEMORY_FILE), &first_memory);
+    eprintln!(
+        "first snapshot: {} dirty pages, {} bytes written of {MEMORY_BYTES} bytes of memory \
+         ({} pages differ from the template); reflinked: {}",
+        first.stats.dirty_pages, first.stats.bytes_written, changed, first.stats.reflinked
+    );
+    assert!(first.stats.dirty_pages > 0);
+    assert_eq!(first.stats.bytes_written, first.stats.dirty_pages * 4096);
+    assert!(first.stats.bytes_written < MEMORY_BYTES / 4);
+    assert!(changed <= first.stats.dirty_pages);
+    assert!(running(&mut sb), "the sandbox runs on after its snapshot");
+
+    // The second: a diff against the first (the committed snapshot is the new parent).
+    let before = console_len(&sb);
+    wait_console_past(&mut sb, before, "after the first snapshot");
+    let second = sb.snapshot().unwrap();
+    let changed = pages_differing(&first_memory, &second.dir.join(MEMORY_FILE));
+    eprintln!(
+        "second snapshot: {} dirty pages, {} bytes written ({} pages differ from the first)",
+        second.stats.dirty_pages, second.stats.bytes_written, changed
+    );
+    assert!(second.stats.dirty_pages > 0);
+    assert!(second.stats.bytes_written < MEMORY_BYTES / 4);
+    assert!(changed <= second.stats.dirty_pages);
+
+    // A snapshot that fails half way (its disk cannot be copied: a directory stands
+    // where the disk was; the device keeps its open file) leaves no snapshot behind,
+    // the earlier ones as they were, and the sandbox running; the next one works.
+    let first_image = std::fs::read(&first_memory).unwrap();
+    let disk = sb.dir().join(ROOTFS_FILE);
+    let moved = sb.dir().join("rootfs.img.moved");
+    std::fs::rename(&disk, &moved).unwrap();
+    std::fs::create_dir(&disk).unwrap();
+    let snapshots_before = rt.snapshots(Some(sb.id())).unwrap().len();
+    assert!(sb.snapshot().is_err());
+    std::fs::remove_dir(&disk).unwrap();
+    std::fs::rename(&moved, &disk).unwrap();
+    assert_eq!(rt.snapshots(Some(sb.id())).unwrap().len(), snapshots_before);
+    let staging_left = std::fs::read_dir(rt.store().root().join("tmp"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert_eq!(
+        staging_left, 0,
+        "a failed snapshot left its staging directory"
+    );
+    assert!(std::fs::read(&first_memory).unwrap() == first_image);
+    assert!(running(&mut sb));
+    let third = sb.snapshot().unwrap();
+    assert!(third.stats.dirty_pages > 0);
+
+    // Rollback: the guest goes on from the first snapshot, its console continues.
+    let generation = sb.status().unwrap().generation;
+    let before = console_len(&sb);
+    sb.rollback(&first.id).unwrap();
+    assert!(running(&mut sb));
+    assert!(sb.status().unwrap().generation > generation);
+    assert!(!sb.dir().join("rootfs.img.rollback").exists());
+    wait_console_past(&mut sb, before, "after the rollback");
+
+    // A clone of the second snapshot boots on in a sandbox of its own.
+    let mut clone = rt
+        .create_from_snapshot(&second.id, CreateOptions::new(true))
+        .unwrap();
+    assert!(running(&mut clone));
+    wait_console_past(&mut clone, 0, "the clone");
+
+    // Hibernate: state on disk (memory as a diff), VM gone; wake goes on from there.
+    sb.hibernate().unwrap();
+    assert_eq!(sb.status().unwrap().status, MachineStatus::Hibernated);
+    let image = sb.dir().join("hibernate");
+    assert!(image.join(MEMORY_FILE).is_file() && image.join(STATE_FILE).is_file());
+    assert!(!sb.dir().join("vsock.sock").exists());
+    let Err(err) = sb.snapshot() else {
+        panic!("a hibernated sandbox took a snapshot");
+    };
+    assert!(format!("{:?}", err).contains("hibernated"), "{err:?}");
+    let before = console_len(&sb);
+    sb.wake().unwrap();
+    assert!(running(&mut sb));
+    wait_console_past(&mut sb, before, "after wake");
+
+    // A rollback to a damaged snapshot fails and leaves the sandbox as it was: running,
+    // its disk in place, its agent socket served by the same VM.
+    std::fs::write(second.dir.join(STATE_FILE), b"garbage").unwrap();
+    let generation = sb.status().unwrap().generation;
+    assert!(sb.rollback(&second.id).is_err());
+    assert!(running(&mut sb));
+    assert_eq!(sb.status().unwrap().generation, generation);
+    assert!(sb.dir().join(ROOTFS_FILE).is_file());
+    assert!(!sb.dir().join("rootfs.img.rollback").exists());
+    let Err(err) = sb.agent() else {
+        panic!("an agent answered in a guest that never started one");
+    };
+    assert!(
+        matches!(
+            &err,
+            SandboxError::VmAgent(_, VmAgentError::NotReady { .. })
+        ),
+        "the vsock socket is not the VM's any more: {err:?}"
+    );
+
+    let dirs = [sb.dir().to_path_buf(), clone.dir().to_path_buf()];
+    clone.destroy().unwrap();
+    sb.destroy().unwrap();
+    for dir in dirs {
+        assert!(!dir.exists());
+    }
+    assert!(!first.dir.exists() && !second.dir.exists() && !third.dir.exists());
+}
+
+/// What cube-net holds for the device `name`, from a handle of the test's own.
+fn residue(name: &str, index: u32) -> cube_net::Residue {
+    let (pool, _lock) = cube_core::supervisor::jail_network::open_pool().unwrap();
+    pool.residue(name, index).unwrap()
+}
+
+fn ifindex(name: &str) -> Option<u32> {
+    std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+}
+
+/// Whether process `pid` holds TAP `name` open (tun's fdinfo names the device).
+fn holds_tap(pid: u32, name: &str) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
+        return false;
+    };
+    fds.filter_map(|e| e.ok()).any(|fd| {
+        std::fs::read_to_string(fd.path())
+            .is_ok_and(|info| info.lines().any(|l| l == format!("iff:\t{name}")))
+    })
+}
+
+#[test]
+fn a_linux_vm_sandbox_with_a_network_has_a_pool_tap_behind_its_nic_until_destroyed() {
+    let Some(kernel) = kernel() else { return };
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipping: sandbox networks need root (netlink, eBPF)");
+        return;
+    }
+    let pool_name = cube_core::supervisor::jail_network::pool_name().unwrap();
+    let pool_config = cube_core::supervisor::jail_network::pool_config(&pool_name);
+    let pool_existed = pool_config.bpffs.join("cube-net").join(&pool_name).exists();
+    if let Err(e) = cube_core::supervisor::jail_network::open_pool() {
+        eprintln!("skipping: the network datapath does not load here: {e}");
+        return;
+    }
+    let root = tempfile::tempdir().unwrap();
+    let rt = runtime_with_template(kernel, root.path());
+    let options = CreateOptions {
+        network: Some(NetworkOptions {
+            policy: NetworkPolicy {
+                internet: false,
+                allow_out: vec!["192.0.2.0/24".into()],
+                deny_out: vec!["192.0.2.128/25".into()],
+            },
+            expose: vec![PortMapping {
+                host_port: 47_801,
+                sandbox_port: 8000,
+            }],
+        }),
+        ..CreateOptions::new(true)
+    };
+    let mut sb = rt.create("midboot", options).unwrap();
+    let report = sb.network().unwrap();
+    let tap = report.host_ifname.clone();
+    let index = ifindex(&tap).expect("the TAP exists while the sandbox lives");
+    eprintln!("sandbox TAP {tap} (ifindex {index})");
+    assert!(tap.ends_with('t'), "{tap} is not one of the pool's TAPs");
+    let pid = sb.status().unwrap().pid;
+    assert!(holds_tap(pid, &tap), "the VMM did not open {tap}");
+    let live = residue(&tap, index);
+    assert!(live.registered);
+    assert_eq!(live.exposed_ports, 1);
+    assert_eq!(live.policy_entries, 2);
+    if cube_net::datapath::tcx_supported() {
+        assert_eq!(live.programs, 1, "{live:?}");
+        assert_eq!(live.pins, 1, "{live:?}");
+    }
+
+    // Policy and ports change live on the TAP.
+    sb.set_policy(&NetworkPolicy {
+        internet: true,
+        allow_out: Vec::new(),
+        deny_out: vec!["198.18.0.0/15".into()],
+    })
+    .unwrap();
+    sb.expose(PortMapping {
+        host_port: 47_802,
+        sandbox_port: 22,
+    })
+    .unwrap();
+    let changed = residue(&tap, index);
+    assert_eq!(changed.policy_entries, 1);
+    assert_eq!(changed.exposed_ports, 2);
+    sb.unexpose(47_801).unwrap();
+    assert_eq!(residue(&tap, index).exposed_ports, 1);
+    assert!(sb.network().unwrap().policy.internet);
+
+    // The TAP stays the sandbox's across snapshot, rollback and hibernation.
+    let snapshot = sb.snapshot().unwrap();
+    sb.rollback(&snapshot.id).unwrap();
+    assert!(holds_tap(pid, &tap));
+    sb.hibernate().unwrap();
+    assert_eq!(sb.network().unwrap().host_ifname, tap);
+    sb.wake().unwrap();
+    assert!(holds_tap(pid, &tap));
+    assert_eq!(residue(&tap, index).exposed_ports, 1);
+
+    sb.destroy().unwrap();
+    assert!(ifindex(&tap).is_none(), "{tap} outlived its sandbox");
+    assert_eq!(residue(&tap, index), cube_net::Residue::default());
+    // The pool is the host's: remove it only if this test brought it and nobody
+    // else (another test run) attached a device meanwhile.
+    if !pool_existed {
+        if let Ok((pool, _lock)) = cube_core::supervisor::jail_network::open_pool() {
+            if pool.attached().unwrap().is_empty() {
+                pool.destroy().unwrap();
+            }
+        }
+    }
+}
