@@ -174,6 +174,7 @@ impl Lab {
         Runtime::open(RuntimeConfig {
             store_root: self.store_root.clone(),
             pool_size: 0,
+            network_pool_size: 0,
             supervisor: Some(PathBuf::from(SUPERVISOR)),
         })
         .unwrap()

@@ -184,6 +184,7 @@ impl JailSandbox {
             mut jail,
             agent,
             lifeline,
+            network: standby,
         } = ready;
         jail.relocate(&dir.join(JAIL_DIR))
             .map_err(|e| error_chain(&e))?;
@@ -214,7 +215,19 @@ impl JailSandbox {
             retiring: Vec::new(),
             network: None,
         };
-        sandbox.connect_network()?;
+        match (standby, sandbox.settings.network.clone()) {
+            // The device attached while the jail waited: only its policy and ports
+            // are left to write.
+            (Some(standby), Some(options)) => {
+                let network = standby
+                    .activate(&options, dir)
+                    .map_err(|e| format!("attaching the network: {}", error_chain(&e)))?;
+                sandbox.network = Some(Box::new(network));
+            }
+            // No network asked for: the device goes, leaving loopback only.
+            (Some(standby), None) => drop(standby),
+            (None, _) => sandbox.connect_network()?,
+        }
         Ok(sandbox)
     }
 
@@ -884,6 +897,9 @@ pub struct PrespawnedJail {
     jail: Jail,
     agent: PathBuf,
     lifeline: std::os::fd::OwnedFd,
+    /// A device attached into the jail's namespace ahead of time, holding a
+    /// deny-everything policy (see [`JailNetwork::standby`]).
+    network: Option<JailNetwork>,
 }
 
 impl PrespawnedJail {
@@ -911,7 +927,22 @@ impl PrespawnedJail {
             jail,
             agent,
             lifeline: lifeline.write,
+            network: None,
         })
+    }
+
+    /// Attaches a network device into the jail's namespace now, for a networked
+    /// create to put into service (see [`JailNetwork::standby`]).
+    pub fn attach_standby_network(&mut self) -> Result<(), JailNetworkError> {
+        if self.network.is_none() {
+            self.network = Some(JailNetwork::standby(self.jail.pid())?);
+        }
+        Ok(())
+    }
+
+    /// Whether a device waits in the jail's namespace.
+    pub fn has_network(&self) -> bool {
+        self.network.is_some()
     }
 }
 
