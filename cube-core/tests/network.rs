@@ -712,3 +712,117 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
         cube_net::Residue::default()
     );
 }
+
+#[test]
+fn networked_jails_take_full_state_snapshots_and_come_back_with_their_network() {
+    use cube_agent::protocol::Language;
+    use cube_core::sandbox::SnapshotKind;
+
+    if skip() {
+        return;
+    }
+    if let Err(e) = cube_jail::Criu::probe() {
+        eprintln!("skipping: no working CRIU: {e}");
+        return;
+    }
+    let _one_at_a_time = LAB.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(lab) = Lab::new() else { return };
+    let rt = lab.runtime();
+    let port = 18000 + (std::process::id() % 900) as u16;
+    let mut sb = rt
+        .create(
+            HOST_TEMPLATE,
+            with_network(
+                NetworkPolicy {
+                    deny_out: vec!["203.0.113.0/24".into()],
+                    ..NetworkPolicy::default()
+                },
+                vec![PortMapping {
+                    host_port: port,
+                    sandbox_port: 8000,
+                }],
+            ),
+        )
+        .unwrap();
+    let py = |sb: &cube_core::Sandbox, code: &str| -> String {
+        let agent = sb.agent().unwrap();
+        if !agent
+            .list_contexts()
+            .unwrap()
+            .iter()
+            .any(|c| c.name == "py")
+        {
+            agent.create_context("py", Language::Python, None).unwrap();
+        }
+        let r = agent
+            .run_code("py", code, Some(Duration::from_secs(30)))
+            .unwrap();
+        assert!(r.error.is_none(), "{code}: {:?}", r.error);
+        r.value.unwrap_or_default()
+    };
+    // State only a process holds: an interpreter variable. (No inet socket: CRIU
+    // 4.1.1 cannot read SO_PASSCRED of one on Linux 6.16 and later, network or not.)
+    py(&sb, "state = 'before'");
+    let exposed = SocketAddr::from((HOST_ADDR, port));
+
+    let snap = sb.snapshot().unwrap();
+    assert_eq!(snap.kind, SnapshotKind::Full, "{:?}", snap.fallback);
+    // Running on, with a new device under the same policy and ports.
+    let agent = sb.agent().unwrap();
+    assert_eq!(get_inside(&agent, OUT_ADDR, 80).unwrap(), "outside");
+    assert!(
+        get_inside(&agent, FAR_ADDR, 80).is_err(),
+        "denied CIDR reached"
+    );
+    drop(agent);
+
+    // Rollback restores the processes (variable and server) and the network.
+    py(&sb, "state = 'after'");
+    sb.rollback(&snap.id).unwrap();
+    assert_eq!(py(&sb, "state"), "'before'");
+    let agent = sb.agent().unwrap();
+    assert_eq!(get_inside(&agent, OUT_ADDR, 80).unwrap(), "outside");
+    assert!(
+        get_inside(&agent, FAR_ADDR, 80).is_err(),
+        "denied CIDR reached"
+    );
+    drop(agent);
+
+    // Hibernate with the processes; wake with the network and its exposed port.
+    sb.hibernate().unwrap();
+    sb.wake().unwrap();
+    assert_eq!(py(&sb, "state"), "'before'");
+    py(
+        &sb,
+        "import http.server, threading\n\
+         srv = http.server.HTTPServer(('0.0.0.0', 8000), http.server.SimpleHTTPRequestHandler)\n\
+         threading.Thread(target=srv.serve_forever, daemon=True).start()",
+    );
+    assert!(get_from_host(exposed).unwrap().contains(" 200 "));
+    let name = sb.network().unwrap().host_ifname;
+    let index = ifindex(&name).unwrap();
+
+    // A clone of the snapshot with a network of its own (no ports: they are the
+    // first sandbox's).
+    let mut clone = rt
+        .create_from_snapshot(&snap.id, with_network(NetworkPolicy::default(), Vec::new()))
+        .unwrap();
+    assert_eq!(py(&clone, "state"), "'before'");
+    assert_eq!(
+        get_inside(&clone.agent().unwrap(), FAR_ADDR, 80).unwrap(),
+        "outside"
+    );
+    let clone_name = clone.network().unwrap().host_ifname;
+    let clone_index = ifindex(&clone_name).unwrap();
+    clone.destroy().unwrap();
+    sb.destroy().unwrap();
+    let (pool, lock) = open_pool().unwrap();
+    drop(lock);
+    for (name, index) in [(name, index), (clone_name, clone_index)] {
+        assert!(ifindex(&name).is_none(), "{name} left on the host");
+        assert_eq!(
+            pool.residue(&name, index).unwrap(),
+            cube_net::Residue::default()
+        );
+    }
+}

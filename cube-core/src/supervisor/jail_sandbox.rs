@@ -12,6 +12,8 @@
 //! Snapshots are of kind [`SnapshotKind::Full`] where a working CRIU exists (probed
 //! once per supervisor): the processes are dumped with the writable layer reflinked
 //! alongside, and rollback, clone and wake restore them, interpreter variables and all.
+//! A sandbox with a network is dumped without its device (CRIU cannot hold the host
+//! end) and gets a new one, same policy and ports, when it runs on or is restored.
 //! Where CRIU is missing or a dump fails, snapshots fall back to
 //! [`SnapshotKind::Filesystem`] with the reason in the snapshot's record and the
 //! supervisor's log: the layer is cloned while the processes are frozen, and a
@@ -313,14 +315,6 @@ impl JailSandbox {
         self.connect_network()
     }
 
-    /// Why this sandbox's state cannot go through CRIU, if it cannot: its network
-    /// device's other end is on the host, which a checkpoint cannot hold.
-    fn full_state_blocker(&self) -> Option<String> {
-        self.network
-            .as_ref()
-            .map(|_| "a sandbox with a network: CRIU cannot save its device's host end".to_string())
-    }
-
     /// Makes `jail` the running one once its agent listens.
     fn install(&mut self, mut jail: Jail, lifeline: Lifeline) -> Result<(), String> {
         if let Err(e) = publish_socket(&self.dir, jail.pid()) {
@@ -476,7 +470,41 @@ impl JailSandbox {
     /// Dumps the running jail into `image_dir` (made here) through CRIU, leaving it
     /// running or not. The agent first closes its host connections; a client that
     /// connects again before the freeze makes the dump fail, so it is tried twice.
+    ///
+    /// A sandbox with a network is dumped without its device: CRIU cannot hold the
+    /// device's host end, which lives outside the sandbox. The device is released
+    /// for the dump (its guest end, eth0, goes with it, so the checkpoint's network
+    /// namespace holds loopback only) and a new one with the same policy and ports is
+    /// attached when the jail runs on, here, or when a checkpoint is restored
+    /// ([`JailSandbox::restore`]). Connections through the device end with it (CRIU
+    /// would refuse an established one); listening sockets carry over.
     fn dump(&mut self, criu: &Criu, image_dir: &Path, leave_running: bool) -> Result<(), String> {
+        if self.jail.is_none() {
+            return Err("sandbox is hibernated: wake it first".to_string());
+        }
+        let detached = match self.network.as_mut() {
+            Some(network) => {
+                network.disconnect();
+                true
+            }
+            None => false,
+        };
+        let dumped = self.dump_processes(criu, image_dir, leave_running);
+        if detached && leave_running {
+            // Running on, dumped or not: its network comes back. (A hibernation
+            // stops the jail either way; its wake attaches anew.)
+            self.connect_network()
+                .map_err(|e| format!("after the dump: {e}"))?;
+        }
+        dumped
+    }
+
+    fn dump_processes(
+        &mut self,
+        criu: &Criu,
+        image_dir: &Path,
+        leave_running: bool,
+    ) -> Result<(), String> {
         let was_paused = self.paused;
         let jail = self.running()?;
         if was_paused {
@@ -521,9 +549,6 @@ impl JailSandbox {
             self.jail.is_none() && is_checkpoint(&self.dir.join(HIBERNATED_CHECKPOINT));
         let full = match criu() {
             Err(why) => Err(format!("no working CRIU: {why}")),
-            Ok(_) if self.full_state_blocker().is_some() => {
-                Err(self.full_state_blocker().unwrap_or_default())
-            }
             Ok(_) if hibernated_full => {
                 // The hibernation's checkpoint is the state: copy it.
                 cube_storage::clone_tree(&self.dir.join(HIBERNATED_CHECKPOINT), staging)
@@ -665,10 +690,9 @@ impl JailSandbox {
         }
         let image_dir = self.dir.join(HIBERNATED_CHECKPOINT);
         let _ = std::fs::remove_dir_all(&image_dir);
-        let dumped = match (criu(), self.full_state_blocker()) {
-            (_, Some(why)) => Err(why),
-            (Ok(criu), None) => self.dump(criu, &image_dir, false),
-            (Err(why), None) => Err(format!("no working CRIU: {why}")),
+        let dumped = match criu() {
+            Ok(criu) => self.dump(criu, &image_dir, false),
+            Err(why) => Err(format!("no working CRIU: {why}")),
         };
         let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
         self.lifeline = None;
