@@ -250,6 +250,15 @@ fn with_network(policy: NetworkPolicy, expose: Vec<PortMapping>) -> CreateOption
     }
 }
 
+/// Like [`with_network`], ephemeral: a test that fails midway leaves no sandbox
+/// running (its supervisor ends with the test's connection).
+fn ephemeral_with_network(policy: NetworkPolicy, expose: Vec<PortMapping>) -> CreateOptions {
+    CreateOptions {
+        ephemeral: true,
+        ..with_network(policy, expose)
+    }
+}
+
 fn ifindex(name: &str) -> Option<u32> {
     std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
         .ok()
@@ -559,7 +568,7 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
     // path); the next ones find a device attached ahead.
     rt.create(
         HOST_TEMPLATE,
-        with_network(NetworkPolicy::default(), Vec::new()),
+        ephemeral_with_network(NetworkPolicy::default(), Vec::new()),
     )
     .unwrap()
     .destroy()
@@ -572,7 +581,7 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
         ..NetworkPolicy::default()
     };
     let mut a = rt
-        .create(HOST_TEMPLATE, with_network(denying, Vec::new()))
+        .create(HOST_TEMPLATE, ephemeral_with_network(denying, Vec::new()))
         .unwrap();
     let report = a.network().unwrap();
     assert_eq!(report.host_ifname, ahead, "not the device attached ahead");
@@ -591,7 +600,7 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
     assert_eq!(get_inside(&agent_a, FAR_ADDR, 80).unwrap(), "outside");
 
     // A create without a network, meanwhile, has loopback only.
-    let plain = rt.create(HOST_TEMPLATE, CreateOptions::default()).unwrap();
+    let plain = rt.create(HOST_TEMPLATE, CreateOptions::new(true)).unwrap();
     let agent_plain = plain.agent().unwrap();
     assert_eq!(interfaces_inside(&agent_plain), "['lo']");
     assert!(get_inside(&agent_plain, OUT_ADDR, 80).is_err());
@@ -732,7 +741,7 @@ fn networked_jails_take_full_state_snapshots_and_come_back_with_their_network() 
     let mut sb = rt
         .create(
             HOST_TEMPLATE,
-            with_network(
+            ephemeral_with_network(
                 NetworkPolicy {
                     deny_out: vec!["203.0.113.0/24".into()],
                     ..NetworkPolicy::default()
@@ -805,7 +814,10 @@ fn networked_jails_take_full_state_snapshots_and_come_back_with_their_network() 
     // A clone of the snapshot with a network of its own (no ports: they are the
     // first sandbox's).
     let mut clone = rt
-        .create_from_snapshot(&snap.id, with_network(NetworkPolicy::default(), Vec::new()))
+        .create_from_snapshot(
+            &snap.id,
+            ephemeral_with_network(NetworkPolicy::default(), Vec::new()),
+        )
         .unwrap();
     assert_eq!(py(&clone, "state"), "'before'");
     assert_eq!(
