@@ -119,6 +119,7 @@ impl Fixture {
             Runtime::open(RuntimeConfig {
                 store_root: store.path().to_path_buf(),
                 pool_size: 2,
+                network_pool_size: 0,
                 supervisor: Some(supervisor),
             }),
         );

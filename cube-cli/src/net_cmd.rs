@@ -1,4 +1,5 @@
-//! Sandbox networking in the CLI: the `--network` flags of `cube sandbox create`, and
+//! Sandbox networking in the CLI: the `--network` flags of `cube sandbox create` (and
+//! of `cube run` and `cube code`), and
 //! `cube sandbox net | policy | expose` on a live sandbox.
 
 use clap::Args;
@@ -33,9 +34,7 @@ impl PolicyArgs {
             allow_out: self.allow_out.clone(),
             deny_out: self.deny_out.clone(),
         };
-        policy
-            .to_egress()
-            .map_err(|e| CliError::failed(chain(&e)))?;
+        policy.to_egress().map_err(|e| CliError::usage(chain(&e)))?;
         Ok(policy)
     }
 }

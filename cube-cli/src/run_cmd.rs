@@ -16,6 +16,10 @@
 //! and its round trips; `cube bench --engine jail` reports both paths in `run_true`),
 //! and a one-shot command gains nothing from a supervisor. `cube sandbox exec` and
 //! `cube sandbox code` are the API's way to run a command or a cell.
+//!
+//! With `--network` (or any policy flag, or `cube run --expose`) the jail gets a
+//! device from the host's `cube-net` pool, as an API sandbox does, attached once its
+//! agent answers and released when it is destroyed, on Ctrl-C too.
 
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
@@ -27,9 +31,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use clap::{Args, ValueEnum};
 use cube_agent::client::{Client, ClientError};
 use cube_agent::protocol::{ErrorCode, ExecRequest, ExitInfo, Language, RequestBody, ResponseBody};
+use cube_core::sandbox::NetworkOptions;
+use cube_core::supervisor::jail_network::JailNetwork;
 use cube_core::EngineChoice;
 use cube_jail::{Jail, JailConfig, JailExit, ReadOnlyBind, Stdio};
 
+use crate::net_cmd::{NetworkArgs, PolicyArgs};
 use crate::{chain, store_root, CliError};
 
 /// Where the agent binary appears inside the sandbox.
@@ -89,6 +96,13 @@ pub struct SandboxArgs {
     /// Memory limit of the whole sandbox, MiB.
     #[arg(long, value_name = "N")]
     memory_mib: Option<u64>,
+    /// Give the sandbox a network (NAT through the host; private ranges and the host
+    /// refused unless allowed). Implied by the other network flags. Without it the
+    /// sandbox has loopback only.
+    #[arg(long)]
+    network: bool,
+    #[command(flatten)]
+    policy: PolicyArgs,
 }
 
 /// `cube run`.
@@ -96,6 +110,10 @@ pub struct SandboxArgs {
 pub struct RunArgs {
     #[command(flatten)]
     sandbox: SandboxArgs,
+    /// Serve a sandbox port on the host's addresses (not 127.0.0.1) while the
+    /// command runs; repeatable. Implies --network.
+    #[arg(long = "expose", value_name = "PORT[:SANDBOX_PORT]", value_parser = crate::net_cmd::parse_port)]
+    expose: Vec<cube_core::sandbox::PortMapping>,
     /// The command and its arguments (after `--`); looked up in the sandbox's PATH.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
@@ -135,6 +153,13 @@ pub struct CodeArgs {
 pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
     check_engine(args.sandbox.engine)?;
     let timeout = timeout(&args.sandbox)?;
+    let network = network_options(&args.sandbox, &args.expose)?;
+    if network.is_some() {
+        // The device goes into the jail's namespace once the jail runs, so the command
+        // must wait for it: it goes through the agent protocol, as a `cube code` cell
+        // does.
+        return run_networked(store, args, timeout, network);
+    }
     let mut argv = vec![AGENT_PATH.to_string(), "--exec".into(), "--".into()];
     argv.extend(args.command.iter().cloned());
     let mut config = jail_config(store, &args.sandbox)?;
@@ -323,12 +348,30 @@ fn wait_signal_until(
     }
 }
 
+/// `cube run` with a network: the agent serves the protocol, the device is attached,
+/// then the command runs with its output streamed back.
+fn run_networked(
+    store: Option<&Path>,
+    args: &RunArgs,
+    timeout: Option<Duration>,
+    network: Option<NetworkOptions>,
+) -> Result<u8, CliError> {
+    let stdin = forwarded_stdin()?;
+    let session = Session::start(store, &args.sandbox, network)?;
+    let result = stream_exec(&session.client, &args.command, timeout, stdin);
+    let destroyed = session.finish();
+    let code = result?;
+    destroyed?;
+    Ok(code)
+}
+
 /// Runs `cube code`; exits 1 when the cell raised an error.
 pub fn code(store: Option<&Path>, args: &CodeArgs) -> Result<u8, CliError> {
     check_engine(args.sandbox.engine)?;
     let timeout = timeout(&args.sandbox)?;
     let code = read_code(&args.code)?;
-    let session = Session::start(store, &args.sandbox)?;
+    let network = network_options(&args.sandbox, &[])?;
+    let session = Session::start(store, &args.sandbox, network)?;
     let result = run_cell(
         &session.client,
         "main",
@@ -363,6 +406,20 @@ fn check_engine(engine: Engine) -> Result<(), CliError> {
         )
         .hint("use --engine jail (or leave --engine at auto)")),
     }
+}
+
+/// The network the flags ask for; None: loopback only. Checked before anything
+/// starts.
+fn network_options(
+    args: &SandboxArgs,
+    expose: &[cube_core::sandbox::PortMapping],
+) -> Result<Option<NetworkOptions>, CliError> {
+    NetworkArgs {
+        network: args.network,
+        policy: args.policy.clone(),
+        expose: expose.to_vec(),
+    }
+    .options()
 }
 
 fn timeout(args: &SandboxArgs) -> Result<Option<Duration>, CliError> {
@@ -452,8 +509,28 @@ fn jail_config(store: Option<&Path>, args: &SandboxArgs) -> Result<JailConfig, C
     Ok(config)
 }
 
+/// A running sandbox: the jail and, when it has one, its network.
+struct Running {
+    jail: Jail,
+    network: Option<JailNetwork>,
+}
+
+impl Running {
+    /// Ends the jail, then releases its device and datapath state.
+    fn destroy(self) -> Result<(), CliError> {
+        let Running { jail, network } = self;
+        let destroyed = jail
+            .destroy()
+            .map_err(|e| CliError::failed(format!("destroying the sandbox: {}", chain(&e))));
+        // Released on drop; a failure is logged there (the device goes with the
+        // jail's namespace regardless).
+        drop(network);
+        destroyed
+    }
+}
+
 /// The running sandbox: shared with the interrupt watcher, which destroys it on Ctrl-C.
-type SharedJail = Arc<Mutex<Option<Jail>>>;
+type SharedJail = Arc<Mutex<Option<Running>>>;
 
 /// One sandbox with its agent connected. Dropping it destroys the sandbox.
 struct Session {
@@ -462,7 +539,11 @@ struct Session {
 }
 
 impl Session {
-    fn start(store: Option<&Path>, args: &SandboxArgs) -> Result<Session, CliError> {
+    fn start(
+        store: Option<&Path>,
+        args: &SandboxArgs,
+        network: Option<NetworkOptions>,
+    ) -> Result<Session, CliError> {
         let jail: SharedJail = Arc::new(Mutex::new(None));
         // Before any other thread exists, so the mask holds in all of them.
         destroy_on_interrupt(Arc::clone(&jail))?;
@@ -471,6 +552,7 @@ impl Session {
         // SAFETY: installs no handler; no memory effects.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
         let mut config = jail_config(store, args)?;
+        let state_dir = config.state_dir.clone();
         config.env.push(("RUST_LOG".into(), "warn".into()));
         config.stderr = Stdio::Pipe;
 
@@ -488,7 +570,10 @@ impl Session {
             if let Some(log) = spawned.take_stderr() {
                 forward_agent_log(log);
             }
-            *slot = Some(spawned);
+            *slot = Some(Running {
+                jail: spawned,
+                network: None,
+            });
         }
         drop(theirs);
         let client = match Client::new(ours) {
@@ -501,6 +586,20 @@ impl Session {
                 )));
             }
         };
+        if let Some(options) = network {
+            let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
+            let attached = match slot.as_mut() {
+                Some(running) => JailNetwork::attach(running.jail.pid(), &options, &state_dir)
+                    .map(|n| running.network = Some(n))
+                    .map_err(|e| CliError::failed(format!("attaching the network: {}", chain(&e)))),
+                None => Ok(()),
+            };
+            drop(slot);
+            if let Err(e) = attached {
+                let _ = destroy(&jail);
+                return Err(e);
+            }
+        }
         Ok(Session { jail, client })
     }
 
@@ -636,9 +735,7 @@ pub fn run_cell(
 fn destroy(jail: &SharedJail) -> Result<(), CliError> {
     let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
     match slot.take() {
-        Some(j) => j
-            .destroy()
-            .map_err(|e| CliError::failed(format!("destroying the sandbox: {}", chain(&e)))),
+        Some(running) => running.destroy(),
         None => Ok(()),
     }
 }
@@ -659,9 +756,9 @@ fn destroy_on_interrupt(jail: SharedJail) -> Result<(), CliError> {
             // after the spawn goes through `destroy`, cannot end the process first with
             // another code (or report the agent's death as an error).
             let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
-            if let Some(j) = slot.take() {
-                if let Err(e) = j.destroy() {
-                    eprintln!("cube: destroying the sandbox: {}", chain(&e));
+            if let Some(running) = slot.take() {
+                if let Err(e) = running.destroy() {
+                    eprintln!("cube: {}", e.message);
                 }
             }
             std::process::exit(EXIT_INTERRUPTED);

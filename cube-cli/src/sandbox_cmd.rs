@@ -314,6 +314,7 @@ fn runtime(store: Option<&Path>, pool_size: usize) -> Result<Runtime, CliError> 
     Runtime::open(RuntimeConfig {
         store_root: store_root(store)?,
         pool_size,
+        network_pool_size: 0,
         supervisor: None,
     })
     .map_err(CliError::from)

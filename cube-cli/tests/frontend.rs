@@ -425,3 +425,168 @@ fn files_go_in_and_out_of_a_jail_sandbox() {
         "{table}"
     );
 }
+
+/// Whether a link with this ifindex is on the host.
+fn host_has_ifindex(index: u32) -> bool {
+    std::fs::read_dir("/sys/class/net").unwrap().any(|e| {
+        std::fs::read_to_string(e.unwrap().path().join("ifindex"))
+            .is_ok_and(|i| i.trim() == index.to_string())
+    })
+}
+
+/// An uplink for the test (198.51.100.1/24, its peer in a namespace of its own) and
+/// the host's pool removed at the end when it was not there before.
+struct NetLab {
+    ns: String,
+    uplink: String,
+    pool_existed: bool,
+}
+
+impl Drop for NetLab {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.uplink])
+            .status();
+        if !self.pool_existed {
+            if let Ok((pool, _lock)) = cube_core::supervisor::jail_network::open_pool() {
+                let _ = pool.destroy();
+            }
+        }
+    }
+}
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().unwrap();
+    assert!(out.status.success(), "ip {args:?}: {}", text(&out.stderr));
+}
+
+#[test]
+fn run_and_code_take_the_network_flags() {
+    let store = tempfile::tempdir().unwrap();
+    let s = store.path();
+    // Checked before anything starts, root or not.
+    let err = fails(s, &["run", "--allow-out", "10.0.0.1/8", "--", "true"], 2);
+    assert!(err.contains("host bits"), "{err}");
+    fails(s, &["run", "--expose", "0", "--", "true"], 2);
+    fails(s, &["code", "--deny-out", "nowhere", "1"], 2);
+    // A cell ends with its sandbox: nothing to serve a port from.
+    fails(s, &["code", "--expose", "8000", "1"], 2);
+
+    if jail_skip() {
+        return;
+    }
+    if Command::new("ip").arg("-V").output().is_err() {
+        println!("skipped: iproute2 (`ip`) is missing");
+        return;
+    }
+    let pool = cube_core::supervisor::jail_network::pool_name().unwrap();
+    let pool_existed = cube_core::supervisor::jail_network::pool_config(&pool)
+        .bpffs
+        .join("cube-net")
+        .join(&pool)
+        .exists();
+    let tag = std::process::id() % 100_000;
+    let lab = NetLab {
+        ns: format!("cfout{tag}"),
+        uplink: format!("cfu{tag}"),
+        pool_existed,
+    };
+    ip(&["netns", "add", &lab.ns]);
+    ip(&[
+        "link",
+        "add",
+        &lab.uplink,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        "eth0",
+        "netns",
+        &lab.ns,
+    ]);
+    ip(&["addr", "add", "198.51.100.1/24", "dev", &lab.uplink]);
+    ip(&["link", "set", &lab.uplink, "up"]);
+    ip(&["-n", &lab.ns, "link", "set", "eth0", "up"]);
+
+    let names = "import socket; print(sorted(n for _, n in socket.if_nameindex()))";
+    let out = cube(s, &["run", "--", "python3", "-c", names]);
+    assert_eq!(text(&out.stdout).trim(), "['lo']", "{}", text(&out.stderr));
+    let out = cube(s, &["run", "--network", "--", "python3", "-c", names]);
+    if !out.status.success() && text(&out.stderr).contains("network pool") {
+        println!(
+            "skipped: the eBPF datapath cannot load here: {}",
+            text(&out.stderr)
+        );
+        return;
+    }
+    assert_eq!(
+        text(&out.stdout).trim(),
+        "['eth0', 'lo']",
+        "{}",
+        text(&out.stderr)
+    );
+    // The sandbox's eth0 names its host end's ifindex (`eth0@ifN`); it goes with it.
+    let link = ok(
+        s,
+        &["run", "--network", "--", "ip", "-o", "link", "show", "eth0"],
+    );
+    let host_end: u32 = link
+        .split("@if")
+        .nth(1)
+        .and_then(|r| r.split(':').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{link}"));
+    assert!(!host_has_ifindex(host_end), "{link}: host end left behind");
+    let out = ok(
+        s,
+        &[
+            "code",
+            "--no-internet",
+            "--deny-out",
+            "203.0.113.0/24",
+            "import socket; sorted(n for _, n in socket.if_nameindex())",
+        ],
+    );
+    assert!(out.contains("['eth0', 'lo']"), "{out}");
+
+    // A port exposed while the command runs, served on the host's uplink address.
+    let port = 19000 + (tag % 900) as u16;
+    let serve_one = "import socket\n\
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+        s.bind(('0.0.0.0', 8000)); s.listen(1)\n\
+        c, _ = s.accept(); c.sendall(b'from the sandbox'); c.close()";
+    let mut server = Command::new(CUBE)
+        .arg("--store")
+        .arg(s)
+        .args(["run", "--timeout", "60", "--expose"])
+        .arg(format!("{port}:8000"))
+        .args(["--", "python3", "-c", serve_one])
+        .env_remove("CUBE_HOME")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let answer = loop {
+        use std::io::Read;
+        let addr = std::net::SocketAddr::from(([198, 51, 100, 1], port));
+        if let Ok(mut stream) =
+            std::net::TcpStream::connect_timeout(&addr, std::time::Duration::from_millis(500))
+        {
+            let mut answer = String::new();
+            if stream.read_to_string(&mut answer).is_ok() && !answer.is_empty() {
+                break answer;
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = server.kill();
+            let _ = server.wait();
+            panic!("the exposed port was never served");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(answer, "from the sandbox");
+    assert!(server.wait().unwrap().success());
+    drop(lab);
+}

@@ -59,6 +59,7 @@ fn main() -> Result<()> {
     let rt = Runtime::open(RuntimeConfig {
         store_root,
         pool_size: 0,
+        network_pool_size: 0,
         supervisor: None,
     })?;
 

@@ -50,6 +50,7 @@ impl Env {
         let rt = Runtime::open(RuntimeConfig {
             store_root: root.clone(),
             pool_size,
+            network_pool_size: 0,
             supervisor: Some(PathBuf::from(SUPERVISOR)),
         })
         .unwrap();
@@ -537,6 +538,7 @@ fn supervisors_without_kvm_serve_jails() {
     let rt = Runtime::open(RuntimeConfig {
         store_root: store.clone(),
         pool_size: 1,
+        network_pool_size: 0,
         supervisor: Some(wrapper),
     })
     .unwrap();

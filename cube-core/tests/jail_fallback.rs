@@ -42,6 +42,7 @@ fn without_criu_snapshots_hold_files_and_say_why() {
     let rt = Runtime::open(RuntimeConfig {
         store_root: dir.path().canonicalize().unwrap(),
         pool_size: 0,
+        network_pool_size: 0,
         supervisor: Some(PathBuf::from(SUPERVISOR)),
     })
     .unwrap();

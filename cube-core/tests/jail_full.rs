@@ -49,6 +49,7 @@ impl Env {
         let rt = Runtime::open(RuntimeConfig {
             store_root: dir.path().canonicalize().unwrap(),
             pool_size: 0,
+            network_pool_size: 0,
             supervisor: Some(PathBuf::from(SUPERVISOR)),
         })
         .unwrap();

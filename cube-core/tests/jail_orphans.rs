@@ -54,6 +54,7 @@ fn a_killed_pool_supervisor_takes_its_prestarted_jail_with_it() {
     let rt = Runtime::open(RuntimeConfig {
         store_root: root.clone(),
         pool_size: 1,
+        network_pool_size: 0,
         supervisor: Some(PathBuf::from(SUPERVISOR)),
     })
     .unwrap();

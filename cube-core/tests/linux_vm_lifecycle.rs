@@ -72,6 +72,7 @@ fn runtime_with_template(kernel: PathBuf, root: &Path) -> Runtime {
     let rt = Runtime::open(RuntimeConfig {
         store_root: root.join("store"),
         pool_size: 0,
+        network_pool_size: 0,
         supervisor: Some(PathBuf::from(env!("CARGO_BIN_EXE_cube-supervisor"))),
     })
     .unwrap();

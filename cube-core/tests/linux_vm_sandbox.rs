@@ -62,6 +62,7 @@ fn a_linux_template_snapshot_restores_as_a_sandbox_whose_agent_is_not_ready() {
     let rt = Runtime::open(RuntimeConfig {
         store_root: store_root.clone(),
         pool_size: 0,
+        network_pool_size: 0,
         supervisor: Some(PathBuf::from(env!("CARGO_BIN_EXE_cube-supervisor"))),
     })
     .unwrap();

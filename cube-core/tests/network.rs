@@ -174,6 +174,7 @@ impl Lab {
         Runtime::open(RuntimeConfig {
             store_root: self.store_root.clone(),
             pool_size: 0,
+            network_pool_size: 0,
             supervisor: Some(PathBuf::from(SUPERVISOR)),
         })
         .unwrap()
@@ -249,17 +250,30 @@ fn with_network(policy: NetworkPolicy, expose: Vec<PortMapping>) -> CreateOption
     }
 }
 
+/// Like [`with_network`], ephemeral: a test that fails midway leaves no sandbox
+/// running (its supervisor ends with the test's connection).
+fn ephemeral_with_network(policy: NetworkPolicy, expose: Vec<PortMapping>) -> CreateOptions {
+    CreateOptions {
+        ephemeral: true,
+        ..with_network(policy, expose)
+    }
+}
+
 fn ifindex(name: &str) -> Option<u32> {
     std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
         .ok()
         .and_then(|s| s.trim().parse().ok())
 }
 
+/// The tests share the host's pool and the lab's names and ports: one at a time.
+static LAB: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[test]
 fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave_nothing() {
     if skip() {
         return;
     }
+    let _one_at_a_time = LAB.lock().unwrap_or_else(|e| e.into_inner());
     let Some(lab) = Lab::new() else { return };
     let rt = lab.runtime();
 
@@ -444,5 +458,383 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
         while std::fs::remove_dir(dir).is_err() && dir.exists() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+fn cmdline(pid: u32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+        .unwrap_or_default()
+}
+
+fn pids() -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+fn parent(pid: u32) -> Option<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:"))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// Gone, or a zombie waiting for its reaper.
+fn ended(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+    }
+}
+
+/// Host ends of the pool's veths on the host now.
+fn pool_devices(pool: &str) -> std::collections::BTreeSet<String> {
+    std::fs::read_dir("/sys/class/net")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| {
+            n.strip_prefix(pool)
+                .and_then(|r| r.strip_suffix('h'))
+                .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .collect()
+}
+
+/// Waits until a device of the pool appears that is not in `known`.
+fn new_device(pool: &str, known: &std::collections::BTreeSet<String>) -> String {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Some(d) = pool_devices(pool).difference(known).next() {
+            return d.clone();
+        }
+        assert!(Instant::now() < deadline, "no device was attached ahead");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Interface names inside the sandbox.
+fn interfaces_inside(agent: &Client) -> String {
+    let out = agent
+        .exec(ExecRequest {
+            argv: [
+                "python3",
+                "-c",
+                "import socket; print(sorted(n for _, n in socket.if_nameindex()))",
+            ]
+            .map(String::from)
+            .to_vec(),
+            timeout_ms: Some(10_000),
+            ..ExecRequest::default()
+        })
+        .unwrap();
+    assert_eq!(out.exit.code, Some(0));
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+fn wait_gone(name: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while ifindex(name).is_some() {
+        assert!(Instant::now() < deadline, "{name} stayed on the host");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_is_reclaimed() {
+    use cube_core::supervisor::pool::spawn_supervisor_warm;
+    use cube_core::supervisor::server::WarmFor;
+    use cube_core::supervisor::{Request, Settings, Source, SupervisorClient};
+
+    if skip() {
+        return;
+    }
+    let _one_at_a_time = LAB.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(lab) = Lab::new() else { return };
+    let before = pool_devices(&lab.pool);
+    let rt = Runtime::open(RuntimeConfig {
+        store_root: lab.store_root.clone(),
+        pool_size: 1,
+        network_pool_size: 1,
+        supervisor: Some(PathBuf::from(SUPERVISOR)),
+    })
+    .unwrap();
+
+    // The first networked create starts the networked pool (and attaches on its own
+    // path); the next ones find a device attached ahead.
+    rt.create(
+        HOST_TEMPLATE,
+        ephemeral_with_network(NetworkPolicy::default(), Vec::new()),
+    )
+    .unwrap()
+    .destroy()
+    .unwrap();
+    rt.wait_pool_ready();
+    let ahead = new_device(&lab.pool, &before);
+
+    let denying = NetworkPolicy {
+        deny_out: vec!["203.0.113.0/24".into()],
+        ..NetworkPolicy::default()
+    };
+    let mut a = rt
+        .create(HOST_TEMPLATE, ephemeral_with_network(denying, Vec::new()))
+        .unwrap();
+    let report = a.network().unwrap();
+    assert_eq!(report.host_ifname, ahead, "not the device attached ahead");
+    assert_eq!(report.counters.tx_packets, 0, "{report:?}");
+    let agent_a = a.agent().unwrap();
+    assert_eq!(get_inside(&agent_a, OUT_ADDR, 80).unwrap(), "outside");
+    assert!(
+        get_inside(&agent_a, FAR_ADDR, 80).is_err(),
+        "denied CIDR reached"
+    );
+    assert!(
+        get_inside(&agent_a, HOST_ADDR, 18081).is_err(),
+        "the host reached"
+    );
+    a.set_policy(&NetworkPolicy::default()).unwrap();
+    assert_eq!(get_inside(&agent_a, FAR_ADDR, 80).unwrap(), "outside");
+
+    // A create without a network, meanwhile, has loopback only.
+    let plain = rt.create(HOST_TEMPLATE, CreateOptions::new(true)).unwrap();
+    let agent_plain = plain.agent().unwrap();
+    assert_eq!(interfaces_inside(&agent_plain), "['lo']");
+    assert!(get_inside(&agent_plain, OUT_ADDR, 80).is_err());
+    drop(agent_plain);
+    plain.destroy().unwrap();
+
+    // Destroy leaves nothing of the device attached ahead.
+    drop(agent_a);
+    let index = ifindex(&ahead).unwrap();
+    a.destroy().unwrap();
+    assert!(ifindex(&ahead).is_none(), "{ahead} left on the host");
+    let (pool, lock) = open_pool().unwrap();
+    drop(lock);
+    assert_eq!(
+        pool.residue(&ahead, index).unwrap(),
+        cube_net::Residue::default()
+    );
+
+    // A pooled supervisor killed with its device attached ahead: the jail ends with
+    // it, the device with the jail's namespace, and the next pool open (a rebuild)
+    // clears its datapath entries.
+    rt.wait_pool_ready();
+    let ahead = new_device(&lab.pool, &before);
+    let index = ifindex(&ahead).unwrap();
+    let marker = format!("--scratch {}", lab.store_root.join("tmp").display());
+    let supervisor = pids()
+        .into_iter()
+        .find(|p| {
+            let line = cmdline(*p);
+            line.contains(&marker) && line.contains("--network")
+        })
+        .expect("a networked pooled supervisor runs");
+    let agent = pids()
+        .into_iter()
+        .find(|p| parent(*p) == Some(supervisor) && cmdline(*p).contains("cube-agent"))
+        .expect("its jail runs");
+    let cgroups: Vec<PathBuf> = std::fs::read_to_string(format!("/proc/{agent}/cgroup"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once(':')?;
+            let (ctrl, path) = rest.split_once(':')?;
+            let hierarchy = match ctrl {
+                "" => "unified".to_string(),
+                c => c.trim_start_matches("name=").to_string(),
+            };
+            Some(
+                Path::new("/sys/fs/cgroup")
+                    .join(hierarchy)
+                    .join(path.trim_start_matches('/')),
+            )
+        })
+        .filter(|p| p.to_string_lossy().contains("pool-"))
+        .collect();
+    drop(rt);
+    // SAFETY: signals a supervisor this test's runtime started; no memory effects.
+    assert_eq!(unsafe { libc::kill(supervisor as i32, libc::SIGKILL) }, 0);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !ended(agent) {
+        assert!(
+            Instant::now() < deadline,
+            "the jail outlived its supervisor"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    wait_gone(&ahead);
+    let (pool, lock) = open_pool().unwrap();
+    drop(lock);
+    assert_eq!(
+        pool.residue(&ahead, index).unwrap(),
+        cube_net::Residue::default(),
+        "{ahead}: the rebuild left datapath state"
+    );
+    for cg in &cgroups {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while cg.exists() && std::fs::remove_dir(cg).is_err() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    // A supervisor that attached ahead, asked for a sandbox without a network: the
+    // device goes before the sandbox is handed over.
+    let scratch = lab.store_root.join("tmp");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let known = pool_devices(&lab.pool);
+    let idle =
+        spawn_supervisor_warm(Path::new(SUPERVISOR), Some(&scratch), WarmFor::Jail, true).unwrap();
+    let ahead = new_device(&lab.pool, &known);
+    let index = ifindex(&ahead).unwrap();
+    let dir = lab.store_root.join("by-hand");
+    std::fs::create_dir(&dir).unwrap();
+    let mut client = SupervisorClient::from_stream(idle.stream).unwrap();
+    client
+        .call_ok(&Request::Adopt {
+            version: cube_core::supervisor::protocol::PROTOCOL_VERSION,
+            id: "sb-byhand".into(),
+            dir: dir.clone(),
+            source: Source::Jail { layer: None },
+            ephemeral: true,
+            settings: Settings::default(),
+        })
+        .unwrap();
+    assert!(ifindex(&ahead).is_none(), "{ahead} still on the host");
+    let agent = Client::new(
+        cube_core::supervisor::jail_sandbox::connect_agent(
+            &dir.join(cube_core::supervisor::jail_sandbox::AGENT_SOCKET),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(interfaces_inside(&agent), "['lo']");
+    drop(agent);
+    client.call_ok(&Request::Destroy).unwrap();
+    let (pool, lock) = open_pool().unwrap();
+    drop(lock);
+    assert_eq!(
+        pool.residue(&ahead, index).unwrap(),
+        cube_net::Residue::default()
+    );
+}
+
+#[test]
+fn networked_jails_take_full_state_snapshots_and_come_back_with_their_network() {
+    use cube_agent::protocol::Language;
+    use cube_core::sandbox::SnapshotKind;
+
+    if skip() {
+        return;
+    }
+    if let Err(e) = cube_jail::Criu::probe() {
+        eprintln!("skipping: no working CRIU: {e}");
+        return;
+    }
+    let _one_at_a_time = LAB.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(lab) = Lab::new() else { return };
+    let rt = lab.runtime();
+    let port = 18000 + (std::process::id() % 900) as u16;
+    let mut sb = rt
+        .create(
+            HOST_TEMPLATE,
+            ephemeral_with_network(
+                NetworkPolicy {
+                    deny_out: vec!["203.0.113.0/24".into()],
+                    ..NetworkPolicy::default()
+                },
+                vec![PortMapping {
+                    host_port: port,
+                    sandbox_port: 8000,
+                }],
+            ),
+        )
+        .unwrap();
+    let py = |sb: &cube_core::Sandbox, code: &str| -> String {
+        let agent = sb.agent().unwrap();
+        if !agent
+            .list_contexts()
+            .unwrap()
+            .iter()
+            .any(|c| c.name == "py")
+        {
+            agent.create_context("py", Language::Python, None).unwrap();
+        }
+        let r = agent
+            .run_code("py", code, Some(Duration::from_secs(30)))
+            .unwrap();
+        assert!(r.error.is_none(), "{code}: {:?}", r.error);
+        r.value.unwrap_or_default()
+    };
+    // State only a process holds: an interpreter variable. (No inet socket: CRIU
+    // 4.1.1 cannot read SO_PASSCRED of one on Linux 6.16 and later, network or not.)
+    py(&sb, "state = 'before'");
+    let exposed = SocketAddr::from((HOST_ADDR, port));
+
+    let snap = sb.snapshot().unwrap();
+    assert_eq!(snap.kind, SnapshotKind::Full, "{:?}", snap.fallback);
+    // Running on, with a new device under the same policy and ports.
+    let agent = sb.agent().unwrap();
+    assert_eq!(get_inside(&agent, OUT_ADDR, 80).unwrap(), "outside");
+    assert!(
+        get_inside(&agent, FAR_ADDR, 80).is_err(),
+        "denied CIDR reached"
+    );
+    drop(agent);
+
+    // Rollback restores the processes (variable and server) and the network.
+    py(&sb, "state = 'after'");
+    sb.rollback(&snap.id).unwrap();
+    assert_eq!(py(&sb, "state"), "'before'");
+    let agent = sb.agent().unwrap();
+    assert_eq!(get_inside(&agent, OUT_ADDR, 80).unwrap(), "outside");
+    assert!(
+        get_inside(&agent, FAR_ADDR, 80).is_err(),
+        "denied CIDR reached"
+    );
+    drop(agent);
+
+    // Hibernate with the processes; wake with the network and its exposed port.
+    sb.hibernate().unwrap();
+    sb.wake().unwrap();
+    assert_eq!(py(&sb, "state"), "'before'");
+    py(
+        &sb,
+        "import http.server, threading\n\
+         srv = http.server.HTTPServer(('0.0.0.0', 8000), http.server.SimpleHTTPRequestHandler)\n\
+         threading.Thread(target=srv.serve_forever, daemon=True).start()",
+    );
+    assert!(get_from_host(exposed).unwrap().contains(" 200 "));
+    let name = sb.network().unwrap().host_ifname;
+    let index = ifindex(&name).unwrap();
+
+    // A clone of the snapshot with a network of its own (no ports: they are the
+    // first sandbox's).
+    let mut clone = rt
+        .create_from_snapshot(
+            &snap.id,
+            ephemeral_with_network(NetworkPolicy::default(), Vec::new()),
+        )
+        .unwrap();
+    assert_eq!(py(&clone, "state"), "'before'");
+    assert_eq!(
+        get_inside(&clone.agent().unwrap(), FAR_ADDR, 80).unwrap(),
+        "outside"
+    );
+    let clone_name = clone.network().unwrap().host_ifname;
+    let clone_index = ifindex(&clone_name).unwrap();
+    clone.destroy().unwrap();
+    sb.destroy().unwrap();
+    let (pool, lock) = open_pool().unwrap();
+    drop(lock);
+    for (name, index) in [(name, index), (clone_name, clone_index)] {
+        assert!(ifindex(&name).is_none(), "{name} left on the host");
+        assert_eq!(
+            pool.residue(&name, index).unwrap(),
+            cube_net::Residue::default()
+        );
     }
 }

@@ -324,6 +324,9 @@ struct State {
     attached: BTreeMap<String, Slot>,
     /// Slot numbers of devices being made outside the lock.
     reserved: BTreeSet<u32>,
+    /// Slot numbers another process's handle on the pool took since this one
+    /// adopted the host's devices.
+    foreign: BTreeSet<u32>,
     uplinks: Vec<String>,
 }
 
@@ -401,6 +404,7 @@ impl Pool {
                 free_taps: Vec::new(),
                 attached: BTreeMap::new(),
                 reserved: BTreeSet::new(),
+                foreign: BTreeSet::new(),
                 uplinks: Vec::new(),
             }),
         };
@@ -580,6 +584,7 @@ impl Pool {
             .chain(state.attached.values())
             .map(|slot| slot.number)
             .chain(state.reserved.iter().copied())
+            .chain(state.foreign.iter().copied())
             .collect()
     }
 
@@ -825,16 +830,33 @@ impl Pool {
     fn attach_veth_here(&self, netns: &NetnsRef, policy: &EgressPolicy) -> Result<Attachment> {
         let target = netns.open()?;
         let mut rtnl = Rtnl::open()?;
-        // The number is taken under the lock; the device is made outside it.
-        let number = {
+        // Several processes hold handles on one host pool (each jail supervisor its
+        // own), and a handle knows the devices that were there when it opened: a
+        // name another one took since is skipped, up to this many times.
+        const MAX_TAKEN_ELSEWHERE: usize = 64;
+        let mut tries = 0;
+        let (mut state, number, made) = loop {
+            // The number is taken under the lock; the device is made outside it.
+            let number = {
+                let mut state = self.lock()?;
+                let number = Self::next_number(&state);
+                state.reserved.insert(number);
+                number
+            };
+            let made = self.new_veth_into(&mut rtnl, number, &target);
             let mut state = self.lock()?;
-            let number = Self::next_number(&state);
-            state.reserved.insert(number);
-            number
+            state.reserved.remove(&number);
+            match made {
+                Err(PoolError::Netlink(NetlinkError::Request { source, .. }))
+                    if source.raw_os_error() == Some(libc::EEXIST)
+                        && tries < MAX_TAKEN_ELSEWHERE =>
+                {
+                    state.foreign.insert(number);
+                    tries += 1;
+                }
+                made => break (state, number, made),
+            }
         };
-        let made = self.new_veth_into(&mut rtnl, number, &target);
-        let mut state = self.lock()?;
-        state.reserved.remove(&number);
         let slot = Slot {
             number,
             kind: DeviceKind::Veth,
@@ -975,6 +997,22 @@ impl Pool {
             attachment.slot.clone(),
         );
         Ok(())
+    }
+
+    /// Puts a device attached ahead of time (with [`EgressPolicy::offline`], before
+    /// any sandbox asked for it) into service: its counters start from zero and
+    /// `policy` replaces the deny-everything one. Only map writes: this is what is
+    /// left of an attach on the create path.
+    pub fn activate(&self, attachment: &Attachment, policy: &EgressPolicy) -> Result<()> {
+        let ifindex = attachment.host_ifindex();
+        {
+            let mut state = self.lock()?;
+            if !state.attached.contains_key(attachment.host_ifname()) {
+                return Err(PoolError::NotAttached(attachment.host_ifname().to_string()));
+            }
+            state.datapath.reset_counters(ifindex)?;
+        }
+        self.set_policy(attachment, policy)
     }
 
     /// Replaces a live sandbox's egress policy; new flows see it at once.

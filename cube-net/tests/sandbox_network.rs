@@ -69,6 +69,76 @@ fn sandbox_reaches_outside_through_nat_and_is_counted() {
 }
 
 #[test]
+fn device_attached_ahead_refuses_everything_until_activated() {
+    let (mut lab, guard) = lab_and_pool!("act", 0, 0);
+    let pool = guard.pool();
+    lab.add_namespace("sb").unwrap();
+    lab.serve_http("out", 80, "outside");
+    lab.serve_http("host", 81, "host");
+
+    // Attached before any sandbox asked for it: registered, so a rebuild keeps it,
+    // but nothing gets out.
+    let net = pool
+        .attach_veth(&lab.netns_ref("sb"), &EgressPolicy::offline())
+        .unwrap();
+    assert_eq!(
+        pool.attached().unwrap(),
+        vec![net.host_ifname().to_string()]
+    );
+    assert!(
+        lab.http_get("sb", OUT_ADDR, 80).is_err(),
+        "standby reached out"
+    );
+    assert!(
+        lab.http_get("sb", HOST_ADDR, 81).is_err(),
+        "standby reached the host"
+    );
+    assert!(pool.counters(&net).unwrap().dropped > 0);
+
+    // Put into service: the real policy, counters from zero.
+    let denying = EgressPolicy::default().deny(cidr("203.0.113.0/24"));
+    pool.activate(&net, &denying).unwrap();
+    assert_eq!(pool.counters(&net).unwrap(), cube_net::Counters::default());
+    assert!(lab
+        .http_get("sb", OUT_ADDR, 80)
+        .unwrap()
+        .starts_with("outside "));
+    assert!(
+        lab.http_get("sb", FAR_ADDR, 80).is_err(),
+        "denied CIDR reached"
+    );
+    assert!(pool.counters(&net).unwrap().tx_packets >= 4);
+
+    let (name, index) = (net.host_ifname().to_string(), net.host_ifindex());
+    pool.release(net).unwrap();
+    assert_clean(pool.residue(&name, index).unwrap());
+}
+
+#[test]
+fn two_handles_on_one_pool_never_take_the_same_device_name() {
+    let (mut lab, guard) = lab_and_pool!("two", 0, 0);
+    let first = guard.pool();
+    // A second handle, as a second jail supervisor holds: it knows only the devices
+    // that were there when it opened.
+    let second = lab.open_pool(lab.pool_config(0, 0)).unwrap();
+    lab.add_namespace("a").unwrap();
+    lab.add_namespace("b").unwrap();
+    let a = first
+        .attach_veth(&lab.netns_ref("a"), &EgressPolicy::offline())
+        .unwrap();
+    let b = second
+        .attach_veth(&lab.netns_ref("b"), &EgressPolicy::offline())
+        .unwrap();
+    assert_ne!(a.host_ifname(), b.host_ifname());
+    let (name, index) = (b.host_ifname().to_string(), b.host_ifindex());
+    second.release(b).unwrap();
+    assert_clean(first.residue(&name, index).unwrap());
+    let (name, index) = (a.host_ifname().to_string(), a.host_ifindex());
+    first.release(a).unwrap();
+    assert_clean(first.residue(&name, index).unwrap());
+}
+
+#[test]
 fn policy_refuses_denied_cidrs_and_the_host_and_changes_live() {
     let (mut lab, guard) = lab_and_pool!("pol", 1, 0);
     let pool = guard.pool();

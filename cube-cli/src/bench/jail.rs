@@ -130,11 +130,13 @@ pub fn run(root: &Path, repeats: usize, json: bool) -> Result<(), CliError> {
     let pooled = Runtime::open(RuntimeConfig {
         store_root: root.to_path_buf(),
         pool_size: 2,
+        network_pool_size: 0,
         supervisor: None,
     })?;
     let unpooled = Runtime::open(RuntimeConfig {
         store_root: root.to_path_buf(),
         pool_size: 0,
+        network_pool_size: 0,
         supervisor: None,
     })?;
     let report = measure(root, &pooled, &unpooled, repeats)?;

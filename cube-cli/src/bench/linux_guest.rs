@@ -82,6 +82,7 @@ fn measure(
     let rt = Runtime::open(RuntimeConfig {
         store_root: root.to_path_buf(),
         pool_size: 2,
+        network_pool_size: 0,
         supervisor: None,
     })
     .map_err(CliError::from)?;

@@ -184,6 +184,7 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
     let rt = Runtime::open(RuntimeConfig {
         store_root: root.clone(),
         pool_size: max_concurrency + 2,
+        network_pool_size: 0,
         supervisor: None,
     })
     .map_err(CliError::from)?;
@@ -604,6 +605,7 @@ fn memory_overhead(store: &Path, template: &str, count: usize) -> Result<(f64, f
     let rt = Runtime::open(RuntimeConfig {
         store_root: store.to_path_buf(),
         pool_size: 0,
+        network_pool_size: 0,
         supervisor: None,
     })
     .map_err(CliError::from)?;

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use cube_core::supervisor::server::WarmFor;
 
 const USAGE: &str = "usage: cube-supervisor --control-fd N [--scratch DIR] [--warm any|vm|jail] \
-                     (started by the cube library)";
+                     [--network] (started by the cube library)";
 
 fn usage_exit(message: &str) -> ! {
     eprintln!("{message}{USAGE}");
@@ -18,8 +18,13 @@ fn main() {
     let mut fd = None;
     let mut scratch: Option<PathBuf> = None;
     let mut warm_for = WarmFor::Any;
+    let mut network = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
+        if flag == "--network" {
+            network = true;
+            continue;
+        }
         match (flag.as_str(), args.next()) {
             ("--control-fd", Some(v)) => fd = v.parse::<i32>().ok(),
             ("--scratch", Some(v)) => scratch = Some(PathBuf::from(v)),
@@ -61,7 +66,9 @@ fn main() {
     // SAFETY: the spawner passed us this descriptor (a connected unix stream) as `fd`
     // and nothing else in this process owns it.
     let control = unsafe { UnixStream::from_raw_fd(fd) };
-    if let Err(e) = cube_core::supervisor::server::run(control, scratch.as_deref(), warm_for) {
+    if let Err(e) =
+        cube_core::supervisor::server::run(control, scratch.as_deref(), warm_for, network)
+    {
         tracing::error!("supervisor: {e}");
         std::process::exit(1);
     }

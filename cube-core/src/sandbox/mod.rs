@@ -27,6 +27,7 @@
 //! let rt = Runtime::open(RuntimeConfig {
 //!     store_root: "/var/lib/cube".into(),
 //!     pool_size: 0,
+//!     network_pool_size: 0,
 //!     supervisor: None,
 //! })?;
 //! let mut sb = rt.create(HOST_TEMPLATE, CreateOptions::new(true))?;
@@ -83,6 +84,7 @@ use crate::vmm::machine::SnapshotStats;
 /// let rt = Runtime::open(RuntimeConfig {
 ///     store_root: store.path().into(),
 ///     pool_size: 0,
+///     network_pool_size: 0,
 ///     // Started when a sandbox is created; opening and reading the store need none.
 ///     supervisor: Some("/usr/local/bin/cube-supervisor".into()),
 /// })

@@ -25,6 +25,11 @@ pub struct RuntimeConfig {
     pub store_root: PathBuf,
     /// Supervisors kept started and ready (0: start one per create).
     pub pool_size: usize,
+    /// Supervisors kept ready for networked jail sandboxes, each with a network
+    /// device already attached into its jail (0: networked creates attach on their
+    /// own path). Started at the first networked create, so a runtime that never asks
+    /// for a network never touches the host's network pool.
+    pub network_pool_size: usize,
     /// The supervisor binary (default: found next to the running executable).
     pub supervisor: Option<PathBuf>,
 }
@@ -36,6 +41,7 @@ impl RuntimeConfig {
         Ok(RuntimeConfig {
             store_root: Store::default_root()?,
             pool_size: 2,
+            network_pool_size: 2,
             supervisor: None,
         })
     }
@@ -141,6 +147,7 @@ impl CreateOptions {
 /// let rt = Runtime::open(RuntimeConfig {
 ///     store_root: store.path().into(),
 ///     pool_size: 0, // start a supervisor per create instead of keeping some warm
+///     network_pool_size: 0,
 ///     // Started when a sandbox is created; opening and reading the store need none.
 ///     supervisor: Some("/usr/local/bin/cube-supervisor".into()),
 /// })
@@ -153,6 +160,10 @@ impl CreateOptions {
 pub struct Runtime {
     store: Store,
     pool: SupervisorPool,
+    /// Supervisors for networked jail sandboxes (see
+    /// [`RuntimeConfig::network_pool_size`]); started by the first networked create.
+    network_pool: std::sync::OnceLock<SupervisorPool>,
+    network_pool_size: usize,
 }
 
 fn io_error(what: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> SandboxError {
@@ -175,6 +186,23 @@ impl Runtime {
         Ok(Runtime {
             store,
             pool: SupervisorPool::with_scratch(exe, config.pool_size, scratch),
+            network_pool: std::sync::OnceLock::new(),
+            network_pool_size: config.network_pool_size,
+        })
+    }
+
+    /// The pool a create takes its supervisor from: networked jail sandboxes from
+    /// their own (started on first use), everything else from the main one.
+    fn supervisors_for(&self, engine: Engine, networked: bool) -> &SupervisorPool {
+        if engine != Engine::Jail || !networked || self.network_pool_size == 0 {
+            return &self.pool;
+        }
+        self.network_pool.get_or_init(|| {
+            SupervisorPool::networked(
+                self.pool.exe().to_path_buf(),
+                self.network_pool_size,
+                self.store.root().join("tmp"),
+            )
         })
     }
 
@@ -186,6 +214,9 @@ impl Runtime {
     /// Waits until the supervisor pool is full (for benchmarks).
     pub fn wait_pool_ready(&self) {
         self.pool.wait_full();
+        if let Some(pool) = self.network_pool.get() {
+            pool.wait_full();
+        }
     }
 
     /// Boots the synthetic test guest, waits until it has settled, and snapshots it as
@@ -526,7 +557,8 @@ impl Runtime {
                 &record,
                 cube_storage::Durability::Deferred,
             )?;
-            let supervisor = self.pool.take_for(match engine {
+            let pool = self.supervisors_for(engine, options.network.is_some());
+            let supervisor = pool.take_for(match engine {
                 Engine::Vm => WarmFor::Vm,
                 Engine::Jail => WarmFor::Jail,
             })?;

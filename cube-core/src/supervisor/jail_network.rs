@@ -28,12 +28,21 @@
 //! opens the TAP for the VM's virtio-net device. Released, the TAP goes back to the
 //! pool, which keeps none free ([`pool_config`]): it is deleted with its program and
 //! link pin, so a destroyed VM sandbox leaves nothing on the host.
+//!
+//! Supervisors pooled for networked sandboxes take both costs off the create path
+//! ([`JailNetwork::standby`]): they open the pool and attach a device into their
+//! pre-started jail's namespace while idle, registered with a deny-everything policy
+//! ([`cube_net::EgressPolicy::offline`]), so that no other supervisor's pool open
+//! takes it for a leftover. The create then only writes the policy and the exposed
+//! ports ([`JailNetwork::activate`]). A standby device is an attached device like any
+//! other: when its supervisor dies, its jail (lifeline) and namespace go, the device
+//! with them, and the next pool open clears its datapath entries.
 
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
-use cube_net::{Attachment, NetnsRef, Pool, PoolConfig, PoolError, Protocol};
+use cube_net::{Attachment, EgressPolicy, NetnsRef, Pool, PoolConfig, PoolError, Protocol};
 
 use crate::sandbox::network::{
     NetworkError, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping,
@@ -205,6 +214,51 @@ impl JailNetwork {
         self.attachment.as_ref().and_then(Attachment::tap_name)
     }
 
+    /// Opens the pool and attaches a device into `pid`'s namespace ahead of any
+    /// create, holding a deny-everything policy until [`JailNetwork::activate`] puts
+    /// the sandbox's own in force. Dropping it releases the device.
+    pub fn standby(pid: i32) -> Result<JailNetwork> {
+        let (pool, lock) = open_pool()?;
+        let attachment = pool.attach_veth(&NetnsRef::Pid(pid), &EgressPolicy::offline())?;
+        drop(lock);
+        Ok(JailNetwork {
+            pool,
+            attachment: Some(attachment),
+            policy: NetworkPolicy {
+                internet: false,
+                ..NetworkPolicy::default()
+            },
+            exposed: Vec::new(),
+            record: PathBuf::new(),
+        })
+    }
+
+    /// Puts a [`JailNetwork::standby`] device into service for the sandbox in `dir`:
+    /// `options` in force and the device recorded (map writes and a file; no device
+    /// or program is made here). On failure the device is released.
+    pub fn activate(mut self, options: &NetworkOptions, dir: &Path) -> Result<JailNetwork> {
+        options.validate()?;
+        let egress = options.policy.to_egress()?;
+        let attachment = self.attachment.take().ok_or(JailNetworkError::Detached)?;
+        self.record = dir.join(DEVICE_RECORD);
+        self.policy = options.policy.clone();
+        self.exposed = options.expose.clone();
+        match self.pool.activate(&attachment, &egress) {
+            Ok(()) => {}
+            Err(e) => {
+                self.release_attachment(attachment);
+                return Err(e.into());
+            }
+        }
+        self.finish_connect(attachment)?;
+        Ok(self)
+    }
+
+    /// The host side of the device, while attached.
+    pub fn host_ifname(&self) -> Option<&str> {
+        self.attachment.as_ref().map(Attachment::host_ifname)
+    }
+
     /// Attaches a device for `target` and puts the policy and exposed ports on it; on
     /// failure nothing stays attached.
     fn connect(&mut self, target: Target) -> Result<()> {
@@ -216,6 +270,12 @@ impl JailNetwork {
                 Target::Vm(mac) => self.pool.attach_tap(mac, &egress)?,
             }
         };
+        self.finish_connect(attachment)
+    }
+
+    /// Exposes the ports on a device carrying the policy and records it; on failure
+    /// the device is released.
+    fn finish_connect(&mut self, attachment: Attachment) -> Result<()> {
         let ready = (|| -> Result<()> {
             for port in &self.exposed {
                 self.pool.expose(

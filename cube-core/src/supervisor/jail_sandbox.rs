@@ -12,6 +12,8 @@
 //! Snapshots are of kind [`SnapshotKind::Full`] where a working CRIU exists (probed
 //! once per supervisor): the processes are dumped with the writable layer reflinked
 //! alongside, and rollback, clone and wake restore them, interpreter variables and all.
+//! A sandbox with a network is dumped without its device (CRIU cannot hold the host
+//! end) and gets a new one, same policy and ports, when it runs on or is restored.
 //! Where CRIU is missing or a dump fails, snapshots fall back to
 //! [`SnapshotKind::Filesystem`] with the reason in the snapshot's record and the
 //! supervisor's log: the layer is cloned while the processes are frozen, and a
@@ -184,6 +186,7 @@ impl JailSandbox {
             mut jail,
             agent,
             lifeline,
+            network: standby,
         } = ready;
         jail.relocate(&dir.join(JAIL_DIR))
             .map_err(|e| error_chain(&e))?;
@@ -214,7 +217,19 @@ impl JailSandbox {
             retiring: Vec::new(),
             network: None,
         };
-        sandbox.connect_network()?;
+        match (standby, sandbox.settings.network.clone()) {
+            // The device attached while the jail waited: only its policy and ports
+            // are left to write.
+            (Some(standby), Some(options)) => {
+                let network = standby
+                    .activate(&options, dir)
+                    .map_err(|e| format!("attaching the network: {}", error_chain(&e)))?;
+                sandbox.network = Some(Box::new(network));
+            }
+            // No network asked for: the device goes, leaving loopback only.
+            (Some(standby), None) => drop(standby),
+            (None, _) => sandbox.connect_network()?,
+        }
         Ok(sandbox)
     }
 
@@ -298,14 +313,6 @@ impl JailSandbox {
             .map_err(|e| format!("restoring the jail: {}", error_chain(&e)))?;
         self.install(jail, lifeline)?;
         self.connect_network()
-    }
-
-    /// Why this sandbox's state cannot go through CRIU, if it cannot: its network
-    /// device's other end is on the host, which a checkpoint cannot hold.
-    fn full_state_blocker(&self) -> Option<String> {
-        self.network
-            .as_ref()
-            .map(|_| "a sandbox with a network: CRIU cannot save its device's host end".to_string())
     }
 
     /// Makes `jail` the running one once its agent listens.
@@ -463,7 +470,41 @@ impl JailSandbox {
     /// Dumps the running jail into `image_dir` (made here) through CRIU, leaving it
     /// running or not. The agent first closes its host connections; a client that
     /// connects again before the freeze makes the dump fail, so it is tried twice.
+    ///
+    /// A sandbox with a network is dumped without its device: CRIU cannot hold the
+    /// device's host end, which lives outside the sandbox. The device is released
+    /// for the dump (its guest end, eth0, goes with it, so the checkpoint's network
+    /// namespace holds loopback only) and a new one with the same policy and ports is
+    /// attached when the jail runs on, here, or when a checkpoint is restored
+    /// ([`JailSandbox::restore`]). Connections through the device end with it (CRIU
+    /// would refuse an established one); listening sockets carry over.
     fn dump(&mut self, criu: &Criu, image_dir: &Path, leave_running: bool) -> Result<(), String> {
+        if self.jail.is_none() {
+            return Err("sandbox is hibernated: wake it first".to_string());
+        }
+        let detached = match self.network.as_mut() {
+            Some(network) => {
+                network.disconnect();
+                true
+            }
+            None => false,
+        };
+        let dumped = self.dump_processes(criu, image_dir, leave_running);
+        if detached && leave_running {
+            // Running on, dumped or not: its network comes back. (A hibernation
+            // stops the jail either way; its wake attaches anew.)
+            self.connect_network()
+                .map_err(|e| format!("after the dump: {e}"))?;
+        }
+        dumped
+    }
+
+    fn dump_processes(
+        &mut self,
+        criu: &Criu,
+        image_dir: &Path,
+        leave_running: bool,
+    ) -> Result<(), String> {
         let was_paused = self.paused;
         let jail = self.running()?;
         if was_paused {
@@ -508,9 +549,6 @@ impl JailSandbox {
             self.jail.is_none() && is_checkpoint(&self.dir.join(HIBERNATED_CHECKPOINT));
         let full = match criu() {
             Err(why) => Err(format!("no working CRIU: {why}")),
-            Ok(_) if self.full_state_blocker().is_some() => {
-                Err(self.full_state_blocker().unwrap_or_default())
-            }
             Ok(_) if hibernated_full => {
                 // The hibernation's checkpoint is the state: copy it.
                 cube_storage::clone_tree(&self.dir.join(HIBERNATED_CHECKPOINT), staging)
@@ -652,10 +690,9 @@ impl JailSandbox {
         }
         let image_dir = self.dir.join(HIBERNATED_CHECKPOINT);
         let _ = std::fs::remove_dir_all(&image_dir);
-        let dumped = match (criu(), self.full_state_blocker()) {
-            (_, Some(why)) => Err(why),
-            (Ok(criu), None) => self.dump(criu, &image_dir, false),
-            (Err(why), None) => Err(format!("no working CRIU: {why}")),
+        let dumped = match criu() {
+            Ok(criu) => self.dump(criu, &image_dir, false),
+            Err(why) => Err(format!("no working CRIU: {why}")),
         };
         let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
         self.lifeline = None;
@@ -884,6 +921,9 @@ pub struct PrespawnedJail {
     jail: Jail,
     agent: PathBuf,
     lifeline: std::os::fd::OwnedFd,
+    /// A device attached into the jail's namespace ahead of time, holding a
+    /// deny-everything policy (see [`JailNetwork::standby`]).
+    network: Option<JailNetwork>,
 }
 
 impl PrespawnedJail {
@@ -911,7 +951,22 @@ impl PrespawnedJail {
             jail,
             agent,
             lifeline: lifeline.write,
+            network: None,
         })
+    }
+
+    /// Attaches a network device into the jail's namespace now, for a networked
+    /// create to put into service (see [`JailNetwork::standby`]).
+    pub fn attach_standby_network(&mut self) -> Result<(), JailNetworkError> {
+        if self.network.is_none() {
+            self.network = Some(JailNetwork::standby(self.jail.pid())?);
+        }
+        Ok(())
+    }
+
+    /// Whether a device waits in the jail's namespace.
+    pub fn has_network(&self) -> bool {
+        self.network.is_some()
     }
 }
 

@@ -76,6 +76,17 @@ pub fn spawn_supervisor_with_scratch(
     scratch: Option<&Path>,
     warm_for: WarmFor,
 ) -> Result<IdleSupervisor, PoolError> {
+    spawn_supervisor_warm(exe, scratch, warm_for, false)
+}
+
+/// Like [`spawn_supervisor_with_scratch`]; with `network`, the jail started ahead
+/// also gets a network device ahead (for networked creates).
+pub fn spawn_supervisor_warm(
+    exe: &Path,
+    scratch: Option<&Path>,
+    warm_for: WarmFor,
+    network: bool,
+) -> Result<IdleSupervisor, PoolError> {
     let (ours, theirs) = UnixStream::pair().map_err(PoolError::SocketPair)?;
     let theirs: OwnedFd = theirs.into();
     let fd = theirs.as_raw_fd();
@@ -96,6 +107,9 @@ pub fn spawn_supervisor_with_scratch(
         WarmFor::Jail => {
             command.arg("--warm").arg("jail");
         }
+    }
+    if network {
+        command.arg("--network");
     }
     match std::env::var_os(SUPERVISOR_LOG_ENV).and_then(|p| {
         std::fs::OpenOptions::new()
@@ -155,6 +169,8 @@ struct PoolState {
 pub struct SupervisorPool {
     exe: PathBuf,
     scratch: Option<PathBuf>,
+    /// Whether its supervisors attach a network device to their jail ahead.
+    network: bool,
     target: usize,
     state: Arc<(Mutex<PoolState>, Condvar)>,
 }
@@ -168,9 +184,21 @@ impl SupervisorPool {
     /// Like [`SupervisorPool::new`]; each supervisor also starts a jail ahead of time
     /// in `scratch` (a directory on the store's filesystem).
     pub fn with_scratch(exe: PathBuf, target: usize, scratch: Option<PathBuf>) -> Self {
+        Self::start(exe, target, scratch, false)
+    }
+
+    /// A pool for networked jail sandboxes: each supervisor starts a jail ahead of
+    /// time in `scratch` and attaches a network device into it (deny-everything until
+    /// a create puts its own policy in force), so a networked create only writes maps.
+    pub fn networked(exe: PathBuf, target: usize, scratch: PathBuf) -> Self {
+        Self::start(exe, target, Some(scratch), true)
+    }
+
+    fn start(exe: PathBuf, target: usize, scratch: Option<PathBuf>, network: bool) -> Self {
         let pool = SupervisorPool {
             exe,
             scratch,
+            network,
             target,
             state: Arc::new((
                 Mutex::new(PoolState {
@@ -234,6 +262,7 @@ impl SupervisorPool {
         let state = Arc::clone(&self.state);
         let exe = self.exe.clone();
         let scratch = self.scratch.clone();
+        let network = self.network;
         let target = self.target;
         let spawned = std::thread::Builder::new()
             .name("supervisor-pool".into())
@@ -245,7 +274,9 @@ impl SupervisorPool {
                     cond.notify_all();
                     return;
                 }
-                match spawn_supervisor_with_scratch(&exe, scratch.as_deref(), WarmFor::Any) {
+                // A networked supervisor serves jails only: no KVM warm-up.
+                let warm_for = if network { WarmFor::Jail } else { WarmFor::Any };
+                match spawn_supervisor_warm(&exe, scratch.as_deref(), warm_for, network) {
                     Ok(s) => lock
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())

@@ -151,16 +151,23 @@ struct Warm {
     jail: Option<PrespawnedJail>,
 }
 
-fn warm_up(scratch: Option<&Path>, warm_for: WarmFor) -> Warm {
+fn warm_up(scratch: Option<&Path>, warm_for: WarmFor, network: bool) -> Warm {
     let kvm = (warm_for != WarmFor::Jail).then(open_kvm);
     let scratch = scratch.filter(|_| warm_for != WarmFor::Vm);
-    let jail = scratch.and_then(|dir| match PrespawnedJail::start(dir) {
+    let mut jail = scratch.and_then(|dir| match PrespawnedJail::start(dir) {
         Ok(j) => Some(j),
         Err(e) => {
             tracing::debug!("no jail started ahead: {e}");
             None
         }
     });
+    if let Some(jail) = jail.as_mut().filter(|_| network) {
+        // Where it fails, a networked create attaches on its own path as it would
+        // without this supervisor.
+        if let Err(e) = jail.attach_standby_network() {
+            tracing::warn!("no network attached ahead: {}", error_chain(&e));
+        }
+    }
     Warm { kvm, jail }
 }
 
@@ -188,14 +195,18 @@ fn open_kvm() -> WarmKvm {
 /// sandbox is destroyed (or the spawner went away before adopting it). With
 /// `scratch` (a directory on the store's filesystem), a jail is started ahead of time
 /// there; `warm_for` says which engine to prepare for.
+///
+/// With `network`, the jail started ahead also gets a network device ahead (see
+/// [`super::jail_network::JailNetwork::standby`]), for a networked create.
 pub fn run(
     control: UnixStream,
     scratch: Option<&Path>,
     warm_for: WarmFor,
+    network: bool,
 ) -> Result<(), ServerError> {
     let mut reader = BufReader::new(control.try_clone().map_err(ProtocolError::Io)?);
     let mut writer = BufWriter::new(control);
-    let warm = warm_up(scratch, warm_for);
+    let warm = warm_up(scratch, warm_for, network);
     // Warm: the pool hands this supervisor out only after this message.
     reply(&mut writer, &Response::Ok)?;
     let request: Request = match read_frame(&mut reader) {

@@ -102,6 +102,7 @@ impl TestEnv {
         let rt = Runtime::open(RuntimeConfig {
             store_root: self.root.clone(),
             pool_size: 0,
+            network_pool_size: 0,
             supervisor: Some(self.supervisor.clone()),
         })
         .expect("open runtime");
