@@ -8,7 +8,8 @@
 //! Measured, both paths in alternating slices so drift in the host's load hits both
 //! alike: attach times from the pool (a prepared namespace, a veth made straight into
 //! an existing namespace as the jail engine does, release, a TAP); TCP round trips of
-//! 64 bytes on one connection; connect+request+close; bulk throughput.
+//! 64 bytes on one connection; connect+request+close; bulk throughput. The latency
+//! round trips run the client and the echo server on one CPU ([`pin_to_one_cpu`]).
 
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -29,6 +30,19 @@ const PLAIN_HOST_ADDR: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 1);
 const PLAIN_ADDR: Ipv4Addr = Ipv4Addr::new(10, 99, 0, 2);
 const ECHO_PORT: u16 = 7001;
 const SINK_PORT: u16 = 7002;
+/// An echo server whose connections run on the round-trip client's CPU.
+const PINNED_ECHO_PORT: u16 = 7003;
+
+/// What a benchmark server does with a connection.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Service {
+    /// Echoes 64-byte messages.
+    Echo,
+    /// Echoes 64-byte messages on the CPU the round-trip client is pinned to.
+    PinnedEcho,
+    /// Reads everything, then answers one byte.
+    Sink,
+}
 const SLICES: usize = 7;
 /// The target: Cube's path within this factor of the plain path's round-trip p50.
 pub const LATENCY_TARGET: f64 = 1.2;
@@ -256,7 +270,12 @@ impl Servers {
         let stop = Arc::new(AtomicBool::new(false));
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let mut threads = Vec::new();
-        for (port, sink) in [(ECHO_PORT, false), (SINK_PORT, true)] {
+        let services = [
+            (ECHO_PORT, Service::Echo),
+            (SINK_PORT, Service::Sink),
+            (PINNED_ECHO_PORT, Service::PinnedEcho),
+        ];
+        for (port, service) in services {
             let stop = Arc::clone(&stop);
             let ready = ready_tx.clone();
             let fd = out
@@ -276,12 +295,12 @@ impl Servers {
                         break;
                     }
                     let Ok(stream) = stream else { continue };
-                    std::thread::spawn(move || serve(stream, sink));
+                    std::thread::spawn(move || serve(stream, service));
                 }
             }));
         }
         let servers = Servers { stop, out, threads };
-        for _ in 0..2 {
+        for _ in 0..services.len() {
             match ready_rx.recv_timeout(Duration::from_secs(5)) {
                 Ok(true) => {}
                 _ => return Err(BenchError::Servers),
@@ -291,7 +310,11 @@ impl Servers {
     }
 }
 
-fn serve(mut stream: TcpStream, sink: bool) {
+fn serve(mut stream: TcpStream, service: Service) {
+    if service == Service::PinnedEcho {
+        pin_to_one_cpu();
+    }
+    let sink = service == Service::Sink;
     let _ = stream.set_nodelay(true);
     let mut buf = vec![0u8; if sink { 1 << 20 } else { 64 }];
     loop {
@@ -313,12 +336,31 @@ impl Drop for Servers {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         let _ = self.out.run(|| {
-            for port in [ECHO_PORT, SINK_PORT] {
+            for port in [ECHO_PORT, SINK_PORT, PINNED_ECHO_PORT] {
                 let _ = TcpStream::connect((Ipv4Addr::LOCALHOST, port));
             }
         });
         for thread in self.threads.drain(..) {
             let _ = thread.join();
+        }
+    }
+}
+
+/// Keeps the calling thread on the first CPU it may use. The round trips put the
+/// client and its echo server there: a wake-up across CPUs costs tens of µs on
+/// these VMs and falls on either path at random, so unpinned the round-trip p50 of
+/// both paths flipped between about 5 and 60 µs from run to run; scheduler noise,
+/// not the datapath's cost, which is what the two paths are compared on.
+fn pin_to_one_cpu() {
+    use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+    let me = nix::unistd::Pid::from_raw(0);
+    let Ok(allowed) = sched_getaffinity(me) else {
+        return;
+    };
+    if let Some(cpu) = (0..CpuSet::count()).find(|&c| allowed.is_set(c).unwrap_or(false)) {
+        let mut one = CpuSet::new();
+        if one.set(cpu).is_ok() {
+            let _ = sched_setaffinity(me, &one);
         }
     }
 }
@@ -343,7 +385,8 @@ fn traffic<T: Send>(from: &Netns, work: impl FnOnce() -> io::Result<T> + Send) -
 /// Round trips of 64 bytes on one connection, µs.
 fn round_trips(from: &Netns, rounds: usize) -> Result<Vec<f64>> {
     traffic(from, || {
-        let mut stream = connect(ECHO_PORT)?;
+        pin_to_one_cpu();
+        let mut stream = connect(PINNED_ECHO_PORT)?;
         let mut buf = [7u8; 64];
         for _ in 0..50 {
             stream.write_all(&buf)?;
