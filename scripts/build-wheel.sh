@@ -24,7 +24,7 @@ locked=()
 
 echo "build-wheel: helper binaries ($profile)"
 cargo build "${cargo_flags[@]}" "${locked[@]}" -p cube-core --bin cube-supervisor
-bash scripts/build-agent.sh "${cargo_flags[@]}" "${locked[@]}"
+bash scripts/build-static.sh cube-agent cube-agent "${cargo_flags[@]}" "${locked[@]}"
 pkg_bin=cube-py/python/cubesandbox/bin
 mkdir -p "$pkg_bin"
 strip_flag=()

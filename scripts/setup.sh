@@ -41,7 +41,8 @@ fi
 
 echo "setup: building (release)"
 cargo build --release --workspace --bins --locked
-bash scripts/build-agent.sh --release --locked
+bash scripts/build-static.sh cube-agent cube-agent --release --locked
+bash scripts/build-static.sh cube-cli cube --release --locked
 install -m 0755 target/release/cube target/release/cube-supervisor target/release/cube-agent /usr/local/bin/
 
 echo "setup: python package tools"

@@ -165,6 +165,8 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
     let mut config = jail_config(store, &args.sandbox)?;
     // Nothing of a `cube run` sandbox is kept: its root needs no disk.
     config.root = cube_jail::RootSpec::HostUserlandInMemory;
+    // Nor is it paused or checkpointed: without limits it needs no cgroup either.
+    config.pausable = false;
     // The command writes straight to our streams; a terminal among them stays out of
     // reach of TIOCSTI, as the jail gives the sandbox a session of its own.
     config.stdin = Stdio::Inherit;

@@ -109,6 +109,11 @@ pub struct Limits {
 }
 
 impl Limits {
+    /// Whether no limit is set.
+    pub fn is_unlimited(&self) -> bool {
+        *self == Limits::default()
+    }
+
     /// Rejects limits the kernel would refuse or that make no sense.
     pub fn validate(&self) -> Result<()> {
         if self.memory_bytes == Some(0) {

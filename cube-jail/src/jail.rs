@@ -252,6 +252,12 @@ pub struct JailConfig {
     /// on the filesystem of `state_dir` and is consumed; a spawn that fails moves it
     /// back.
     pub seed_layer: Option<PathBuf>,
+    /// The sandbox can be paused and checkpointed (both freeze its cgroup) and its
+    /// use read from its cgroups. A jail that is not pausable and has no limits gets
+    /// no cgroup at all and runs in the caller's: nothing would use one, and its PID
+    /// namespace already ends every process of it with its PID 1 (`cube run`).
+    /// Default true.
+    pub pausable: bool,
 }
 
 impl JailConfig {
@@ -273,6 +279,7 @@ impl JailConfig {
             namespaces: NamespaceSet::default(),
             binds: Vec::new(),
             seed_layer: None,
+            pausable: true,
         }
     }
 
@@ -563,8 +570,16 @@ impl Jail {
         let seccomp = SeccompProgram::build()?;
         let last_cap = capabilities::last_cap()?;
 
-        let layout = CgroupLayout::detect()?;
-        let cgroup = SandboxCgroup::create(&layout, &config.name, &config.limits)?;
+        let cgroup = if config.pausable || !config.limits.is_unlimited() {
+            let layout = CgroupLayout::detect()?;
+            Some(SandboxCgroup::create(
+                &layout,
+                &config.name,
+                &config.limits,
+            )?)
+        } else {
+            None
+        };
         let (rootfs, mounts) = rootfs::prepare_seeded(
             &config.state_dir,
             &config.root,
@@ -574,7 +589,9 @@ impl Jail {
             config.seed_layer.as_deref(),
         )?;
 
-        let (v2_dir, v1_tasks) = cgroup.join_points();
+        let (v2_dir, v1_tasks) = cgroup
+            .as_ref()
+            .map_or((None, Vec::new()), SandboxCgroup::join_points);
         let io = |action| move |source| JailError::Io { action, source };
         let v2_files = v2_dir
             .map(|d| -> std::io::Result<(File, File)> {
@@ -680,7 +697,7 @@ impl Jail {
             name: config.name.clone(),
             pid,
             exit: None,
-            cgroup: Some(cgroup),
+            cgroup,
             rootfs: Some(rootfs),
             stdin: parent_ends[0].take(),
             stdout: parent_ends[1].take(),
@@ -737,7 +754,8 @@ impl Jail {
         &self.name
     }
 
-    /// The sandbox's cgroups (None after destroy).
+    /// The sandbox's cgroups (None after destroy, or for a jail that needed none: see
+    /// [`JailConfig::pausable`]).
     pub fn cgroup(&self) -> Option<&SandboxCgroup> {
         self.cgroup.as_ref()
     }

@@ -119,6 +119,32 @@ fn an_in_memory_root_never_touches_the_disk_and_leaves_nothing() {
 }
 
 #[test]
+fn a_jail_that_is_not_pausable_and_unlimited_has_no_cgroup() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = common::config(tmp.path(), "nocg");
+    c.pausable = false;
+    let mut jail = Jail::spawn(&c, &["/bin/sh", "-c", "echo ran"]).unwrap();
+    assert!(jail.cgroup().is_none());
+    assert!(jail.pause().is_err(), "nothing to freeze");
+    let out = common::collect(&mut jail);
+    assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
+    assert_eq!(out.stdout, "ran\n");
+    jail.destroy().unwrap();
+    assert!(!c.state_dir.exists());
+
+    // A limit still needs its cgroup.
+    let mut c = common::config(tmp.path(), "nocg-limited");
+    c.pausable = false;
+    c.limits.pids_max = Some(64);
+    let jail = Jail::spawn(&c, &["/bin/sleep", "30"]).unwrap();
+    assert!(jail.cgroup().is_some());
+    jail.destroy().unwrap();
+}
+
+#[test]
 fn overlay_root_copies_on_write_and_keeps_the_template() {
     if common::skip() {
         return;
