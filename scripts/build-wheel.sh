@@ -24,12 +24,12 @@ locked=()
 
 echo "build-wheel: helper binaries ($profile)"
 cargo build "${cargo_flags[@]}" "${locked[@]}" -p cube-core --bin cube-supervisor
-bash scripts/build-static.sh cube-agent cube-agent "${cargo_flags[@]}" "${locked[@]}"
+bash scripts/build-static.sh --musl cube-agent cube-agent "${cargo_flags[@]}" "${locked[@]}"
 pkg_bin=cube-py/python/cubesandbox/bin
 mkdir -p "$pkg_bin"
 strip_flag=()
 [ "$profile" = release ] && strip_flag=(-s)  # as maturin strips the extension
-install -m 0755 "${strip_flag[@]}" "$bin_dir/cube-supervisor" "$bin_dir/cube-agent" "$pkg_bin/"
+install -m 0755 "${strip_flag[@]}" "$bin_dir/cube-supervisor" "$target/static/$profile/cube-agent" "$pkg_bin/"
 
 maturin="${MATURIN:-}"
 if [ -z "$maturin" ]; then

@@ -39,11 +39,19 @@ if ! command -v cargo >/dev/null 2>&1; then
     exit 1
 fi
 
+# The agent starts once per sandbox; linked with musl it starts in ~0.43 ms instead of
+# ~0.74 with static glibc, whose start-up CPUID probes these hosts emulate
+# (scripts/build-static.sh). Best effort: without the target it links static glibc.
+if command -v rustup >/dev/null 2>&1 && [ "$(uname -m)" = x86_64 ]; then
+    timeout 300 rustup target add x86_64-unknown-linux-musl ||
+        echo "setup: note: the musl Rust target could not be added: the agent is linked with static glibc" >&2
+fi
+
 echo "setup: building (release)"
 cargo build --release --workspace --bins --locked
-bash scripts/build-static.sh cube-agent cube-agent --release --locked
+bash scripts/build-static.sh --musl cube-agent cube-agent --release --locked
 bash scripts/build-static.sh cube-cli cube --release --locked
-install -m 0755 target/release/cube target/release/cube-supervisor target/release/cube-agent /usr/local/bin/
+install -m 0755 target/static/release/cube target/release/cube-supervisor target/static/release/cube-agent /usr/local/bin/
 
 echo "setup: python package tools"
 bash scripts/setup-python.sh

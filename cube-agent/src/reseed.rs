@@ -32,9 +32,9 @@ pub const POLL_INTERVAL: Duration = Duration::from_millis(50);
 const ENTROPY_BYTES: usize = 64;
 
 /// `_IOW('R', 0x03, int[2])`: add entropy (with credit) to the input pool.
-const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+const RNDADDENTROPY: libc::Ioctl = 0x4008_5203;
 /// `_IO('R', 0x07)`: reseed the CRNG from the input pool now.
-const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+const RNDRESEEDCRNG: libc::Ioctl = 0x5207;
 
 /// Why reseeding failed.
 #[derive(Debug, thiserror::Error)]

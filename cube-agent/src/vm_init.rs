@@ -133,13 +133,28 @@ fn ifreq(interface: &str) -> Result<libc::ifreq, VmInitError> {
 }
 
 /// Sets `interface`'s address and netmask (when given) and its IFF_UP flag.
+/// libc's SIOC* constants as the C library's `ioctl` takes its request: an unsigned
+/// long in glibc, an int in musl (the agent is built for either).
+#[allow(clippy::unnecessary_cast)]
+fn ioctl_request(request: libc::c_ulong) -> libc::Ioctl {
+    // The SIOC* numbers fit in 16 bits.
+    request as libc::Ioctl
+}
+
 fn set_up(interface: &str, address: Option<([u8; 4], [u8; 4])>) -> Result<(), VmInitError> {
     use std::os::fd::AsRawFd;
     let socket = inet_socket(interface)?;
     let ioctl = |request: libc::c_ulong, req: &mut libc::ifreq, what: &'static str| {
         // SAFETY: these SIOC* requests read (or fill) one ifreq, which `req` is,
         // alive for the call.
-        if unsafe { libc::ioctl(socket.as_raw_fd(), request, req as *mut libc::ifreq) } < 0 {
+        if unsafe {
+            libc::ioctl(
+                socket.as_raw_fd(),
+                ioctl_request(request),
+                req as *mut libc::ifreq,
+            )
+        } < 0
+        {
             return Err(VmInitError::Network {
                 interface: interface.into(),
                 what,
@@ -194,7 +209,7 @@ fn add_default_route(interface: &str, gateway: [u8; 4]) -> Result<(), VmInitErro
     let rc = unsafe {
         libc::ioctl(
             socket.as_raw_fd(),
-            libc::SIOCADDRT,
+            ioctl_request(libc::SIOCADDRT),
             &mut route as *mut RtEntry,
         )
     };
