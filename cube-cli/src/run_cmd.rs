@@ -96,6 +96,10 @@ pub struct SandboxArgs {
     /// Memory limit of the whole sandbox, MiB.
     #[arg(long, value_name = "N")]
     memory_mib: Option<u64>,
+    /// Most processes and threads alive at once in the sandbox (a fork bomb stops
+    /// there). Without it, as without --memory-mib, the sandbox gets no cgroup.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pids_max: Option<u64>,
     /// Give the sandbox a network (NAT through the host; private ranges and the host
     /// refused unless allowed). Implied by the other network flags. Without it the
     /// sandbox has loopback only.
@@ -508,6 +512,7 @@ fn jail_config(store: Option<&Path>, args: &SandboxArgs) -> Result<JailConfig, C
         target: PathBuf::from(AGENT_PATH),
     });
     config.limits.memory_bytes = args.memory_mib.map(|m| m << 20);
+    config.limits.pids_max = args.pids_max;
     Ok(config)
 }
 

@@ -414,3 +414,48 @@ fn memory_mib_limits_the_sandbox() {
     ]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
 }
+
+#[test]
+fn pids_max_stops_a_fork_bomb_inside_the_sandbox() {
+    if skip() {
+        return;
+    }
+    let has_pids = cube_jail::CgroupLayout::detect()
+        .map(|l| l.provider("pids").is_some())
+        .unwrap_or(false);
+    if !has_pids {
+        println!("skipped: no pids cgroup controller on this host");
+        return;
+    }
+    let cube = Cube::new();
+    // Forks until the kernel refuses, then reports how many it got and exits 0: the
+    // limit, not the host, ends the bomb.
+    let bomb = r#"
+import os, time
+n = 0
+try:
+    while n < 10000:
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        n += 1
+except OSError as e:
+    print('refused after', n, e.errno)
+"#;
+    let out = cube.run(&["run", "--pids-max", "16", "--", "python3", "-c", bomb]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let forked: u32 = stdout
+        .strip_prefix("refused after ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected output: {stdout:?}"));
+    // The agent and python count too.
+    assert!(forked < 16, "{stdout:?}");
+    assert!(
+        stdout.trim_end().ends_with(&format!(" {}", libc::EAGAIN)),
+        "{stdout:?}"
+    );
+    let out = cube.run(&["run", "--pids-max", "0", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}
