@@ -28,6 +28,17 @@ fn skip() -> bool {
     }
 }
 
+/// True (after printing why) when the host has no cgroup controller of that name.
+fn skip_without_controller(controller: &str) -> bool {
+    let has = cube_jail::CgroupLayout::detect()
+        .map(|l| l.provider(controller).is_some())
+        .unwrap_or(false);
+    if !has {
+        println!("skipped: no {controller} cgroup controller on this host");
+    }
+    !has
+}
+
 /// The agent binary cargo built next to `cube`; it is built when the cube-agent package
 /// is part of the test run (as in `cargo test --workspace`).
 fn agent_binary() -> PathBuf {
@@ -390,11 +401,7 @@ fn memory_mib_limits_the_sandbox() {
     if skip() {
         return;
     }
-    let has_memory = cube_jail::CgroupLayout::detect()
-        .map(|l| l.provider("memory").is_some())
-        .unwrap_or(false);
-    if !has_memory {
-        println!("skipped: no memory cgroup controller on this host");
+    if skip_without_controller("memory") {
         return;
     }
     let cube = Cube::new();
@@ -420,11 +427,7 @@ fn pids_max_stops_a_fork_bomb_inside_the_sandbox() {
     if skip() {
         return;
     }
-    let has_pids = cube_jail::CgroupLayout::detect()
-        .map(|l| l.provider("pids").is_some())
-        .unwrap_or(false);
-    if !has_pids {
-        println!("skipped: no pids cgroup controller on this host");
+    if skip_without_controller("pids") {
         return;
     }
     let cube = Cube::new();
