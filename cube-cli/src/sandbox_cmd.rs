@@ -96,8 +96,9 @@ pub enum SandboxCommand {
         /// CPU limit in thousandths of a core.
         #[arg(long, value_name = "N")]
         cpu_millis: Option<u32>,
-        /// Most processes and threads.
-        #[arg(long, value_name = "N")]
+        /// Most processes and threads at once [default: 4096 where the host has a pids
+        /// cgroup controller].
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
         pids_max: Option<u32>,
         /// Destroy the sandbox after this many seconds.
         #[arg(long, value_name = "S")]

@@ -16,5 +16,5 @@ pub mod vstate;
 
 pub use sandbox::{
     CreateOptions, Engine, EngineChoice, Runtime, RuntimeConfig, Sandbox, SandboxError, Snapshot,
-    SnapshotKind, HOST_TEMPLATE,
+    SnapshotKind, DEFAULT_PIDS_MAX, HOST_TEMPLATE,
 };

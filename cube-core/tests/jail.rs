@@ -11,7 +11,9 @@ use cube_agent::client::Client;
 use cube_agent::protocol::{ExecRequest, Language, RequestBody};
 use cube_core::sandbox::{EngineChoice, SandboxError, SnapshotKind};
 use cube_core::supervisor::protocol::{JailStatus, MachineStatus};
-use cube_core::{CreateOptions, Engine, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
+use cube_core::{
+    CreateOptions, Engine, Runtime, RuntimeConfig, Sandbox, DEFAULT_PIDS_MAX, HOST_TEMPLATE,
+};
 
 const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
 
@@ -317,6 +319,42 @@ for pid in pids:
         "{forked} processes forked under a pids limit of 32"
     );
     sb.destroy().unwrap();
+}
+
+/// The `pids.max` of a jail sandbox's cgroup.
+fn pids_max_of(sb: &mut Sandbox) -> String {
+    let file = jail_status(sb)
+        .cgroups
+        .iter()
+        .map(|dir| dir.join("pids.max"))
+        .find(|f| f.is_file())
+        .expect("the sandbox has a pids cgroup");
+    std::fs::read_to_string(file).unwrap().trim().to_string()
+}
+
+#[test]
+fn a_sandbox_that_names_no_pids_limit_gets_the_default_one() {
+    if skip() {
+        return;
+    }
+    let has_pids = cube_jail::CgroupLayout::detect().is_ok_and(|l| l.provider("pids").is_some());
+    if !has_pids {
+        eprintln!("skipped: no pids cgroup controller on this host");
+        return;
+    }
+    // Without a pool and from one (whose jail was started before the create's options
+    // were known).
+    for pool_size in [0, 1] {
+        let env = Env::new(pool_size);
+        let mut plain = env.create(CreateOptions::new(true));
+        assert_eq!(pids_max_of(&mut plain), DEFAULT_PIDS_MAX.to_string());
+        let mut options = CreateOptions::new(true);
+        options.pids_max = Some(64);
+        let mut limited = env.create(options);
+        assert_eq!(pids_max_of(&mut limited), "64");
+        destroy_and_check(plain);
+        destroy_and_check(limited);
+    }
 }
 
 #[test]

@@ -67,6 +67,12 @@ pub use runtime::{CreateOptions, Runtime, RuntimeConfig};
 /// under a per-sandbox writable layer. Always listed, nothing to build.
 pub const HOST_TEMPLATE: &str = "host";
 
+/// Processes and threads a jail sandbox may have at once when its creator names no
+/// limit ([`CreateOptions::pids_max`]), on hosts with a pids cgroup controller: a fork
+/// bomb stops here instead of filling the host's PID space, and interpreters, builds
+/// and test runners stay far below it.
+pub const DEFAULT_PIDS_MAX: u32 = 4096;
+
 use crate::supervisor::protocol::{Request, Response, StatusReport};
 use crate::supervisor::{ClientError, SupervisorClient};
 use crate::vmm::machine::SnapshotStats;

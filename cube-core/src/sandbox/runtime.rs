@@ -82,7 +82,9 @@ pub struct CreateOptions {
     pub memory_mib: Option<u64>,
     /// CPU limit in thousandths of a core (jail engine).
     pub cpu_millis: Option<u32>,
-    /// Most processes and threads at once (jail engine).
+    /// Most processes and threads at once (jail engine). None:
+    /// [`DEFAULT_PIDS_MAX`](crate::DEFAULT_PIDS_MAX) where the host has a pids cgroup
+    /// controller, no limit where it has none.
     pub pids_max: Option<u32>,
     /// A network from the host's pool: a veth for a jail, a TAP behind a Linux VM's
     /// NIC; None: loopback only (a VM's NIC, if its template has one, stays unplugged).

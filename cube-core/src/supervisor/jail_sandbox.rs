@@ -191,8 +191,9 @@ impl JailSandbox {
         jail.relocate(&dir.join(JAIL_DIR))
             .map_err(|e| error_chain(&e))?;
         publish_socket(dir, jail.pid())?;
+        // The pool started the jail with the default settings' limits.
         let limits = limits(&settings)?;
-        if limits != Limits::default() {
+        if limits != self::limits(&Settings::default())? {
             jail.set_limits(&limits).map_err(|e| error_chain(&e))?;
         }
         if !settings.env.is_empty() {
@@ -1000,10 +1001,20 @@ fn limits(settings: &Settings) -> Result<Limits, String> {
             .map(|m| m.checked_mul(1 << 20).ok_or("memory limit too large"))
             .transpose()?,
         cpu_quota: settings.cpu_millis.map(|m| f64::from(m) / 1000.0),
-        pids_max: settings.pids_max.map(u64::from),
+        pids_max: settings.pids_max.or_else(default_pids_max).map(u64::from),
     };
     limits.validate().map_err(|e| error_chain(&e))?;
     Ok(limits)
+}
+
+/// [`crate::DEFAULT_PIDS_MAX`] where the host has a pids controller (looked up once per
+/// supervisor); None elsewhere, where asking for it would fail every create.
+fn default_pids_max() -> Option<u32> {
+    static HAS_PIDS: OnceLock<bool> = OnceLock::new();
+    let has = *HAS_PIDS.get_or_init(|| {
+        cube_jail::CgroupLayout::detect().is_ok_and(|l| l.provider("pids").is_some())
+    });
+    has.then_some(crate::DEFAULT_PIDS_MAX)
 }
 
 /// Whether this process's standard error is `/dev/null`.
