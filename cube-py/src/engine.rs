@@ -55,6 +55,12 @@ pub struct CreateRequest {
     pub lifetime: Option<Duration>,
     /// Its network; None: loopback only.
     pub network: Option<cube_core::sandbox::NetworkOptions>,
+    /// Memory limit of a jail sandbox, MiB.
+    pub memory_mib: Option<u64>,
+    /// CPU limit of a jail sandbox, thousandths of a core.
+    pub cpu_millis: Option<u32>,
+    /// Most processes and threads of a jail sandbox; None: the engine's default.
+    pub pids_max: Option<u32>,
 }
 
 /// An engine as named from Python.
@@ -96,6 +102,9 @@ pub fn create(
         metadata: request.metadata,
         lifetime: request.lifetime,
         network: request.network,
+        memory_mib: request.memory_mib,
+        cpu_millis: request.cpu_millis,
+        pids_max: request.pids_max,
         ..CreateOptions::default()
     };
     runtime.create(template, options)

@@ -46,7 +46,7 @@ mod _native {
 
     /// Creates a sandbox.
     #[pyfunction]
-    #[pyo3(signature = (template, engine="auto", envs=None, metadata=None, lifetime=None, store=None, network=false, internet=true, allow_out=None, deny_out=None, expose=None))]
+    #[pyo3(signature = (template, engine="auto", envs=None, metadata=None, lifetime=None, store=None, network=false, internet=true, allow_out=None, deny_out=None, expose=None, memory_mib=None, cpu_millis=None, pids_max=None))]
     #[allow(clippy::too_many_arguments)]
     fn create(
         py: Python<'_>,
@@ -61,6 +61,9 @@ mod _native {
         allow_out: Option<Vec<String>>,
         deny_out: Option<Vec<String>>,
         expose: Option<Vec<String>>,
+        memory_mib: Option<u64>,
+        cpu_millis: Option<u32>,
+        pids_max: Option<u32>,
     ) -> PyResult<NativeSandbox> {
         let engine_name = EngineName::parse(engine).ok_or_else(|| {
             raise(
@@ -74,6 +77,9 @@ mod _native {
             metadata: metadata.unwrap_or_default(),
             lifetime: seconds("timeout", lifetime)?,
             network: crate::network::options(network, internet, allow_out, deny_out, expose)?,
+            memory_mib,
+            cpu_millis,
+            pids_max,
         };
         let template = template.to_string();
         let (runtime, sandbox) = py

@@ -183,3 +183,35 @@ def test_threads_drive_several_sandboxes_at_once() -> None:
         t.join(timeout=120)
     assert errors == []
     assert sorted(results) == ["sandbox-0:0", "sandbox-1:10", "sandbox-2:20"]
+
+
+# Children hold the command's stdout open: they are killed before it ends.
+_FORKS = """
+import os, signal, time
+pids = []
+try:
+    while len(pids) < 100:
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(30)
+            os._exit(0)
+        pids.append(pid)
+except OSError:
+    pass
+for pid in pids:
+    os.kill(pid, signal.SIGKILL)
+print(len(pids))
+"""
+
+
+def test_limits_contain_memory_and_forks() -> None:
+    sb = new_sandbox(memory_mib=64, pids_max=32)
+    # 256 MiB touched page by page cannot fit into 64 MiB: the kernel kills the hog.
+    hog = "b = bytearray(256 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint('fit')"
+    with pytest.raises(cubesandbox.CommandExitError) as info:
+        sb.commands.run(f"python3 -c \"{hog}\"")
+    assert "fit" not in info.value.stdout
+    # Forks stop below the pids limit (the agent and the shell count too).
+    forked = int(sb.commands.run(f"python3 -c '{_FORKS}'").stdout)
+    assert 0 < forked < 32
+    sb.kill()

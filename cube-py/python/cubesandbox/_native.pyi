@@ -19,6 +19,9 @@ def create(
     allow_out: Optional[List[str]] = None,
     deny_out: Optional[List[str]] = None,
     expose: Optional[List[str]] = None,
+    memory_mib: Optional[int] = None,
+    cpu_millis: Optional[int] = None,
+    pids_max: Optional[int] = None,
 ) -> NativeSandbox: ...
 def connect(id: str, store: Optional[str] = None) -> NativeSandbox: ...
 def list_sandboxes(store: Optional[str] = None) -> List[Dict[str, Any]]: ...

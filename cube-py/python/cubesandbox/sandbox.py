@@ -334,6 +334,9 @@ class Sandbox:
         allow_out: Sequence[str] = (),
         deny_out: Sequence[str] = (),
         expose: Sequence[PortSpec] = (),
+        memory_mib: Optional[int] = None,
+        cpu_millis: Optional[int] = None,
+        pids_max: Optional[int] = None,
     ) -> "Sandbox":
         """Starts a sandbox from ``template`` (default: the built-in ``host``
         template, the host's userland read-only with Python 3).
@@ -348,7 +351,20 @@ class Sandbox:
         ranges and the host refused by default); without it the sandbox has loopback
         only. ``internet``, ``allow_out``, ``deny_out`` (CIDRs) and ``expose`` (ports:
         ``8080``, ``"8080:80"`` or ``(8080, 80)``) imply it.
+
+        Limits of a jail sandbox: ``memory_mib`` (its whole memory, MiB),
+        ``cpu_millis`` (thousandths of a core) and ``pids_max`` (processes and threads
+        at once; ``None``: 4096 where the host has a pids cgroup controller, so a fork
+        bomb stops inside the sandbox). ``None`` memory or CPU: unlimited.
         """
+        for name, value in (
+            ("memory_mib", memory_mib),
+            ("cpu_millis", cpu_millis),
+            ("pids_max", pids_max),
+        ):
+            positive = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            if value is not None and not positive:
+                raise InvalidArgument(f"{name} must be a positive integer, not {value!r}")
         native = _native.create(
             template or _native.default_template(),
             engine,
@@ -361,6 +377,9 @@ class Sandbox:
             list(allow_out),
             list(deny_out),
             [_port(p) for p in expose],
+            memory_mib,
+            cpu_millis,
+            pids_max,
         )
         return cls(_native_sandbox=native, _store=_store(store))
 
