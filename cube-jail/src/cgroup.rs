@@ -292,6 +292,50 @@ impl CgroupLayout {
             .chain(self.v1.iter())
             .find(|h| h.has(controller))
     }
+
+    /// Where [`SandboxCgroup::create`] makes sandbox cgroups: under the v2 root, and
+    /// under this process's own cgroup in each v1 hierarchy.
+    fn parents(&self) -> Vec<PathBuf> {
+        let v2 = self.v2.iter().map(|h| h.mount.join(PARENT_DIR));
+        let v1 = self
+            .v1
+            .iter()
+            .map(|h| h.mount.join(&h.own_path).join(PARENT_DIR));
+        v2.chain(v1).collect()
+    }
+
+    /// Removes the sandbox cgroups named `<prefix><pid>` whose process `pid` is gone
+    /// (or a zombie) and that hold no process: what a process that named its cgroups after itself
+    /// left behind when it was killed (SIGKILL gives it no chance to remove them).
+    /// Cgroups of live processes, or still holding tasks, are left alone. Returns how
+    /// many directories were removed.
+    pub fn remove_orphaned(&self, prefix: &str) -> usize {
+        let mut removed = 0;
+        for parent in self.parents() {
+            let Ok(entries) = fs::read_dir(&parent) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                let Some(pid) = name
+                    .to_str()
+                    .and_then(|n| n.strip_prefix(prefix))
+                    .and_then(|p| p.parse::<u32>().ok())
+                else {
+                    continue;
+                };
+                if process_runs(pid) {
+                    continue;
+                }
+                // rmdir refuses (EBUSY) a cgroup with tasks or children: nothing
+                // running is touched.
+                if fs::remove_dir(entry.path()).is_ok() {
+                    removed += 1;
+                }
+            }
+        }
+        removed
+    }
 }
 
 const KNOWN_V1_CONTROLLERS: &[&str] = &[
@@ -813,6 +857,19 @@ fn remove_dir(path: &Path) -> Result<()> {
                 })
             }
         }
+    }
+}
+
+/// Whether `pid` is a process that has not exited: a zombie (killed, not yet reaped
+/// by its parent) counts as gone.
+fn process_runs(pid: u32) -> bool {
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => false,
+        // The state follows the command name, which is in parentheses and may itself
+        // hold ") ".
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
     }
 }
 

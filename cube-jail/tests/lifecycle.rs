@@ -280,3 +280,30 @@ fn a_failed_spawn_gives_the_seed_layer_back() {
         "data"
     );
 }
+
+#[test]
+fn cgroups_named_after_a_dead_process_are_swept_and_a_live_ones_are_kept() {
+    if common::skip() {
+        return;
+    }
+    let layout = cube_jail::CgroupLayout::detect().unwrap();
+    let prefix = format!("t{}-sweep-", std::process::id());
+    // A pid that is gone: a child that exited and was reaped.
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let live = std::process::id();
+    let limits = cube_jail::Limits::default();
+    let orphan =
+        cube_jail::SandboxCgroup::create(&layout, &format!("{prefix}{dead}"), &limits).unwrap();
+    let orphan_dirs: Vec<std::path::PathBuf> = orphan.dirs().map(|d| d.to_path_buf()).collect();
+    assert!(!orphan_dirs.is_empty());
+    // As a SIGKILLed owner would: nothing removes it.
+    std::mem::forget(orphan);
+    let kept =
+        cube_jail::SandboxCgroup::create(&layout, &format!("{prefix}{live}"), &limits).unwrap();
+    assert_eq!(layout.remove_orphaned(&prefix), orphan_dirs.len());
+    assert!(orphan_dirs.iter().all(|d| !d.exists()), "{orphan_dirs:?}");
+    assert!(kept.dirs().all(|d| d.exists()));
+    kept.remove().unwrap();
+}

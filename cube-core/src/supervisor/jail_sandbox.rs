@@ -915,6 +915,9 @@ fn disconnect_agent(pid: i32) -> Result<(), String> {
     }
 }
 
+/// Pool jails' cgroups are this followed by their supervisor's pid.
+const POOL_CGROUP_PREFIX: &str = "pool-";
+
 /// A jail on the host template with its agent running, started by a pooled
 /// supervisor before anyone asked for it: adopting it costs a rename and a symlink
 /// instead of a jail start.
@@ -937,7 +940,18 @@ impl PrespawnedJail {
         let state_dir = cube_storage::scratch_entry_name("jail")
             .map(|n| scratch.join(n))
             .map_err(|e| error_chain(&e))?;
-        let name = format!("pool-{}", std::process::id());
+        // Pool jails' cgroups are named after their supervisor, so what a killed one
+        // left is recognisable: the first pooled jail of each supervisor sweeps it.
+        static SWEEP: std::sync::Once = std::sync::Once::new();
+        SWEEP.call_once(|| {
+            if let Ok(layout) = cube_jail::CgroupLayout::detect() {
+                let removed = layout.remove_orphaned(POOL_CGROUP_PREFIX);
+                if removed > 0 {
+                    tracing::info!(removed, "removed cgroups of killed pooled supervisors");
+                }
+            }
+        });
+        let name = format!("{POOL_CGROUP_PREFIX}{}", std::process::id());
         let config = jail_config(&name, &state_dir, &agent, &Settings::default(), None, None)?;
         let lifeline = Lifeline::new()?;
         let mut jail = Jail::spawn_with_fds(&config, AGENT_ARGV, &lifeline.fds())
