@@ -326,6 +326,19 @@ mod tests {
         assert!(missing.is_empty(), "no example in --help of: {missing:?}");
     }
 
+    /// The help of `cube sandbox create` states the engine's default pids limit.
+    #[test]
+    fn the_pids_default_in_help_is_the_engines() {
+        let mut cli = Cli::command();
+        let create = cli
+            .find_subcommand_mut("sandbox")
+            .and_then(|s| s.find_subcommand_mut("create"))
+            .expect("cube sandbox create exists");
+        let help = create.render_long_help().to_string();
+        let stated = format!("default: {} where", cube_core::DEFAULT_PIDS_MAX);
+        assert!(help.contains(&stated), "{help}");
+    }
+
     #[test]
     fn the_command_line_definition_is_consistent() {
         Cli::command().debug_assert();
