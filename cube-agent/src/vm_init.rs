@@ -132,7 +132,6 @@ fn ifreq(interface: &str) -> Result<libc::ifreq, VmInitError> {
     Ok(req)
 }
 
-/// Sets `interface`'s address and netmask (when given) and its IFF_UP flag.
 /// libc's SIOC* constants as the C library's `ioctl` takes its request: an unsigned
 /// long in glibc, an int in musl (the agent is built for either).
 #[allow(clippy::unnecessary_cast)]
@@ -141,6 +140,7 @@ fn ioctl_request(request: libc::c_ulong) -> libc::Ioctl {
     request as libc::Ioctl
 }
 
+/// Sets `interface`'s address and netmask (when given) and its IFF_UP flag.
 fn set_up(interface: &str, address: Option<([u8; 4], [u8; 4])>) -> Result<(), VmInitError> {
     use std::os::fd::AsRawFd;
     let socket = inet_socket(interface)?;
