@@ -290,6 +290,17 @@ impl Client {
         self.call_done(RequestBody::Kill { exec_id, signal })
     }
 
+    /// Writes to the standard input of an exec started with
+    /// [`RequestBody::ExecWithStdin`] on this connection.
+    pub fn write_stdin(&self, exec_id: u64, data: Vec<u8>) -> Result<(), ClientError> {
+        self.call_done(RequestBody::StdinWrite { exec_id, data })
+    }
+
+    /// Closes that standard input: the process reads end-of-file.
+    pub fn close_stdin(&self, exec_id: u64) -> Result<(), ClientError> {
+        self.call_done(RequestBody::StdinClose { exec_id })
+    }
+
     /// Waits for a background exec to end.
     pub fn wait(&self, exec_id: u64) -> Result<ExitInfo, ClientError> {
         match self.call(RequestBody::Wait { exec_id })? {

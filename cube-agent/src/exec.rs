@@ -10,7 +10,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::process::{ChildStdin, Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -49,6 +49,18 @@ pub enum ExecError {
     /// The exec has already ended.
     #[error("exec {0} has already ended")]
     NotRunning(u64),
+    /// The exec's standard input is closed, or was never kept open.
+    #[error("exec {0} has no open standard input")]
+    StdinClosed(u64),
+    /// Writing to the exec's standard input failed.
+    #[error("writing to the standard input of exec {id} failed")]
+    StdinWrite {
+        /// The exec.
+        id: u64,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// Switching user needs root.
     #[error("running as uid {uid} needs the agent to run as root")]
     NeedsRoot {
@@ -91,7 +103,10 @@ impl ExecError {
             }
             ExecError::IdInUse(_) => ErrorReply::new(ErrorCode::AlreadyExists, message),
             ExecError::NoSuchExec(_) => ErrorReply::new(ErrorCode::NoSuchExec, message),
-            ExecError::NotRunning(_) => ErrorReply::new(ErrorCode::NotRunning, message),
+            ExecError::NotRunning(_) | ExecError::StdinClosed(_) => {
+                ErrorReply::new(ErrorCode::NotRunning, message)
+            }
+            ExecError::StdinWrite { source, .. } => ErrorReply::from_io(source, message),
             ExecError::NeedsRoot { .. } => ErrorReply::new(ErrorCode::PermissionDenied, message),
             ExecError::Spawn {
                 source: ReaperError::Spawn(io),
@@ -121,6 +136,8 @@ pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
 struct Entry {
     pgid: Pid,
     background: bool,
+    /// The standard input of an exec started with it kept open; None once closed.
+    stdin: Mutex<Option<ChildStdin>>,
     exit: Mutex<Option<ExitInfo>>,
     ended: Condvar,
 }
@@ -168,12 +185,14 @@ impl ExecTable {
 
     /// Runs `req` under `key` to its end, emitting `Started` and output events; returns
     /// how it ended (the caller sends `Exited`). `base_env` is the sandbox-wide
-    /// environment.
+    /// environment. With `keep_stdin`, the process's standard input stays open after
+    /// `req.stdin` for [`ExecTable::write_stdin`] until [`ExecTable::close_stdin`].
     pub fn run(
         &self,
         key: ExecKey,
         req: &ExecRequest,
         base_env: &[(String, String)],
+        keep_stdin: bool,
         emit: Emit<'_>,
     ) -> Result<ExitInfo, ExecError> {
         let id = key.1;
@@ -184,10 +203,15 @@ impl ExecTable {
         if req.argv.iter().any(|a| a.contains('\0')) {
             return Err(ExecError::Invalid("argv contains a NUL byte"));
         }
+        if keep_stdin && !req.stdin.is_empty() {
+            return Err(ExecError::Invalid(
+                "an exec with its standard input kept open takes its input by StdinWrite",
+            ));
+        }
         let mut cmd = Command::new(program);
         cmd.args(&req.argv[1..])
             .env_clear()
-            .stdin(if req.stdin.is_empty() {
+            .stdin(if req.stdin.is_empty() && !keep_stdin {
                 Stdio::null()
             } else {
                 Stdio::piped()
@@ -232,7 +256,7 @@ impl ExecTable {
             if entries.contains_key(&key) {
                 return Err(ExecError::IdInUse(id));
             }
-            let (child, status) =
+            let (mut child, status) =
                 self.reaper
                     .spawn(&mut cmd)
                     .map_err(|source| ExecError::Spawn {
@@ -242,6 +266,8 @@ impl ExecTable {
             let entry = Arc::new(Entry {
                 pgid: Pid::from_raw(child.id() as i32),
                 background: req.background,
+                // In place before `Started` goes out, so a write right after finds it.
+                stdin: Mutex::new(if keep_stdin { child.stdin.take() } else { None }),
                 exit: Mutex::new(None),
                 ended: Condvar::new(),
             });
@@ -300,6 +326,7 @@ impl ExecTable {
         });
         *lock(&entry.exit) = Some(info);
         entry.ended.notify_all();
+        lock(&entry.stdin).take();
         if !entry.background || exit.is_none() {
             self.entries().remove(&key);
         }
@@ -322,6 +349,34 @@ impl ExecTable {
             return Err(ExecError::NotRunning(id));
         }
         killpg(entry.pgid, sig).map_err(|source| ExecError::Kill { id, source })
+    }
+
+    /// Writes `data` to the open standard input of a running exec (see
+    /// [`ExecTable::run`]'s `keep_stdin`); blocks while the process does not read.
+    pub fn write_stdin(&self, key: ExecKey, data: &[u8]) -> Result<(), ExecError> {
+        let id = key.1;
+        let entry = self
+            .entries()
+            .get(&key)
+            .cloned()
+            .ok_or(ExecError::NoSuchExec(id))?;
+        let mut stdin = lock(&entry.stdin);
+        let pipe = stdin.as_mut().ok_or(ExecError::StdinClosed(id))?;
+        pipe.write_all(data)
+            .and_then(|_| pipe.flush())
+            .map_err(|source| ExecError::StdinWrite { id, source })
+    }
+
+    /// Closes the open standard input of a running exec: the process reads end-of-file.
+    pub fn close_stdin(&self, key: ExecKey) -> Result<(), ExecError> {
+        let id = key.1;
+        let entry = self
+            .entries()
+            .get(&key)
+            .cloned()
+            .ok_or(ExecError::NoSuchExec(id))?;
+        let pipe = lock(&entry.stdin).take();
+        pipe.map(drop).ok_or(ExecError::StdinClosed(id))
     }
 
     /// Waits for an exec to end and returns how it ended; a background exec is
@@ -496,14 +551,20 @@ mod tests {
     fn run(table: &ExecTable, id: u64, r: &ExecRequest) -> (Vec<u8>, Vec<u8>, ExitInfo) {
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let exit = table
-            .run((0, id), r, &[("BASE".into(), "b".into())], &mut |body| {
-                match body {
-                    ResponseBody::Stdout(b) => out.extend(b),
-                    ResponseBody::Stderr(b) => err.extend(b),
-                    _ => {}
-                }
-                true
-            })
+            .run(
+                (0, id),
+                r,
+                &[("BASE".into(), "b".into())],
+                false,
+                &mut |body| {
+                    match body {
+                        ResponseBody::Stdout(b) => out.extend(b),
+                        ResponseBody::Stderr(b) => err.extend(b),
+                        _ => {}
+                    }
+                    true
+                },
+            )
             .unwrap();
         (out, err, exit)
     }
@@ -571,7 +632,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let t = Arc::clone(&table);
         let runner = std::thread::spawn(move || {
-            t.run((0, 3), &r, &[], &mut |body| {
+            t.run((0, 3), &r, &[], false, &mut |body| {
                 let _ = tx.send(body);
                 true
             })
@@ -596,16 +657,20 @@ mod tests {
     fn bad_requests_are_refused() {
         let table = ExecTable::new(Reaper::per_child());
         let err = table
-            .run((0, 4), &req(&[]), &[], &mut |_| true)
+            .run((0, 4), &req(&[]), &[], false, &mut |_| true)
             .unwrap_err();
         assert_eq!(err.to_reply().code, ErrorCode::InvalidArgument);
         let err = table
-            .run((0, 5), &req(&["/no/such/program"]), &[], &mut |_| true)
+            .run((0, 5), &req(&["/no/such/program"]), &[], false, &mut |_| {
+                true
+            })
             .unwrap_err();
         assert_eq!(err.to_reply().code, ErrorCode::NotFound);
         let mut r = req(&["true"]);
         r.cwd = Some("/no/such/dir".into());
-        let err = table.run((0, 6), &r, &[], &mut |_| true).unwrap_err();
+        let err = table
+            .run((0, 6), &r, &[], false, &mut |_| true)
+            .unwrap_err();
         assert_eq!(err.to_reply().code, ErrorCode::NotFound);
     }
 }

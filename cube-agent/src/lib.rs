@@ -17,4 +17,5 @@ pub mod reseed;
 pub mod run_code;
 pub mod server;
 pub mod transport;
+pub mod tunnel;
 pub mod vm_init;

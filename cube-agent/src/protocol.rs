@@ -20,7 +20,7 @@ pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// How many [`RequestBody`] variants this version knows; a larger variant index is an
 /// unknown message rather than a malformed one.
-pub const REQUEST_KINDS: u32 = 21;
+pub const REQUEST_KINDS: u32 = 27;
 
 /// One request from the host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -171,6 +171,40 @@ pub enum RequestBody {
         /// 16 to 512 bytes.
         #[serde(with = "serde_bytes")]
         entropy: Vec<u8>,
+    },
+    /// Like [`RequestBody::Exec`], but the process's standard input stays open after
+    /// `stdin` was written: [`RequestBody::StdinWrite`] feeds it and
+    /// [`RequestBody::StdinClose`] ends it (an interactive command, E2B's `stdin=True`).
+    ExecWithStdin(ExecRequest),
+    /// Writes bytes to the standard input of a running [`RequestBody::ExecWithStdin`]
+    /// exec of this connection. Answered by `Done` once written.
+    StdinWrite {
+        /// The id of the exec on this connection.
+        exec_id: u64,
+        /// The bytes.
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    /// Closes that standard input (the process reads end-of-file). Answered by `Done`.
+    StdinClose {
+        /// The id of the exec on this connection.
+        exec_id: u64,
+    },
+    /// Opens a TCP connection to `port` on the sandbox's loopback (what a server in
+    /// the sandbox listens on), carried over this stream: answered by `Started` (pid 0)
+    /// once connected, then `Stdout` events with the bytes the sandbox side sends, then
+    /// `Done` when it closes (or an error). The host sends [`RequestBody::TcpSend`]
+    /// under the same id; it is answered only when it fails.
+    TcpConnect {
+        /// The port inside the sandbox.
+        port: u16,
+    },
+    /// Bytes for the connection opened under the same id; an empty chunk shuts down
+    /// the writing side (the sandbox side reads end-of-file). Answered only on failure.
+    TcpSend {
+        /// The bytes.
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
     },
 }
 
@@ -574,7 +608,7 @@ mod tests {
     fn request_kinds_matches_the_last_variant() {
         let last = Request {
             id: 1,
-            body: RequestBody::ListContexts,
+            body: RequestBody::TcpSend { data: vec![] },
         };
         let bytes = postcard::to_allocvec(&last).unwrap();
         // id 1 is one varint byte; the variant index follows.

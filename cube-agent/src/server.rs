@@ -145,6 +145,8 @@ struct Connection {
     replies: Arc<Replies>,
     handshaken: bool,
     writes: HashMap<u64, WriteState>,
+    /// TCP connections into the sandbox carried on this stream, by request id.
+    tunnels: HashMap<u64, crate::tunnel::Tunnel>,
 }
 
 impl Agent {
@@ -240,6 +242,7 @@ impl Agent {
             }),
             handshaken: false,
             writes: HashMap::new(),
+            tunnels: HashMap::new(),
         };
         let mut reader = BufReader::with_capacity(256 * 1024, transport);
         // Declared after `reader`, so it drops first.
@@ -364,6 +367,50 @@ impl Agent {
                     }
                 };
             }
+            RequestBody::TcpConnect { port } => {
+                if conn.tunnels.contains_key(&id) {
+                    replies.error(
+                        id,
+                        ErrorCode::AlreadyExists,
+                        "a connection is already open under this id",
+                    );
+                    return;
+                }
+                conn.tunnels.retain(|_, t| t.is_open());
+                if conn.tunnels.len() >= crate::tunnel::MAX_TUNNELS {
+                    replies.error(id, ErrorCode::Busy, "too many connections on this stream");
+                    return;
+                }
+                let sink = Arc::clone(replies);
+                match crate::tunnel::Tunnel::open(port, move |body| sink.send(id, body)) {
+                    Ok(t) => {
+                        conn.tunnels.insert(id, t);
+                    }
+                    Err(e) => {
+                        replies.error(
+                            id,
+                            ErrorCode::Busy,
+                            format!("no thread for the connection: {e}"),
+                        );
+                    }
+                }
+            }
+            RequestBody::TcpSend { data } => match conn.tunnels.get(&id) {
+                Some(t) => {
+                    if data.is_empty() {
+                        t.shutdown_write();
+                    } else {
+                        t.send(data);
+                    }
+                }
+                None => {
+                    replies.error(
+                        id,
+                        ErrorCode::InvalidArgument,
+                        "no connection open under this id",
+                    );
+                }
+            },
             RequestBody::Kill { exec_id, signal } => {
                 let body = match self.inner.execs.kill((conn.number, exec_id), signal) {
                     Ok(()) => ResponseBody::Done,
@@ -464,6 +511,26 @@ impl Agent {
         }
     }
 
+    /// Runs a process under `id` of `connection` to its end.
+    fn exec(
+        &self,
+        connection: u64,
+        id: u64,
+        req: &crate::protocol::ExecRequest,
+        keep_stdin: bool,
+        emit: crate::exec::Emit<'_>,
+    ) -> ResponseBody {
+        let env = self.env_snapshot();
+        match self
+            .inner
+            .execs
+            .run((connection, id), req, &env, keep_stdin, emit)
+        {
+            Ok(exit) => ResponseBody::Exited(exit),
+            Err(e) => ResponseBody::Error(e.to_reply()),
+        }
+    }
+
     /// Runs one blocking request, emitting its events, and returns its final answer.
     fn run_blocking(
         &self,
@@ -478,14 +545,17 @@ impl Agent {
             Err(e) => ResponseBody::Error(e.to_reply()),
         };
         match body {
-            RequestBody::Exec(req) => {
-                let env = self.env_snapshot();
-                match self
-                    .inner
-                    .execs
-                    .run((connection, id), &req, &env, &mut emit)
-                {
-                    Ok(exit) => ResponseBody::Exited(exit),
+            RequestBody::Exec(req) => self.exec(connection, id, &req, false, &mut emit),
+            RequestBody::ExecWithStdin(req) => self.exec(connection, id, &req, true, &mut emit),
+            RequestBody::StdinWrite { exec_id, data } => {
+                match self.inner.execs.write_stdin((connection, exec_id), &data) {
+                    Ok(()) => ResponseBody::Done,
+                    Err(e) => ResponseBody::Error(e.to_reply()),
+                }
+            }
+            RequestBody::StdinClose { exec_id } => {
+                match self.inner.execs.close_stdin((connection, exec_id)) {
+                    Ok(()) => ResponseBody::Done,
                     Err(e) => ResponseBody::Error(e.to_reply()),
                 }
             }
@@ -557,7 +627,9 @@ impl Agent {
             | RequestBody::Reseed { .. }
             | RequestBody::WriteStart { .. }
             | RequestBody::WriteChunk { .. }
-            | RequestBody::WriteEnd { .. } => ResponseBody::Error(ErrorReply::new(
+            | RequestBody::WriteEnd { .. }
+            | RequestBody::TcpConnect { .. }
+            | RequestBody::TcpSend { .. } => ResponseBody::Error(ErrorReply::new(
                 ErrorCode::InvalidArgument,
                 "request kind not handled here",
             )),

@@ -826,3 +826,114 @@ fn listen_fd_that_is_not_a_listener_is_an_error() {
         .unwrap();
     assert!(!status.success());
 }
+
+#[test]
+fn exec_with_stdin_takes_input_until_closed() {
+    let agent = AgentProcess::start();
+    let client = agent.client();
+    let mut call = client
+        .start(RequestBody::ExecWithStdin(sh(
+            "while read l; do echo got:$l; done; echo eof",
+        )))
+        .unwrap();
+    assert!(matches!(
+        call.recv().unwrap(),
+        Some(ResponseBody::Started { .. })
+    ));
+    let write = |data: &[u8]| {
+        client.call(RequestBody::StdinWrite {
+            exec_id: call.id,
+            data: data.to_vec(),
+        })
+    };
+    assert_eq!(write(b"one\n").unwrap(), ResponseBody::Done);
+    assert_eq!(write(b"two\n").unwrap(), ResponseBody::Done);
+    assert_eq!(
+        client
+            .call(RequestBody::StdinClose { exec_id: call.id })
+            .unwrap(),
+        ResponseBody::Done
+    );
+    let mut out = Vec::new();
+    let exit = loop {
+        match call.recv().unwrap() {
+            Some(ResponseBody::Stdout(b)) => out.extend(b),
+            Some(ResponseBody::Exited(e)) => break e,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(String::from_utf8(out).unwrap(), "got:one\ngot:two\neof\n");
+    assert_eq!(exit.code, Some(0));
+    // Closed, then gone: both answered with errors, never a hang.
+    let err = agent_error(client.call(RequestBody::StdinWrite {
+        exec_id: call.id,
+        data: b"late".to_vec(),
+    }));
+    assert_eq!(err.code, ErrorCode::NoSuchExec);
+    // A plain exec has no input to write to.
+    let mut plain = client.start(RequestBody::Exec(sh("sleep 5"))).unwrap();
+    assert!(matches!(
+        plain.recv().unwrap(),
+        Some(ResponseBody::Started { .. })
+    ));
+    let err = agent_error(client.call(RequestBody::StdinWrite {
+        exec_id: plain.id,
+        data: b"x".to_vec(),
+    }));
+    assert_eq!(err.code, ErrorCode::NotRunning);
+    client.kill(plain.id, 9).unwrap();
+    // Initial bytes and an input kept open do not mix.
+    let err = agent_error(client.call(RequestBody::ExecWithStdin(ExecRequest {
+        stdin: b"x".to_vec(),
+        ..sh("cat")
+    })));
+    assert_eq!(err.code, ErrorCode::InvalidArgument);
+}
+
+#[test]
+fn tcp_connect_carries_a_connection_to_a_local_port() {
+    let agent = AgentProcess::start();
+    let client = agent.client();
+    // A server "inside the sandbox": this test's own loopback, as the agent sees it.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let server = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        let mut req = Vec::new();
+        conn.read_to_end(&mut req).unwrap();
+        conn.write_all(b"echo:").unwrap();
+        conn.write_all(&req).unwrap();
+    });
+    let mut call = client.start(RequestBody::TcpConnect { port }).unwrap();
+    assert!(matches!(
+        call.recv().unwrap(),
+        Some(ResponseBody::Started { pid: 0 })
+    ));
+    client
+        .send(
+            call.id,
+            RequestBody::TcpSend {
+                data: b"hello".to_vec(),
+            },
+        )
+        .unwrap();
+    client
+        .send(call.id, RequestBody::TcpSend { data: vec![] })
+        .unwrap();
+    let mut got = Vec::new();
+    loop {
+        match call.recv().unwrap() {
+            Some(ResponseBody::Stdout(b)) => got.extend(b),
+            Some(ResponseBody::Done) => break,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(got, b"echo:hello");
+    server.join().unwrap();
+    // Nothing listens on a port just freed: the error says so.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closed_port = free.local_addr().unwrap().port();
+    drop(free);
+    let err = agent_error(client.call(RequestBody::TcpConnect { port: closed_port }));
+    assert!(err.message.contains("connecting"), "{}", err.message);
+}
