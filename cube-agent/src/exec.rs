@@ -170,6 +170,13 @@ impl ExecTable {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn entry(&self, key: ExecKey) -> Result<Arc<Entry>, ExecError> {
+        self.entries()
+            .get(&key)
+            .cloned()
+            .ok_or(ExecError::NoSuchExec(key.1))
+    }
+
     /// How many execs have not ended.
     pub fn running(&self) -> usize {
         self.entries()
@@ -336,11 +343,7 @@ impl ExecTable {
     pub fn kill(&self, key: ExecKey, signal: i32) -> Result<(), ExecError> {
         let id = key.1;
         let sig = Signal::try_from(signal).map_err(|_| ExecError::BadSignal(signal))?;
-        let entry = self
-            .entries()
-            .get(&key)
-            .cloned()
-            .ok_or(ExecError::NoSuchExec(id))?;
+        let entry = self.entry(key)?;
         // The exit is recorded within one poll step of the leader being reaped, and
         // holding its lock orders this check before that record, so a group id is not
         // signalled once its exec is known to have ended.
@@ -355,11 +358,7 @@ impl ExecTable {
     /// [`ExecTable::run`]'s `keep_stdin`); blocks while the process does not read.
     pub fn write_stdin(&self, key: ExecKey, data: &[u8]) -> Result<(), ExecError> {
         let id = key.1;
-        let entry = self
-            .entries()
-            .get(&key)
-            .cloned()
-            .ok_or(ExecError::NoSuchExec(id))?;
+        let entry = self.entry(key)?;
         let mut stdin = lock(&entry.stdin);
         let pipe = stdin.as_mut().ok_or(ExecError::StdinClosed(id))?;
         pipe.write_all(data)
@@ -370,11 +369,7 @@ impl ExecTable {
     /// Closes the open standard input of a running exec: the process reads end-of-file.
     pub fn close_stdin(&self, key: ExecKey) -> Result<(), ExecError> {
         let id = key.1;
-        let entry = self
-            .entries()
-            .get(&key)
-            .cloned()
-            .ok_or(ExecError::NoSuchExec(id))?;
+        let entry = self.entry(key)?;
         let pipe = lock(&entry.stdin).take();
         pipe.map(drop).ok_or(ExecError::StdinClosed(id))
     }
@@ -382,12 +377,7 @@ impl ExecTable {
     /// Waits for an exec to end and returns how it ended; a background exec is
     /// forgotten once waited for.
     pub fn wait(&self, key: ExecKey) -> Result<ExitInfo, ExecError> {
-        let id = key.1;
-        let entry = self
-            .entries()
-            .get(&key)
-            .cloned()
-            .ok_or(ExecError::NoSuchExec(id))?;
+        let entry = self.entry(key)?;
         let mut exit = lock(&entry.exit);
         let info = loop {
             if let Some(info) = *exit {
