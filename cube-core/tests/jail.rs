@@ -599,3 +599,61 @@ fn supervisors_without_kvm_serve_jails() {
     assert!(message.contains("needs KVM"), "{message}");
     drop(rt);
 }
+
+#[test]
+fn usage_counts_the_memory_cpu_and_tasks_of_the_sandbox() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    let mut options = CreateOptions::new(true);
+    options.memory_mib = Some(512);
+    let mut sb = env.create(options);
+    let before = sb.usage().unwrap();
+    assert_eq!(before.memory_limit_bytes, Some(512 << 20));
+    let agent = sb.agent().unwrap();
+    // A process that holds 96 MiB, touched, while the usage is read.
+    let mut hold = agent
+        .start(RequestBody::Exec(ExecRequest {
+            argv: vec![
+                "python3".into(),
+                "-c".into(),
+                "import sys, time\nb = bytearray(96 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\n\
+                 print('held', flush=True)\ntime.sleep(30)"
+                    .into(),
+            ],
+            ..ExecRequest::default()
+        }))
+        .unwrap();
+    loop {
+        match hold.recv().unwrap() {
+            Some(cube_agent::protocol::ResponseBody::Stdout(b))
+                if String::from_utf8_lossy(&b).contains("held") =>
+            {
+                break
+            }
+            Some(cube_agent::protocol::ResponseBody::Exited(e)) => panic!("exited: {e:?}"),
+            _ => {}
+        }
+    }
+    let during = sb.usage().unwrap();
+    assert!(
+        during.memory_bytes >= 96 << 20,
+        "{} bytes charged while 96 MiB are held",
+        during.memory_bytes
+    );
+    let (before_cpu, during_cpu) = (before.cpu_time_ns.unwrap(), during.cpu_time_ns.unwrap());
+    assert!(during_cpu > before_cpu, "{before_cpu} -> {during_cpu} ns");
+    if let Some(tasks) = during.tasks {
+        assert!(
+            tasks >= 2,
+            "{tasks} tasks with the agent and python running"
+        );
+    }
+    assert!(during.cpus >= 1);
+    agent.kill(hold.id, 9).unwrap();
+    drop(agent);
+    sb.hibernate().unwrap();
+    assert_eq!(sb.usage().unwrap(), cube_core::ResourceUsage::default());
+    sb.destroy().unwrap();
+}

@@ -56,12 +56,14 @@
 pub mod metadata;
 pub mod network;
 mod runtime;
+pub mod usage;
 
 use std::path::{Path, PathBuf};
 
 pub use metadata::{Engine, EngineChoice, SandboxMeta, SnapshotKind, SnapshotMeta, TemplateMeta};
 pub use network::{NetworkCounters, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
 pub use runtime::{CreateOptions, Runtime, RuntimeConfig};
+pub use usage::ResourceUsage;
 
 /// The built-in jail template: the host's own userland (with its python3), read-only,
 /// under a per-sandbox writable layer. Always listed, nothing to build.
@@ -318,6 +320,26 @@ impl Sandbox {
             Response::Status(s) => Ok(s),
             other => Err(self.unexpected(other)),
         }
+    }
+
+    /// What the sandbox uses now: a jail's counters from its cgroups, a VM's from its
+    /// supervisor process. A hibernated sandbox uses nothing (all zero).
+    pub fn usage(&mut self) -> Result<ResourceUsage, SandboxError> {
+        let status = self.status()?;
+        if matches!(
+            status.status,
+            crate::supervisor::protocol::MachineStatus::Hibernated
+        ) {
+            return Ok(ResourceUsage::default());
+        }
+        Ok(match &status.jail {
+            Some(jail) => usage::from_cgroups(&jail.cgroups),
+            None => usage::from_supervisor(
+                status.pid,
+                status.rss_kib,
+                status.config.map(|c| u32::from(c.vcpus)).unwrap_or(1),
+            ),
+        })
     }
 
     /// Stops the vCPUs (VM) or freezes every process (jail); memory stays.

@@ -315,6 +315,34 @@ impl Runtime {
         Ok(all)
     }
 
+    /// Removes snapshot `id` and its files. Sandboxes created from it keep running (a
+    /// jail's layer was cloned, a VM's memory stays mapped), but no sandbox can roll
+    /// back to it any more.
+    ///
+    /// ```
+    /// use cube_core::{Runtime, RuntimeConfig, SandboxError};
+    ///
+    /// let store = tempfile::tempdir().unwrap();
+    /// let rt = Runtime::open(RuntimeConfig {
+    ///     store_root: store.path().into(),
+    ///     pool_size: 0,
+    ///     network_pool_size: 0,
+    ///     supervisor: Some("/usr/local/bin/cube-supervisor".into()),
+    /// })
+    /// .unwrap();
+    /// assert!(matches!(
+    ///     rt.remove_snapshot("snap-0000000000000000"),
+    ///     Err(SandboxError::UnknownSnapshot(_))
+    /// ));
+    /// ```
+    pub fn remove_snapshot(&self, id: &str) -> Result<(), SandboxError> {
+        let dir = self.store.snapshot_dir(id)?;
+        if !dir.join(SNAPSHOT_META).is_file() {
+            return Err(SandboxError::UnknownSnapshot(id.to_string()));
+        }
+        std::fs::remove_dir_all(&dir).map_err(io_error(format!("removing {}", dir.display())))
+    }
+
     /// Removes a template. A VM template's running sandboxes keep their mappings of
     /// it; a jail template whose tree lies under a sandbox's root (or under a snapshot
     /// a sandbox can be cloned from) is refused with the sandboxes that use it.
