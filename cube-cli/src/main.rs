@@ -10,6 +10,7 @@ mod net_cmd;
 pub mod progress;
 mod run_cmd;
 mod sandbox_cmd;
+mod serve_cmd;
 mod store_cmd;
 mod table;
 mod template_build_cmd;
@@ -91,6 +92,10 @@ enum Command {
     ///
     /// Example: cube code '1+1'
     Code(run_cmd::CodeArgs),
+    /// Serve E2B's API: E2B's SDKs create and drive Cube sandboxes through it.
+    ///
+    /// Example: CUBE_API_KEY=... cube serve --listen 127.0.0.1:3000
+    Serve(serve_cmd::ServeArgs),
     /// Look inside the VMM.
     ///
     /// Example: cube debug boot --kernel vmlinux --until 'Linux version'
@@ -129,6 +134,7 @@ fn main() -> ExitCode {
         Command::Run(args) => run_cmd::run(store, &args),
         Command::Code(args) => run_cmd::code(store, &args),
         Command::Debug(cmd) => debug_cmd::run(cmd).map(|()| 0),
+        Command::Serve(args) => serve_cmd::run(store, &args),
         Command::Completions { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "cube", &mut std::io::stdout());
             Ok(0)
