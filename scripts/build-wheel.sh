@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Builds the `cubesandbox` wheel: first the helper programs a sandbox needs
 # (cube-supervisor, cube-agent), copied into the package so that `pip install` alone is
-# enough, then the abi3 extension with maturin. The wheel lands in target/wheels/
+# enough, then the abi3 extension with maturin. (A plain `maturin build` or
+# `pip install ./cube-py` works too: cube-py's build script then builds the helpers in
+# a target directory of its own; this script reuses the workspace's build instead.) The wheel lands in target/wheels/
 # (under $CARGO_TARGET_DIR when that is set).
 #
 #   scripts/build-wheel.sh            # release build
@@ -44,5 +46,6 @@ fi
 
 echo "build-wheel: wheel"
 rm -f "$target"/wheels/cubesandbox-*.whl
-"$maturin" build "${maturin_flags[@]}" "${locked[@]}" -m cube-py/Cargo.toml --out "$target/wheels"
+# The helpers are in place: cube-py's build script need not build them again.
+CUBE_PY_HELPERS=prebuilt "$maturin" build "${maturin_flags[@]}" "${locked[@]}" -m cube-py/Cargo.toml --out "$target/wheels"
 ls -1 "$target"/wheels/cubesandbox-*.whl

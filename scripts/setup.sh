@@ -56,6 +56,9 @@ install -m 0755 target/static/release/cube target/release/cube-supervisor target
 echo "setup: python package tools"
 bash scripts/setup-python.sh
 
+echo "setup: cube serve's SDK suite (openssl, *.localhost names, chromium)"
+bash scripts/setup-serve.sh
+
 echo "setup: store"
 # The store must reflink for fast snapshots; on ext4 (as here) it gets an XFS image
 # on a loop device. `cube store setup` is a no-op where the store already reflinks.

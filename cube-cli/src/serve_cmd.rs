@@ -37,6 +37,9 @@ pub struct ServeArgs {
     /// The certificate's PEM private key.
     #[arg(long, requires = "tls_cert")]
     tls_key: Option<PathBuf>,
+    /// Serve HTTPS here too, beside the plain --listen (repeatable; needs --tls-cert).
+    #[arg(long, requires = "tls_cert")]
+    tls_listen: Vec<SocketAddr>,
 }
 
 /// Runs the service until Ctrl-C or SIGTERM; sandboxes keep running afterwards.
@@ -55,6 +58,7 @@ pub fn run(store: Option<&Path>, args: &ServeArgs) -> Result<u8, CliError> {
             }),
             _ => None,
         },
+        tls_listen: args.tls_listen.clone(),
     };
     let config = ServeConfig::load(args.config.as_deref(), overrides)
         .map_err(|e| CliError::usage(cube_server::error::error_chain(&e)))?;

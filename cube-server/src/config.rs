@@ -18,7 +18,8 @@
 //! code-interpreter-v1 = "host"
 //! python-data = "my-built-template"
 //!
-//! [tls]
+//! [tls]                               # the main listener serves HTTPS, or
+//! # tls_listen = ["127.0.0.1:443"]    # (top level) these do, beside a plain `listen`
 //! cert = "/etc/cube/tls/cert.pem"
 //! key = "/etc/cube/tls/key.pem"
 //! ```
@@ -108,6 +109,10 @@ pub struct FileConfig {
     pub templates: BTreeMap<String, String>,
     /// TLS for the main listener.
     pub tls: Option<TlsFiles>,
+    /// Further listeners that serve the same as the main one over TLS (e.g. port 443
+    /// for `https://<port>-<sandboxID>.<domain>` while `listen` stays plain HTTP).
+    #[serde(default)]
+    pub tls_listen: Vec<SocketAddr>,
 }
 
 /// The settings in force.
@@ -138,8 +143,10 @@ pub struct ServeConfig {
     /// E2B template names to Cube templates (`base` and `code-interpreter-v1` map to
     /// the host template unless set otherwise).
     pub templates: BTreeMap<String, String>,
-    /// TLS for the main listener.
+    /// TLS for the main listener, or for `tls_listen` when that is set.
     pub tls: Option<TlsFiles>,
+    /// TLS listeners beside a plain main listener.
+    pub tls_listen: Vec<SocketAddr>,
     /// The store (None: Cube's default).
     pub store: Option<PathBuf>,
 }
@@ -161,6 +168,8 @@ pub struct CliOverrides {
     pub store: Option<PathBuf>,
     /// `--tls-cert` and `--tls-key`.
     pub tls: Option<TlsFiles>,
+    /// `--tls-listen`.
+    pub tls_listen: Vec<SocketAddr>,
 }
 
 /// Where E2B's default templates go: Cube's built-in jail template.
@@ -225,6 +234,13 @@ impl ServeConfig {
                 "max_concurrent_creates must be at least 1".into(),
             ));
         }
+        if !file.tls_listen.is_empty() || !cli.tls_listen.is_empty() {
+            if cli.tls.is_none() && file.tls.is_none() {
+                return Err(ConfigError::Invalid(
+                    "tls_listen needs a certificate and key (tls.cert, tls.key)".into(),
+                ));
+            }
+        }
         let listen = cli
             .listen
             .or(file.listen)
@@ -246,6 +262,11 @@ impl ServeConfig {
             pool_size: file.pool_size.unwrap_or(2),
             templates,
             tls: cli.tls.or(file.tls),
+            tls_listen: if cli.tls_listen.is_empty() {
+                file.tls_listen
+            } else {
+                cli.tls_listen
+            },
             store: cli.store,
         })
     }

@@ -30,6 +30,7 @@ pub mod config;
 pub mod control;
 pub mod envd;
 pub mod error;
+pub mod http_client;
 pub mod ids;
 pub mod lifecycle;
 pub mod metrics;
@@ -110,6 +111,14 @@ pub async fn serve_with(
         ),
         None => None,
     };
+    let mut extra_tls = Vec::new();
+    for addr in &config.tls_listen {
+        extra_tls.push(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|e| ServeError::Bind(*addr, e))?,
+        );
+    }
     let main_addr = listener
         .local_addr()
         .map_err(|e| ServeError::Bind(config.listen, e))?;
@@ -129,33 +138,117 @@ pub async fn serve_with(
     tracing::info!(listen = %main_addr, admin = ?admin_addr, tls = tls.is_some(), "cube serve ready");
     let reaper = tokio::spawn(lifecycle::reap(Arc::clone(&service)));
     let control = control::router(Arc::clone(&service));
-    let main_svc = {
+    let main_svc: Main = {
         let service = Arc::clone(&service);
-        tower::service_fn(move |req: Request<hyper::body::Incoming>| {
-            let (service, control) = (Arc::clone(&service), control.clone());
-            async move {
-                Ok::<_, std::convert::Infallible>(
-                    plane::dispatch(service, control, req.map(Body::new)).await,
-                )
-            }
-        })
+        tower::util::BoxCloneSyncService::new(tower::service_fn(
+            move |req: Request<hyper::body::Incoming>| {
+                let (service, control) = (Arc::clone(&service), control.clone());
+                async move {
+                    Ok::<_, std::convert::Infallible>(
+                        plane::dispatch(service, control, req.map(Body::new)).await,
+                    )
+                }
+            },
+        ))
     };
     let admin_router = admin::router(Arc::clone(&service));
-    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    tokio::pin!(shutdown);
+    let graceful = Arc::new(hyper_util::server::graceful::GracefulShutdown::new());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut acceptors = Vec::new();
+    let main_kind = match &tls {
+        Some(acceptor) if extra_tls.is_empty() => Kind::Tls(acceptor.clone()),
+        _ => Kind::Plain,
+    };
+    acceptors.push(tokio::spawn(accept_loop(
+        listener,
+        main_kind,
+        Handler::Main(main_svc.clone()),
+        Arc::clone(&graceful),
+        stop_rx.clone(),
+    )));
+    if let Some(acceptor) = &tls {
+        for l in extra_tls {
+            acceptors.push(tokio::spawn(accept_loop(
+                l,
+                Kind::Tls(acceptor.clone()),
+                Handler::Main(main_svc.clone()),
+                Arc::clone(&graceful),
+                stop_rx.clone(),
+            )));
+        }
+    }
+    if let Some(l) = admin_listener {
+        acceptors.push(tokio::spawn(accept_loop(
+            l,
+            Kind::Plain,
+            Handler::<Main>::Admin(admin_router),
+            Arc::clone(&graceful),
+            stop_rx.clone(),
+        )));
+    }
+    shutdown.await;
+    let _ = stop_tx.send(true);
+    for a in acceptors {
+        let _ = a.await;
+    }
+    tracing::info!("shutting down: sandboxes keep running");
+    reaper.abort();
+    // Every accept loop has ended and dropped its handle.
+    if let Ok(graceful) = Arc::try_unwrap(graceful) {
+        if tokio::time::timeout(DRAIN, graceful.shutdown())
+            .await
+            .is_err()
+        {
+            tracing::warn!("requests still under way after {DRAIN:?}; closing them");
+        }
+    }
+    Ok(())
+}
+
+use tower::ServiceExt as _;
+
+/// The main listener's request handler.
+type Main = tower::util::BoxCloneSyncService<
+    Request<hyper::body::Incoming>,
+    axum::response::Response,
+    std::convert::Infallible,
+>;
+
+/// How a listener's connections start.
+#[derive(Clone)]
+enum Kind {
+    Plain,
+    Tls(tokio_rustls::TlsAcceptor),
+}
+
+/// What serves a listener's requests.
+#[derive(Clone)]
+enum Handler<S> {
+    Main(S),
+    Admin(axum::Router),
+}
+
+/// Accepts connections until `stop` turns true; each is served under `watcher`.
+async fn accept_loop<S>(
+    listener: TcpListener,
+    kind: Kind,
+    handler: Handler<S>,
+    graceful: Arc<hyper_util::server::graceful::GracefulShutdown>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) where
+    S: tower::Service<
+            Request<hyper::body::Incoming>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
     loop {
         let accepted = tokio::select! {
-            a = listener.accept() => Some((a, false)),
-            a = async {
-                match &admin_listener {
-                    Some(l) => l.accept().await,
-                    None => std::future::pending().await,
-                }
-            } => Some((a, true)),
-            _ = &mut shutdown => None,
-        };
-        let Some((accepted, is_admin)) = accepted else {
-            break;
+            a = listener.accept() => a,
+            _ = stop.changed() => return,
         };
         let (stream, peer) = match accepted {
             Ok(a) => a,
@@ -166,66 +259,56 @@ pub async fn serve_with(
             }
         };
         let _ = stream.set_nodelay(true);
-        if is_admin {
-            let svc = hyper_util::service::TowerToHyperService::new(
-                admin_router
-                    .clone()
-                    .map_request(|r: Request<hyper::body::Incoming>| r.map(Body::new)),
-            );
-            let conn = auto::Builder::new(TokioExecutor::new())
-                .serve_connection_with_upgrades(TokioIo::new(stream), svc)
-                .into_owned();
-            let conn = graceful.watch(conn);
-            tokio::spawn(async move {
-                if let Err(e) = conn.await {
-                    tracing::debug!(%peer, error = %e, "admin connection ended");
-                }
-            });
-            continue;
-        }
-        let svc = hyper_util::service::TowerToHyperService::new(main_svc.clone());
-        match &tls {
-            None => {
-                let conn = auto::Builder::new(TokioExecutor::new())
-                    .serve_connection_with_upgrades(TokioIo::new(stream), svc)
-                    .into_owned();
-                let conn = graceful.watch(conn);
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(%peer, error = %e, "connection ended");
+        let (kind, handler, watcher) = (kind.clone(), handler.clone(), graceful.watcher());
+        tokio::spawn(async move {
+            let result = match kind {
+                Kind::Plain => serve_connection(TokioIo::new(stream), handler, watcher).await,
+                Kind::Tls(acceptor) => match acceptor.accept(stream).await {
+                    Ok(s) => serve_connection(TokioIo::new(s), handler, watcher).await,
+                    Err(e) => {
+                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                        return;
                     }
-                });
+                },
+            };
+            if let Err(e) = result {
+                tracing::debug!(%peer, error = %e, "connection ended");
             }
-            Some(acceptor) => {
-                let acceptor = acceptor.clone();
-                let watcher = graceful.watcher();
-                tokio::spawn(async move {
-                    let tls_stream = match acceptor.accept(stream).await {
-                        Ok(s) => s,
-                        Err(e) => {
-                            tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                            return;
-                        }
-                    };
-                    let conn = auto::Builder::new(TokioExecutor::new())
-                        .serve_connection_with_upgrades(TokioIo::new(tls_stream), svc)
-                        .into_owned();
-                    if let Err(e) = watcher.watch(conn).await {
-                        tracing::debug!(%peer, error = %e, "connection ended");
-                    }
-                });
-            }
-        }
+        });
     }
-    tracing::info!("shutting down: sandboxes keep running");
-    reaper.abort();
-    if tokio::time::timeout(DRAIN, graceful.shutdown())
-        .await
-        .is_err()
-    {
-        tracing::warn!("requests still under way after {DRAIN:?}; closing them");
-    }
-    Ok(())
 }
 
-use tower::ServiceExt as _;
+async fn serve_connection<I, S>(
+    io: I,
+    handler: Handler<S>,
+    watcher: hyper_util::server::graceful::Watcher,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: tower::Service<
+            Request<hyper::body::Incoming>,
+            Response = axum::response::Response,
+            Error = std::convert::Infallible,
+        > + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+{
+    let builder = auto::Builder::new(TokioExecutor::new());
+    match handler {
+        Handler::Main(svc) => {
+            let svc = hyper_util::service::TowerToHyperService::new(svc);
+            watcher
+                .watch(builder.serve_connection_with_upgrades(io, svc).into_owned())
+                .await
+        }
+        Handler::Admin(router) => {
+            let svc = hyper_util::service::TowerToHyperService::new(
+                router.map_request(|r: Request<hyper::body::Incoming>| r.map(Body::new)),
+            );
+            watcher
+                .watch(builder.serve_connection_with_upgrades(io, svc).into_owned())
+                .await
+        }
+    }
+}

@@ -1,8 +1,9 @@
 //! One origin serves both planes. A request belongs to a sandbox when it names one (the
 //! `E2b-Sandbox-Id`/`E2b-Sandbox-Port` headers the SDKs send with `E2B_SANDBOX_URL`, or
 //! a `<port>-<sandboxID>.<domain>` host name) or carries a sandbox token without an API
-//! key (older code-interpreter SDKs send only `X-Access-Token`); everything else is
-//! the control plane and needs an API key.
+//! key (older code-interpreter SDKs send only `X-Access-Token`), unless it carries an API
+//! key to a control-plane path (older SDKs send the sandbox headers on `connect`);
+//! everything else is the control plane and needs an API key.
 //!
 //! Sandbox traffic must carry that sandbox's envd access token (`X-Access-Token`) or
 //! its traffic token (`E2B-Traffic-Access-Token`), or, for `/files`, a URL signed with
@@ -111,8 +112,14 @@ async fn route(service: Arc<Service>, control: axum::Router, req: Request<Body>)
     let has_key = header(headers, "x-api-key").is_some();
     let signed =
         req.uri().path() == "/files" && req.uri().query().is_some_and(|q| q.contains("signature="));
-    let sandbox_plane =
-        by_header.is_some() || by_host.is_some() || (!has_key && (token.is_some() || signed));
+    // Older SDKs send the sandbox headers on control-plane calls too (connect): a
+    // request with an API key to a control-plane path is the control plane's.
+    let p = req.uri().path();
+    let control_path = ["/sandboxes", "/v2/", "/snapshots", "/templates"]
+        .iter()
+        .any(|prefix| p.starts_with(prefix));
+    let sandbox_plane = !(has_key && control_path)
+        && (by_header.is_some() || by_host.is_some() || (!has_key && (token.is_some() || signed)));
     if !sandbox_plane {
         if let Err(e) = crate::control::authorized(&service, headers) {
             return e.into_response();

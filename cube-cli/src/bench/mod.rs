@@ -5,6 +5,7 @@ mod floor;
 mod jail;
 mod linux_guest;
 mod network;
+mod serve;
 mod stats;
 
 use std::path::Path;
@@ -35,6 +36,10 @@ pub struct BenchArgs {
     /// Cube's eBPF NAT against a plain veth path, in namespaces of its own.
     #[arg(long)]
     network: bool,
+    /// Measure `cube serve` instead: creates through its HTTP API against library
+    /// creates in the same run (p50/p95, the overhead), and 50 API creates at once.
+    #[arg(long)]
+    serve: bool,
     /// Guest memory in MiB (the reference spec is 2 GiB).
     #[arg(long, default_value_t = 2048)]
     memory_mib: u64,
@@ -158,6 +163,9 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
     let root = store_root(store)?;
     if args.network {
         return network::run(&root, args.quick, args.json);
+    }
+    if args.serve {
+        return serve::run(&root, args.quick, args.json);
     }
     if args.engine == "jail" {
         return jail::run(&root, if args.quick { 10 } else { 30 }, args.json);
