@@ -74,7 +74,9 @@ for addr in 127.0.0.1:443 '[::1]:443'; do
 done
 [ "$https" = 1 ] || echo "test-e2b-sdks: port 443 is taken: the 2.21.0 code-interpreter tests will fail to connect" >&2
 
-CUBE_LOG="${CUBE_LOG:-warn}" CUBE_API_KEY="$key" "$cube" --store "$store" serve \
+# Room for the 50 concurrent creates of the suite (the defaults allow 16 at once).
+printf 'max_concurrent_creates = 64\nmax_sandboxes = 128\n' > "$work/serve.toml"
+CUBE_LOG="${CUBE_LOG:-warn}" CUBE_API_KEY="$key" "$cube" --store "$store" serve --config "$work/serve.toml" \
     --listen "127.0.0.1:$port" --admin-listen "127.0.0.1:$admin" --domain cube.localhost \
     --tls-cert "$work/tls.pem" --tls-key "$work/tls.key" "${tls_args[@]}" \
     > "$work/serve.log" 2>&1 &
@@ -114,7 +116,7 @@ PYTEST_ARGS=("$@")
 # E2B_SDKS picks some of the three (default: all).
 sdks=" ${E2B_SDKS:-newest 2.21.0 js} "
 if [[ $sdks == *" newest "* ]]; then
-    run_python newest "e2b e2b-code-interpreter" E2B_SANDBOX_URL="http://127.0.0.1:$port"
+    run_python newest "e2b e2b-code-interpreter" E2B_SANDBOX_URL="http://127.0.0.1:$port" CUBE_FIFTY=1
 fi
 if [[ $sdks == *" 2.21.0 "* ]]; then
     run_python 2.21.0 "e2b==2.21.0 e2b-code-interpreter" E2B_DOMAIN=cube.localhost SSL_CERT_FILE="$work/ca.pem"

@@ -175,11 +175,10 @@ struct ExecuteBody {
 fn python_env(vars: &BTreeMap<String, String>, restore: bool) -> String {
     let pairs = serde_json::to_string(vars).unwrap_or_else(|_| "{}".into());
     if restore {
-        format!(
-            "import os as __cube_os\nfor __k, __v in __cube_saved_env.items():\n    \
-             __cube_os.environ.pop(__k, None) if __v is None else __cube_os.environ.__setitem__(__k, __v)\n\
-             del __cube_saved_env, __cube_os"
-        )
+        "import os as __cube_os\nfor __k, __v in __cube_saved_env.items():\n    \
+         __cube_os.environ.pop(__k, None) if __v is None else __cube_os.environ.__setitem__(__k, __v)\n\
+         del __cube_saved_env, __cube_os"
+            .to_string()
     } else {
         format!(
             "import os as __cube_os, json as __cube_json\n__cube_new = __cube_json.loads({pairs:?})\n\

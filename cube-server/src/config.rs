@@ -234,12 +234,13 @@ impl ServeConfig {
                 "max_concurrent_creates must be at least 1".into(),
             ));
         }
-        if !file.tls_listen.is_empty() || !cli.tls_listen.is_empty() {
-            if cli.tls.is_none() && file.tls.is_none() {
-                return Err(ConfigError::Invalid(
-                    "tls_listen needs a certificate and key (tls.cert, tls.key)".into(),
-                ));
-            }
+        if (!file.tls_listen.is_empty() || !cli.tls_listen.is_empty())
+            && cli.tls.is_none()
+            && file.tls.is_none()
+        {
+            return Err(ConfigError::Invalid(
+                "tls_listen needs a certificate and key (tls.cert, tls.key)".into(),
+            ));
         }
         let listen = cli
             .listen

@@ -248,33 +248,36 @@ fn engine_choice(name: Option<&str>) -> Result<EngineChoice, ApiError> {
     }
 }
 
-/// A new record for a sandbox just made.
-fn new_record(
-    id: String,
+/// What a new sandbox's record says besides its id, times and tokens.
+struct NewRecord {
     template: String,
-    timeout: Duration,
     on_timeout: OnTimeout,
     auto_resume: bool,
     metadata: BTreeMap<String, String>,
     memory_mib: u64,
     networked: bool,
-) -> Result<Record, ApiError> {
-    let now = now_ms();
-    Ok(Record {
-        id,
-        template,
-        started_ms: now,
-        end_ms: now + timeout.as_millis() as u64,
-        envd_token: new_token()?,
-        traffic_token: new_token()?,
-        on_timeout,
-        auto_resume,
-        paused: None,
-        metadata,
-        memory_mib,
-        networked,
-        contexts: BTreeMap::new(),
-    })
+}
+
+impl NewRecord {
+    /// The record of sandbox `id`, ending `timeout` from now, with fresh tokens.
+    fn record(self, id: String, timeout: Duration) -> Result<Record, ApiError> {
+        let now = now_ms();
+        Ok(Record {
+            id,
+            template: self.template,
+            started_ms: now,
+            end_ms: now + timeout.as_millis() as u64,
+            envd_token: new_token()?,
+            traffic_token: new_token()?,
+            on_timeout: self.on_timeout,
+            auto_resume: self.auto_resume,
+            paused: None,
+            metadata: self.metadata,
+            memory_mib: self.memory_mib,
+            networked: self.networked,
+            contexts: BTreeMap::new(),
+        })
+    }
 }
 
 async fn create(State(service): Svc, raw: Bytes) -> Result<Response, ApiError> {
@@ -326,20 +329,19 @@ async fn create(State(service): Svc, raw: Bytes) -> Result<Response, ApiError> {
         }
     };
     service.metrics.create_done(started.elapsed());
-    let record = new_record(
-        id,
-        req.template_id.clone(),
-        timeout,
-        if req.auto_pause == Some(true) {
+    let record = NewRecord {
+        template: req.template_id.clone(),
+        on_timeout: if req.auto_pause == Some(true) {
             OnTimeout::Pause
         } else {
             OnTimeout::Kill
         },
-        req.auto_resume.map(|a| a.enabled).unwrap_or(false),
-        req.metadata.unwrap_or_default(),
-        req.memory_mb.unwrap_or(0),
+        auto_resume: req.auto_resume.map(|a| a.enabled).unwrap_or(false),
+        metadata: req.metadata.unwrap_or_default(),
+        memory_mib: req.memory_mb.unwrap_or(0),
         networked,
-    )?;
+    }
+    .record(id, timeout)?;
     let entry = service.insert(record.clone());
     if let Err(e) = service.save(&entry) {
         destroy_quietly(&service, &entry).await;
@@ -374,34 +376,9 @@ fn metadata_filter(q: &str) -> BTreeMap<String, String> {
     q.split('&')
         .filter_map(|pair| {
             let (k, v) = pair.split_once('=')?;
-            Some((percent_decode(k), percent_decode(v)))
+            Some((crate::plane::decode(k), crate::plane::decode(v)))
         })
         .collect()
-}
-
-fn percent_decode(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' if i + 2 < bytes.len() => {
-                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("");
-                match u8::from_str_radix(hex, 16) {
-                    Ok(b) => {
-                        out.push(b);
-                        i += 3;
-                        continue;
-                    }
-                    Err(_) => out.push(b'%'),
-                }
-            }
-            b'+' => out.push(b' '),
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 fn filtered(service: &Service, q: &ListQuery) -> Result<Vec<Record>, ApiError> {
@@ -697,16 +674,15 @@ async fn fork(
         match task.await {
             Ok(new_id) => {
                 service.metrics.create_done(started.elapsed());
-                let record = new_record(
-                    new_id,
-                    source.template.clone(),
-                    timeout,
-                    source.on_timeout,
-                    source.auto_resume,
-                    source.metadata.clone(),
-                    source.memory_mib,
-                    false,
-                )?;
+                let record = NewRecord {
+                    template: source.template.clone(),
+                    on_timeout: source.on_timeout,
+                    auto_resume: source.auto_resume,
+                    metadata: source.metadata.clone(),
+                    memory_mib: source.memory_mib,
+                    networked: false,
+                }
+                .record(new_id, timeout)?;
                 let forked = service.insert(record.clone());
                 service.save(&forked)?;
                 results.push(json!({ "sandbox": sandbox_json(&service, &record) }));
@@ -935,8 +911,8 @@ mod tests {
         let m = metadata_filter("team%20a=x%3Dy&k=v");
         assert_eq!(m["team a"], "x=y");
         assert_eq!(m["k"], "v");
-        assert_eq!(percent_decode("%zz"), "%zz");
-        assert_eq!(percent_decode("%4"), "%4");
+        assert_eq!(crate::plane::decode("%zz"), "%zz");
+        assert_eq!(crate::plane::decode("%4"), "%4");
     }
 
     #[test]

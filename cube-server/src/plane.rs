@@ -55,7 +55,8 @@ fn serde_urlencoded_pairs(q: &str) -> Vec<(String, String)> {
         .collect()
 }
 
-fn decode(s: &str) -> String {
+/// Percent-decodes a query component (`+` is a space, as in forms).
+pub(crate) fn decode(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;

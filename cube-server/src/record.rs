@@ -1,8 +1,8 @@
 //! What the service remembers of each sandbox beyond what Cube's store holds: its end
 //! time, what happens then, its access tokens, how it was paused. One JSON file per
 //! sandbox under `<store>/serve/`, readable by root only (it holds the tokens), written
-//! by rename so a crash never leaves half a record; a restarted `cube serve` reads them
-//! back and keeps every deadline.
+//! by rename so a crash of the server never leaves half a record; a restarted
+//! `cube serve` reads them back and keeps every deadline.
 
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -116,7 +116,9 @@ impl RecordStore {
                 .mode(0o600)
                 .open(&tmp)?;
             f.write_all(&data)?;
-            f.sync_data()?;
+            // No sync: a sandbox does not outlive a host restart (its supervisor does
+            // not), so neither need its record; the rename alone keeps a crash of the
+            // server from leaving half a record, and keeps fsync off the create path.
             std::fs::rename(&tmp, &path)
         };
         write().map_err(|e| RecordError::Io(format!("Writing {}", path.display()), e))

@@ -219,3 +219,23 @@ def test_eight_concurrent_async_sandboxes():
 
     results = asyncio.run(main())
     assert results == [(f"sandbox-{i}", str(i)) for i in range(8)]
+
+
+@pytest.mark.skipif(os.environ.get("CUBE_FIFTY") != "1", reason="run for one SDK version only")
+def test_fifty_concurrent_sdk_creates_all_succeed():
+    async def one(i):
+        s = await AsyncSandbox.create(metadata={"suite": RUN, "fifty": str(i)})
+        return s
+
+    async def main():
+        started = time.time()
+        made = await asyncio.gather(*(one(i) for i in range(50)), return_exceptions=True)
+        took = time.time() - started
+        ok = [s for s in made if not isinstance(s, Exception)]
+        await asyncio.gather(*(s.kill() for s in ok))
+        return made, took
+
+    made, took = asyncio.run(main())
+    failures = [m for m in made if isinstance(m, Exception)]
+    print(f"50 concurrent creates: {50 - len(failures)} succeeded in {took:.2f} s")
+    assert failures == [], failures[:3]

@@ -27,9 +27,9 @@ fn err(status: StatusCode, message: impl Into<String>) -> Response {
     ApiError::new(status, message).into_response()
 }
 
-fn path_of(query: &std::collections::HashMap<String, String>) -> Result<String, Response> {
+fn path_of(query: &std::collections::HashMap<String, String>) -> Result<String, ApiError> {
     let raw = query.get("path").map(String::as_str).unwrap_or("");
-    resolve(raw).map_err(|e| err(StatusCode::BAD_REQUEST, e.message))
+    resolve(raw).map_err(|e| ApiError::bad_request(e.message))
 }
 
 /// `GET /files?path=...`.
@@ -41,7 +41,7 @@ pub async fn read(
 ) -> Response {
     let path = match path_of(&query) {
         Ok(p) => p,
-        Err(r) => return r,
+        Err(e) => return e.into_response(),
     };
     if query.get("path").is_none_or(|p| p.is_empty()) {
         return err(

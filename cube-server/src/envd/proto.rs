@@ -445,6 +445,9 @@ pub struct WatchDirResponse {
     pub event: Option<WatchEvent>,
 }
 
+// A wire message, built once per event and sent on: boxing would only cost an
+// allocation.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, PartialEq, prost::Oneof, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub enum WatchEvent {
