@@ -15,7 +15,7 @@ fn skip() -> bool {
         println!("skipped: jails need root (namespaces, mounts, cgroups)");
         return true;
     }
-    if cube_jail::CgroupLayout::detect().is_err() {
+    if !cube_core::testing::cgroups_readable() {
         println!("skipped: no cgroup hierarchy is readable");
         return true;
     }
@@ -152,7 +152,7 @@ fn a_jail_sandbox_lives_across_invocations() {
 
     // The snapshot is a full one where CRIU works, else a filesystem one, and says so
     // everywhere.
-    let full = cube_jail::Criu::probe().is_ok();
+    let full = cube_core::testing::criu_works();
     let kind = if full { "full" } else { "filesystem" };
     let out = ok(s, &["sandbox", "snapshot", &id]);
     let snap = text(&out.stdout).trim().to_string();

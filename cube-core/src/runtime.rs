@@ -1,22 +1,23 @@
-//! The runtime: the store plus a pool of pre-started supervisors.
+//! The runtime: the store plus a pool of pre-started supervisors; every operation
+//! on the store as a whole (create, list, attach, templates) is here.
 
 use std::path::{Path, PathBuf};
 
-use cube_storage::Store;
-
-use super::metadata::{
-    self, Engine, EngineChoice, SandboxMeta, SnapshotMeta, TemplateMeta, SANDBOX_META,
-    SANDBOX_META_KIND, SNAPSHOT_META, SNAPSHOT_META_KIND, TEMPLATE_META, TEMPLATE_META_KIND,
+use cube_storage::{SandboxDir, SnapshotDir, Store, TemplateDir};
+use cube_supervisor::client::SupervisorClient;
+use cube_supervisor::network::NetworkOptions;
+use cube_supervisor::pool::{locate_supervisor, SupervisorPool};
+use cube_supervisor::protocol::{Request, Settings, Source, PROTOCOL_VERSION};
+use cube_supervisor::records::{
+    now_unix, Engine, SandboxMeta, SnapshotMeta, TemplateMeta, HOST_TEMPLATE,
 };
-use super::{remove_sandbox_files, Sandbox, SandboxError, HOST_TEMPLATE};
-use crate::snapshot::format::ROOTFS_FILE;
-use crate::snapshot::MachineConfig;
-use crate::supervisor::jail_sandbox::LAYER_DIR;
-use crate::supervisor::protocol::{Request, Settings, Source, PROTOCOL_VERSION};
-use crate::supervisor::server::WarmFor;
-use crate::supervisor::server::SOCKET_FILE;
-use crate::supervisor::{locate_supervisor, SupervisorClient, SupervisorPool};
-use crate::test_guest::WorkingSet;
+use cube_supervisor::server::WarmFor;
+use cube_supervisor::templates::{self, tree::TreeSource, vm::VmTemplateSpec};
+use cube_vmm::persist::{MachineConfig, WorkingSet};
+
+use crate::engine_choice::EngineChoice;
+use crate::error::SandboxError;
+use crate::sandbox::Sandbox;
 
 /// How a [`Runtime`] is set up.
 #[derive(Clone, Debug)]
@@ -88,7 +89,7 @@ pub struct CreateOptions {
     pub pids_max: Option<u32>,
     /// A network from the host's pool: a veth for a jail, a TAP behind a Linux VM's
     /// NIC; None: loopback only (a VM's NIC, if its template has one, stays unplugged).
-    pub network: Option<super::network::NetworkOptions>,
+    pub network: Option<NetworkOptions>,
 }
 
 impl CreateOptions {
@@ -231,7 +232,7 @@ impl Runtime {
         working_set: WorkingSet,
         rootfs_bytes: u64,
     ) -> Result<TemplateMeta, SandboxError> {
-        let dest = self.store.template_dir(name)?;
+        let dest = self.store.template(name)?;
         if dest.exists() || name == HOST_TEMPLATE {
             return Err(SandboxError::TemplateExists(name.to_string()));
         }
@@ -245,7 +246,7 @@ impl Runtime {
             CreateOptions::new(true),
             |dir| {
                 if rootfs_bytes > 0 {
-                    let f = std::fs::File::create(dir.join(ROOTFS_FILE))
+                    let f = std::fs::File::create(SandboxDir::new(dir).rootfs())
                         .map_err(io_error("creating the template disk"))?;
                     f.set_len(rootfs_bytes)
                         .map_err(io_error("sizing the template disk"))?;
@@ -254,30 +255,26 @@ impl Runtime {
             },
         )?;
         let result = (|| -> Result<TemplateMeta, SandboxError> {
-            builder.guest_wait_working_set()?;
-            let staging = self
-                .store
-                .root()
-                .join("tmp")
-                .join(format!("template-{name}.staging"));
+            builder.call_ok(&Request::GuestWaitWorkingSet)?;
+            let staging = self.store.snapshot_staging(&format!("template-{name}"));
             let _ = std::fs::remove_dir_all(&staging);
             builder.call(&Request::Snapshot {
                 staging,
-                dest: dest.clone(),
+                dest: dest.to_path_buf(),
             })?;
             // A template outlives reboots: flush it now rather than in the background.
-            let boot = crate::snapshot::durability::boot_id()?;
-            crate::snapshot::durability::make_durable(&dest, &boot)?;
+            let boot = cube_storage::durable_marker::boot_id()?;
+            cube_storage::durable_marker::make_durable(&dest, &boot)?;
             let meta = TemplateMeta {
                 name: name.to_string(),
                 engine: Engine::Vm,
                 machine,
                 rootfs_bytes,
-                created_unix: metadata::now_unix(),
+                created_unix: now_unix(),
                 tree: None,
                 built_from: None,
             };
-            cube_storage::write_atomic(&dest.join(TEMPLATE_META), TEMPLATE_META_KIND, &meta)?;
+            cube_storage::write_atomic(&dest.record(), TemplateDir::RECORD_KIND, &meta)?;
             Ok(meta)
         })();
         let destroyed = builder.destroy();
@@ -291,9 +288,8 @@ impl Runtime {
         let names = self.store.list_templates()?;
         let mut templates: Vec<TemplateMeta> = self.read_records(
             names,
-            |n| self.store.template_dir(n),
-            TEMPLATE_META,
-            TEMPLATE_META_KIND,
+            |n| Ok(self.store.template(n)?.record()),
+            TemplateDir::RECORD_KIND,
         )?;
         templates.push(host_template());
         Ok(templates)
@@ -304,9 +300,8 @@ impl Runtime {
         let ids = self.store.list_snapshots()?;
         let mut all: Vec<SnapshotMeta> = self.read_records(
             ids,
-            |id| self.store.snapshot_dir(id),
-            SNAPSHOT_META,
-            SNAPSHOT_META_KIND,
+            |id| Ok(self.store.snapshot(id)?.record()),
+            SnapshotDir::RECORD_KIND,
         )?;
         if let Some(owner) = sandbox {
             all.retain(|s| s.sandbox == owner);
@@ -340,9 +335,9 @@ impl Runtime {
         Ok(())
     }
 
-    fn template_checked(&self, name: &str) -> Result<PathBuf, SandboxError> {
-        let dir = self.store.template_dir(name)?;
-        if !dir.join(TEMPLATE_META).is_file() {
+    fn template_checked(&self, name: &str) -> Result<TemplateDir, SandboxError> {
+        let dir = self.store.template(name)?;
+        if !dir.record().is_file() {
             return Err(SandboxError::UnknownTemplate(name.to_string()));
         }
         Ok(dir)
@@ -377,7 +372,7 @@ impl Runtime {
         }
         let dir = self.template_checked(template)?;
         let meta: TemplateMeta =
-            cube_storage::read_verified(&dir.join(TEMPLATE_META), TEMPLATE_META_KIND)?;
+            cube_storage::read_verified(&dir.record(), TemplateDir::RECORD_KIND)?;
         options.check_engine(&format!("template {template}"), meta.engine)?;
         if meta.engine == Engine::Jail {
             let tree = self.jail_template_tree(template)?;
@@ -388,24 +383,24 @@ impl Runtime {
                 options,
             );
         }
-        self.create_from_dir(&dir, template, options)
+        self.create_from_dir(&dir.image(), template, options)
     }
 
     /// Creates a sandbox from snapshot `snapshot`, on the engine of the sandbox it was
     /// taken from. A jail snapshot's writable layer is cloned; its processes are
-    /// restored from a [`super::SnapshotKind::Full`] one (where CRIU works) and start
-    /// afresh from a [`super::SnapshotKind::Filesystem`] one.
+    /// restored from a [`crate::SnapshotKind::Full`] one (where CRIU works) and start
+    /// afresh from a [`crate::SnapshotKind::Filesystem`] one.
     pub fn create_from_snapshot(
         &self,
         snapshot: &str,
         options: CreateOptions,
     ) -> Result<Sandbox, SandboxError> {
-        let dir = self.store.snapshot_dir(snapshot)?;
+        let dir = self.store.snapshot(snapshot)?;
         let meta: Option<SnapshotMeta> =
-            cube_storage::read_verified(&dir.join(SNAPSHOT_META), SNAPSHOT_META_KIND).ok();
+            cube_storage::read_verified(&dir.record(), SnapshotDir::RECORD_KIND).ok();
         if let Some(meta) = meta.filter(|m| m.engine == Engine::Jail) {
             options.check_engine(&format!("snapshot {snapshot}"), meta.engine)?;
-            let layer = dir.join(LAYER_DIR);
+            let layer = dir.layer();
             if !layer.is_dir() {
                 return Err(SandboxError::UnknownSnapshot(snapshot.to_string()));
             }
@@ -413,14 +408,11 @@ impl Runtime {
             // template tree its layer was written over.
             let template = self
                 .store
-                .sandbox_dir(&meta.sandbox)
+                .sandbox(&meta.sandbox)
                 .ok()
                 .and_then(|d| {
-                    cube_storage::read_verified::<SandboxMeta>(
-                        &d.join(SANDBOX_META),
-                        SANDBOX_META_KIND,
-                    )
-                    .ok()
+                    cube_storage::read_verified::<SandboxMeta>(&d.record(), SandboxDir::RECORD_KIND)
+                        .ok()
                 })
                 .and_then(|m| m.template);
             if let Some(template) = template {
@@ -443,7 +435,7 @@ impl Runtime {
                 |_| Ok(()),
             );
         }
-        if !dir.join(crate::snapshot::format::STATE_FILE).is_file() {
+        if !dir.state().is_file() {
             return Err(SandboxError::UnknownSnapshot(snapshot.to_string()));
         }
         options.check_engine(&format!("snapshot {snapshot}"), Engine::Vm)?;
@@ -452,11 +444,11 @@ impl Runtime {
 
     fn create_from_dir(
         &self,
-        source: &Path,
+        source: &SnapshotDir,
         origin: &str,
         options: CreateOptions,
     ) -> Result<Sandbox, SandboxError> {
-        let rootfs = source.join(ROOTFS_FILE);
+        let rootfs = source.rootfs();
         self.start(
             Source::Snapshot(source.to_path_buf()),
             Engine::Vm,
@@ -464,7 +456,7 @@ impl Runtime {
             options,
             |dir| {
                 if rootfs.is_file() {
-                    cube_storage::clone_file(&rootfs, &dir.join(ROOTFS_FILE))?;
+                    cube_storage::clone_file(&rootfs, &SandboxDir::new(dir).rootfs())?;
                 }
                 Ok(())
             },
@@ -475,7 +467,7 @@ impl Runtime {
     fn jail_template_tree(&self, name: &str) -> Result<PathBuf, SandboxError> {
         let dir = self.template_checked(name)?;
         let meta: TemplateMeta =
-            cube_storage::read_verified(&dir.join(TEMPLATE_META), TEMPLATE_META_KIND)?;
+            cube_storage::read_verified(&dir.record(), TemplateDir::RECORD_KIND)?;
         let tree = meta
             .tree_dir(&dir)
             .map_err(SandboxError::BadTemplate)?
@@ -534,7 +526,7 @@ impl Runtime {
                 .map_err(|e| SandboxError::Network(e.into()))?;
         }
         let id = Store::new_id("sb")?;
-        let dir = self.store.sandbox_dir(&id)?;
+        let dir = self.store.sandbox(&id)?;
         std::fs::create_dir(&dir).map_err(io_error(format!("creating {}", dir.display())))?;
         let start = std::time::Instant::now();
         let result = (|| {
@@ -544,7 +536,7 @@ impl Runtime {
                 id: id.clone(),
                 engine,
                 origin: origin.to_string(),
-                created_unix: metadata::now_unix(),
+                created_unix: now_unix(),
                 ephemeral: options.ephemeral,
                 metadata: options.metadata.clone(),
                 template: template.map(str::to_string),
@@ -554,8 +546,8 @@ impl Runtime {
             let record = serde_json::to_vec(&meta)
                 .map_err(|e| SandboxError::Io("encoding the sandbox record".into(), e.into()))?;
             cube_storage::write_atomic_bytes_with(
-                &dir.join(SANDBOX_META),
-                SANDBOX_META_KIND,
+                &dir.record(),
+                SandboxDir::RECORD_KIND,
                 &record,
                 cube_storage::Durability::Deferred,
             )?;
@@ -568,7 +560,7 @@ impl Runtime {
             let mut sandbox = Sandbox {
                 id: id.clone(),
                 engine,
-                dir: dir.clone(),
+                dir: dir.to_path_buf(),
                 client: SupervisorClient::from_stream(supervisor.stream).map_err(|source| {
                     SandboxError::Supervisor {
                         id: id.clone(),
@@ -580,7 +572,7 @@ impl Runtime {
             sandbox.call_ok(&Request::Adopt {
                 version: PROTOCOL_VERSION,
                 id: id.clone(),
-                dir: dir.clone(),
+                dir: dir.to_path_buf(),
                 source,
                 ephemeral: options.ephemeral,
                 settings: options.settings(),
@@ -589,7 +581,7 @@ impl Runtime {
             Ok(sandbox)
         })();
         if result.is_err() {
-            let _ = remove_sandbox_files(&self.store, &id, &dir);
+            let _ = self.store.remove_sandbox_files(&id);
         }
         result
     }
@@ -679,13 +671,13 @@ impl Runtime {
     /// # }
     /// ```
     pub fn attach(&self, id: &str) -> Result<Sandbox, SandboxError> {
-        let dir = self.store.sandbox_dir(id)?;
-        if !dir.join(SANDBOX_META).is_file() {
+        let dir = self.store.sandbox(id)?;
+        if !dir.record().is_file() {
             return Err(SandboxError::UnknownSandbox(id.to_string()));
         }
         let meta: SandboxMeta =
-            cube_storage::read_verified(&dir.join(SANDBOX_META), SANDBOX_META_KIND)?;
-        let client = SupervisorClient::connect(&dir.join(SOCKET_FILE)).map_err(|source| {
+            cube_storage::read_verified(&dir.record(), SandboxDir::RECORD_KIND)?;
+        let client = SupervisorClient::connect(&dir.supervisor_socket()).map_err(|source| {
             SandboxError::Supervisor {
                 id: id.to_string(),
                 source,
@@ -694,7 +686,7 @@ impl Runtime {
         Ok(Sandbox {
             id: id.to_string(),
             engine: meta.engine,
-            dir,
+            dir: dir.into_path(),
             client,
             store: self.store.clone(),
         })
@@ -705,9 +697,8 @@ impl Runtime {
         let ids = self.store.list_sandboxes()?;
         self.read_records(
             ids,
-            |id| self.store.sandbox_dir(id),
-            SANDBOX_META,
-            SANDBOX_META_KIND,
+            |id| Ok(self.store.sandbox(id)?.record()),
+            SandboxDir::RECORD_KIND,
         )
     }
 
@@ -716,13 +707,12 @@ impl Runtime {
     fn read_records<T: serde::de::DeserializeOwned>(
         &self,
         names: Vec<String>,
-        dir: impl Fn(&str) -> Result<PathBuf, cube_storage::StoreError>,
-        file: &str,
+        record: impl Fn(&str) -> Result<PathBuf, cube_storage::StoreError>,
         kind: &str,
     ) -> Result<Vec<T>, SandboxError> {
         let mut out = Vec::new();
         for name in names {
-            if let Ok(meta) = cube_storage::read_verified(&dir(&name)?.join(file), kind) {
+            if let Ok(meta) = cube_storage::read_verified(&record(&name)?, kind) {
                 out.push(meta);
             }
         }
@@ -732,8 +722,33 @@ impl Runtime {
     /// Removes a sandbox whose supervisor is gone (crashed, or the host rebooted).
     pub fn remove_stale(&self, id: &str) -> Result<(), SandboxError> {
         let dir = self.store.sandbox_dir(id)?;
-        crate::supervisor::jail_network::release_recorded(&dir).map_err(SandboxError::Network)?;
-        remove_sandbox_files(&self.store, id, &dir)
+        cube_supervisor::jail_network::release_recorded(&dir).map_err(SandboxError::Network)?;
+        Ok(self.store.remove_sandbox_files(id)?)
+    }
+
+    /// Builds jail template `name` from `source`, calling `progress` with each line the
+    /// build prints. On any failure nothing named `name` is left in the store.
+    pub fn build_jail_template(
+        &self,
+        name: &str,
+        source: &TreeSource,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<TemplateMeta, SandboxError> {
+        templates::tree::build(&self.store, name, source, progress)
+            .map_err(|e| SandboxError::Build(name.to_string(), e))
+    }
+
+    /// Builds VM template `name`: image, boot, wait for the agent, snapshot. Fails at
+    /// once, with an error of kind [`crate::ErrorKind::HostCannot`], where that cannot
+    /// finish (no KVM, or a stock kernel on a PVM host).
+    pub fn build_vm_template(
+        &self,
+        name: &str,
+        spec: &VmTemplateSpec,
+        progress: &mut dyn FnMut(&str),
+    ) -> Result<TemplateMeta, SandboxError> {
+        templates::vm::build(&self.store, name, spec, progress)
+            .map_err(|e| SandboxError::VmTemplate(name.to_string(), e))
     }
 }
 

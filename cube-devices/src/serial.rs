@@ -1,13 +1,17 @@
 //! The legacy COM1 serial port (a 16550 UART from vm-superio) and the port-I/O bus it
-//! sits on: what a Linux guest's console writes reaches the host here.
+//! sits on: what a Linux guest's console writes reaches the host here. The same bus
+//! decodes the i8042's reset command and the ACPI sleep registers (the VMM's FADT
+//! points the guest at [`SLEEP_CONTROL_PORT`]), so a guest can reset or power off.
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
 use kvm_ioctls::VmFd;
 use vm_superio::serial::{NoEvents, SerialState};
+use vm_superio::{Serial, Trigger};
 
-use crate::snapshot::format::SerialRecord;
+use crate::port_io::PortIo;
+use crate::records::SerialRecord;
 
 /// Why the serial port could not be restored.
 #[derive(Debug, thiserror::Error)]
@@ -16,10 +20,6 @@ pub enum SerialError {
     #[error("Restoring COM1 failed: {0}")]
     Restore(String),
 }
-use vm_superio::{Serial, Trigger};
-
-use super::acpi::{S5_SLEEP_TYPE, SLEEP_CONTROL_PORT, SLEEP_STATUS_PORT};
-use super::vcpu_runner::PortIo;
 
 /// First port of COM1.
 pub const COM1_BASE: u16 = 0x3f8;
@@ -42,6 +42,14 @@ impl Trigger for IrqLine {
         self.vm.set_irq_line(COM1_IRQ, false)
     }
 }
+
+/// The hardware-reduced sleep control register (one byte of port I/O): the guest
+/// powers off by writing SLP_EN with SLP_TYP = [`S5_SLEEP_TYPE`].
+pub const SLEEP_CONTROL_PORT: u16 = 0x3c0;
+/// The sleep status register (reads as zero).
+pub const SLEEP_STATUS_PORT: u16 = 0x3c1;
+/// The SLP_TYP value the DSDT's `\_S5` names for soft-off.
+pub const S5_SLEEP_TYPE: u8 = 5;
 
 /// The i8042 keyboard controller's data port.
 pub const I8042_DATA: u16 = 0x60;

@@ -8,15 +8,11 @@
 
 use std::path::Path;
 
-use cube_storage::MetadataError;
+use crate::layout::SnapshotDir;
+use crate::metadata::MetadataError;
 
-use super::format::{MEMORY_FILE, ROOTFS_FILE, STATE_FILE};
-
-/// The marker a completed flush leaves in a snapshot directory.
-pub const DURABLE_FILE: &str = "durable";
+/// Envelope kind of the marker.
 const DURABLE_KIND: &str = "cube-durable";
-/// Files besides the memory file a flush syncs when present.
-const OTHER_FILES: [&str; 3] = [STATE_FILE, ROOTFS_FILE, "snapshot.meta"];
 
 /// Why durability could not be established or checked.
 #[derive(Debug, thiserror::Error)]
@@ -53,9 +49,9 @@ fn sync_path(path: &Path) -> Result<(), DurabilityError> {
 
 /// Flushes the snapshot in `dir` and its directory entry to disk, then marks it durable.
 pub fn make_durable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityError> {
-    sync_path(&dir.join(MEMORY_FILE))?;
-    for name in OTHER_FILES {
-        let path = dir.join(name);
+    let snapshot = SnapshotDir::new(dir);
+    sync_path(&snapshot.memory())?;
+    for path in snapshot.flushed_files() {
         if path.exists() {
             sync_path(&path)?;
         }
@@ -64,8 +60,8 @@ pub fn make_durable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityE
     if let Some(parent) = dir.parent() {
         sync_path(parent)?;
     }
-    cube_storage::write_atomic_bytes(
-        &dir.join(DURABLE_FILE),
+    crate::metadata::write_atomic_bytes(
+        &snapshot.durable_marker(),
         DURABLE_KIND,
         written_in_boot.as_bytes(),
     )
@@ -78,7 +74,8 @@ pub fn check_usable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityE
         // Same boot: the page cache holds everything that was written.
         return Ok(());
     }
-    match cube_storage::read_verified_bytes(&dir.join(DURABLE_FILE), DURABLE_KIND, 64) {
+    let marker = SnapshotDir::new(dir).durable_marker();
+    match crate::metadata::read_verified_bytes(&marker, DURABLE_KIND, 64) {
         Ok(marker) if marker == written_in_boot.as_bytes() => Ok(()),
         _ => Err(DurabilityError::NotDurable),
     }
@@ -91,7 +88,7 @@ mod tests {
     #[test]
     fn same_boot_is_usable_and_other_boots_need_the_marker() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join(MEMORY_FILE), b"m").unwrap();
+        std::fs::write(SnapshotDir::new(dir.path()).memory(), b"m").unwrap();
         let now = boot_id().unwrap();
         assert!(check_usable(dir.path(), &now).is_ok());
         let other = "00000000-0000-0000-0000-000000000000";

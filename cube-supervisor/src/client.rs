@@ -4,7 +4,9 @@ use std::io::{BufReader, BufWriter, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
-use super::protocol::{read_frame, write_frame, ProtocolError, Request, Response};
+use super::protocol::{
+    read_frame, write_frame, ErrorKind, Failure, ProtocolError, Request, Response,
+};
 
 /// Why a call to a supervisor failed.
 #[derive(Debug, thiserror::Error)]
@@ -17,10 +19,22 @@ pub enum ClientError {
     Protocol(#[from] ProtocolError),
     /// The supervisor carried out the request and it failed.
     #[error("{0}")]
-    Remote(String),
+    Remote(Failure),
     /// The supervisor answered with something the request does not produce.
     #[error("Unexpected answer from the supervisor: {0}")]
     Unexpected(String),
+}
+
+impl ClientError {
+    /// What kind of failure this is: the supervisor's own for a failed request; a
+    /// supervisor that cannot be reached is a sandbox that no longer runs.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ClientError::Connect(..) => ErrorKind::NotFound,
+            ClientError::Remote(failure) => failure.kind,
+            ClientError::Protocol(_) | ClientError::Unexpected(_) => ErrorKind::Internal,
+        }
+    }
 }
 
 /// One connection to a supervisor.
@@ -51,7 +65,7 @@ impl SupervisorClient {
         write_frame(&mut self.writer, request)?;
         self.writer.flush().map_err(ProtocolError::Io)?;
         match read_frame(&mut self.reader)? {
-            Response::Error(message) => Err(ClientError::Remote(message)),
+            Response::Error(failure) => Err(ClientError::Remote(failure)),
             other => Ok(other),
         }
     }

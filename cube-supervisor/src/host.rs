@@ -1,5 +1,6 @@
-//! What this host can do: which KVM it has, how its cgroups are laid out, whether CRIU
-//! and eBPF work, how many CPUs and how much memory it has.
+//! What this host can do: which KVM it has (probed by [`cube_vmm::host`]), how its
+//! cgroups are laid out, whether CRIU and eBPF work, how many CPUs and how much memory
+//! it has.
 //!
 //! Everything is found by trying it on the running system, never assumed from the
 //! distribution or kernel version: `cube doctor` prints it and the engine chooser
@@ -10,28 +11,13 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use kvm_bindings::{KVM_API_VERSION, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2};
-use kvm_ioctls::{Cap, Kvm};
+pub use cube_vmm::host::KvmKind;
+use cube_vmm::host::KvmProbe;
 use nix::sys::statfs::{statfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
 use serde::{Deserialize, Serialize};
 
-/// Present when the PVM hypervisor module (kvm_pvm) is loaded.
-const PVM_MODULE: &str = "/sys/module/kvm_pvm";
 /// Where cgroup hierarchies are mounted.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
-
-/// Which kind of KVM the host offers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum KvmKind {
-    /// KVM on hardware virtualisation (VMX or SVM): stock guest kernels run natively.
-    Hardware,
-    /// KVM on PVM, a software hypervisor for hosts without VMX/SVM: guest code at CPL3
-    /// runs natively, a guest kernel needs `CONFIG_PVM_GUEST` to run at speed.
-    Pvm,
-    /// No usable KVM: `/dev/kvm` is missing, inaccessible, or speaks another API.
-    None,
-}
 
 /// How the host's cgroup hierarchies are mounted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -81,7 +67,12 @@ impl HostCapabilities {
     /// Probes the host. Takes a few ms, plus however long `criu check` runs when CRIU
     /// is installed; nothing it tries can fail the probe, a failure just means "no".
     pub fn probe() -> Self {
-        let (kvm, kvm_api_version, dirty_ring, manual_dirty_log_protect) = probe_kvm();
+        let KvmProbe {
+            kind: kvm,
+            api_version: kvm_api_version,
+            dirty_ring,
+            manual_dirty_log_protect,
+        } = KvmProbe::run();
         let criu = criu_version();
         let criu_works = criu.is_some() && criu_check();
         Self {
@@ -99,41 +90,6 @@ impl HostCapabilities {
                 .map(|r| r.trim().to_string())
                 .unwrap_or_default(),
         }
-    }
-}
-
-/// Opens `/dev/kvm` and classifies it; returns (kind, API version, dirty ring, manual
-/// dirty-log protect).
-fn probe_kvm() -> (KvmKind, Option<i32>, bool, bool) {
-    let Ok(kvm) = Kvm::new() else {
-        return (KvmKind::None, None, false, false);
-    };
-    let version = kvm.get_api_version();
-    if version != KVM_API_VERSION as i32 {
-        return (KvmKind::None, Some(version), false, false);
-    }
-    let kind = kvm_kind(
-        Path::new(PVM_MODULE).exists(),
-        &fs::read_to_string("/proc/cpuinfo").unwrap_or_default(),
-    );
-    // Both are VM capabilities; KVM answers them on /dev/kvm as for a new VM.
-    let dirty_ring = kvm.check_extension_int(Cap::DirtyLogRing) > 0;
-    let manual = kvm.check_extension_raw(KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2.into()) > 0;
-    (kind, Some(version), dirty_ring, manual)
-}
-
-/// Classifies a working `/dev/kvm`: PVM when its module is loaded, or when the CPU has
-/// no VMX/SVM (KVM without them can only be a software hypervisor); hardware otherwise.
-fn kvm_kind(pvm_module: bool, cpuinfo: &str) -> KvmKind {
-    let hardware_virt = cpuinfo
-        .lines()
-        .filter(|line| line.starts_with("flags"))
-        .filter_map(|line| line.split_once(':'))
-        .any(|(_, flags)| flags.split_whitespace().any(|f| f == "vmx" || f == "svm"));
-    if pvm_module || !hardware_virt {
-        KvmKind::Pvm
-    } else {
-        KvmKind::Hardware
     }
 }
 
@@ -288,7 +244,7 @@ mod tests {
         } else {
             assert_eq!(caps.kvm, KvmKind::None);
         }
-        if Path::new(PVM_MODULE).exists() && caps.kvm_api_version.is_some() {
+        if Path::new("/sys/module/kvm_pvm").exists() && caps.kvm_api_version.is_some() {
             assert_eq!(caps.kvm, KvmKind::Pvm);
         }
         if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
@@ -305,26 +261,10 @@ mod tests {
     }
 
     #[test]
-    fn kinds_serialise_lowercase() {
-        let json =
-            serde_json::to_string(&[KvmKind::Hardware, KvmKind::Pvm, KvmKind::None]).unwrap();
-        assert_eq!(json, r#"["hardware","pvm","none"]"#);
+    fn cgroup_modes_serialise_lowercase() {
         let json =
             serde_json::to_string(&[CgroupMode::V1, CgroupMode::V2, CgroupMode::Hybrid]).unwrap();
         assert_eq!(json, r#"["v1","v2","hybrid"]"#);
-    }
-
-    #[test]
-    fn kvm_kind_reads_module_and_cpu_flags() {
-        let vmx = "processor\t: 0\nflags\t\t: fpu vme vmx sse\n";
-        let svm = "flags\t\t: fpu svm\n";
-        let none = "flags\t\t: fpu vme sse hypervisor\n";
-        assert_eq!(kvm_kind(false, vmx), KvmKind::Hardware);
-        assert_eq!(kvm_kind(false, svm), KvmKind::Hardware);
-        assert_eq!(kvm_kind(false, none), KvmKind::Pvm);
-        assert_eq!(kvm_kind(true, vmx), KvmKind::Pvm);
-        // "vmx" only counts as a whole flag.
-        assert_eq!(kvm_kind(false, "flags\t: vmx_ept\n"), KvmKind::Pvm);
     }
 
     #[test]

@@ -9,7 +9,7 @@
 //! take a device another is still setting up. A supervisor that was killed leaves a
 //! registered device; it goes with the jail's namespace, and the next `Pool::open`
 //! clears the datapath entries of devices that are gone. The device name is also
-//! recorded in the sandbox directory ([`DEVICE_RECORD`]) so that removing a stale
+//! recorded in the sandbox directory ([`SandboxDir::network_record`]) so that removing a stale
 //! sandbox can release it by name while its jail lives on.
 //!
 //! Opening the pool per supervisor costs ~20 ms once the host pool is set up: the
@@ -42,11 +42,12 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use cube_storage::SandboxDir;
+
+use crate::protocol::{ErrorKind, Failure};
 use cube_net::{Attachment, EgressPolicy, NetnsRef, Pool, PoolConfig, PoolError, Protocol};
 
-use crate::sandbox::network::{
-    NetworkError, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping,
-};
+use crate::network::{NetworkError, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
 
 /// Environment variable naming the host pool (default [`DEFAULT_POOL`]). Keep one
 /// pool per host: every pool attaches its datapath to the host's uplinks and lo, and
@@ -54,8 +55,6 @@ use crate::sandbox::network::{
 pub const POOL_ENV: &str = "CUBE_NET_POOL";
 /// The host pool every sandbox shares unless [`POOL_ENV`] says otherwise.
 pub const DEFAULT_POOL: &str = "cube";
-/// File in the sandbox directory naming the host side of its device.
-pub const DEVICE_RECORD: &str = "network.device";
 
 /// Why a sandbox's network could not be set up or changed.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +83,28 @@ pub enum JailNetworkError {
     /// The device record could not be written.
     #[error("recording the device in {0}")]
     Record(PathBuf, #[source] std::io::Error),
+}
+
+impl JailNetworkError {
+    /// What kind of failure this is, for the supervisor's answer.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            JailNetworkError::Options(_) | JailNetworkError::PoolName(_) => {
+                ErrorKind::InvalidArgument
+            }
+            JailNetworkError::NotExposed(_) => ErrorKind::NotFound,
+            JailNetworkError::Detached => ErrorKind::BadState,
+            JailNetworkError::NoGuestNic(_) => ErrorKind::Unsupported,
+            JailNetworkError::Pool(_)
+            | JailNetworkError::Lock(..)
+            | JailNetworkError::Record(..) => ErrorKind::Internal,
+        }
+    }
+}
+
+/// The failure a handler answers for a network operation that failed.
+pub fn network_failure(e: JailNetworkError) -> Failure {
+    Failure::new(e.kind(), crate::error_report::chain(&e))
 }
 
 type Result<T> = std::result::Result<T, JailNetworkError>;
@@ -180,7 +201,7 @@ impl JailNetwork {
             attachment: None,
             policy: options.policy.clone(),
             exposed: options.expose.clone(),
-            record: dir.join(DEVICE_RECORD),
+            record: SandboxDir::new(dir).network_record(),
         };
         drop(lock);
         network.connect(Target::Jail(pid))?;
@@ -202,7 +223,7 @@ impl JailNetwork {
             attachment: None,
             policy: options.policy.clone(),
             exposed: options.expose.clone(),
-            record: dir.join(DEVICE_RECORD),
+            record: SandboxDir::new(dir).network_record(),
         };
         drop(lock);
         network.connect(Target::Vm(guest_mac))?;
@@ -240,7 +261,7 @@ impl JailNetwork {
         options.validate()?;
         let egress = options.policy.to_egress()?;
         let attachment = self.attachment.take().ok_or(JailNetworkError::Detached)?;
-        self.record = dir.join(DEVICE_RECORD);
+        self.record = SandboxDir::new(dir).network_record();
         self.policy = options.policy.clone();
         self.exposed = options.expose.clone();
         match self.pool.activate(&attachment, &egress) {
@@ -402,7 +423,7 @@ impl Drop for JailNetwork {
 /// Releases the device recorded in a stale sandbox's directory (its supervisor is
 /// gone); nothing to do when none is recorded or the pool already let it go.
 pub fn release_recorded(dir: &Path) -> Result<()> {
-    let record = dir.join(DEVICE_RECORD);
+    let record = SandboxDir::new(dir).network_record();
     let Ok(name) = std::fs::read_to_string(&record) else {
         return Ok(());
     };

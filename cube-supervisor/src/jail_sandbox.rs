@@ -25,65 +25,25 @@ use std::time::{Duration, Instant};
 
 use cube_agent::init::DISCONNECT_SIGNAL;
 use cube_jail::checkpoint::{self, Checkpoint};
-use cube_jail::{Criu, Jail, JailConfig, JailExit, Limits, ReadOnlyBind, Stdio};
-use cube_storage::Durability;
+use cube_jail::{Criu, Jail, JailConfig, JailExit, Limits, Stdio};
+use cube_storage::{Durability, SandboxDir, SnapshotDir};
+use cube_vmm::persist::SnapshotStats;
 
-use super::jail_network::{JailNetwork, JailNetworkError};
-use super::protocol::{JailStatus, MachineStatus, Response, Settings, StatusReport};
 use crate::error_report::chain as error_chain;
-use crate::sandbox::metadata::{
-    now_unix, Engine, SnapshotKind, SnapshotMeta, SNAPSHOT_META, SNAPSHOT_META_KIND,
+use crate::jail_network::{network_failure, JailNetwork, JailNetworkError};
+use crate::jail_spec::{locate_agent, JailSpec, AGENT_PATH, DEFAULT_PIDS_MAX};
+use crate::protocol::{
+    ErrorKind, Failure, JailStatus, MachineStatus, Request, Response, Settings, StatusReport,
 };
-use crate::vmm::machine::SnapshotStats;
+use crate::records::{now_unix, Engine, SnapshotKind, SnapshotMeta};
+use crate::resident_memory::own_rss_kib;
 
-/// The agent's socket inside a jail sandbox's directory: a symlink to
-/// [`AGENT_INNER_SOCKET`] through the agent's `/proc/<pid>/root`.
-pub const AGENT_SOCKET: &str = "agent.sock";
 /// Where the agent listens inside the sandbox: on its private /tmp, which CRIU saves.
 pub const AGENT_INNER_SOCKET: &str = "/tmp/.cube-agent.sock";
-/// A full-state hibernation's checkpoint, inside the sandbox directory.
-pub const HIBERNATED_CHECKPOINT: &str = "hibernated";
 /// How long a starting or restored agent has to listen.
 const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the agent has to close its host connections before a checkpoint.
 const DISCONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// The jail's own directory (its root and writable layer) inside the sandbox directory.
-pub const JAIL_DIR: &str = "jail";
-/// A snapshot's copy of the writable layer, inside the snapshot directory.
-pub const LAYER_DIR: &str = "layer";
-/// Where a hibernated sandbox's layer waits, inside the sandbox directory.
-pub const HIBERNATED_LAYER: &str = "layer.hibernated";
-/// A layer being put in place for the next start, inside the sandbox directory.
-const SEED_LAYER: &str = "layer.seed";
-/// Where the agent binary appears inside the jail.
-pub const AGENT_PATH: &str = "/.cube/cube-agent";
-/// Environment variable naming the agent binary.
-pub const AGENT_ENV: &str = "CUBE_AGENT";
-/// File name of the agent binary.
-pub const AGENT_BIN: &str = "cube-agent";
-
-/// Finds the agent binary: `$CUBE_AGENT`, else next to the running executable or one
-/// directory up (where cargo puts binaries for test executables).
-pub fn locate_agent() -> Result<PathBuf, String> {
-    if let Some(path) = std::env::var_os(AGENT_ENV) {
-        return Ok(PathBuf::from(path));
-    }
-    let not_found = || {
-        format!("cannot find the `{AGENT_BIN}` binary (set {AGENT_ENV} or install it next to `cube-supervisor`)")
-    };
-    let exe = std::env::current_exe().map_err(|_| not_found())?;
-    let dir = exe.parent().ok_or_else(not_found)?;
-    [dir.join(AGENT_BIN), dir.join("..").join(AGENT_BIN)]
-        .into_iter()
-        .find(|c| c.is_file())
-        .ok_or_else(not_found)
-}
-
-/// Whether the sandbox in `dir` is hibernated (its processes stopped, its state on
-/// disk).
-pub fn is_hibernated(dir: &Path) -> bool {
-    dir.join(HIBERNATED_LAYER).exists() || dir.join(HIBERNATED_CHECKPOINT).exists()
-}
 
 /// The host's CRIU, probed once per supervisor; the error says why full-state
 /// snapshots are unavailable.
@@ -109,7 +69,7 @@ fn is_checkpoint(dir: &Path) -> bool {
 /// One jail sandbox.
 pub struct JailSandbox {
     id: String,
-    dir: PathBuf,
+    dir: SandboxDir,
     settings: Settings,
     /// A built template's tree under the overlay root; None: the host's userland.
     tree: Option<PathBuf>,
@@ -137,11 +97,11 @@ impl JailSandbox {
         tree: Option<PathBuf>,
         layer: Option<&Path>,
         settings: Settings,
-    ) -> Result<JailSandbox, String> {
+    ) -> Result<JailSandbox, Failure> {
         let agent = locate_agent()?;
         let mut sandbox = JailSandbox {
             id: id.to_string(),
-            dir: dir.to_path_buf(),
+            dir: SandboxDir::new(dir),
             settings,
             tree,
             agent,
@@ -156,7 +116,9 @@ impl JailSandbox {
         if let Some(snapshot) = snapshot {
             match criu() {
                 Ok(criu) => {
-                    sandbox.restore(criu, snapshot)?;
+                    sandbox
+                        .restore(criu, snapshot)
+                        .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
                     return Ok(sandbox);
                 }
                 Err(why) => tracing::warn!(
@@ -167,7 +129,11 @@ impl JailSandbox {
             }
         }
         let seed = match layer {
-            Some(layer) => Some(sandbox.stage_seed(layer)?),
+            Some(layer) => Some(
+                sandbox
+                    .stage_seed(layer)
+                    .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?,
+            ),
             None => None,
         };
         sandbox.spawn(seed)?;
@@ -181,23 +147,23 @@ impl JailSandbox {
         dir: &Path,
         ready: PrespawnedJail,
         settings: Settings,
-    ) -> Result<JailSandbox, String> {
+    ) -> Result<JailSandbox, Failure> {
+        let dir = SandboxDir::new(dir);
         let PrespawnedJail {
             mut jail,
             agent,
             lifeline,
             network: standby,
         } = ready;
-        jail.relocate(&dir.join(JAIL_DIR))
-            .map_err(|e| error_chain(&e))?;
-        publish_socket(dir, jail.pid())?;
+        jail.relocate(&dir.jail()).map_err(|e| error_chain(&e))?;
+        publish_socket(&dir, jail.pid())?;
         // The pool started the jail with the default settings' limits.
         let limits = limits(&settings)?;
         if limits != self::limits(&Settings::default())? {
             jail.set_limits(&limits).map_err(|e| error_chain(&e))?;
         }
         if !settings.env.is_empty() {
-            let client = connect_agent(&dir.join(AGENT_SOCKET))
+            let client = connect_agent(&dir.agent_socket())
                 .map_err(cube_agent::client::ClientError::Connect)
                 .and_then(cube_agent::client::Client::new)
                 .map_err(|e| format!("connecting to the agent: {}", error_chain(&e)))?;
@@ -207,7 +173,7 @@ impl JailSandbox {
         }
         let mut sandbox = JailSandbox {
             id: id.to_string(),
-            dir: dir.to_path_buf(),
+            dir: dir.clone(),
             settings,
             tree: None,
             agent,
@@ -223,7 +189,7 @@ impl JailSandbox {
             // are left to write.
             (Some(standby), Some(options)) => {
                 let network = standby
-                    .activate(&options, dir)
+                    .activate(&options, &dir)
                     .map_err(|e| format!("attaching the network: {}", error_chain(&e)))?;
                 sandbox.network = Some(Box::new(network));
             }
@@ -255,10 +221,10 @@ impl JailSandbox {
         }
     }
 
-    fn network(&mut self) -> Result<&mut JailNetwork, String> {
+    fn network(&mut self) -> Result<&mut JailNetwork, Failure> {
         self.network
             .as_deref_mut()
-            .ok_or_else(|| "this sandbox has no network (create it with one)".to_string())
+            .ok_or_else(|| Failure::bad_state("this sandbox has no network (create it with one)"))
     }
 
     /// The sandbox's directory.
@@ -275,7 +241,7 @@ impl JailSandbox {
     fn spawn(&mut self, seed: Option<PathBuf>) -> Result<(), String> {
         let config = jail_config(
             &self.next_name(),
-            &self.dir.join(JAIL_DIR),
+            &self.dir.jail(),
             &self.agent,
             &self.settings,
             self.tree.as_deref(),
@@ -291,7 +257,7 @@ impl JailSandbox {
             Err(e) => {
                 // A failed spawn gives the seed back: a copy made for this start goes,
                 // a hibernated layer stays for the next wake.
-                if let Some(seed) = seed.filter(|s| *s == self.dir.join(SEED_LAYER)) {
+                if let Some(seed) = seed.filter(|s| *s == self.dir.seed_layer()) {
                     let _ = std::fs::remove_dir_all(seed);
                 }
                 Err(format!("starting the jail: {}", error_chain(&e)))
@@ -303,7 +269,7 @@ impl JailSandbox {
     fn restore(&mut self, criu: &Criu, image_dir: &Path) -> Result<(), String> {
         let config = jail_config(
             &self.next_name(),
-            &self.dir.join(JAIL_DIR),
+            &self.dir.jail(),
             &self.agent,
             &self.settings,
             self.tree.as_deref(),
@@ -333,35 +299,35 @@ impl JailSandbox {
 
     /// Clones `layer` next to the jail, ready to be moved in as the next start's layer.
     fn stage_seed(&self, layer: &Path) -> Result<PathBuf, String> {
-        let seed = self.dir.join(SEED_LAYER);
+        let seed = self.dir.seed_layer();
         let _ = std::fs::remove_dir_all(&seed);
         cube_storage::clone_tree(layer, &seed)
             .map_err(|e| format!("copying layer {}: {}", layer.display(), error_chain(&e)))?;
         Ok(seed)
     }
 
-    fn running(&mut self) -> Result<&mut Jail, String> {
+    fn running(&mut self) -> Result<&mut Jail, Failure> {
         self.jail
             .as_mut()
-            .ok_or_else(|| "sandbox is hibernated: wake it first".to_string())
+            .ok_or_else(|| Failure::bad_state("sandbox is hibernated: wake it first"))
     }
 
     /// The writable layer on the host, running or hibernated.
     fn layer(&self) -> PathBuf {
         match self.jail.as_ref().and_then(Jail::layer_dir) {
             Some(l) => l.to_path_buf(),
-            None if self.dir.join(HIBERNATED_CHECKPOINT).exists() => {
-                self.dir.join(HIBERNATED_CHECKPOINT).join(LAYER_DIR)
+            None if self.dir.hibernated_checkpoint().exists() => {
+                SnapshotDir::new(self.dir.hibernated_checkpoint()).layer()
             }
-            None => self.dir.join(HIBERNATED_LAYER),
+            None => self.dir.hibernated_layer(),
         }
     }
 
     /// Carries out one request.
-    pub fn handle(&mut self, request: super::Request) -> Result<Response, String> {
-        use super::Request;
+    pub fn handle(&mut self, request: Request) -> Result<Response, Failure> {
+        let snapshot_failed = |f: Failure| f.or_kind(ErrorKind::SnapshotFailed);
         match request {
-            Request::Adopt { .. } => Err("already adopted".into()),
+            Request::Adopt { .. } => Err(Failure::invalid("already adopted")),
             Request::Destroy => Ok(Response::Ok),
             Request::Status => Ok(Response::Status(self.status())),
             Request::Pause => {
@@ -375,7 +341,7 @@ impl JailSandbox {
                 Ok(Response::Ok)
             }
             Request::Snapshot { staging, dest } => {
-                let meta = self.snapshot(&staging, &dest)?;
+                let meta = self.snapshot(&staging, &dest).map_err(snapshot_failed)?;
                 Ok(Response::Snapshot {
                     stats: meta.stats,
                     kind: meta.kind,
@@ -383,44 +349,44 @@ impl JailSandbox {
                 })
             }
             Request::Rollback { snapshot } => {
-                self.rollback(&snapshot)?;
+                self.rollback(&snapshot).map_err(snapshot_failed)?;
                 Ok(Response::Ok)
             }
             Request::Hibernate => {
-                self.hibernate()?;
+                self.hibernate().map_err(snapshot_failed)?;
                 if let Some(network) = self.network.as_mut() {
                     network.disconnect();
                 }
                 Ok(Response::Ok)
             }
             Request::Wake => {
-                self.wake()?;
+                self.wake().map_err(snapshot_failed)?;
                 Ok(Response::Ok)
             }
             Request::GuestDirty { .. }
             | Request::GuestMode { .. }
             | Request::GuestWaitWorkingSet
             | Request::ReadMemory { .. }
-            | Request::MemoryDigest => {
-                Err("a jail sandbox has no guest memory (this request is for test VMs)".into())
-            }
+            | Request::MemoryDigest => Err(Failure::unsupported(
+                "a jail sandbox has no guest memory (this request is for test VMs)",
+            )),
             Request::NetworkStatus => {
                 let report = self.network()?.report();
-                Ok(Response::Network(report.map_err(|e| error_chain(&e))?))
+                Ok(Response::Network(report.map_err(network_failure)?))
             }
             Request::SetPolicy(policy) => {
                 let set = self.network()?.set_policy(policy);
-                set.map_err(|e| error_chain(&e))?;
+                set.map_err(network_failure)?;
                 Ok(Response::Ok)
             }
             Request::Expose(port) => {
                 let exposed = self.network()?.expose(port);
-                exposed.map_err(|e| error_chain(&e))?;
+                exposed.map_err(network_failure)?;
                 Ok(Response::Ok)
             }
             Request::Unexpose { host_port } => {
                 let withdrawn = self.network()?.unexpose(host_port);
-                withdrawn.map_err(|e| error_chain(&e))?;
+                withdrawn.map_err(network_failure)?;
                 Ok(Response::Ok)
             }
         }
@@ -457,13 +423,13 @@ impl JailSandbox {
             generation: self.generation,
             guest_error: false,
             config: None,
-            rss_kib: super::server::own_rss_kib(),
+            rss_kib: own_rss_kib(),
             engine: Engine::Jail,
             jail: Some(JailStatus {
                 pid,
                 cgroups,
                 layer: self.layer(),
-                agent_socket: self.dir.join(AGENT_SOCKET),
+                agent_socket: self.dir.agent_socket(),
             }),
         }
     }
@@ -507,7 +473,7 @@ impl JailSandbox {
         leave_running: bool,
     ) -> Result<(), String> {
         let was_paused = self.paused;
-        let jail = self.running()?;
+        let jail = self.running().map_err(|f| f.message)?;
         if was_paused {
             // The agent must run to close its connections; dump freezes it again.
             jail.resume().map_err(|e| error_chain(&e))?;
@@ -537,22 +503,25 @@ impl JailSandbox {
     /// full-state one through CRIU where it works, else the layer alone (the reason
     /// recorded). The processes are frozen while the layer is copied, so the copy is
     /// one instant of the files (and of the processes, for a full one).
-    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, String> {
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure> {
         let snapshot_id = dest
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .ok_or_else(|| format!("{} has no snapshot id", dest.display()))?;
         if dest.exists() {
-            return Err(format!("{} already exists", dest.display()));
+            return Err(Failure::new(
+                ErrorKind::AlreadyExists,
+                format!("{} already exists", dest.display()),
+            ));
         }
         let start = Instant::now();
         let hibernated_full =
-            self.jail.is_none() && is_checkpoint(&self.dir.join(HIBERNATED_CHECKPOINT));
+            self.jail.is_none() && is_checkpoint(&self.dir.hibernated_checkpoint());
         let full = match criu() {
             Err(why) => Err(format!("no working CRIU: {why}")),
             Ok(_) if hibernated_full => {
                 // The hibernation's checkpoint is the state: copy it.
-                cube_storage::clone_tree(&self.dir.join(HIBERNATED_CHECKPOINT), staging)
+                cube_storage::clone_tree(&self.dir.hibernated_checkpoint(), staging)
                     .map(|_| ())
                     .map_err(|e| format!("copying the hibernated checkpoint: {}", error_chain(&e)))
             }
@@ -593,8 +562,8 @@ impl JailSandbox {
             };
             let bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
             cube_storage::write_atomic_bytes_with(
-                &staging.join(SNAPSHOT_META),
-                SNAPSHOT_META_KIND,
+                &SnapshotDir::new(staging).record(),
+                SnapshotDir::RECORD_KIND,
                 &bytes,
                 Durability::Deferred,
             )
@@ -610,14 +579,14 @@ impl JailSandbox {
 
     /// Clones the writable layer into `staging/layer`, the processes frozen meanwhile;
     /// true when every file was reflinked.
-    fn snapshot_files(&mut self, staging: &Path) -> Result<bool, String> {
+    fn snapshot_files(&mut self, staging: &Path) -> Result<bool, Failure> {
         std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
         let layer = self.layer();
         let freeze = !self.paused && self.jail.is_some();
         if freeze {
             self.running()?.pause().map_err(|e| error_chain(&e))?;
         }
-        let copied = cube_storage::clone_tree(&layer, &staging.join(LAYER_DIR));
+        let copied = cube_storage::clone_tree(&layer, &SnapshotDir::new(staging).layer());
         if freeze {
             self.running()?.resume().map_err(|e| error_chain(&e))?;
         }
@@ -625,29 +594,34 @@ impl JailSandbox {
             Ok(stats) => Ok(stats.copied_files == 0),
             Err(e) => {
                 let _ = std::fs::remove_dir_all(staging);
-                Err(format!("copying the layer: {}", error_chain(&e)))
+                Err(format!("copying the layer: {}", error_chain(&e)).into())
             }
         }
     }
 
     /// Puts the snapshot back: a full-state one restores the processes, a filesystem
     /// one restarts them on a copy of its layer.
-    fn rollback(&mut self, snapshot: &Path) -> Result<(), String> {
-        let meta: SnapshotMeta =
-            cube_storage::read_verified(&snapshot.join(SNAPSHOT_META), SNAPSHOT_META_KIND)
-                .map_err(|e| error_chain(&e))?;
+    fn rollback(&mut self, snapshot: &Path) -> Result<(), Failure> {
+        let meta: SnapshotMeta = cube_storage::read_verified(
+            &SnapshotDir::new(snapshot).record(),
+            SnapshotDir::RECORD_KIND,
+        )
+        .map_err(|e| error_chain(&e))?;
         if meta.engine != Engine::Jail {
-            return Err(format!(
+            return Err(Failure::invalid(format!(
                 "snapshot {} is a {} snapshot; this is a jail sandbox",
                 meta.id, meta.engine
-            ));
+            )));
         }
         let start = Instant::now();
         let criu = match meta.kind {
             SnapshotKind::Full => Some(criu().map_err(|why| {
-                format!(
-                    "snapshot {} holds processes, but there is no working CRIU: {why}",
-                    meta.id
+                Failure::new(
+                    ErrorKind::HostCannot,
+                    format!(
+                        "snapshot {} holds processes, but there is no working CRIU: {why}",
+                        meta.id
+                    ),
                 )
             })?),
             SnapshotKind::Filesystem => None,
@@ -661,15 +635,15 @@ impl JailSandbox {
             return Ok(());
         }
         // Copy first: a snapshot that cannot be copied leaves the sandbox as it was.
-        let seed = self.stage_seed(&snapshot.join(LAYER_DIR))?;
+        let seed = self.stage_seed(&SnapshotDir::new(snapshot).layer())?;
         tracing::debug!(elapsed = ?start.elapsed(), "rollback: layer copied");
         if let Err(e) = self.stop_current() {
             let _ = std::fs::remove_dir_all(&seed);
-            return Err(e);
+            return Err(e.into());
         }
         let spawned = self.spawn(Some(seed));
         tracing::debug!(elapsed = ?start.elapsed(), "rollback: new jail started");
-        spawned
+        Ok(spawned?)
     }
 
     /// Ends the running jail (if any) and any hibernated state, for a rollback.
@@ -678,18 +652,18 @@ impl JailSandbox {
             self.retire(jail)
                 .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))?;
         }
-        let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATED_LAYER));
-        let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATED_CHECKPOINT));
+        let _ = std::fs::remove_dir_all(self.dir.hibernated_layer());
+        let _ = std::fs::remove_dir_all(self.dir.hibernated_checkpoint());
         Ok(())
     }
 
     /// Stops the processes, keeping their state on disk: a CRIU checkpoint where it
     /// works, else the layer alone (the processes start afresh at wake).
-    fn hibernate(&mut self) -> Result<(), String> {
+    fn hibernate(&mut self) -> Result<(), Failure> {
         if self.jail.is_none() {
-            return Err("sandbox is already hibernated".into());
+            return Err(Failure::bad_state("sandbox is already hibernated"));
         }
-        let image_dir = self.dir.join(HIBERNATED_CHECKPOINT);
+        let image_dir = self.dir.hibernated_checkpoint();
         let _ = std::fs::remove_dir_all(&image_dir);
         let dumped = match criu() {
             Ok(criu) => self.dump(criu, &image_dir, false),
@@ -698,30 +672,34 @@ impl JailSandbox {
         let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
         self.lifeline = None;
         self.paused = false;
-        match dumped {
+        let stopped = match dumped {
             Ok(()) => jail
                 .destroy()
                 .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e))),
             Err(why) => {
                 tracing::warn!(sandbox = %self.id, "hibernating the files only: {why}");
-                let keep = self.dir.join(HIBERNATED_LAYER);
+                let keep = self.dir.hibernated_layer();
                 let _ = std::fs::remove_dir_all(&keep);
                 jail.destroy_keeping_layer(&keep)
                     .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))
             }
-        }
+        };
+        Ok(stopped?)
     }
 
     /// Brings a hibernated sandbox back: restores its checkpoint, or starts new
     /// processes on its layer.
-    fn wake(&mut self) -> Result<(), String> {
+    fn wake(&mut self) -> Result<(), Failure> {
         if self.jail.is_some() {
-            return Err("sandbox is not hibernated".into());
+            return Err(Failure::bad_state("sandbox is not hibernated"));
         }
-        let image_dir = self.dir.join(HIBERNATED_CHECKPOINT);
+        let image_dir = self.dir.hibernated_checkpoint();
         if is_checkpoint(&image_dir) {
             let criu = criu().map_err(|why| {
-                format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}")
+                Failure::new(
+                    ErrorKind::HostCannot,
+                    format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}"),
+                )
             })?;
             self.restore(criu, &image_dir)?;
             if let Err(e) = std::fs::remove_dir_all(&image_dir) {
@@ -729,8 +707,8 @@ impl JailSandbox {
             }
             return Ok(());
         }
-        let layer = self.dir.join(HIBERNATED_LAYER);
-        self.spawn(Some(layer))
+        let layer = self.dir.hibernated_layer();
+        Ok(self.spawn(Some(layer))?)
     }
 
     /// Ends a replaced jail's processes now (so its agent accepts nothing more) and
@@ -738,9 +716,7 @@ impl JailSandbox {
     fn retire(&mut self, mut jail: Jail) -> Result<(), cube_jail::JailError> {
         jail.kill()?;
         jail.wait()?;
-        let aside = self
-            .dir
-            .join(format!("{JAIL_DIR}.retired-{}", self.generation));
+        let aside = self.dir.retired_jail(self.generation);
         if let Err(e) = jail.relocate(&aside) {
             tracing::debug!("tearing the old jail down in place: {}", error_chain(&e));
             return jail.destroy();
@@ -777,10 +753,10 @@ impl JailSandbox {
         if let Some(mut network) = self.network.take() {
             network.disconnect();
         }
-        for leftover in [HIBERNATED_LAYER, HIBERNATED_CHECKPOINT, SEED_LAYER] {
-            let _ = std::fs::remove_dir_all(self.dir.join(leftover));
+        for leftover in self.dir.jail_leftovers() {
+            let _ = std::fs::remove_dir_all(leftover);
         }
-        let _ = std::fs::remove_file(self.dir.join(AGENT_SOCKET));
+        let _ = std::fs::remove_file(self.dir.agent_socket());
     }
 }
 
@@ -874,11 +850,11 @@ fn inner_socket(pid: i32) -> PathBuf {
 
 /// Waits until the agent of PID 1 `pid` accepts connections, then points
 /// `<dir>/agent.sock` at its socket (replacing the link atomically).
-fn publish_socket(dir: &Path, pid: i32) -> Result<(), String> {
+fn publish_socket(dir: &SandboxDir, pid: i32) -> Result<(), String> {
     wait_listening(pid)?;
     let inner = inner_socket(pid);
-    let link = dir.join(AGENT_SOCKET);
-    let tmp = dir.join(format!("{AGENT_SOCKET}.new"));
+    let link = dir.agent_socket();
+    let tmp = dir.agent_socket_staging();
     let _ = std::fs::remove_file(&tmp);
     std::os::unix::fs::symlink(&inner, &tmp)
         .and_then(|()| std::fs::rename(&tmp, &link))
@@ -1021,14 +997,14 @@ fn limits(settings: &Settings) -> Result<Limits, String> {
     Ok(limits)
 }
 
-/// [`crate::DEFAULT_PIDS_MAX`] where the host has a pids controller (looked up once per
+/// [`DEFAULT_PIDS_MAX`] where the host has a pids controller (looked up once per
 /// supervisor); None elsewhere, where asking for it would fail every create.
 fn default_pids_max() -> Option<u32> {
     static HAS_PIDS: OnceLock<bool> = OnceLock::new();
     let has = *HAS_PIDS.get_or_init(|| {
         cube_jail::CgroupLayout::detect().is_ok_and(|l| l.provider("pids").is_some())
     });
-    has.then_some(crate::DEFAULT_PIDS_MAX)
+    has.then_some(DEFAULT_PIDS_MAX)
 }
 
 /// Whether this process's standard error is `/dev/null`.
@@ -1043,6 +1019,9 @@ fn stderr_is_null() -> bool {
     }
 }
 
+/// The jail of a sandbox: its spec ([`JailSpec`], shared with one-shot jails) with
+/// the sandbox's environment and limits, and the agent's diagnostics where the
+/// supervisor's go.
 fn jail_config(
     name: &str,
     state_dir: &Path,
@@ -1051,18 +1030,18 @@ fn jail_config(
     tree: Option<&Path>,
     seed: Option<PathBuf>,
 ) -> Result<JailConfig, String> {
-    let mut config = JailConfig::new(name, state_dir);
-    if let Some(tree) = tree {
-        // The template's own userland only: its python3 and pip, not the host's.
-        config.root = cube_jail::RootSpec::Overlay {
-            lower: vec![tree.to_path_buf()],
-            host_userland: false,
-        };
+    let mut env = vec![("RUST_LOG".to_string(), "warn".to_string())];
+    env.extend(settings.env.iter().cloned());
+    let mut config = JailSpec {
+        name,
+        state_dir,
+        agent,
+        tree,
+        seed,
+        env,
+        limits: limits(settings)?,
     }
-    config.binds.push(ReadOnlyBind {
-        source: agent.to_path_buf(),
-        target: PathBuf::from(AGENT_PATH),
-    });
+    .config();
     // The agent's own diagnostics go where the supervisor's do. Where that is
     // /dev/null, the jail opens its own: a checkpoint cannot restore one host file as
     // two different kinds of stream (stdin is /dev/null too).
@@ -1071,9 +1050,5 @@ fn jail_config(
     } else {
         Stdio::Inherit
     };
-    config.env.push(("RUST_LOG".into(), "warn".into()));
-    config.env.extend(settings.env.iter().cloned());
-    config.limits = limits(settings)?;
-    config.seed_layer = seed;
     Ok(config)
 }

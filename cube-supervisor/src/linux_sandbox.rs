@@ -1,7 +1,7 @@
 //! A Linux-guest VM sandbox as its supervisor holds it: a [`LinuxVm`] restored (never
 //! booted) from a template or snapshot, with its own copy of the root disk
 //! (`rootfs.img` in the sandbox directory), its vsock device's host socket at
-//! `<sandbox dir>/vsock.sock` (where [`crate::Sandbox::agent`] connects), its entropy
+//! `<sandbox dir>/vsock.sock` (where the library's `Sandbox::agent` connects), its entropy
 //! device, and its NIC, with a TAP from cube-net's pool behind it when the sandbox was
 //! created with a network (see [`JailNetwork::attach_tap`]).
 //!
@@ -18,8 +18,8 @@
 //! before it lets the old one go, and a failed one leaves the old one as it was.
 //!
 //! The devices are attached in the kinds and order the snapshot records
-//! ([`snapshot_devices`]); a snapshot with devices Cube cannot give a host side to is
-//! refused.
+//! ([`crate::vm_devices::snapshot_devices`]); a snapshot with devices Cube cannot give
+//! a host side to is refused.
 
 use std::fs::OpenOptions;
 use std::path::{Path, PathBuf};
@@ -27,100 +27,30 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::jail_network::{JailNetwork, JailNetworkError};
-use super::protocol::{MachineStatus, Response, Settings, StatusReport};
-use super::server::{flush_in_background, HIBERNATE_DIR};
-use crate::devices::virtio::block::{Block, BlockOptions};
-use crate::devices::virtio::device::VirtioDevice;
-use crate::devices::virtio::net::Net;
-use crate::devices::virtio::rng::Rng;
-use crate::devices::virtio::tap::Tap;
-use crate::devices::virtio::vsock::{Vsock, HOST_SOCKET_NAME};
+use cube_devices::records::DeviceKind;
+use cube_devices::virtio::tap::Tap;
+use cube_storage::{Durability, SandboxDir, SnapshotDir};
+use cube_vmm::linux_vm::LinuxVm;
+use cube_vmm::persist::state::{read_state, GuestKind};
+use cube_vmm::persist::SnapshotStats;
+use cube_vmm::vstate::KvmContext;
+
 use crate::error_report::chain as error_chain;
-use crate::sandbox::metadata::{
-    now_unix, Engine, SnapshotKind, SnapshotMeta, SNAPSHOT_META, SNAPSHOT_META_KIND,
+use crate::flush::flush_in_background;
+use crate::jail_network::{network_failure, JailNetwork, JailNetworkError};
+use crate::protocol::{
+    ErrorKind, Failure, MachineStatus, Request, Response, Settings, StatusReport,
 };
-use crate::snapshot::format::{self, DeviceKind, GuestKind, ROOTFS_FILE};
-use crate::vm_template::{TEMPLATE_GUEST_CID, TEMPLATE_GUEST_MAC};
-use crate::vmm::linux_boot::LinuxVm;
-use crate::vmm::machine::SnapshotStats;
-use crate::vstate::KvmContext;
-use cube_storage::Durability;
-
-/// File the guest's serial console goes to, in the sandbox directory.
-pub const CONSOLE_LOG: &str = "console.log";
-
-/// The devices of a VM template's guest, in their order: the root disk `disk`, vsock
-/// with its host side in `dir`, entropy, and a NIC with nothing behind it.
-pub fn template_devices(disk: &Path, dir: &Path) -> Result<Vec<Box<dyn VirtioDevice>>, String> {
-    let kinds = [
-        DeviceKind::Block,
-        DeviceKind::Vsock,
-        DeviceKind::Rng,
-        DeviceKind::Net,
-    ];
-    devices_of(&kinds, disk, dir, None)
-}
-
-/// Devices for a guest whose snapshot recorded `kinds`, in that order: `disk` as the
-/// root disk, the vsock host side in `dir`, and `tap` behind the NIC (or nothing). A
-/// TAP the guest has no NIC for is an error: a guest gets no device after it booted.
-pub fn snapshot_devices(
-    kinds: &[DeviceKind],
-    disk: &Path,
-    dir: &Path,
-    tap: Option<Tap>,
-) -> Result<Vec<Box<dyn VirtioDevice>>, String> {
-    if tap.is_some() && !kinds.contains(&DeviceKind::Net) {
-        return Err(
-            "the guest of this snapshot has no network device, so the sandbox cannot have a \
-             network (build the template again: templates now get a NIC)"
-                .into(),
-        );
-    }
-    devices_of(kinds, disk, dir, tap)
-}
-
-fn devices_of(
-    kinds: &[DeviceKind],
-    disk: &Path,
-    dir: &Path,
-    mut tap: Option<Tap>,
-) -> Result<Vec<Box<dyn VirtioDevice>>, String> {
-    let mut seen = Vec::with_capacity(kinds.len());
-    let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::with_capacity(kinds.len());
-    for &kind in kinds {
-        // One host side each: a second disk, socket or NIC has nothing to stand for.
-        if seen.contains(&kind) {
-            return Err(format!("the snapshot has more than one {kind:?} device"));
-        }
-        seen.push(kind);
-        devices.push(match kind {
-            DeviceKind::Block => Box::new(
-                Block::open(disk, BlockOptions::default())
-                    .map_err(|e| format!("opening {}: {}", disk.display(), error_chain(&e)))?,
-            ),
-            DeviceKind::Vsock => {
-                Box::new(Vsock::new(TEMPLATE_GUEST_CID, dir).map_err(|e| error_chain(&e))?)
-            }
-            DeviceKind::Rng => Box::new(Rng::new()),
-            DeviceKind::Net => Box::new(
-                match tap.take() {
-                    Some(tap) => Net::new(tap, TEMPLATE_GUEST_MAC),
-                    None => Net::disconnected(TEMPLATE_GUEST_MAC),
-                }
-                .map_err(|e| error_chain(&e))?,
-            ),
-        });
-    }
-    Ok(devices)
-}
+use crate::records::{now_unix, Engine, SnapshotKind, SnapshotMeta};
+use crate::resident_memory::own_rss_kib;
+use crate::vm_agent::{agent_client, VmAgentError};
+use crate::vm_devices::{snapshot_devices, TEMPLATE_GUEST_MAC};
 
 /// One Linux-guest sandbox. Field order is drop order: the VM (and its NIC's handle
 /// on the TAP) goes before the TAP, the TAP before the network gives it back.
 pub struct LinuxSandbox {
     ctx: Arc<KvmContext>,
-    dir: PathBuf,
+    dir: SandboxDir,
     /// None while hibernated (or once destroyed).
     vm: Option<LinuxVm>,
     /// The TAP behind the NIC, kept across rollback and hibernation.
@@ -138,22 +68,18 @@ pub struct LinuxSandbox {
 
 /// How long after a restore the host keeps trying to reach the agent to reseed it.
 const RESEED_WINDOW: Duration = Duration::from_secs(30);
-/// The vsock socket's name while a rollback decides whether the old VM stays.
-const VSOCK_ASIDE: &str = "vsock.sock.previous";
-/// Where a rollback copies the snapshot's disk before the new VM takes it.
-const ROLLBACK_DISK: &str = "rootfs.img.rollback";
 
 /// Has the restored guest's agent reseed the kernel CRNG with fresh host entropy, as
 /// soon as it answers: a clone must not keep the random state of the snapshot it
 /// shares with its siblings. (The agent also watches the rng's generation counter
 /// where the guest kernel lets it read it.)
-fn reseed_when_ready(dir: PathBuf, stop: Arc<AtomicBool>) {
+fn reseed_when_ready(vsock_socket: PathBuf, stop: Arc<AtomicBool>) {
     let spawned = std::thread::Builder::new()
         .name("reseed-clone".into())
         .spawn(move || {
             let deadline = Instant::now() + RESEED_WINDOW;
             while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
-                match crate::vm_agent::agent_client(&dir, Duration::from_millis(500)) {
+                match agent_client(&vsock_socket, Duration::from_millis(500)) {
                     Ok(client) => {
                         let mut entropy = vec![0u8; 64];
                         // SAFETY: `entropy` is writable for its length.
@@ -173,7 +99,7 @@ fn reseed_when_ready(dir: PathBuf, stop: Arc<AtomicBool>) {
                         }
                         return;
                     }
-                    Err(crate::vm_agent::VmAgentError::NotReady { .. }) => {}
+                    Err(VmAgentError::NotReady { .. }) => {}
                     Err(_) => std::thread::sleep(Duration::from_millis(200)),
                 }
             }
@@ -193,17 +119,21 @@ impl LinuxSandbox {
         dir: &Path,
         snapshot: &Path,
         settings: &Settings,
-    ) -> Result<Self, String> {
-        let disk = dir.join(ROOTFS_FILE);
+    ) -> Result<Self, Failure> {
+        let dir = SandboxDir::new(dir);
+        let disk = dir.rootfs();
         if !disk.is_file() {
-            return Err(format!(
-                "{} has no root disk ({ROOTFS_FILE}); a Linux VM sandbox needs one",
-                snapshot.display()
+            return Err(Failure::new(
+                ErrorKind::SnapshotFailed,
+                format!(
+                    "{} has no root disk; a Linux VM sandbox needs one",
+                    snapshot.display()
+                ),
             ));
         }
         let mut sandbox = LinuxSandbox {
             ctx: Arc::clone(ctx),
-            dir: dir.to_path_buf(),
+            dir: dir.clone(),
             vm: None,
             tap: None,
             network: None,
@@ -216,7 +146,7 @@ impl LinuxSandbox {
         if let Some(options) = &settings.network {
             let fail = |e: JailNetworkError| format!("attaching the network: {}", error_chain(&e));
             let network =
-                JailNetwork::attach_tap(TEMPLATE_GUEST_MAC, options, dir).map_err(fail)?;
+                JailNetwork::attach_tap(TEMPLATE_GUEST_MAC, options, &dir).map_err(fail)?;
             let name = network
                 .tap_name()
                 .ok_or("the pool gave the VM no TAP")?
@@ -227,7 +157,9 @@ impl LinuxSandbox {
                 Tap::open(&name).map_err(|e| format!("opening TAP {name}: {}", error_chain(&e)))?,
             );
         }
-        let vm = sandbox.build_vm(snapshot, &disk, true)?;
+        let vm = sandbox
+            .build_vm(snapshot, &disk, true)
+            .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
         sandbox.start(vm)?;
         Ok(sandbox)
     }
@@ -240,7 +172,7 @@ impl LinuxSandbox {
     /// A VM restored from `snapshot` with `disk` as its root disk, paused; its console
     /// starts a new log (`fresh`) or continues the sandbox's.
     fn build_vm(&self, snapshot: &Path, disk: &Path, fresh: bool) -> Result<LinuxVm, String> {
-        let state = format::read_state(snapshot).map_err(|e| error_chain(&e))?;
+        let state = read_state(snapshot).map_err(|e| error_chain(&e))?;
         if state.guest != GuestKind::Linux {
             return Err(format!(
                 "{} holds Cube's test guest, not a Linux guest",
@@ -252,7 +184,7 @@ impl LinuxSandbox {
             .write(true)
             .append(!fresh)
             .truncate(fresh)
-            .open(self.dir.join(CONSOLE_LOG))
+            .open(self.dir.console_log())
             .map_err(|e| format!("opening the console log: {e}"))?;
         let tap = match &self.tap {
             Some(tap) => Some(
@@ -262,7 +194,7 @@ impl LinuxSandbox {
             None => None,
         };
         let kinds: Vec<DeviceKind> = state.devices.iter().map(|d| d.kind).collect();
-        let devices = snapshot_devices(&kinds, disk, &self.dir, tap)?;
+        let devices = snapshot_devices(&kinds, disk, &self.dir.vsock_socket(), tap)?;
         LinuxVm::restore(&self.ctx, snapshot, Box::new(console), devices, true)
             .map_err(|e| error_chain(&e))
     }
@@ -272,7 +204,7 @@ impl LinuxSandbox {
         vm.resume().map_err(|e| error_chain(&e))?;
         self.stop_reseed.store(true, Ordering::Relaxed);
         self.stop_reseed = Arc::new(AtomicBool::new(false));
-        reseed_when_ready(self.dir.clone(), Arc::clone(&self.stop_reseed));
+        reseed_when_ready(self.dir.vsock_socket(), Arc::clone(&self.stop_reseed));
         // The old VM (a rollback's) stops here, after the new one took over.
         self.vm = Some(vm);
         self.paused = false;
@@ -281,25 +213,27 @@ impl LinuxSandbox {
         Ok(())
     }
 
-    fn vm(&mut self) -> Result<&mut LinuxVm, String> {
+    fn vm(&mut self) -> Result<&mut LinuxVm, Failure> {
         if self.hibernated {
-            return Err("sandbox is hibernated: wake it first".into());
+            return Err(Failure::bad_state("sandbox is hibernated: wake it first"));
         }
-        self.vm.as_mut().ok_or_else(|| "the VM is gone".to_string())
+        self.vm
+            .as_mut()
+            .ok_or_else(|| Failure::bad_state("the VM is gone"))
     }
 
-    fn network(&mut self) -> Result<&mut JailNetwork, String> {
+    fn network(&mut self) -> Result<&mut JailNetwork, Failure> {
         self.network
             .as_deref_mut()
-            .ok_or_else(|| "this sandbox has no network (create it with one)".to_string())
+            .ok_or_else(|| Failure::bad_state("this sandbox has no network (create it with one)"))
     }
 
     /// Carries out one request.
-    pub fn handle(&mut self, request: super::Request) -> Result<Response, String> {
-        use super::Request;
-        let net = |e: JailNetworkError| error_chain(&e);
+    pub fn handle(&mut self, request: Request) -> Result<Response, Failure> {
+        let net = network_failure;
+        let snapshot_failed = |f: Failure| f.or_kind(ErrorKind::SnapshotFailed);
         match request {
-            Request::Adopt { .. } => Err("already adopted".into()),
+            Request::Adopt { .. } => Err(Failure::invalid("already adopted")),
             Request::Destroy => Ok(Response::Ok),
             Request::Status => Ok(Response::Status(self.status())),
             Request::Pause => {
@@ -313,7 +247,7 @@ impl LinuxSandbox {
                 Ok(Response::Ok)
             }
             Request::Snapshot { staging, dest } => {
-                let stats = self.snapshot(&staging, &dest)?;
+                let stats = self.snapshot(&staging, &dest).map_err(snapshot_failed)?;
                 Ok(Response::Snapshot {
                     stats,
                     kind: SnapshotKind::Full,
@@ -321,22 +255,20 @@ impl LinuxSandbox {
                 })
             }
             Request::Rollback { snapshot } => {
-                self.rollback(&snapshot)?;
+                self.rollback(&snapshot).map_err(snapshot_failed)?;
                 Ok(Response::Ok)
             }
             Request::Hibernate => {
-                self.hibernate()?;
+                self.hibernate().map_err(snapshot_failed)?;
                 Ok(Response::Ok)
             }
             Request::Wake => {
                 if !self.hibernated {
-                    return Err("sandbox is not hibernated".into());
+                    return Err(Failure::bad_state("sandbox is not hibernated"));
                 }
-                let vm = self.build_vm(
-                    &self.dir.join(HIBERNATE_DIR),
-                    &self.dir.join(ROOTFS_FILE),
-                    false,
-                )?;
+                let vm = self
+                    .build_vm(&self.dir.hibernation(), &self.dir.rootfs(), false)
+                    .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
                 self.start(vm)?;
                 Ok(Response::Ok)
             }
@@ -360,16 +292,16 @@ impl LinuxSandbox {
             | Request::GuestMode { .. }
             | Request::GuestWaitWorkingSet
             | Request::ReadMemory { .. }
-            | Request::MemoryDigest => {
-                Err("a Linux VM sandbox runs no test guest (this request is for test VMs)".into())
-            }
+            | Request::MemoryDigest => Err(Failure::unsupported(
+                "a Linux VM sandbox runs no test guest (this request is for test VMs)",
+            )),
         }
     }
 
     /// Writes a snapshot (memory diff, devices, disk) into `staging`, moves it to
     /// `dest` and has it flushed in the background. The sandbox keeps running (or
     /// paused) as it was, whatever happens.
-    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotStats, String> {
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotStats, Failure> {
         let snapshot_id = dest
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
@@ -380,10 +312,13 @@ impl LinuxSandbox {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         if dest.exists() {
-            return Err(format!("{} already exists", dest.display()));
+            return Err(Failure::new(
+                ErrorKind::AlreadyExists,
+                format!("{} already exists", dest.display()),
+            ));
         }
         let was_running = !self.paused;
-        let disk = self.dir.join(ROOTFS_FILE);
+        let disk = self.dir.rootfs();
         let vm = self.vm()?;
         std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
         let written = (|| {
@@ -402,8 +337,8 @@ impl LinuxSandbox {
             };
             let meta_bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
             cube_storage::write_atomic_bytes_with(
-                &staging.join(SNAPSHOT_META),
-                SNAPSHOT_META_KIND,
+                &SnapshotDir::new(staging).record(),
+                SnapshotDir::RECORD_KIND,
                 &meta_bytes,
                 Durability::Deferred,
             )
@@ -436,20 +371,17 @@ impl LinuxSandbox {
     /// Replaces the VM with one restored from `snapshot` (its disk copied over the
     /// sandbox's). The new VM is built while the old one waits paused; if that fails
     /// the old one continues as it was, with its disk and vsock socket.
-    fn rollback(&mut self, snapshot: &Path) -> Result<(), String> {
-        let source_disk = snapshot.join(ROOTFS_FILE);
+    fn rollback(&mut self, snapshot: &Path) -> Result<(), Failure> {
+        let source_disk = SnapshotDir::new(snapshot).rootfs();
         if !source_disk.is_file() {
-            return Err(format!(
-                "{} has no root disk ({ROOTFS_FILE})",
-                snapshot.display()
-            ));
+            return Err(format!("{} has no root disk", snapshot.display()).into());
         }
-        let staged = self.dir.join(ROLLBACK_DISK);
+        let staged = self.dir.rootfs_rollback();
         let _ = std::fs::remove_file(&staged);
         cube_storage::clone_file(&source_disk, &staged).map_err(|e| error_chain(&e))?;
         let was_running = !self.hibernated && !self.paused && self.vm.is_some();
-        let socket = self.dir.join(HOST_SOCKET_NAME);
-        let aside = self.dir.join(VSOCK_ASIDE);
+        let socket = self.dir.vsock_socket();
+        let aside = self.dir.vsock_socket_aside();
         let built = (|| {
             if let Some(vm) = self.vm.as_ref().filter(|_| !self.hibernated) {
                 vm.pause().map_err(|e| error_chain(&e))?;
@@ -464,12 +396,12 @@ impl LinuxSandbox {
         })();
         match built {
             Ok(vm) => {
-                std::fs::rename(&staged, self.dir.join(ROOTFS_FILE))
+                std::fs::rename(&staged, self.dir.rootfs())
                     .map_err(|e| format!("replacing the root disk: {e}"))?;
                 let _ = std::fs::remove_file(&aside);
                 self.start(vm)?;
                 // A hibernation image is of the state just left.
-                let _ = std::fs::remove_dir_all(self.dir.join(HIBERNATE_DIR));
+                let _ = std::fs::remove_dir_all(self.dir.hibernation());
                 Ok(())
             }
             Err(e) => {
@@ -483,18 +415,18 @@ impl LinuxSandbox {
                         let _ = vm.resume();
                     }
                 }
-                Err(e)
+                Err(e.into())
             }
         }
     }
 
     /// Writes the state into `hibernate/` (memory as a diff against the parent image)
     /// and releases the VM; the disk stays where it is, the TAP stays attached.
-    fn hibernate(&mut self) -> Result<(), String> {
+    fn hibernate(&mut self) -> Result<(), Failure> {
         let was_running = !self.paused;
-        let image = self.dir.join(HIBERNATE_DIR);
-        let staging = self.dir.join("hibernate.staging");
-        let old = self.dir.join("hibernate.old");
+        let image = self.dir.hibernation();
+        let staging = self.dir.hibernation_staging();
+        let old = self.dir.hibernation_old();
         let vm = self.vm()?;
         let _ = std::fs::remove_dir_all(&staging);
         let _ = std::fs::remove_dir_all(&old);
@@ -513,15 +445,15 @@ impl LinuxSandbox {
             if was_running {
                 let _ = vm.resume();
             }
-            return Err(e);
+            return Err(e.into());
         }
         let _ = std::fs::remove_dir_all(&old);
         self.stop_reseed.store(true, Ordering::Relaxed);
         self.vm = None;
-        let _ = std::fs::remove_file(self.dir.join(HOST_SOCKET_NAME));
+        let _ = std::fs::remove_file(self.dir.vsock_socket());
         self.hibernated = true;
         self.paused = false;
-        self.track_flush(flush_in_background(image));
+        self.track_flush(flush_in_background(image.into_path()));
         Ok(())
     }
 
@@ -547,7 +479,7 @@ impl LinuxSandbox {
             generation: self.generation,
             guest_error: false,
             config: None,
-            rss_kib: super::server::own_rss_kib(),
+            rss_kib: own_rss_kib(),
             engine: Engine::Vm,
             jail: None,
         }
@@ -566,7 +498,7 @@ impl LinuxSandbox {
         for flush in std::mem::take(&mut self.flushes) {
             let _ = flush.join();
         }
-        let _ = std::fs::remove_file(self.dir.join(HOST_SOCKET_NAME));
+        let _ = std::fs::remove_file(self.dir.vsock_socket());
     }
 }
 

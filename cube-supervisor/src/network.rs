@@ -1,6 +1,6 @@
 //! A sandbox's network as the `Sandbox` API sees it: whether it has one, its egress
 //! policy, the ports it exposes, and its traffic counters. The jail engine serves it
-//! from a host-wide `cube-net` pool (see [`crate::supervisor::jail_network`]).
+//! from a host-wide `cube-net` pool (see [`crate::jail_network`]).
 //!
 //! Without [`NetworkOptions`] a sandbox has loopback only, as before.
 

@@ -152,7 +152,7 @@ pub fn spawn_supervisor_warm(
     // The supervisor says when it is warm (KVM open, a VM pre-built) or why it cannot be.
     match read_frame::<Response>(&mut &ours) {
         Ok(Response::Ok) => Ok(IdleSupervisor { stream: ours }),
-        Ok(Response::Error(message)) => Err(PoolError::NotReady(message)),
+        Ok(Response::Error(failure)) => Err(PoolError::NotReady(failure.message)),
         Ok(other) => Err(PoolError::NotReady(format!(
             "unexpected greeting {other:?}"
         ))),

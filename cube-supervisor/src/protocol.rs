@@ -10,17 +10,17 @@ use std::path::PathBuf;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::sandbox::metadata::{Engine, SnapshotKind};
-use crate::sandbox::network::{NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
-use crate::snapshot::MachineConfig;
-use crate::test_guest::WorkingSet;
-use crate::vmm::machine::SnapshotStats;
+use cube_vmm::persist::{MachineConfig, SnapshotStats, WorkingSet};
+
+use crate::network::{NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
+use crate::records::{Engine, SnapshotKind};
 
 /// Largest frame either side accepts.
 pub const MAX_FRAME: u32 = 1 << 20;
 
-/// Protocol version; a supervisor refuses clients of another version.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// Protocol version; a supervisor refuses clients of another version. (4: failures
+/// carry an [`ErrorKind`].)
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Why a frame could not be exchanged.
 #[derive(Debug, thiserror::Error)]
@@ -37,6 +37,111 @@ pub enum ProtocolError {
     /// The frame does not decode.
     #[error("Malformed frame")]
     Decode(#[from] postcard::Error),
+}
+
+/// What kind of failure a supervisor reports: what callers (the CLI's exit codes,
+/// Python's exception classes) tell failures apart by, never the message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorKind {
+    /// Something the request names does not exist.
+    NotFound,
+    /// Something of that name exists already.
+    AlreadyExists,
+    /// Something the request needs is in use.
+    Busy,
+    /// The sandbox is not in a state that allows the request (hibernated, not
+    /// hibernated, without a running machine).
+    BadState,
+    /// The request is malformed or asks for something impossible.
+    InvalidArgument,
+    /// The sandbox's engine or guest does not offer the operation.
+    Unsupported,
+    /// This host lacks what the request needs (KVM, CRIU, a cgroup controller).
+    HostCannot,
+    /// A snapshot could not be written, or restored from (rollback, wake, create).
+    SnapshotFailed,
+    /// Something did not answer in time (the guest, the agent).
+    Timeout,
+    /// Any other failure, of the host or of Cube.
+    Internal,
+}
+
+impl std::fmt::Display for ErrorKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.pad(match self {
+            ErrorKind::NotFound => "not found",
+            ErrorKind::AlreadyExists => "already exists",
+            ErrorKind::Busy => "busy",
+            ErrorKind::BadState => "bad state",
+            ErrorKind::InvalidArgument => "invalid argument",
+            ErrorKind::Unsupported => "unsupported",
+            ErrorKind::HostCannot => "host cannot",
+            ErrorKind::SnapshotFailed => "snapshot failed",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::Internal => "internal",
+        })
+    }
+}
+
+/// A failed request as it crosses the process boundary: its kind and what went
+/// wrong, for people.
+///
+/// Handlers build one with the kind where they know it; any other error (a `String`)
+/// becomes [`ErrorKind::Internal`], which [`Failure::or_kind`] refines to what the
+/// operation was (a failed rollback is [`ErrorKind::SnapshotFailed`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[error("{message}")]
+pub struct Failure {
+    /// What kind of failure.
+    pub kind: ErrorKind,
+    /// What went wrong, cause by cause.
+    pub message: String,
+}
+
+impl Failure {
+    /// A failure of `kind`.
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Failure {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The sandbox is not in a state that allows the request.
+    pub fn bad_state(message: impl Into<String>) -> Self {
+        Failure::new(ErrorKind::BadState, message)
+    }
+
+    /// The request is malformed or impossible.
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Failure::new(ErrorKind::InvalidArgument, message)
+    }
+
+    /// The sandbox's engine or guest does not offer the operation.
+    pub fn unsupported(message: impl Into<String>) -> Self {
+        Failure::new(ErrorKind::Unsupported, message)
+    }
+
+    /// This failure, or one of `kind` where it is [`ErrorKind::Internal`] (a failure
+    /// nothing classified is of the kind of the operation that failed).
+    pub fn or_kind(self, kind: ErrorKind) -> Self {
+        match self.kind {
+            ErrorKind::Internal => Failure { kind, ..self },
+            _ => self,
+        }
+    }
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure::new(ErrorKind::Internal, message)
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(message: &str) -> Self {
+        Failure::new(ErrorKind::Internal, message)
+    }
 }
 
 /// Where a new sandbox's memory and state come from.
@@ -233,8 +338,8 @@ pub enum Response {
     Memory(#[serde(with = "serde_bytes")] Vec<u8>),
     /// CRC32 per RAM region.
     Digest(Vec<u32>),
-    /// The request failed; the message says why.
-    Error(String),
+    /// The request failed: its kind, and a message that says why.
+    Error(Failure),
     /// The sandbox's network.
     Network(NetworkReport),
 }
@@ -285,6 +390,28 @@ mod tests {
         write_frame(&mut buf, &Request::GuestDirty { mib: 3, pattern: 9 }).unwrap();
         let back: Request = read_frame(&mut buf.as_slice()).unwrap();
         assert!(matches!(back, Request::GuestDirty { mib: 3, pattern: 9 }));
+    }
+
+    #[test]
+    fn failures_keep_their_kind_across_a_frame() {
+        let mut buf = Vec::new();
+        let failure = Failure::bad_state("sandbox is hibernated: wake it first");
+        write_frame(&mut buf, &Response::Error(failure.clone())).unwrap();
+        match read_frame::<Response>(&mut buf.as_slice()).unwrap() {
+            Response::Error(back) => assert_eq!(back, failure),
+            other => panic!("{other:?}"),
+        }
+        // Unclassified errors are internal until the operation names their kind.
+        let plain = Failure::from("disk full".to_string());
+        assert_eq!(plain.kind, ErrorKind::Internal);
+        assert_eq!(
+            plain.or_kind(ErrorKind::SnapshotFailed).kind,
+            ErrorKind::SnapshotFailed
+        );
+        assert_eq!(
+            failure.or_kind(ErrorKind::SnapshotFailed).kind,
+            ErrorKind::BadState
+        );
     }
 
     #[test]

@@ -1,22 +1,14 @@
-//! What the store records about sandboxes, snapshots and templates.
+//! What the store records about sandboxes, snapshots and templates, in the files
+//! [`cube_storage::layout`] names (`sandbox.meta`, `snapshot.meta`, `template.meta`).
 
 use serde::{Deserialize, Serialize};
 
-use crate::snapshot::MachineConfig;
-use crate::vmm::machine::SnapshotStats;
+use cube_vmm::persist::MachineConfig;
+use cube_vmm::persist::SnapshotStats;
 
-/// File holding a sandbox's [`SandboxMeta`].
-pub const SANDBOX_META: &str = "sandbox.meta";
-/// Envelope kind of [`SANDBOX_META`].
-pub const SANDBOX_META_KIND: &str = "sandbox";
-/// File holding a snapshot's [`SnapshotMeta`].
-pub const SNAPSHOT_META: &str = "snapshot.meta";
-/// Envelope kind of [`SNAPSHOT_META`].
-pub const SNAPSHOT_META_KIND: &str = "snapshot";
-/// File holding a template's [`TemplateMeta`].
-pub const TEMPLATE_META: &str = "template.meta";
-/// Envelope kind of [`TEMPLATE_META`].
-pub const TEMPLATE_META_KIND: &str = "template";
+/// The built-in jail template: the host's own userland (with its python3), read-only,
+/// under a per-sandbox writable layer. Always listed, nothing to build.
+pub const HOST_TEMPLATE: &str = "host";
 
 /// The isolation engine behind a sandbox.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -40,67 +32,10 @@ impl std::fmt::Display for Engine {
     }
 }
 
-/// The engine a caller asks for.
-///
-/// ```
-/// use cube_core::{Engine, EngineChoice};
-///
-/// let choice: EngineChoice = "jail".parse().unwrap();
-/// assert!(choice.accepts(Engine::Jail) && !choice.accepts(Engine::Vm));
-/// assert!(EngineChoice::Auto.accepts(Engine::Vm));
-/// assert!("qemu".parse::<EngineChoice>().is_err());
-/// ```
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum EngineChoice {
-    /// Whatever engine the template (or snapshot) was made for.
-    #[default]
-    Auto,
-    /// A KVM microVM; refused for a jail template.
-    Vm,
-    /// The jail engine; refused for a VM template.
-    Jail,
-}
-
-impl EngineChoice {
-    /// Whether a template of `engine` satisfies this choice.
-    pub fn accepts(self, engine: Engine) -> bool {
-        matches!(
-            (self, engine),
-            (EngineChoice::Auto, _)
-                | (EngineChoice::Vm, Engine::Vm)
-                | (EngineChoice::Jail, Engine::Jail)
-        )
-    }
-}
-
-impl std::fmt::Display for EngineChoice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.pad(match self {
-            EngineChoice::Auto => "auto",
-            EngineChoice::Vm => "vm",
-            EngineChoice::Jail => "jail",
-        })
-    }
-}
-
-impl std::str::FromStr for EngineChoice {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "auto" => Ok(EngineChoice::Auto),
-            "vm" => Ok(EngineChoice::Vm),
-            "jail" => Ok(EngineChoice::Jail),
-            other => Err(format!("unknown engine {other:?} (auto, vm or jail)")),
-        }
-    }
-}
-
 /// What a snapshot holds. Never silently one for the other: callers see which.
 ///
 /// ```
-/// use cube_core::SnapshotKind;
+/// use cube_supervisor::records::SnapshotKind;
 /// assert_eq!(SnapshotKind::Filesystem.to_string(), "filesystem");
 /// assert_eq!(SnapshotKind::Full.to_string(), "full");
 /// ```
@@ -139,7 +74,7 @@ pub struct SandboxMeta {
     pub created_unix: u64,
     /// Whether it dies with the connection that created it.
     pub ephemeral: bool,
-    /// The caller's labels ([`crate::CreateOptions::metadata`]).
+    /// The caller's labels (`cube_core::CreateOptions::metadata`).
     #[serde(default)]
     pub metadata: std::collections::BTreeMap<String, String>,
     /// The built jail template whose tree lies under the sandbox's root (directly, or
@@ -195,9 +130,6 @@ pub struct TemplateMeta {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub built_from: Option<String>,
 }
-
-/// The directory name a built jail template keeps its root filesystem tree under.
-pub const TEMPLATE_TREE: &str = "rootfs";
 
 impl TemplateMeta {
     /// The jail template's tree inside `template_dir`, or None when the template has

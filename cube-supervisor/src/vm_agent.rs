@@ -1,6 +1,6 @@
-//! Reaching the agent inside a microVM: through the vsock device's host socket
-//! (`<sandbox dir>/vsock.sock`) and its `CONNECT <port>` handshake, then the agent's
-//! own `Hello`.
+//! Reaching the agent inside a microVM: through the vsock device's host socket (a
+//! sandbox's `vsock.sock`, see [`cube_storage::SandboxDir::vsock_socket`]) and its
+//! `CONNECT <port>` handshake, then the agent's own `Hello`.
 //!
 //! The device answers `OK` only once the guest accepted the connection; a guest whose
 //! agent is not listening yet (still booting, or stopped) never does, so the
@@ -11,8 +11,6 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-use crate::devices::virtio::vsock::HOST_SOCKET_NAME;
 
 /// The vsock port the agent serves in a microVM.
 pub const AGENT_VSOCK_PORT: u32 = 1024;
@@ -44,12 +42,12 @@ pub enum VmAgentError {
     Client(#[source] cube_agent::client::ClientError),
 }
 
-/// Connects to `port` in the guest behind the vsock device whose host side lives in
-/// `dir`, waiting at most `timeout` for the guest to accept; returns the stream ready
-/// to carry the connection.
-pub fn connect(dir: &Path, port: u32, timeout: Duration) -> Result<UnixStream, VmAgentError> {
-    let path = dir.join(HOST_SOCKET_NAME);
-    let stream = UnixStream::connect(&path).map_err(|e| VmAgentError::NoSocket(path, e))?;
+/// Connects to `port` in the guest behind the vsock device whose host side listens on
+/// `socket`, waiting at most `timeout` for the guest to accept; returns the stream
+/// ready to carry the connection.
+pub fn connect(socket: &Path, port: u32, timeout: Duration) -> Result<UnixStream, VmAgentError> {
+    let stream =
+        UnixStream::connect(socket).map_err(|e| VmAgentError::NoSocket(socket.to_path_buf(), e))?;
     stream
         .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
         .map_err(VmAgentError::Io)?;
@@ -86,24 +84,26 @@ pub fn connect(dir: &Path, port: u32, timeout: Duration) -> Result<UnixStream, V
     Ok(stream)
 }
 
-/// A client of the agent in the VM whose vsock device lives in `dir` (handshake done).
+/// A client of the agent in the VM whose vsock device listens on `socket` (handshake
+/// done).
 pub fn agent_client(
-    dir: &Path,
+    socket: &Path,
     timeout: Duration,
 ) -> Result<cube_agent::client::Client, VmAgentError> {
-    let stream = connect(dir, AGENT_VSOCK_PORT, timeout)?;
+    let stream = connect(socket, AGENT_VSOCK_PORT, timeout)?;
     cube_agent::client::Client::new(stream).map_err(VmAgentError::Client)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::vsock::Vsock;
+    use cube_devices::virtio::vsock::Vsock;
 
     #[test]
     fn no_device_is_a_clear_error() {
         let dir = tempfile::tempdir().unwrap();
-        let Err(err) = agent_client(dir.path(), Duration::from_millis(100)) else {
+        let socket = dir.path().join("vsock.sock");
+        let Err(err) = agent_client(&socket, Duration::from_millis(100)) else {
             panic!("connected without a guest");
         };
         assert!(matches!(err, VmAgentError::NoSocket(..)), "{err}");
@@ -114,8 +114,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         // A real device with its host socket bound, but no guest driver behind it:
         // the CONNECT is queued for a guest that never takes it.
-        let _device = Vsock::new(3, dir.path()).unwrap();
-        let Err(err) = agent_client(dir.path(), Duration::from_millis(200)) else {
+        let socket = dir.path().join("vsock.sock");
+        let _device = Vsock::new(3, &socket).unwrap();
+        let Err(err) = agent_client(&socket, Duration::from_millis(200)) else {
             panic!("connected without a guest");
         };
         assert!(

@@ -3,7 +3,7 @@
 //!
 //! It is the test guest's stand-in for `hlt`, which CPL3 code cannot execute.
 
-use super::layout::{CONTROL_DEVICE_ADDR, CONTROL_DEVICE_SIZE};
+use crate::arch::x86_64::layout::{CONTROL_DEVICE_ADDR, CONTROL_DEVICE_SIZE};
 
 /// Offset of the register whose write parks the vCPU until the doorbell rings.
 pub const IDLE_REGISTER: u64 = 0;

@@ -8,16 +8,16 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use kvm_ioctls::{IoEventAddress, VmFd};
 use vmm_sys_util::eventfd::EventFd;
 
-use super::layout::{CONTROL_DEVICE_ADDR, CONTROL_DEVICE_SIZE, MMIO_HOLE_END};
-use super::mmio_bus::{MmioBus, MmioBusError};
-use crate::devices::event_loop::{DeviceEventLoop, EventLoopError, Subscriber};
-use crate::devices::virtio::device::{DeviceError, VirtioDevice};
-use crate::devices::virtio::interrupt::IrqFdLine;
-use crate::devices::virtio::mmio::{regs, MmioTransport, MMIO_WINDOW_SIZE};
-use crate::devices::virtio::persist::{PersistError, VirtioMmioState};
-use crate::devices::virtio::slot::{SlotEvents, VirtioSlot};
-use crate::devices::virtio::VirtioMemory;
-use crate::snapshot::format::{DeviceKind, DeviceRecord};
+use crate::arch::x86_64::layout::{CONTROL_DEVICE_ADDR, CONTROL_DEVICE_SIZE, MMIO_HOLE_END};
+use cube_devices::event_loop::{DeviceEventLoop, EventLoopError, Subscriber};
+use cube_devices::mmio_bus::{MmioBus, MmioBusError};
+use cube_devices::records::{DeviceKind, DeviceRecord};
+use cube_devices::virtio::device::{DeviceError, VirtioDevice};
+use cube_devices::virtio::interrupt::IrqFdLine;
+use cube_devices::virtio::mmio::{regs, MmioTransport, MMIO_WINDOW_SIZE};
+use cube_devices::virtio::persist::{PersistError, VirtioMmioState};
+use cube_devices::virtio::slot::{SlotEvents, VirtioSlot};
+use cube_devices::virtio::VirtioMemory;
 
 /// Guest physical address of the first virtio-mmio window (right after the control
 /// device).
@@ -300,11 +300,11 @@ impl Drop for VirtioDevices {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::interrupt::INTERRUPT_USED_BUFFER;
-    use crate::devices::virtio::queue::VIRTQ_DESC_F_WRITE;
-    use crate::devices::virtio::rng::Rng;
-    use crate::devices::virtio::test_driver::{memory, Ring, BUF};
-    use crate::devices::virtio::{
+    use cube_devices::virtio::interrupt::INTERRUPT_USED_BUFFER;
+    use cube_devices::virtio::queue::VIRTQ_DESC_F_WRITE;
+    use cube_devices::virtio::rng::Rng;
+    use cube_devices::virtio::test_driver::{memory, Ring, BUF};
+    use cube_devices::virtio::{
         STATUS_ACKNOWLEDGE, STATUS_DRIVER, STATUS_DRIVER_OK, STATUS_FEATURES_OK, VIRTIO_F_VERSION_1,
     };
     use std::time::{Duration, Instant};
@@ -443,8 +443,8 @@ mod tests {
 
     #[test]
     fn a_disk_request_pending_at_snapshot_is_served_by_the_restored_clone() {
-        use crate::devices::virtio::block::{Block, BlockOptions, VIRTIO_BLK_T_OUT};
-        use crate::devices::virtio::queue::VIRTQ_DESC_F_NEXT;
+        use cube_devices::virtio::block::{Block, BlockOptions, VIRTIO_BLK_T_OUT};
+        use cube_devices::virtio::queue::VIRTQ_DESC_F_NEXT;
         let Some(vm) = vm_with_irqchip() else { return };
         let img = tempfile::NamedTempFile::new().unwrap();
         std::fs::write(img.path(), vec![0u8; 4096]).unwrap();

@@ -1,8 +1,6 @@
-//! Booting a Linux kernel: an ELF `vmlinux` through its PVH entry point (linux-loader
-//! loads it, the boot information — memory map, command line, initrd — goes into an
-//! `hvm_start_info`, and the boot vCPU starts in 32-bit protected mode at the entry
-//! the kernel's Xen ELF note names), or a bzImage through the 64-bit boot protocol
-//! (see [`super::bzimage_boot`]). Which one is decided by the file's contents.
+//! A Linux guest: booted from a kernel (an ELF `vmlinux` through its PVH entry point
+//! or a bzImage through the 64-bit boot protocol, see [`crate::boot`]) with COM1 and
+//! virtio devices, or restored from a snapshot; and its snapshots.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -11,81 +9,45 @@ use std::sync::Arc;
 use cube_mem::dirty::{CombinedTracker, DirtyBitmap, DirtyTracker, DirtyTrackerKind};
 use cube_mem::GuestMemory;
 use cube_storage::Durability;
-use kvm_bindings::{kvm_regs, kvm_segment, kvm_sregs};
-use linux_loader::cmdline::Cmdline;
-use linux_loader::configurator::pvh::PvhBootConfigurator;
-use linux_loader::configurator::{BootConfigurator, BootParams};
-use linux_loader::loader::elf::start_info::{
-    hvm_memmap_table_entry, hvm_modlist_entry, hvm_start_info,
-};
-use linux_loader::loader::elf::{Elf, PvhBootCapability};
-use linux_loader::loader::KernelLoader;
-use vm_memory::{Bytes, GuestAddress};
 
-use super::acpi;
-use super::bzimage_boot;
-use super::dirty_tracking::{self, TrackingError};
-use super::layout::{ram_ranges, RamRange};
-use super::machine::{memory_layout, register_guest_memory, SnapshotStats};
-use super::mmio_bus::MmioBus;
-use super::serial::LegacyPorts;
-use super::vcpu_runner::{PortIo, VcpuHandle, VcpuRunnerError};
-use super::virtio_devices::{VirtioDevices, VirtioDevicesError};
-use crate::devices::virtio::device::VirtioDevice;
-use crate::snapshot::durability;
-use crate::snapshot::format::{self, GuestKind, MachineConfig, MachineState, MEMORY_FILE};
+use cube_devices::mmio_bus::MmioBus;
+use cube_devices::port_io::PortIo;
+use cube_devices::records::DeviceRecord;
+use cube_devices::serial::LegacyPorts;
+use cube_devices::virtio::device::VirtioDevice;
+use cube_storage::durable_marker::{self as durability};
+use cube_storage::SnapshotDir;
+
+use crate::arch::x86_64::acpi;
+use crate::arch::x86_64::layout::{ram_ranges, RamRange};
+use crate::boot::{self, bzimage, pvh, LoadError, CMDLINE_ADDR};
+use crate::device_manager::{VirtioDevices, VirtioDevicesError};
+use crate::dirty_tracking::{self, TrackingError};
+use crate::memory::{memory_layout, register_guest_memory};
+use crate::persist::state::{self as format, GuestKind, MachineConfig, MachineState};
+use crate::persist::SnapshotStats;
+use crate::vcpu_runner::{VcpuHandle, VcpuRunnerError};
 use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::{Vm, VmConfig};
 use crate::vstate::KvmContext;
 
 /// Most vCPUs a Linux guest can have here (xAPIC ids, one MADT entry each).
 pub const MAX_LINUX_VCPUS: u8 = 64;
-/// Where the kernel may load itself (1 MiB and up).
-const HIMEM_START: u64 = 0x10_0000;
-/// The `hvm_start_info` structure.
-const START_INFO_ADDR: u64 = 0x6000;
-/// The module list (the initrd).
-const MODLIST_ADDR: u64 = 0x6800;
-/// The memory map.
-const MEMMAP_ADDR: u64 = 0x7000;
-/// The kernel command line.
-const CMDLINE_ADDR: u64 = 0x2_0000;
-/// Longest command line accepted.
-const CMDLINE_MAX: usize = 4096;
-/// End of conventional memory below 1 MiB (start of the EBDA).
-const EBDA_START: u64 = 0x9_fc00;
-/// `XEN_HVM_START_MAGIC_VALUE`.
-const PVH_MAGIC: u32 = 0x336e_c578;
-/// E820 type of usable RAM.
-const E820_RAM: u32 = 1;
-
 /// Why a kernel could not be booted.
 #[derive(Debug, thiserror::Error)]
 pub enum BootError {
-    /// The kernel file cannot be opened.
-    #[error("Opening kernel {0}")]
-    OpenKernel(PathBuf, #[source] std::io::Error),
-    /// The kernel is not an ELF image linux-loader accepts.
-    #[error("Loading kernel {0}: {1:?}")]
-    LoadKernel(PathBuf, linux_loader::loader::Error),
-    /// The kernel has no PVH entry point.
-    #[error("Kernel {0} has no PVH entry point (an ELF vmlinux built with CONFIG_PVH is needed)")]
-    NoPvhEntry(PathBuf),
-    /// The initrd cannot be read or does not fit.
-    #[error("Initrd {0}: {1}")]
-    Initrd(PathBuf, String),
-    /// The command line is invalid.
-    #[error("Kernel command line: {0}")]
-    Cmdline(String),
-    /// Writing boot structures into guest memory failed.
-    #[error("Writing boot information: {0}")]
-    BootParams(String),
+    /// The kernel, initrd or boot information could not be loaded.
+    #[error("Loading the kernel")]
+    Load(#[from] LoadError),
+    /// The machine's shape cannot be booted.
+    #[error("Invalid machine: {0}")]
+    Config(String),
     /// Guest memory.
     #[error("Guest memory")]
     Memory(#[from] cube_mem::MemoryError),
     /// The memory size cannot be laid out.
     #[error("Guest memory layout")]
-    Layout(#[from] super::layout::LayoutError),
+    Layout(#[from] crate::arch::x86_64::layout::LayoutError),
     /// KVM VM.
     #[error("KVM VM")]
     Vm(#[from] crate::vstate::vm::VmError),
@@ -101,6 +63,9 @@ pub enum BootError {
     /// A snapshot could not be written or read.
     #[error("Snapshot: {0}")]
     Snapshot(String),
+    /// A snapshot's state file is unusable.
+    #[error("Snapshot state")]
+    State(#[source] Box<format::FormatError>),
     /// No dirty-page tracking could be set up.
     #[error("Dirty-page tracking setup")]
     Tracking(#[source] Box<TrackingError>),
@@ -242,7 +207,7 @@ impl LinuxVm {
     /// Writes a snapshot of the paused guest into the empty directory `dir`: memory
     /// file, vCPU and VM state, COM1's registers and every virtio device's state
     /// (format v3); with `disk`, a copy of that file (the root disk) as
-    /// [`ROOTFS_FILE`](crate::snapshot::format::ROOTFS_FILE). The vCPUs must be
+    /// [`SnapshotDir::rootfs`]. The vCPUs must be
     /// paused ([`LinuxVm::pause`]); they stay so.
     ///
     /// The devices are held still meanwhile (their transports locked, so the event
@@ -291,7 +256,7 @@ impl LinuxVm {
     /// Records that the snapshot last written now lives in `dir`: its memory file is
     /// the parent of the next diff, and the pages it holds are no longer pending.
     pub fn snapshot_committed(&mut self, dir: &Path) -> Result<(), BootError> {
-        self.parent = Some(open_parent(&dir.join(MEMORY_FILE))?);
+        self.parent = Some(open_parent(&SnapshotDir::new(dir).memory())?);
         self.carry = None;
         Ok(())
     }
@@ -307,14 +272,13 @@ impl LinuxVm {
         devices: Vec<Box<dyn VirtioDevice>>,
         cloned: bool,
     ) -> Result<LinuxVm, BootError> {
-        let state = format::read_state(dir)
-            .map_err(|e| BootError::Snapshot(crate::error_report::chain(&e)))?;
+        let state = format::read_state(dir).map_err(|e| BootError::State(Box::new(e)))?;
         if state.guest != GuestKind::Linux {
             return Err(BootError::Snapshot(
                 "the snapshot holds Cube's test guest, not a Linux guest".into(),
             ));
         }
-        let memory_path = dir.join(MEMORY_FILE);
+        let memory_path = SnapshotDir::new(dir).memory();
         let memory = GuestMemory::restore_private(memory_layout(&state.ram)?, &memory_path)?;
         let parent = open_parent(&memory_path)?;
         let vm = Vm::new(
@@ -387,10 +351,10 @@ fn write_snapshot(
     disk: Option<&Path>,
     dirty: &DirtyBitmap,
     parts: &SnapshotParts<'_>,
-    devices: impl FnOnce() -> Result<Vec<format::DeviceRecord>, BootError>,
+    devices: impl FnOnce() -> Result<Vec<DeviceRecord>, BootError>,
 ) -> Result<SnapshotStats, BootError> {
     let snapshot_err = |e: &dyn std::fmt::Display| BootError::Snapshot(e.to_string());
-    let memory_path = dir.join(MEMORY_FILE);
+    let memory_path = SnapshotDir::new(dir).memory();
     let dirty_pages = dirty.count() as u64;
     let stats = match parts.parent {
         Some(parent) => {
@@ -423,7 +387,7 @@ fn write_snapshot(
         }
     };
     if let Some(disk) = disk {
-        cube_storage::clone_file(disk, &dir.join(crate::snapshot::format::ROOTFS_FILE))?;
+        cube_storage::clone_file(disk, &SnapshotDir::new(dir).rootfs())?;
     }
     let mut vcpus = Vec::with_capacity(parts.vcpus.len());
     for v in parts.vcpus {
@@ -469,7 +433,7 @@ pub fn boot_with_devices(
     let ram = ram_ranges(config.memory_bytes)?;
     let memory = GuestMemory::anonymous(memory_layout(&ram)?)?;
     if config.vcpus == 0 || config.vcpus > MAX_LINUX_VCPUS {
-        return Err(BootError::BootParams(format!(
+        return Err(BootError::Config(format!(
             "{} vCPUs requested, 1..={MAX_LINUX_VCPUS} supported",
             config.vcpus
         )));
@@ -482,8 +446,8 @@ pub fn boot_with_devices(
         },
     )?;
     let tracker = track_memory(&vm, &memory)?;
-    let bzimage = bzimage_boot::is_bzimage(&config.kernel)
-        .map_err(|e| BootError::OpenKernel(config.kernel.clone(), e))?;
+    let bzimage = bzimage::is_bzimage(&config.kernel)
+        .map_err(|e| LoadError::OpenKernel(config.kernel.clone(), e))?;
     let mut bus = MmioBus::new();
     let devices = VirtioDevices::attach(vm.fd(), memory.inner(), &mut bus, devices)?;
     let cmdline = if config.cmdline_devices {
@@ -500,32 +464,32 @@ pub fn boot_with_devices(
         })
         .collect();
     let rsdp = acpi::write_tables(memory.inner(), config.vcpus, &device_info)
-        .map_err(|e| BootError::BootParams(e.to_string()))?;
+        .map_err(|e| LoadError::BootParams(e.to_string()))?;
     let (regs, mut sregs) = if bzimage {
-        let kernel = bzimage_boot::load(memory.inner(), &config.kernel)?;
+        let kernel = bzimage::load(memory.inner(), &config.kernel)?;
         let initrd = match &config.initrd {
             Some(path) => {
-                let m = load_initrd(&memory, path, ram[0].size)?;
+                let m = boot::load_initrd(&memory, path, ram[0].size)?;
                 Some((m.paddr, m.size))
             }
             None => None,
         };
-        let cmdline_len = write_cmdline(&memory, &cmdline)?;
-        let inputs = bzimage_boot::BootInputs {
+        let cmdline_len = boot::write_cmdline(&memory, &cmdline)?;
+        let inputs = bzimage::BootInputs {
             cmdline_addr: CMDLINE_ADDR,
             cmdline_len,
             initrd,
             rsdp,
         };
-        bzimage_boot::configure(memory.inner(), &kernel, &ram, &inputs)?
+        bzimage::configure(memory.inner(), &kernel, &ram, &inputs)?
     } else {
-        let entry = load_kernel(&memory, &config.kernel)?;
+        let entry = pvh::load_kernel(&memory, &config.kernel)?;
         let mut modules = Vec::new();
         if let Some(initrd) = &config.initrd {
-            modules.push(load_initrd(&memory, initrd, ram[0].size)?);
+            modules.push(boot::load_initrd(&memory, initrd, ram[0].size)?);
         }
-        write_start_info(&memory, &ram, &cmdline, &modules, rsdp)?;
-        pvh_registers(entry)
+        pvh::write_start_info(&memory, &ram, &cmdline, &modules, rsdp)?;
+        pvh::pvh_registers(entry)
     };
 
     let vcpu = Vcpu::new(&vm, 0)?;
@@ -534,7 +498,7 @@ pub fn boot_with_devices(
     sregs.apic_base = vcpu
         .fd()
         .get_sregs()
-        .map_err(|e| BootError::BootParams(format!("reading initial sregs: {e}")))?
+        .map_err(|e| BootError::Config(format!("reading initial sregs: {e}")))?
         .apic_base;
     vcpu.set_initial_registers(&regs, &sregs)?;
     let legacy = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
@@ -580,153 +544,4 @@ fn with_device_entries(cmdline: &str, devices: &VirtioDevices) -> String {
         (true, false) => entries,
         (false, false) => format!("{} {entries}", cmdline.trim_end()),
     }
-}
-
-fn load_kernel(memory: &GuestMemory, path: &Path) -> Result<GuestAddress, BootError> {
-    let mut file =
-        std::fs::File::open(path).map_err(|e| BootError::OpenKernel(path.to_path_buf(), e))?;
-    let loaded = Elf::load(
-        memory.inner(),
-        None,
-        &mut file,
-        Some(GuestAddress(HIMEM_START)),
-    )
-    .map_err(|e| BootError::LoadKernel(path.to_path_buf(), e))?;
-    match loaded.pvh_boot_cap {
-        PvhBootCapability::PvhEntryPresent(entry) => Ok(entry),
-        _ => Err(BootError::NoPvhEntry(path.to_path_buf())),
-    }
-}
-
-/// Puts the initrd at the top of low RAM, page aligned, and returns its module entry.
-fn load_initrd(
-    memory: &GuestMemory,
-    path: &Path,
-    low_ram: u64,
-) -> Result<hvm_modlist_entry, BootError> {
-    let err = |m: String| BootError::Initrd(path.to_path_buf(), m);
-    let bytes = std::fs::read(path).map_err(|e| err(e.to_string()))?;
-    let size = bytes.len() as u64;
-    let addr = low_ram
-        .checked_sub(size)
-        .map(|a| a & !0xfff)
-        .filter(|a| *a >= HIMEM_START + (64 << 20))
-        .ok_or_else(|| err(format!("{size} bytes do not fit in guest memory")))?;
-    memory
-        .inner()
-        .write_slice(&bytes, GuestAddress(addr))
-        .map_err(|e| err(e.to_string()))?;
-    Ok(hvm_modlist_entry {
-        paddr: addr,
-        size,
-        ..Default::default()
-    })
-}
-
-/// Writes the command line at [`CMDLINE_ADDR`]; returns its length.
-fn write_cmdline(memory: &GuestMemory, cmdline: &str) -> Result<u32, BootError> {
-    let mut line = Cmdline::new(CMDLINE_MAX).map_err(|e| BootError::Cmdline(e.to_string()))?;
-    line.insert_str(cmdline)
-        .map_err(|e| BootError::Cmdline(e.to_string()))?;
-    linux_loader::loader::load_cmdline(memory.inner(), GuestAddress(CMDLINE_ADDR), &line)
-        .map_err(|e| BootError::Cmdline(e.to_string()))?;
-    // Bounded by CMDLINE_MAX.
-    Ok(cmdline.len() as u32)
-}
-
-fn write_start_info(
-    memory: &GuestMemory,
-    ram: &[super::layout::RamRange],
-    cmdline: &str,
-    modules: &[hvm_modlist_entry],
-    rsdp: u64,
-) -> Result<(), BootError> {
-    write_cmdline(memory, cmdline)?;
-
-    // Conventional memory below the EBDA, then every RAM range from 1 MiB up.
-    let mut memmap = vec![hvm_memmap_table_entry {
-        addr: 0,
-        size: EBDA_START,
-        type_: E820_RAM,
-        ..Default::default()
-    }];
-    for r in ram {
-        let start = r.guest_addr.max(HIMEM_START);
-        let end = r.guest_addr + r.size;
-        if end > start {
-            memmap.push(hvm_memmap_table_entry {
-                addr: start,
-                size: end - start,
-                type_: E820_RAM,
-                ..Default::default()
-            });
-        }
-    }
-    let start_info = hvm_start_info {
-        magic: PVH_MAGIC,
-        version: 1,
-        cmdline_paddr: CMDLINE_ADDR,
-        memmap_paddr: MEMMAP_ADDR,
-        memmap_entries: memmap.len() as u32,
-        nr_modules: modules.len() as u32,
-        modlist_paddr: if modules.is_empty() { 0 } else { MODLIST_ADDR },
-        rsdp_paddr: rsdp,
-        ..Default::default()
-    };
-    let mut params = BootParams::new(&start_info, GuestAddress(START_INFO_ADDR));
-    params.set_sections(&memmap, GuestAddress(MEMMAP_ADDR));
-    if !modules.is_empty() {
-        params.set_modules(modules, GuestAddress(MODLIST_ADDR));
-    }
-    PvhBootConfigurator::write_bootparams(&params, memory.inner())
-        .map_err(|e| BootError::BootParams(format!("{e:?}")))
-}
-
-/// The PVH boot ABI: 32-bit protected mode, flat segments, paging off, `ebx` pointing
-/// at the start info.
-fn pvh_registers(entry: GuestAddress) -> (kvm_regs, kvm_sregs) {
-    let flat = |selector: u16, type_: u8| kvm_segment {
-        base: 0,
-        limit: 0xffff_ffff,
-        selector,
-        type_,
-        present: 1,
-        dpl: 0,
-        db: 1,
-        s: 1,
-        l: 0,
-        g: 1,
-        avl: 0,
-        unusable: 0,
-        padding: 0,
-    };
-    let data = flat(0x18, 0x3);
-    let sregs = kvm_sregs {
-        cs: flat(0x10, 0xb),
-        ds: data,
-        es: data,
-        fs: data,
-        gs: data,
-        ss: data,
-        tr: kvm_segment {
-            limit: 0x67,
-            type_: 0xb,
-            present: 1,
-            ..Default::default()
-        },
-        ldt: kvm_segment {
-            unusable: 1,
-            ..Default::default()
-        },
-        // PE | ET
-        cr0: 0x11,
-        ..Default::default()
-    };
-    let regs = kvm_regs {
-        rip: entry.0,
-        rbx: START_INFO_ADDR,
-        rflags: 0x2,
-        ..Default::default()
-    };
-    (regs, sregs)
 }

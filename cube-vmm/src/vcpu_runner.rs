@@ -16,8 +16,10 @@ use std::time::Duration;
 use kvm_bindings::kvm_run;
 use kvm_ioctls::VcpuExit;
 
-use super::control_device::{self, ControlAction};
-use super::mmio_bus::MmioBus;
+use cube_devices::mmio_bus::MmioBus;
+use cube_devices::port_io::PortIo;
+
+use crate::control_device::{self, ControlAction};
 use crate::vstate::vcpu::Vcpu;
 
 /// How long a controller waits for a vCPU thread to park before giving up.
@@ -109,20 +111,6 @@ fn install_kick_handler() {
             libc::sigaction(kick_signal(), &action, std::ptr::null_mut());
         }
     });
-}
-
-/// A device bus for port I/O, called on the vCPU thread that made the access.
-pub trait PortIo: Send + Sync {
-    /// Fills `data` with what port `port` returns.
-    fn read(&self, port: u16, data: &mut [u8]);
-    /// Delivers `data` written to port `port`.
-    fn write(&self, port: u16, data: &[u8]);
-
-    /// Why the guest asked the machine to stop (a reset or power-off through a port),
-    /// once it has; the vCPU then stops as for a triple fault.
-    fn stop_requested(&self) -> Option<String> {
-        None
-    }
 }
 
 /// The controller's end of one vCPU thread.

@@ -5,69 +5,15 @@
 
 #![allow(clippy::unwrap_used)] // helpers of this test file, not library code
 
-use std::io::Write;
-use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cube_core::devices::virtio::device::VirtioDevice;
-use cube_core::devices::virtio::mmio::regs;
-use cube_core::devices::virtio::rng::Rng;
-use cube_core::vmm::linux_boot::{self, LinuxBootConfig, LinuxVm};
-use cube_core::vstate::KvmContext;
-
-/// The kernel `scripts/fetch-kernel.sh` unpacks into the store.
-fn kernel() -> Option<PathBuf> {
-    let path =
-        PathBuf::from(std::env::var_os("CUBE_HOME").unwrap_or_else(|| "/var/lib/cube".into()))
-            .join("kernels/debian-cloud/vmlinux");
-    if !std::path::Path::new("/dev/kvm").exists() {
-        eprintln!("skipping: /dev/kvm not present");
-        return None;
-    }
-    if !path.is_file() {
-        eprintln!(
-            "skipping: no guest kernel at {} (scripts/fetch-kernel.sh)",
-            path.display()
-        );
-        return None;
-    }
-    Some(path)
-}
-
-#[derive(Clone, Default)]
-struct Console(Arc<Mutex<String>>);
-
-impl Write for Console {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap()
-            .push_str(&String::from_utf8_lossy(buf));
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-fn wait_for(vm: &LinuxVm, console: &Console, text: &str, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    while !console.0.lock().unwrap().contains(text) {
-        if let Some(reason) = vm.fatal() {
-            panic!(
-                "VM stopped before {text:?}: {reason}\n{}",
-                console.0.lock().unwrap()
-            );
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no {text:?} within {limit:?}:\n{}",
-            console.0.lock().unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
+use cube_devices::virtio::device::VirtioDevice;
+use cube_devices::virtio::mmio::regs;
+use cube_devices::virtio::rng::Rng;
+use cube_vmm::linux_vm::{self, LinuxBootConfig, LinuxVm};
+use cube_vmm::testing::{linux_kernel as kernel, wait_for, Console, TEST_CMDLINE};
+use cube_vmm::vstate::KvmContext;
 
 fn rng_generation(vm: &LinuxVm) -> u32 {
     let device = &vm.devices().devices()[0];
@@ -83,7 +29,7 @@ fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
     let config = LinuxBootConfig {
         kernel,
         initrd: None,
-        cmdline: "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nokaslr".into(),
+        cmdline: TEST_CMDLINE.into(),
         memory_bytes: 256 << 20,
         vcpus: 1,
         cmdline_devices: false,
@@ -91,12 +37,12 @@ fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
     let first = Console::default();
     let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
     let mut vm =
-        linux_boot::boot_with_devices(&ctx, &config, Box::new(first.clone()), devices).unwrap();
-    wait_for(&vm, &first, "Linux version", Duration::from_secs(120));
+        linux_vm::boot_with_devices(&ctx, &config, Box::new(first.clone()), devices).unwrap();
+    wait_for(&vm, &first, "Linux version", Duration::from_secs(120)).unwrap();
     vm.pause().unwrap();
     let dir = tempfile::tempdir().unwrap();
     vm.snapshot(dir.path(), None).unwrap();
-    let printed_before = first.0.lock().unwrap().clone();
+    let printed_before = first.text();
     drop(vm);
     assert!(
         !printed_before.contains("Memory:"),
@@ -104,10 +50,13 @@ fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
     );
 
     // The test-guest machine refuses it with a clear error.
-    let err = cube_core::vmm::machine::Machine::restore(&ctx, dir.path())
-        .err()
-        .unwrap();
-    assert!(err.to_string().contains("Linux guest"), "{err}");
+    #[cfg(feature = "test-guest")]
+    {
+        let err = cube_vmm::test_guest::machine::Machine::restore(&ctx, dir.path())
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("Linux guest"), "{err}");
+    }
 
     let second = Console::default();
     let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
@@ -116,8 +65,8 @@ fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
     assert_ne!(rng_generation(&clone), 0, "the clone's rng moved on");
     clone.resume().unwrap();
     // Printed only after the snapshot point: the kernel went on from where it was.
-    wait_for(&clone, &second, "Memory:", Duration::from_secs(180));
-    assert!(!second.0.lock().unwrap().contains("Linux version"));
+    wait_for(&clone, &second, "Memory:", Duration::from_secs(180)).unwrap();
+    assert!(!second.contains("Linux version"));
 }
 
 /// Guest memory, region after region: the layout of a memory file.
@@ -151,7 +100,7 @@ fn a_running_linux_guest_snapshots_as_diffs_and_a_failed_snapshot_loses_no_page(
     let config = LinuxBootConfig {
         kernel,
         initrd: None,
-        cmdline: "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nokaslr".into(),
+        cmdline: TEST_CMDLINE.into(),
         memory_bytes,
         vcpus: 1,
         cmdline_devices: false,
@@ -159,8 +108,8 @@ fn a_running_linux_guest_snapshots_as_diffs_and_a_failed_snapshot_loses_no_page(
     let console = Console::default();
     let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
     let mut vm =
-        linux_boot::boot_with_devices(&ctx, &config, Box::new(console.clone()), devices).unwrap();
-    wait_for(&vm, &console, "Linux version", Duration::from_secs(120));
+        linux_vm::boot_with_devices(&ctx, &config, Box::new(console.clone()), devices).unwrap();
+    wait_for(&vm, &console, "Linux version", Duration::from_secs(120)).unwrap();
     let root = tempfile::tempdir().unwrap();
     let first = root.path().join("first");
     std::fs::create_dir(&first).unwrap();
@@ -184,7 +133,7 @@ fn a_running_linux_guest_snapshots_as_diffs_and_a_failed_snapshot_loses_no_page(
     vm.snapshot_committed(&second).unwrap();
     let second_image = std::fs::read(second.join("memory.bin")).unwrap();
     let live = guest_memory(&vm);
-    let printed = console.0.lock().unwrap().clone();
+    let printed = console.text();
     assert!(
         vm.fatal().is_none() && !printed.contains("Memory:"),
         "the guest went too far for the test to prove anything:\n{printed}"
@@ -220,9 +169,9 @@ fn a_running_linux_guest_snapshots_as_diffs_and_a_failed_snapshot_loses_no_page(
     .unwrap();
     clone.resume().unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
-    while clone_console.0.lock().unwrap().is_empty() {
+    while clone_console.is_empty() {
         assert!(
-            clone.fatal().is_none() || !clone_console.0.lock().unwrap().is_empty(),
+            clone.fatal().is_none() || !clone_console.is_empty(),
             "{:?}",
             clone.fatal()
         );

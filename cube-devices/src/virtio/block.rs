@@ -398,11 +398,11 @@ impl Block {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::interrupt::tests::RecordingLine;
-    use crate::devices::virtio::mmio::{regs, MmioTransport};
-    use crate::devices::virtio::persist::VirtioMmioState;
-    use crate::devices::virtio::queue::{VIRTQ_DESC_F_NEXT as N, VIRTQ_DESC_F_WRITE as W};
-    use crate::devices::virtio::test_driver::{memory, Driver, Ring, BUF, REGION_SIZE};
+    use crate::virtio::mmio::{regs, MmioTransport};
+    use crate::virtio::persist::VirtioMmioState;
+    use crate::virtio::queue::{VIRTQ_DESC_F_NEXT as N, VIRTQ_DESC_F_WRITE as W};
+    use crate::virtio::test_driver::RecordingLine;
+    use crate::virtio::test_driver::{memory, Driver, Ring, BUF, REGION_SIZE};
     use vm_memory::{Bytes, GuestAddress};
 
     const HDR: u64 = BUF;

@@ -162,36 +162,9 @@ impl VirtioInterrupt {
 }
 
 #[cfg(test)]
-pub(crate) mod tests {
+mod tests {
     use super::*;
-    use std::sync::Mutex;
-
-    /// Records what the device did to its line, standing in for the guest's irqchip.
-    #[derive(Default)]
-    pub(crate) struct RecordingLine {
-        /// `true` for each raise, `false` for each lower, in order.
-        pub(crate) events: Mutex<Vec<bool>>,
-    }
-
-    impl RecordingLine {
-        pub(crate) fn raises(&self) -> usize {
-            self.events.lock().unwrap().iter().filter(|e| **e).count()
-        }
-        pub(crate) fn asserted(&self) -> bool {
-            self.events.lock().unwrap().last().copied().unwrap_or(false)
-        }
-    }
-
-    impl InterruptLine for RecordingLine {
-        fn raise(&self) -> Result<(), InterruptError> {
-            self.events.lock().unwrap().push(true);
-            Ok(())
-        }
-        fn lower(&self) -> Result<(), InterruptError> {
-            self.events.lock().unwrap().push(false);
-            Ok(())
-        }
-    }
+    use crate::virtio::test_driver::RecordingLine;
 
     #[test]
     fn status_bits_and_line_follow_signal_and_ack() {

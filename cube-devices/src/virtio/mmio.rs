@@ -546,12 +546,12 @@ impl MmioTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::interrupt::tests::RecordingLine;
-    use crate::devices::virtio::interrupt::{INTERRUPT_CONFIG_CHANGE, INTERRUPT_USED_BUFFER};
-    use crate::devices::virtio::queue::VIRTQ_DESC_F_WRITE as W;
-    use crate::devices::virtio::rng::Rng;
-    use crate::devices::virtio::test_driver::{memory, Driver, Ring, BUF, REGION_SIZE};
-    use crate::devices::virtio::VIRTIO_ID_RNG;
+    use crate::virtio::interrupt::{INTERRUPT_CONFIG_CHANGE, INTERRUPT_USED_BUFFER};
+    use crate::virtio::queue::VIRTQ_DESC_F_WRITE as W;
+    use crate::virtio::rng::Rng;
+    use crate::virtio::test_driver::RecordingLine;
+    use crate::virtio::test_driver::{memory, Driver, Ring, BUF, REGION_SIZE};
+    use crate::virtio::VIRTIO_ID_RNG;
     use vm_memory::{Bytes, GuestAddress};
 
     const VERSION_1: u64 = 1 << VIRTIO_F_VERSION_1;
@@ -876,7 +876,7 @@ mod tests {
 
     #[test]
     fn random_register_writes_and_ring_garbage_never_panic() {
-        use crate::devices::virtio::test_driver::{XorShift, AVAIL, DESC, USED};
+        use crate::virtio::test_driver::{XorShift, AVAIL, DESC, USED};
         let (mut d, ring) = rng_driver();
         let mut rng = XorShift(0x2545_F491_4F6C_DD1D);
         let offsets = [

@@ -16,8 +16,9 @@ pub mod queue;
 pub mod rng;
 pub mod slot;
 pub mod tap;
-#[cfg(test)]
-pub(crate) mod test_driver;
+#[cfg(any(test, feature = "test-driver"))]
+#[doc(hidden)]
+pub mod test_driver;
 pub mod vsock;
 
 use vm_memory::bitmap::AtomicBitmap;

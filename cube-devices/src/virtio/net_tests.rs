@@ -2,12 +2,12 @@
 //! plays the guest driver and talks ARP with the namespace's kernel.
 
 use super::*;
-use crate::devices::event_loop::{DeviceEventLoop, Subscriber};
-use crate::devices::virtio::interrupt::tests::RecordingLine;
-use crate::devices::virtio::mmio::{regs, MmioTransport};
-use crate::devices::virtio::queue::{VIRTQ_DESC_F_NEXT as N, VIRTQ_DESC_F_WRITE as W};
-use crate::devices::virtio::slot::{SlotEvents, VirtioSlot};
-use crate::devices::virtio::test_driver::{memory, Driver, Ring};
+use crate::event_loop::{DeviceEventLoop, Subscriber};
+use crate::virtio::mmio::{regs, MmioTransport};
+use crate::virtio::queue::{VIRTQ_DESC_F_NEXT as N, VIRTQ_DESC_F_WRITE as W};
+use crate::virtio::slot::{SlotEvents, VirtioSlot};
+use crate::virtio::test_driver::RecordingLine;
+use crate::virtio::test_driver::{memory, Driver, Ring};
 use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

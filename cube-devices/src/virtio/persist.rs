@@ -246,11 +246,11 @@ fn validate_status(status: u32) -> Result<(), PersistError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::interrupt::tests::RecordingLine;
-    use crate::devices::virtio::mmio::MmioTransport;
-    use crate::devices::virtio::rng::Rng;
-    use crate::devices::virtio::test_driver::{memory, Driver, Ring, HIGH_REGION, REGION_SIZE};
-    use crate::devices::virtio::VIRTIO_ID_RNG;
+    use crate::virtio::mmio::MmioTransport;
+    use crate::virtio::rng::Rng;
+    use crate::virtio::test_driver::RecordingLine;
+    use crate::virtio::test_driver::{memory, Driver, Ring, HIGH_REGION, REGION_SIZE};
+    use crate::virtio::VIRTIO_ID_RNG;
     use std::sync::Arc;
 
     /// The state of a running rng with one queue at `ring`.

@@ -477,7 +477,7 @@ impl Queue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::test_driver::{memory, Ring, BUF, HIGH_REGION, REGION_SIZE};
+    use crate::virtio::test_driver::{memory, Ring, BUF, HIGH_REGION, REGION_SIZE};
 
     #[test]
     fn an_empty_buffer_outside_memory_is_refused() {
@@ -753,7 +753,7 @@ mod tests {
 
     #[test]
     fn random_descriptor_tables_never_yield_a_buffer_outside_memory() {
-        use crate::devices::virtio::test_driver::XorShift;
+        use crate::virtio::test_driver::XorShift;
         let r = ring();
         let mut rng = XorShift(0x9E37_79B9_7F4A_7C15);
         let (mut ok, mut refused) = (0, 0);
@@ -789,5 +789,5 @@ mod tests {
         assert!(ok > 50 && refused > 50, "ok {ok}, refused {refused}");
     }
 
-    const DESC_TABLE: u64 = crate::devices::virtio::test_driver::DESC;
+    const DESC_TABLE: u64 = crate::virtio::test_driver::DESC;
 }

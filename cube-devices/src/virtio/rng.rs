@@ -247,14 +247,12 @@ fn getrandom(buf: &mut [u8]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::interrupt::INTERRUPT_USED_BUFFER;
-    use crate::devices::virtio::mmio::regs;
-    use crate::devices::virtio::queue::{
+    use crate::virtio::interrupt::INTERRUPT_USED_BUFFER;
+    use crate::virtio::mmio::regs;
+    use crate::virtio::queue::{
         VIRTQ_AVAIL_F_NO_INTERRUPT, VIRTQ_DESC_F_NEXT as N, VIRTQ_DESC_F_WRITE as W,
     };
-    use crate::devices::virtio::test_driver::{
-        memory, Driver, Ring, BUF, HIGH_REGION, REGION_SIZE,
-    };
+    use crate::virtio::test_driver::{memory, Driver, Ring, BUF, HIGH_REGION, REGION_SIZE};
     use vm_memory::GuestAddress;
 
     fn running() -> (Driver, Ring) {
@@ -340,13 +338,7 @@ mod tests {
         let in_the_hole: &[_] = &[(3, REGION_SIZE + 0x100, 8, W, 0)];
         let oversized: &[_] = &[(4, BUF, u32::MAX, W, 0)];
         let readable_after_writable: &[_] = &[(5, BUF, 8, W | N, 6), (6, BUF, 8, 0, 0)];
-        let indirect: &[_] = &[(
-            7,
-            BUF,
-            16,
-            crate::devices::virtio::queue::VIRTQ_DESC_F_INDIRECT,
-            0,
-        )];
+        let indirect: &[_] = &[(7, BUF, 16, crate::virtio::queue::VIRTQ_DESC_F_INDIRECT, 0)];
         let cases = [
             (loop_chain, 0u16),
             (next_out_of_range, 2),
@@ -473,9 +465,9 @@ mod tests {
 
     #[test]
     fn clones_of_one_snapshot_get_distinct_generations_and_a_config_interrupt() {
-        use crate::devices::virtio::interrupt::tests::RecordingLine;
-        use crate::devices::virtio::interrupt::INTERRUPT_CONFIG_CHANGE;
-        use crate::devices::virtio::mmio::MmioTransport;
+        use crate::virtio::interrupt::INTERRUPT_CONFIG_CHANGE;
+        use crate::virtio::mmio::MmioTransport;
+        use crate::virtio::test_driver::RecordingLine;
         use std::sync::Arc;
         let (d, ring) = running();
         assert_eq!(d.read32(regs::CONFIG), 0);

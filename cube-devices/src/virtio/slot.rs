@@ -10,7 +10,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::mmio::MmioTransport;
-use crate::vmm::mmio_bus::MmioDevice;
+use crate::mmio_bus::MmioDevice;
 
 /// Event data tag of the device's backend fd (queue notifications use the queue index).
 const BACKEND: u32 = u32::MAX;

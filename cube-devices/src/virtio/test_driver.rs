@@ -1,12 +1,15 @@
 //! The guest's side of virtio for tests: lays out split virtqueues in real guest
 //! memory and drives an [`MmioTransport`] through its registers the way Linux's
-//! virtio_mmio driver does.
+//! virtio_mmio driver does. Public (hidden) for the VMM crate's tests, behind the
+//! `test-driver` feature.
 
-use std::sync::Arc;
+#![allow(clippy::unwrap_used, missing_docs)]
+
+use std::sync::{Arc, Mutex};
 
 use vm_memory::{Bytes, GuestAddress};
 
-use super::interrupt::tests::RecordingLine;
+use super::interrupt::{InterruptError, InterruptLine};
 use super::mmio::{regs, MmioTransport};
 use super::queue::QueueLayout;
 use super::{
@@ -15,17 +18,17 @@ use super::{
 };
 
 /// Size of each of the two RAM regions.
-pub(crate) const REGION_SIZE: u64 = 1 << 20;
+pub const REGION_SIZE: u64 = 1 << 20;
 /// Start of the second RAM region; between the two lies a hole.
-pub(crate) const HIGH_REGION: u64 = 2 << 20;
-pub(crate) const DESC: u64 = 0x1000;
-pub(crate) const AVAIL: u64 = 0x3000;
-pub(crate) const USED: u64 = 0x4000;
+pub const HIGH_REGION: u64 = 2 << 20;
+pub const DESC: u64 = 0x1000;
+pub const AVAIL: u64 = 0x3000;
+pub const USED: u64 = 0x4000;
 /// Where test buffers go.
-pub(crate) const BUF: u64 = 0x10000;
+pub const BUF: u64 = 0x10000;
 
 /// Two 1 MiB regions with a hole between them, from `cube_mem` like a real guest's.
-pub(crate) fn memory() -> VirtioMemory {
+pub fn memory() -> VirtioMemory {
     let layout = cube_mem::MemoryLayout::new(&[
         (GuestAddress(0), REGION_SIZE as usize),
         (GuestAddress(HIGH_REGION), REGION_SIZE as usize),
@@ -38,14 +41,14 @@ pub(crate) fn memory() -> VirtioMemory {
 }
 
 /// One split virtqueue as the driver sees it.
-pub(crate) struct Ring {
-    pub(crate) mem: VirtioMemory,
-    pub(crate) layout: QueueLayout,
+pub struct Ring {
+    pub mem: VirtioMemory,
+    pub layout: QueueLayout,
     avail_idx: u16,
 }
 
 impl Ring {
-    pub(crate) fn new(mem: &VirtioMemory, size: u16) -> Self {
+    pub fn new(mem: &VirtioMemory, size: u16) -> Self {
         Ring {
             mem: mem.clone(),
             layout: QueueLayout {
@@ -60,7 +63,7 @@ impl Ring {
 
     /// A ring of at most 256 entries whose table and rings lie in the 16 KiB at
     /// `base`, for devices with several queues.
-    pub(crate) fn at(mem: &VirtioMemory, size: u16, base: u64) -> Self {
+    pub fn at(mem: &VirtioMemory, size: u16, base: u64) -> Self {
         assert!(size <= 256);
         Ring {
             mem: mem.clone(),
@@ -74,7 +77,7 @@ impl Ring {
         }
     }
 
-    pub(crate) fn set_desc(&self, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
+    pub fn set_desc(&self, index: u16, addr: u64, len: u32, flags: u16, next: u16) {
         let at = self.layout.desc_table + 16 * u64::from(index);
         self.mem.write_obj(addr, GuestAddress(at)).unwrap();
         self.mem.write_obj(len, GuestAddress(at + 8)).unwrap();
@@ -83,7 +86,7 @@ impl Ring {
     }
 
     /// Puts `head` in the available ring and publishes it.
-    pub(crate) fn publish(&mut self, head: u16) {
+    pub fn publish(&mut self, head: u16) {
         let slot = u64::from(self.avail_idx % self.layout.size);
         self.mem
             .write_obj(head, GuestAddress(self.layout.avail_ring + 4 + 2 * slot))
@@ -95,27 +98,27 @@ impl Ring {
     }
 
     /// Writes the available index directly, as a misbehaving driver might.
-    pub(crate) fn set_avail_idx(&mut self, idx: u16) {
+    pub fn set_avail_idx(&mut self, idx: u16) {
         self.avail_idx = idx;
         self.mem
             .write_obj(idx, GuestAddress(self.layout.avail_ring + 2))
             .unwrap();
     }
 
-    pub(crate) fn set_avail_flags(&self, flags: u16) {
+    pub fn set_avail_flags(&self, flags: u16) {
         self.mem
             .write_obj(flags, GuestAddress(self.layout.avail_ring))
             .unwrap();
     }
 
-    pub(crate) fn used_idx(&self) -> u16 {
+    pub fn used_idx(&self) -> u16 {
         self.mem
             .read_obj(GuestAddress(self.layout.used_ring + 2))
             .unwrap()
     }
 
     /// The used element at ring position `n`: (descriptor id, length).
-    pub(crate) fn used(&self, n: u16) -> (u32, u32) {
+    pub fn used(&self, n: u16) -> (u32, u32) {
         let at = self.layout.used_ring + 4 + 8 * u64::from(n % self.layout.size);
         (
             self.mem.read_obj(GuestAddress(at)).unwrap(),
@@ -123,7 +126,7 @@ impl Ring {
         )
     }
 
-    pub(crate) fn read_buf(&self, addr: u64, len: usize) -> Vec<u8> {
+    pub fn read_buf(&self, addr: u64, len: usize) -> Vec<u8> {
         let mut v = vec![0; len];
         self.mem.read_slice(&mut v, GuestAddress(addr)).unwrap();
         v
@@ -131,39 +134,39 @@ impl Ring {
 }
 
 /// A transport and the recording interrupt line behind it.
-pub(crate) struct Driver {
-    pub(crate) transport: MmioTransport,
-    pub(crate) line: Arc<RecordingLine>,
+pub struct Driver {
+    pub transport: MmioTransport,
+    pub line: Arc<RecordingLine>,
 }
 
 impl Driver {
-    pub(crate) fn new(device: Box<dyn super::device::VirtioDevice>, mem: &VirtioMemory) -> Self {
+    pub fn new(device: Box<dyn super::device::VirtioDevice>, mem: &VirtioMemory) -> Self {
         let line = Arc::new(RecordingLine::default());
         let transport = MmioTransport::new(device, mem.clone(), line.clone());
         Driver { transport, line }
     }
 
     /// The guest memory the transport was made with.
-    pub(crate) fn transport_memory(&self) -> VirtioMemory {
+    pub fn transport_memory(&self) -> VirtioMemory {
         self.transport.memory().clone()
     }
 
-    pub(crate) fn read32(&self, offset: u64) -> u32 {
+    pub fn read32(&self, offset: u64) -> u32 {
         let mut data = [0xAAu8; 4];
         self.transport.read(offset, &mut data);
         u32::from_le_bytes(data)
     }
 
-    pub(crate) fn write32(&mut self, offset: u64, value: u32) {
+    pub fn write32(&mut self, offset: u64, value: u32) {
         self.transport.write(offset, &value.to_le_bytes());
     }
 
-    pub(crate) fn add_status(&mut self, bit: u32) {
+    pub fn add_status(&mut self, bit: u32) {
         let status = self.read32(regs::STATUS);
         self.write32(regs::STATUS, status | bit);
     }
 
-    pub(crate) fn device_features(&mut self) -> u64 {
+    pub fn device_features(&mut self) -> u64 {
         self.write32(regs::DEVICE_FEATURES_SEL, 0);
         let low = self.read32(regs::DEVICE_FEATURES);
         self.write32(regs::DEVICE_FEATURES_SEL, 1);
@@ -171,7 +174,7 @@ impl Driver {
         u64::from(low) | (u64::from(high) << 32)
     }
 
-    pub(crate) fn write_driver_features(&mut self, features: u64) {
+    pub fn write_driver_features(&mut self, features: u64) {
         self.write32(regs::DRIVER_FEATURES_SEL, 0);
         self.write32(regs::DRIVER_FEATURES, features as u32);
         self.write32(regs::DRIVER_FEATURES_SEL, 1);
@@ -179,7 +182,7 @@ impl Driver {
     }
 
     /// ACKNOWLEDGE, DRIVER, accept `features`, FEATURES_OK; whether the device took them.
-    pub(crate) fn negotiate(&mut self, features: u64) -> bool {
+    pub fn negotiate(&mut self, features: u64) -> bool {
         self.write32(regs::STATUS, 0);
         self.add_status(STATUS_ACKNOWLEDGE);
         self.add_status(STATUS_DRIVER);
@@ -189,7 +192,7 @@ impl Driver {
     }
 
     /// Programs queue `index` at `layout` and enables it; whether the device took it.
-    pub(crate) fn setup_queue(&mut self, index: u32, layout: &QueueLayout) -> bool {
+    pub fn setup_queue(&mut self, index: u32, layout: &QueueLayout) -> bool {
         self.write32(regs::QUEUE_SEL, index);
         assert_eq!(self.read32(regs::QUEUE_READY), 0);
         self.write32(regs::QUEUE_NUM, u32::from(layout.size));
@@ -204,7 +207,7 @@ impl Driver {
     }
 
     /// Full bring-up of a one-queue device with VIRTIO_F_VERSION_1 and `ring`.
-    pub(crate) fn bring_up(&mut self, ring: &Ring) {
+    pub fn bring_up(&mut self, ring: &Ring) {
         assert!(self.negotiate(1 << VIRTIO_F_VERSION_1));
         assert!(self.setup_queue(0, &ring.layout));
         self.add_status(STATUS_DRIVER_OK);
@@ -212,7 +215,7 @@ impl Driver {
     }
 
     /// Full bring-up of a device with `features` and one ring per queue.
-    pub(crate) fn bring_up_queues(&mut self, features: u64, rings: &[&Ring]) {
+    pub fn bring_up_queues(&mut self, features: u64, rings: &[&Ring]) {
         assert!(self.negotiate(features));
         for (index, ring) in rings.iter().enumerate() {
             assert!(
@@ -224,16 +227,16 @@ impl Driver {
         assert!(self.transport.is_activated());
     }
 
-    pub(crate) fn notify(&mut self, queue: u32) {
+    pub fn notify(&mut self, queue: u32) {
         self.write32(regs::QUEUE_NOTIFY, queue);
     }
 }
 
 /// A small deterministic generator (xorshift64) for the randomised robustness tests.
-pub(crate) struct XorShift(pub(crate) u64);
+pub struct XorShift(pub u64);
 
 impl XorShift {
-    pub(crate) fn next(&mut self) -> u64 {
+    pub fn next(&mut self) -> u64 {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
@@ -241,8 +244,38 @@ impl XorShift {
     }
 
     /// Fills `len` bytes of guest memory at `addr` with noise.
-    pub(crate) fn scribble(&mut self, mem: &VirtioMemory, addr: u64, len: usize) {
+    pub fn scribble(&mut self, mem: &VirtioMemory, addr: u64, len: usize) {
         let bytes: Vec<u8> = (0..len).map(|_| self.next() as u8).collect();
         mem.write_slice(&bytes, GuestAddress(addr)).unwrap();
+    }
+}
+
+/// Records what the device did to its line, standing in for the guest's irqchip.
+#[derive(Default)]
+pub struct RecordingLine {
+    /// `true` for each raise, `false` for each lower, in order.
+    pub events: Mutex<Vec<bool>>,
+}
+
+impl RecordingLine {
+    /// How many times the line was raised.
+    pub fn raises(&self) -> usize {
+        self.events.lock().unwrap().iter().filter(|e| **e).count()
+    }
+
+    /// Whether the line is raised now.
+    pub fn asserted(&self) -> bool {
+        self.events.lock().unwrap().last().copied().unwrap_or(false)
+    }
+}
+
+impl InterruptLine for RecordingLine {
+    fn raise(&self) -> Result<(), InterruptError> {
+        self.events.lock().unwrap().push(true);
+        Ok(())
+    }
+    fn lower(&self) -> Result<(), InterruptError> {
+        self.events.lock().unwrap().push(false);
+        Ok(())
     }
 }

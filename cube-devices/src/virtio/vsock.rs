@@ -1,12 +1,12 @@
 //! virtio-vsock (virtio spec 5.10): stream sockets between the guest and the host,
-//! with the host side as unix sockets in the sandbox's directory (Firecracker's
-//! scheme):
+//! with the host side as unix sockets (Firecracker's scheme), named after the host
+//! socket path the device is given (`<socket>`, e.g. a sandbox's `vsock.sock`):
 //!
-//! - host → guest: a host process connects to `<dir>/vsock.sock` and writes
+//! - host → guest: a host process connects to `<socket>` and writes
 //!   `CONNECT <port>\n`; once the guest accepts, it reads `OK <host port>\n` and the
 //!   stream carries the connection.
 //! - guest → host: a guest connection to host port P is a connection to the unix
-//!   socket `<dir>/vsock.sock_P`.
+//!   socket `<socket>_P`.
 //!
 //! Connections live in the host (sockets cannot go into a snapshot): after a restore
 //! the device sends the guest a transport-reset event and the guest drops them, as
@@ -38,8 +38,6 @@ pub const VSOCK_HOST_CID: u64 = 2;
 pub const VSOCK_HEADER_LEN: usize = 44;
 /// Socket type: stream.
 pub const VSOCK_TYPE_STREAM: u16 = 1;
-/// Name of the unix socket host processes connect to, in the sandbox's directory.
-pub const HOST_SOCKET_NAME: &str = "vsock.sock";
 /// Bytes of guest data the device buffers for each connection (its credit).
 pub const CONNECTION_BUFFER: u32 = 256 << 10;
 /// Largest payload the device puts into one packet for the guest.
@@ -245,7 +243,8 @@ struct VsockState {
 /// The virtio socket device.
 pub struct Vsock {
     guest_cid: u64,
-    dir: PathBuf,
+    /// The host socket; guest connections to port P go to `<socket>_P`.
+    socket: PathBuf,
     listener: UnixListener,
     epoll: Epoll,
     pending_hosts: BTreeMap<u64, PendingHost>,
@@ -262,13 +261,13 @@ fn epoll_add(epoll: &Epoll, fd: RawFd, events: EventSet, token: u64) -> std::io:
 }
 
 impl Vsock {
-    /// A device for guest context id `guest_cid`, whose host side lives in `dir`
-    /// (`dir/vsock.sock` is created; an old socket file there is replaced).
-    pub fn new(guest_cid: u64, dir: &Path) -> Result<Self, VsockError> {
+    /// A device for guest context id `guest_cid`, whose host side listens on unix
+    /// socket `socket` (created; an old socket file there is replaced).
+    pub fn new(guest_cid: u64, socket: &Path) -> Result<Self, VsockError> {
         if guest_cid <= VSOCK_HOST_CID || guest_cid >= u64::from(u32::MAX) {
             return Err(VsockError::Cid(guest_cid));
         }
-        let path = dir.join(HOST_SOCKET_NAME);
+        let path = socket.to_path_buf();
         let bind_err = |source| VsockError::Bind {
             path: path.clone(),
             source,
@@ -285,7 +284,7 @@ impl Vsock {
             .map_err(VsockError::Epoll)?;
         Ok(Vsock {
             guest_cid,
-            dir: dir.to_path_buf(),
+            socket: path,
             listener,
             epoll,
             pending_hosts: BTreeMap::new(),
@@ -679,14 +678,16 @@ impl Vsock {
         }
     }
 
-    /// A guest connection to host port `key.0`: connect to `vsock.sock_<port>`.
+    /// A guest connection to host port `key.0`: connect to `<socket>_<port>`.
     fn guest_connect(&mut self, key: (u32, u32)) {
         if self.connections.contains_key(&key) {
             self.remove_connection(key);
             self.send_rst(key.0, key.1);
             return;
         }
-        let path = self.dir.join(format!("{HOST_SOCKET_NAME}_{}", key.0));
+        let mut path = self.socket.clone().into_os_string();
+        path.push(format!("_{}", key.0));
+        let path = PathBuf::from(path);
         let stream = match UnixStream::connect(&path) {
             Ok(s) => s,
             Err(e) => {
@@ -1034,11 +1035,15 @@ impl VirtioDevice for Vsock {
     }
 }
 
-/// How a host process reaches guest port `port` of the VM whose vsock device lives in
-/// `dir`: connects to `vsock.sock`, sends `CONNECT <port>\n` and returns the stream
-/// once the guest accepted (waiting at most `timeout` for it).
-pub fn connect_from_host(dir: &Path, port: u32, timeout: Duration) -> std::io::Result<UnixStream> {
-    let mut stream = UnixStream::connect(dir.join(HOST_SOCKET_NAME))?;
+/// How a host process reaches guest port `port` of the VM whose vsock device listens
+/// on `socket`: connects, sends `CONNECT <port>\n` and returns the stream once the
+/// guest accepted (waiting at most `timeout` for it).
+pub fn connect_from_host(
+    socket: &Path,
+    port: u32,
+    timeout: Duration,
+) -> std::io::Result<UnixStream> {
+    let mut stream = UnixStream::connect(socket)?;
     stream.set_read_timeout(Some(timeout))?;
     stream.write_all(format!("CONNECT {port}\n").as_bytes())?;
     let mut reply = Vec::new();

@@ -2,15 +2,18 @@
 //! with the device on the event loop as in a VM.
 
 use super::*;
-use crate::devices::event_loop::{DeviceEventLoop, Subscriber};
-use crate::devices::virtio::interrupt::tests::RecordingLine;
-use crate::devices::virtio::mmio::{regs, MmioTransport};
-use crate::devices::virtio::queue::VIRTQ_DESC_F_WRITE as W;
-use crate::devices::virtio::slot::{SlotEvents, VirtioSlot};
-use crate::devices::virtio::test_driver::{memory, Driver, Ring};
+use crate::event_loop::{DeviceEventLoop, Subscriber};
+use crate::virtio::mmio::{regs, MmioTransport};
+use crate::virtio::queue::VIRTQ_DESC_F_WRITE as W;
+use crate::virtio::slot::{SlotEvents, VirtioSlot};
+use crate::virtio::test_driver::RecordingLine;
+use crate::virtio::test_driver::{memory, Driver, Ring};
 use std::sync::Mutex;
 use std::time::Instant;
 use vm_memory::{Bytes, GuestAddress};
+
+/// The host socket the tests give the device, named as a sandbox names it.
+const SOCKET: &str = "vsock.sock";
 
 const CID: u64 = 3;
 const RX_RING: u64 = 0x20000;
@@ -49,7 +52,7 @@ impl GuestDriver {
             0,
             TX_BUF,
             VSOCK_HEADER_LEN as u32,
-            crate::devices::virtio::queue::VIRTQ_DESC_F_NEXT,
+            crate::virtio::queue::VIRTQ_DESC_F_NEXT,
             1,
         );
         self.tx.set_desc(
@@ -185,7 +188,7 @@ fn start_with(
 fn start() -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let mem = memory();
-    let vsock = Vsock::new(CID, dir.path()).unwrap();
+    let vsock = Vsock::new(CID, &dir.path().join(SOCKET)).unwrap();
     let mut driver = Driver::new(Box::new(vsock), &mem);
     let rings = bring_up(&mut driver, &mem);
     let line = driver.line.clone();
@@ -354,14 +357,17 @@ fn guest_accept(guest: &Arc<Mutex<GuestDriver>>, port: u32) -> GuestStream {
 #[test]
 fn config_space_holds_the_guest_cid_and_reserved_cids_are_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let d = Driver::new(Box::new(Vsock::new(42, dir.path()).unwrap()), &memory());
+    let d = Driver::new(
+        Box::new(Vsock::new(42, &dir.path().join(SOCKET)).unwrap()),
+        &memory(),
+    );
     assert_eq!(d.read32(regs::DEVICE_ID), VIRTIO_ID_VSOCK);
     assert_eq!(d.read32(regs::CONFIG), 42);
     assert_eq!(d.read32(regs::CONFIG + 4), 0);
     assert_eq!(d.read32(regs::QUEUE_NUM_MAX), 256);
     for cid in [0, 1, 2, u64::from(u32::MAX), u64::MAX] {
         assert!(matches!(
-            Vsock::new(cid, dir.path()),
+            Vsock::new(cid, &dir.path().join(SOCKET)),
             Err(VsockError::Cid(_))
         ));
     }
@@ -372,7 +378,7 @@ fn the_agent_protocol_runs_over_the_device_with_the_test_as_guest() {
     let setup = start();
     let dir = setup.dir.path().to_path_buf();
     let host = std::thread::spawn(move || {
-        let stream = connect_from_host(&dir, 1024, WAIT).unwrap();
+        let stream = connect_from_host(&dir.join(SOCKET), 1024, WAIT).unwrap();
         let client = cube_agent::client::Client::new(stream).unwrap();
         let out = client
             .exec(cube_agent::protocol::ExecRequest {
@@ -410,7 +416,7 @@ fn large_transfers_respect_credit_both_ways() {
     let dir = setup.dir.path().to_path_buf();
     const LEN: usize = 3 << 20;
     let host = std::thread::spawn(move || {
-        let mut stream = connect_from_host(&dir, 7, WAIT).unwrap();
+        let mut stream = connect_from_host(&dir.join(SOCKET), 7, WAIT).unwrap();
         let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
         let mut writer = stream.try_clone().unwrap();
         let sent = data.clone();
@@ -519,13 +525,7 @@ fn malformed_packets_and_host_lines_are_refused_without_a_panic() {
         g.tx.set_desc(5, TX_BUF + 0x3000, VSOCK_HEADER_LEN as u32, 0, 0);
         g.tx.publish(5);
         // A descriptor loop and a buffer outside guest memory.
-        g.tx.set_desc(
-            6,
-            TX_BUF,
-            44,
-            crate::devices::virtio::queue::VIRTQ_DESC_F_NEXT,
-            6,
-        );
+        g.tx.set_desc(6, TX_BUF, 44, crate::virtio::queue::VIRTQ_DESC_F_NEXT, 6);
         g.tx.publish(6);
         g.tx.set_desc(7, 0x7000_0000, 44, 0, 0);
         g.tx.publish(7);
@@ -541,7 +541,7 @@ fn malformed_packets_and_host_lines_are_refused_without_a_panic() {
         b"CONNECT 1\nextra",
         &[b'C'; 100],
     ] {
-        let mut s = UnixStream::connect(setup.dir.path().join(HOST_SOCKET_NAME)).unwrap();
+        let mut s = UnixStream::connect(setup.dir.path().join(SOCKET)).unwrap();
         s.set_read_timeout(Some(WAIT)).unwrap();
         s.write_all(line).unwrap();
         let mut buf = [0u8; 8];
@@ -549,7 +549,8 @@ fn malformed_packets_and_host_lines_are_refused_without_a_panic() {
     }
     // The device still works.
     let dir = setup.dir.path().to_path_buf();
-    let host = std::thread::spawn(move || connect_from_host(&dir, 9, WAIT).map(|_| ()));
+    let host =
+        std::thread::spawn(move || connect_from_host(&dir.join(SOCKET), 9, WAIT).map(|_| ()));
     let _stream = guest_accept(guest, 9);
     host.join().unwrap().unwrap();
 }
@@ -558,7 +559,10 @@ fn malformed_packets_and_host_lines_are_refused_without_a_panic() {
 fn restore_resets_connections_serves_pending_packets_and_checks_state() {
     let dir = tempfile::tempdir().unwrap();
     let mem = memory();
-    let mut driver = Driver::new(Box::new(Vsock::new(CID, dir.path()).unwrap()), &mem);
+    let mut driver = Driver::new(
+        Box::new(Vsock::new(CID, &dir.path().join(SOCKET)).unwrap()),
+        &mem,
+    );
     let (mut rx, mut tx, mut ev) = bring_up(&mut driver, &mem);
     post_buffers(&mut rx, &mut ev);
     let listener = UnixListener::bind(dir.path().join("vsock.sock_6000")).unwrap();
@@ -574,10 +578,9 @@ fn restore_resets_connections_serves_pending_packets_and_checks_state() {
     let bytes = postcard::to_allocvec(&state).unwrap();
     drop(driver);
 
-    let state: crate::devices::virtio::persist::VirtioMmioState =
-        postcard::from_bytes(&bytes).unwrap();
+    let state: crate::virtio::persist::VirtioMmioState = postcard::from_bytes(&bytes).unwrap();
     let line = Arc::new(RecordingLine::default());
-    let vsock = Vsock::new(CID, dir.path()).unwrap();
+    let vsock = Vsock::new(CID, &dir.path().join(SOCKET)).unwrap();
     let transport =
         MmioTransport::restore(Box::new(vsock), mem.clone(), line.clone(), &state).unwrap();
     let setup = start_with(dir, transport, line, (rx, tx, ev), false);
@@ -594,7 +597,7 @@ fn restore_resets_connections_serves_pending_packets_and_checks_state() {
 
     // State for another CID, or garbage, is refused.
     let other = tempfile::tempdir().unwrap();
-    let wrong = Vsock::new(CID + 1, other.path()).unwrap();
+    let wrong = Vsock::new(CID + 1, &other.path().join(SOCKET)).unwrap();
     let err = MmioTransport::restore(
         Box::new(wrong),
         mem.clone(),
@@ -606,7 +609,7 @@ fn restore_resets_connections_serves_pending_packets_and_checks_state() {
     assert!(format!("{err:?}").contains("CID"));
     let mut garbage = state.clone();
     garbage.device_state = vec![0xff; 20];
-    let dev = Vsock::new(CID, other.path()).unwrap();
+    let dev = Vsock::new(CID, &other.path().join(SOCKET)).unwrap();
     assert!(MmioTransport::restore(
         Box::new(dev),
         mem,

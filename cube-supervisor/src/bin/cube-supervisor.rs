@@ -4,7 +4,7 @@ use std::os::fd::FromRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 
-use cube_core::supervisor::server::WarmFor;
+use cube_supervisor::server::WarmFor;
 
 const USAGE: &str = "usage: cube-supervisor --control-fd N [--scratch DIR] [--warm any|vm|jail] \
                      [--network] (started by the cube library)";
@@ -66,9 +66,7 @@ fn main() {
     // SAFETY: the spawner passed us this descriptor (a connected unix stream) as `fd`
     // and nothing else in this process owns it.
     let control = unsafe { UnixStream::from_raw_fd(fd) };
-    if let Err(e) =
-        cube_core::supervisor::server::run(control, scratch.as_deref(), warm_for, network)
-    {
+    if let Err(e) = cube_supervisor::server::run(control, scratch.as_deref(), warm_for, network) {
         tracing::error!("supervisor: {e}");
         std::process::exit(1);
     }

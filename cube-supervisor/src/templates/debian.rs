@@ -261,7 +261,7 @@ fn find_debootstrap() -> Option<PathBuf> {
 fn remove_tree(path: &Path) -> Result<(), RootfsBuildError> {
     // debootstrap mounts /proc and /sys inside the tree; a killed one leaves them, and
     // deleting through a mount would reach the host's files.
-    if crate::template_build::unmount_all_under(path).is_err() {
+    if super::mounts::unmount_all_under(path).is_err() {
         return Err(RootfsBuildError::Io {
             action: "unmounting what is mounted inside",
             path: path.to_path_buf(),

@@ -9,12 +9,13 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::sandbox::metadata::{
-    now_unix, Engine, TemplateMeta, TEMPLATE_META, TEMPLATE_META_KIND, TEMPLATE_TREE,
-};
-use crate::sandbox::{Runtime, SandboxError, HOST_TEMPLATE};
-use crate::snapshot::MachineConfig;
-use crate::template_rootfs::{DebianRootfs, RootfsBuildError};
+use cube_storage::TemplateDir;
+use cube_vmm::persist::MachineConfig;
+
+use super::debian::{DebianRootfs, RootfsBuildError};
+use super::mounts::unmount_all_under;
+use crate::jail_spec::locate_agent;
+use crate::records::{now_unix, Engine, TemplateMeta, HOST_TEMPLATE};
 
 /// Why a template could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -65,21 +66,9 @@ impl TreeSource {
     }
 }
 
-impl Runtime {
-    /// Builds jail template `name` from `source`, calling `progress` with each line the
-    /// build prints. On any failure nothing named `name` is left in the store.
-    pub fn build_jail_template(
-        &self,
-        name: &str,
-        source: &TreeSource,
-        progress: &mut dyn FnMut(&str),
-    ) -> Result<TemplateMeta, SandboxError> {
-        build(self.store(), name, source, progress)
-            .map_err(|e| SandboxError::Build(name.to_string(), e))
-    }
-}
-
-fn build(
+/// Builds jail template `name` in `store` from `source`, calling `progress` with each
+/// line the build prints. On any failure nothing named `name` is left in the store.
+pub fn build(
     store: &cube_storage::Store,
     name: &str,
     source: &TreeSource,
@@ -104,9 +93,9 @@ fn build(
     let result = fill(staging.path(), name, source, progress);
     // debootstrap mounts /proc and /sys inside the tree while it runs; a killed one
     // may leave them there, and deleting through a mount would reach the host's.
-    if let Err(e) = unmount_all_under(staging.path()) {
+    if let Err(still) = unmount_all_under(staging.path()) {
         std::mem::forget(staging);
-        return Err(e);
+        return Err(TemplateBuildError::Mounted(still.0));
     }
     let meta = result?;
     staging.commit(&dest)?;
@@ -119,18 +108,20 @@ fn fill(
     source: &TreeSource,
     progress: &mut dyn FnMut(&str),
 ) -> Result<TemplateMeta, TemplateBuildError> {
-    make_tree(&staging.join(TEMPLATE_TREE), source, progress)?;
-    check_agent_can_start(&staging.join(TEMPLATE_TREE))?;
+    let template = TemplateDir::new(staging);
+    let tree = template.tree();
+    make_tree(&tree, source, progress)?;
+    check_agent_can_start(&tree)?;
     let meta = TemplateMeta {
         name: name.to_string(),
         engine: Engine::Jail,
         machine: MachineConfig::default(),
         rootfs_bytes: 0,
         created_unix: now_unix(),
-        tree: Some(TEMPLATE_TREE.to_string()),
+        tree: Some(TemplateDir::TREE.to_string()),
         built_from: Some(source.describe()),
     };
-    cube_storage::write_atomic(&staging.join(TEMPLATE_META), TEMPLATE_META_KIND, &meta)?;
+    cube_storage::write_atomic(&template.record(), TemplateDir::RECORD_KIND, &meta)?;
     Ok(meta)
 }
 
@@ -164,7 +155,7 @@ pub fn make_tree(
 /// into the sandbox, and its ELF interpreter must exist inside the tree. Where the
 /// agent cannot be found or is static there is nothing to check.
 fn check_agent_can_start(tree: &Path) -> Result<(), TemplateBuildError> {
-    let Ok(agent) = crate::supervisor::jail_sandbox::locate_agent() else {
+    let Ok(agent) = locate_agent() else {
         return Ok(());
     };
     let Some(interp) = std::fs::read(&agent).ok().and_then(|b| elf_interpreter(&b)) else {
@@ -247,53 +238,6 @@ fn resolve_in_tree(tree: &Path, path: &Path) -> Option<PathBuf> {
     Some(current)
 }
 
-/// Mount points at or below `dir`, deepest first, from /proc/self/mountinfo.
-fn mounts_under(dir: &Path) -> Vec<PathBuf> {
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return Vec::new();
-    };
-    let mut found: Vec<PathBuf> = info
-        .lines()
-        .filter_map(|line| line.split(' ').nth(4))
-        .map(|p| PathBuf::from(unescape_mountinfo(p)))
-        .filter(|p| p.starts_with(dir))
-        .collect();
-    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
-    found
-}
-
-/// Undoes mountinfo's octal escapes (`\040` for a space, ...).
-fn unescape_mountinfo(s: &str) -> String {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'\\' && i + 4 <= bytes.len() {
-            let octal = std::str::from_utf8(&bytes[i + 1..i + 4]).unwrap_or("");
-            if let Ok(v) = u8::from_str_radix(octal, 8) {
-                out.push(v);
-                i += 4;
-                continue;
-            }
-        }
-        out.push(bytes[i]);
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
-/// Unmounts (lazily) everything mounted at or below `dir`; fails when something
-/// stays mounted, so the caller does not delete through it.
-pub(crate) fn unmount_all_under(dir: &Path) -> Result<(), TemplateBuildError> {
-    for mount in mounts_under(dir) {
-        let _ = nix::mount::umount2(&mount, nix::mount::MntFlags::MNT_DETACH);
-    }
-    match mounts_under(dir).into_iter().next() {
-        Some(still) => Err(TemplateBuildError::Mounted(still)),
-        None => Ok(()),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -328,13 +272,6 @@ mod tests {
     }
 
     #[test]
-    fn mountinfo_escapes() {
-        assert_eq!(unescape_mountinfo("/a\\040b"), "/a b");
-        assert_eq!(unescape_mountinfo("/plain"), "/plain");
-        assert_eq!(unescape_mountinfo("/end\\"), "/end\\");
-    }
-
-    #[test]
     fn a_directory_template_is_built_whole_or_not_at_all() {
         let root = tempfile::tempdir().unwrap();
         let store = cube_storage::Store::open(root.path().join("store")).unwrap();
@@ -344,7 +281,7 @@ mod tests {
         std::os::unix::fs::symlink("usr/bin", src.join("bin")).unwrap();
         // The agent's program loader, where the agent (found next to the test binary)
         // is dynamically linked: without it the build is refused.
-        let interp = crate::supervisor::jail_sandbox::locate_agent()
+        let interp = locate_agent()
             .ok()
             .and_then(|a| elf_interpreter(&std::fs::read(a).unwrap()));
         if let Some(interp) = &interp {
@@ -379,8 +316,9 @@ mod tests {
             Path::new("usr/bin")
         );
         let back: TemplateMeta =
-            cube_storage::read_verified(&dir.join(TEMPLATE_META), TEMPLATE_META_KIND).unwrap();
-        assert_eq!(back.tree.as_deref(), Some(TEMPLATE_TREE));
+            cube_storage::read_verified(&TemplateDir::new(&dir).record(), TemplateDir::RECORD_KIND)
+                .unwrap();
+        assert_eq!(back.tree.as_deref(), Some(TemplateDir::TREE));
 
         // The same name again, the built-in name, and a missing source all fail and
         // leave the store as it was (no staging debris either).

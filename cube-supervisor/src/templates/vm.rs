@@ -14,18 +14,17 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::devices::virtio::block::{Block, BlockOptions};
-use crate::devices::virtio::device::VirtioDevice;
-use crate::devices::virtio::net::Net;
-use crate::devices::virtio::rng::Rng;
-use crate::devices::virtio::vsock::Vsock;
-use crate::host_caps::KvmKind;
-use crate::sandbox::metadata::{now_unix, Engine, TemplateMeta, TEMPLATE_META, TEMPLATE_META_KIND};
-use crate::sandbox::{Runtime, SandboxError, HOST_TEMPLATE};
-use crate::snapshot::format::ROOTFS_FILE;
-use crate::snapshot::MachineConfig;
-use crate::template_build::TreeSource;
-use crate::vmm::linux_boot::{self, LinuxBootConfig};
+use cube_storage::TemplateDir;
+use cube_vmm::host::{KvmKind, KvmProbe};
+use cube_vmm::linux_vm::{self, LinuxBootConfig};
+use cube_vmm::persist::MachineConfig;
+use cube_vmm::vstate::KvmContext;
+
+use super::tree::{make_tree, TemplateBuildError, TreeSource};
+use crate::error_report::chain as error_chain;
+use crate::records::{now_unix, Engine, TemplateMeta, HOST_TEMPLATE};
+use crate::vm_agent::{agent_client, VmAgentError};
+use crate::vm_devices::template_devices;
 
 /// What a user on a PVM host with a stock kernel is told (by the build and by
 /// `cube doctor`).
@@ -36,11 +35,6 @@ pub const PVM_STOCK_KERNEL: &str = "KVM on this host is PVM (no VMX/SVM): guest 
 
 /// Where the agent goes inside the image (the jail engine binds it at the same path).
 pub const IMAGE_AGENT_PATH: &str = ".cube/cube-agent";
-/// The guest context id of a template's guest.
-pub const TEMPLATE_GUEST_CID: u64 = 3;
-/// The MAC address of a template's guest NIC (locally administered). Every sandbox
-/// has it: each sits alone behind its own TAP.
-pub const TEMPLATE_GUEST_MAC: [u8; 6] = [0x06, 0xcb, 0xa9, 0xfe, 0x00, 0x02];
 /// The kernel package directory the set-up unpacks Debian's cloud kernel into.
 pub const DEBIAN_CLOUD_KERNEL: &str = "kernels/debian-cloud";
 /// The set-up's kernel directory outside any store.
@@ -65,7 +59,7 @@ pub enum VmTemplateError {
     Exists(String),
     /// The root filesystem tree could not be made.
     #[error("Making the root filesystem tree")]
-    Tree(#[source] crate::template_build::TemplateBuildError),
+    Tree(#[source] TemplateBuildError),
     /// `mkfs.ext4` is missing or failed.
     #[error("mkfs.ext4 failed: {0}")]
     Mkfs(String),
@@ -74,7 +68,7 @@ pub enum VmTemplateError {
     Io(String, #[source] std::io::Error),
     /// The guest could not be started or snapshotted.
     #[error("Guest")]
-    Boot(#[from] linux_boot::BootError),
+    Boot(#[from] linux_vm::BootError),
     /// A device could not be created.
     #[error("Device: {0}")]
     Device(String),
@@ -239,21 +233,10 @@ impl std::io::Write for ConsoleTail {
     }
 }
 
-impl Runtime {
-    /// Builds VM template `name`: image, boot, wait for the agent, snapshot. Fails at
-    /// once with [`VmTemplateError::StockKernelOnPvm`] where that cannot finish.
-    pub fn build_vm_template(
-        &self,
-        name: &str,
-        spec: &VmTemplateSpec,
-        progress: &mut dyn FnMut(&str),
-    ) -> Result<TemplateMeta, SandboxError> {
-        build_vm(self.store(), name, spec, progress)
-            .map_err(|e| SandboxError::VmTemplate(name.to_string(), e))
-    }
-}
-
-fn build_vm(
+/// Builds VM template `name` in `store`: image, boot, wait for the agent, snapshot.
+/// Fails at once with [`VmTemplateError::StockKernelOnPvm`] where that cannot finish.
+/// On any failure nothing named `name` is left in the store.
+pub fn build(
     store: &cube_storage::Store,
     name: &str,
     spec: &VmTemplateSpec,
@@ -263,7 +246,7 @@ fn build_vm(
     if name == HOST_TEMPLATE || dest.exists() {
         return Err(VmTemplateError::Exists(name.to_string()));
     }
-    let kvm = crate::host_caps::HostCapabilities::probe().kvm;
+    let kvm = KvmProbe::run().kind;
     preflight(kvm, spec.kernel.is_some())?;
     let (kernel, default_initrd) = match &spec.kernel {
         Some(k) => (k.clone(), None),
@@ -271,31 +254,19 @@ fn build_vm(
     };
     let initrd = spec.initrd.clone().or(default_initrd);
     let staging = store.stage()?;
-    let tree = staging.path().join("tree");
-    crate::template_build::make_tree(&tree, &spec.tree, progress).map_err(VmTemplateError::Tree)?;
+    let template = TemplateDir::new(staging.path());
+    let tree = template.image_tree();
+    make_tree(&tree, &spec.tree, progress).map_err(VmTemplateError::Tree)?;
     progress("making the ext4 image");
-    let image = staging.path().join(ROOTFS_FILE);
+    let image = template.image().rootfs();
     let image_bytes = make_root_image(&tree, &spec.agent, &image)?;
     std::fs::remove_dir_all(&tree)
         .map_err(|e| VmTemplateError::Io(format!("removing {}", tree.display()), e))?;
 
-    let ctx = crate::vstate::KvmContext::open().map_err(|_| VmTemplateError::NoKvm)?;
-    let devices: Vec<Box<dyn VirtioDevice>> = vec![
-        Box::new(
-            Block::open(&image, BlockOptions::default())
-                .map_err(|e| VmTemplateError::Device(crate::error_report::chain(&e)))?,
-        ),
-        Box::new(
-            Vsock::new(TEMPLATE_GUEST_CID, staging.path())
-                .map_err(|e| VmTemplateError::Device(crate::error_report::chain(&e)))?,
-        ),
-        Box::new(Rng::new()),
-        // Unplugged while building: a sandbox with a network gets a TAP behind it.
-        Box::new(
-            Net::disconnected(TEMPLATE_GUEST_MAC)
-                .map_err(|e| VmTemplateError::Device(crate::error_report::chain(&e)))?,
-        ),
-    ];
+    let ctx = KvmContext::open().map_err(|_| VmTemplateError::NoKvm)?;
+    // The NIC is unplugged while building: a sandbox with a network gets a TAP behind it.
+    let vsock = template.build_vsock_socket();
+    let devices = template_devices(&image, &vsock).map_err(VmTemplateError::Device)?;
     let tail = Arc::new(std::sync::Mutex::new((Vec::new(), String::new())));
     let config = LinuxBootConfig {
         kernel,
@@ -308,7 +279,7 @@ fn build_vm(
         cmdline_devices: false,
     };
     progress("booting the guest");
-    let mut vm = linux_boot::boot_with_devices(
+    let mut vm = linux_vm::boot_with_devices(
         &Arc::new(ctx),
         &config,
         Box::new(ConsoleTail(Arc::clone(&tail))),
@@ -319,17 +290,14 @@ fn build_vm(
         if let Some(why) = vm.fatal() {
             return Err(boot_failure(kvm, &why));
         }
-        match crate::vm_agent::agent_client(staging.path(), Duration::from_millis(500)) {
+        match agent_client(&vsock, Duration::from_millis(500)) {
             Ok(client) => {
                 drop(client);
                 break;
             }
-            Err(crate::vm_agent::VmAgentError::NotReady { .. }) => {}
+            Err(VmAgentError::NotReady { .. }) => {}
             Err(e) => {
-                tracing::debug!(
-                    "agent not reachable yet: {}",
-                    crate::error_report::chain(&e)
-                );
+                tracing::debug!("agent not reachable yet: {}", error_chain(&e));
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
@@ -357,16 +325,8 @@ fn build_vm(
         tree: None,
         built_from: Some(spec.tree.describe()),
     };
-    cube_storage::write_atomic(
-        &staging.path().join(TEMPLATE_META),
-        TEMPLATE_META_KIND,
-        &meta,
-    )?;
-    let _ = std::fs::remove_file(
-        staging
-            .path()
-            .join(crate::devices::virtio::vsock::HOST_SOCKET_NAME),
-    );
+    cube_storage::write_atomic(&template.record(), TemplateDir::RECORD_KIND, &meta)?;
+    let _ = std::fs::remove_file(&vsock);
     staging.commit(&dest)?;
     Ok(meta)
 }

@@ -12,9 +12,10 @@ use linux_loader::loader::bzimage::BzImage;
 use linux_loader::loader::KernelLoader;
 use vm_memory::{Bytes, GuestAddress};
 
-use super::layout::RamRange;
-use super::linux_boot::BootError;
-use crate::devices::virtio::VirtioMemory;
+use cube_devices::virtio::VirtioMemory;
+
+use super::{LoadError, E820_RAM, EBDA_START};
+use crate::arch::x86_64::layout::RamRange;
 
 /// Where the protected-mode kernel is loaded (1 MiB).
 const KERNEL_START: u64 = 0x10_0000;
@@ -37,10 +38,7 @@ const HDRS_MAGIC: u32 = 0x5372_6448;
 const CAN_USE_HEAP: u8 = 0x80;
 /// The 64-bit entry point's distance from the protected-mode kernel's start.
 const ENTRY_64_OFFSET: u64 = 0x200;
-const E820_RAM: u32 = 1;
 const E820_RESERVED: u32 = 2;
-/// End of conventional memory below 1 MiB (start of the EBDA).
-const EBDA_START: u64 = 0x9_fc00;
 
 /// Whether the file at `path` is a bzImage (the setup header's `HdrS` magic).
 pub fn is_bzimage(path: &Path) -> std::io::Result<bool> {
@@ -60,22 +58,22 @@ pub struct LoadedBzImage {
 }
 
 /// Loads the bzImage at `path` into `memory`.
-pub fn load(memory: &VirtioMemory, path: &Path) -> Result<LoadedBzImage, BootError> {
+pub fn load(memory: &VirtioMemory, path: &Path) -> Result<LoadedBzImage, LoadError> {
     let mut file =
-        std::fs::File::open(path).map_err(|e| BootError::OpenKernel(path.to_path_buf(), e))?;
+        std::fs::File::open(path).map_err(|e| LoadError::OpenKernel(path.to_path_buf(), e))?;
     let loaded = BzImage::load(
         memory,
         Some(GuestAddress(KERNEL_START)),
         &mut file,
         Some(GuestAddress(KERNEL_START)),
     )
-    .map_err(|e| BootError::LoadKernel(path.to_path_buf(), e))?;
+    .map_err(|e| LoadError::LoadKernel(path.to_path_buf(), e))?;
     let header = loaded
         .setup_header
-        .ok_or_else(|| BootError::BootParams("bzImage has no setup header".into()))?;
+        .ok_or_else(|| LoadError::BootParams("bzImage has no setup header".into()))?;
     let version = header.version;
     if version < 0x0206 {
-        return Err(BootError::BootParams(format!(
+        return Err(LoadError::BootParams(format!(
             "bzImage boot protocol {version:#x} is older than 2.06 (no 64-bit entry)"
         )));
     }
@@ -103,9 +101,9 @@ pub fn configure(
     kernel: &LoadedBzImage,
     ram: &[RamRange],
     inputs: &BootInputs,
-) -> Result<(kvm_regs, kvm_sregs), BootError> {
+) -> Result<(kvm_regs, kvm_sregs), LoadError> {
     let write_err = |what: &str, e: vm_memory::GuestMemoryError| {
-        BootError::BootParams(format!("writing the {what}: {e}"))
+        LoadError::BootParams(format!("writing the {what}: {e}"))
     };
     let mut params = boot_params {
         hdr: kernel.header,
@@ -117,14 +115,14 @@ pub fn configure(
     params.hdr.loadflags |= CAN_USE_HEAP;
     params.hdr.heap_end_ptr = 0xfe00;
     params.hdr.cmd_line_ptr = u32::try_from(inputs.cmdline_addr)
-        .map_err(|_| BootError::BootParams("command line above 4 GiB".into()))?;
+        .map_err(|_| LoadError::BootParams("command line above 4 GiB".into()))?;
     params.hdr.cmdline_size = inputs.cmdline_len;
     params.acpi_rsdp_addr = inputs.rsdp;
     if let Some((addr, size)) = inputs.initrd {
         params.hdr.ramdisk_image =
-            u32::try_from(addr).map_err(|_| BootError::BootParams("initrd above 4 GiB".into()))?;
+            u32::try_from(addr).map_err(|_| LoadError::BootParams("initrd above 4 GiB".into()))?;
         params.hdr.ramdisk_size = u32::try_from(size)
-            .map_err(|_| BootError::BootParams("initrd of 4 GiB or more".into()))?;
+            .map_err(|_| LoadError::BootParams("initrd of 4 GiB or more".into()))?;
     }
     let mut e820 = vec![
         (0, EBDA_START, E820_RAM),
@@ -138,7 +136,7 @@ pub fn configure(
         }
     }
     if e820.len() > params.e820_table.len() {
-        return Err(BootError::BootParams("too many e820 entries".into()));
+        return Err(LoadError::BootParams("too many e820 entries".into()));
     }
     for (slot, (addr, size, type_)) in params.e820_table.iter_mut().zip(&e820) {
         *slot = boot_e820_entry {

@@ -1,6 +1,8 @@
-//! Snapshots of a microVM: the on-disk format.
+//! Snapshots of a microVM on disk: the checksummed state file beside the memory file
+//! ([`state`]), and what writing a snapshot cost ([`stats`]).
 
-pub mod durability;
-pub mod format;
+pub mod state;
+pub mod stats;
 
-pub use format::{GuestKind, MachineConfig, MachineState};
+pub use state::{GuestKind, MachineConfig, MachineState, WorkingSet};
+pub use stats::SnapshotStats;

@@ -9,19 +9,15 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::devices::virtio::persist::VirtioMmioState;
-use crate::test_guest::WorkingSet;
-use crate::vmm::layout::{ram_ranges, RamRange};
-use crate::vmm::virtio_devices::MAX_VIRTIO_DEVICES;
+use cube_devices::records::{DeviceRecord, SerialRecord, SERIAL_FIFO_BYTES};
+use cube_storage::durable_marker::{self, DurabilityError};
+use cube_storage::SnapshotDir;
+
+use crate::arch::x86_64::layout::{ram_ranges, RamRange};
+use crate::device_manager::MAX_VIRTIO_DEVICES;
 use crate::vstate::vcpu::VcpuState;
 use crate::vstate::vm::VmState;
 
-/// The memory file inside a snapshot directory.
-pub const MEMORY_FILE: &str = "memory.bin";
-/// The state file inside a snapshot directory.
-pub const STATE_FILE: &str = "state.bin";
-/// The root filesystem image inside a snapshot directory, when the sandbox has one.
-pub const ROOTFS_FILE: &str = "rootfs.img";
 /// Envelope kind of the state file.
 pub const STATE_KIND: &str = "cube-vm-state";
 /// Version of the state layout this build writes (it reads this one and
@@ -71,10 +67,34 @@ pub enum FormatError {
     },
     /// The snapshot may be incomplete.
     #[error("Snapshot cannot be trusted")]
-    Durability(#[from] super::durability::DurabilityError),
+    Durability(#[from] DurabilityError),
     /// The memory file cannot be inspected.
     #[error("Snapshot memory file {0} is missing")]
     MemoryFileMissing(String, #[source] std::io::Error),
+}
+
+/// Largest working set either pass of the test guest may touch (its read and write
+/// areas must not overlap).
+pub const WORKING_SET_MAX_BYTES: u64 = 16 << 20;
+
+/// What the test guest does after every start or restore: part of its snapshot's
+/// state, so that a restored guest touches what the original did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkingSet {
+    /// Bytes read, one load per page.
+    pub read_bytes: u64,
+    /// Bytes written, one store per page.
+    pub write_bytes: u64,
+}
+
+impl Default for WorkingSet {
+    /// About what an idle Linux guest with its agent touches after a restore.
+    fn default() -> Self {
+        WorkingSet {
+            read_bytes: 16 << 20,
+            write_bytes: 4 << 20,
+        }
+    }
 }
 
 /// The shape of a microVM.
@@ -108,7 +128,7 @@ pub enum GuestKind {
         working_set: WorkingSet,
     },
     /// A Linux kernel (and whatever it runs) with virtio devices
-    /// ([`crate::vmm::linux_boot::LinuxVm`]).
+    /// ([`crate::linux_vm::LinuxVm`]).
     Linux,
 }
 
@@ -128,7 +148,7 @@ pub struct MachineState {
     /// Per-vCPU KVM state, by index.
     pub vcpus: Vec<VcpuState>,
     /// The host boot during which the snapshot was written (see
-    /// [`super::durability`]).
+    /// [`cube_storage::durable_marker`]).
     pub boot_id: String,
     /// The virtio devices, in attachment order (window and interrupt follow from the
     /// position). Checked here for shape; each is checked against its device and
@@ -136,81 +156,6 @@ pub struct MachineState {
     pub devices: Vec<DeviceRecord>,
     /// The COM1 UART's registers, for a guest that has one (Linux).
     pub serial: Option<SerialRecord>,
-}
-
-/// Most bytes a 16550's receive FIFO holds.
-pub const SERIAL_FIFO_BYTES: usize = 64;
-
-/// The registers of the COM1 UART (vm-superio's `SerialState`).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SerialRecord {
-    /// Divisor latch, low byte.
-    pub baud_divisor_low: u8,
-    /// Divisor latch, high byte.
-    pub baud_divisor_high: u8,
-    /// Interrupt enable register.
-    pub interrupt_enable: u8,
-    /// Interrupt identification register.
-    pub interrupt_identification: u8,
-    /// Line control register.
-    pub line_control: u8,
-    /// Line status register.
-    pub line_status: u8,
-    /// Modem control register.
-    pub modem_control: u8,
-    /// Modem status register.
-    pub modem_status: u8,
-    /// Scratch register.
-    pub scratch: u8,
-    /// Received bytes the guest has not read (at most [`SERIAL_FIFO_BYTES`]).
-    #[serde(with = "serde_bytes")]
-    pub in_buffer: Vec<u8>,
-}
-
-/// Which virtio device a saved state belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum DeviceKind {
-    /// virtio-blk.
-    Block,
-    /// virtio-vsock.
-    Vsock,
-    /// virtio-net.
-    Net,
-    /// virtio-rng.
-    Rng,
-}
-
-impl DeviceKind {
-    /// The kind of device type `device_type`, if Cube has such a device.
-    pub fn from_device_type(device_type: u32) -> Option<Self> {
-        [
-            DeviceKind::Block,
-            DeviceKind::Vsock,
-            DeviceKind::Net,
-            DeviceKind::Rng,
-        ]
-        .into_iter()
-        .find(|k| k.device_type() == device_type)
-    }
-
-    /// The virtio device type id of this kind.
-    pub fn device_type(self) -> u32 {
-        match self {
-            DeviceKind::Block => crate::devices::virtio::block::VIRTIO_ID_BLOCK,
-            DeviceKind::Vsock => crate::devices::virtio::vsock::VIRTIO_ID_VSOCK,
-            DeviceKind::Net => 1,
-            DeviceKind::Rng => crate::devices::virtio::VIRTIO_ID_RNG,
-        }
-    }
-}
-
-/// One virtio device in a snapshot.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceRecord {
-    /// What the device is.
-    pub kind: DeviceKind,
-    /// Transport and device state.
-    pub state: VirtioMmioState,
 }
 
 /// [`MachineState`] as format version 2 wrote it.
@@ -300,7 +245,7 @@ fn validate(state: &MachineState) -> Result<(), FormatError> {
     }
     match state.guest {
         GuestKind::TestGuest { working_set } => {
-            let max = crate::test_guest::mailbox::WORKING_SET_MAX_BYTES;
+            let max = WORKING_SET_MAX_BYTES;
             if working_set.read_bytes > max || working_set.write_bytes > max {
                 return invalid("test guest working set too large".to_string());
             }
@@ -377,7 +322,7 @@ fn validate_devices(devices: &[DeviceRecord]) -> Result<(), FormatError> {
 pub fn write_state(dir: &Path, state: &MachineState) -> Result<(), FormatError> {
     let bytes = encode(state)?;
     cube_storage::write_atomic_bytes_with(
-        &dir.join(STATE_FILE),
+        &SnapshotDir::new(dir).state(),
         STATE_KIND,
         &bytes,
         cube_storage::Durability::Deferred,
@@ -387,12 +332,12 @@ pub fn write_state(dir: &Path, state: &MachineState) -> Result<(), FormatError> 
 
 /// Reads and validates the state in `dir`, and checks the memory file beside it.
 pub fn read_state(dir: &Path) -> Result<MachineState, FormatError> {
-    let payload =
-        cube_storage::read_verified_bytes(&dir.join(STATE_FILE), STATE_KIND, MAX_STATE_BYTES)
-            .map_err(FormatError::Envelope)?;
+    let snapshot = SnapshotDir::new(dir);
+    let payload = cube_storage::read_verified_bytes(&snapshot.state(), STATE_KIND, MAX_STATE_BYTES)
+        .map_err(FormatError::Envelope)?;
     let state = decode(&payload)?;
-    super::durability::check_usable(dir, &state.boot_id)?;
-    let memory = dir.join(MEMORY_FILE);
+    durable_marker::check_usable(dir, &state.boot_id)?;
+    let memory = snapshot.memory();
     let found = std::fs::metadata(&memory)
         .map_err(|e| FormatError::MemoryFileMissing(memory.display().to_string(), e))?
         .len();
@@ -406,13 +351,15 @@ pub fn read_state(dir: &Path) -> Result<MachineState, FormatError> {
     Ok(state)
 }
 
-#[cfg(test)]
+// The tests write and read the state of a real machine: the test guest's.
+#[cfg(all(test, feature = "test-guest"))]
 mod tests {
     use super::*;
-    use crate::devices::virtio::rng::Rng;
-    use crate::devices::virtio::test_driver::{memory, Driver, Ring};
-    use crate::vmm::machine::Machine;
+    use crate::test_guest::machine::Machine;
     use crate::vstate::KvmContext;
+    use cube_devices::records::DeviceKind;
+    use cube_devices::virtio::rng::Rng;
+    use cube_devices::virtio::test_driver::{memory, Driver, Ring};
     use std::sync::Arc;
 
     /// [`MachineState`] as format version 2 wrote it, to write old files.

@@ -1,22 +1,24 @@
-//! A microVM: KVM VM, vCPU threads and guest memory, booted fresh or restored from a
-//! snapshot, and the snapshot operation itself.
+//! The test guest's microVM: KVM VM, vCPU threads and guest memory, booted fresh or
+//! restored from a snapshot, and the snapshot operation itself. (A Linux guest has its
+//! own, [`crate::linux_vm::LinuxVm`].)
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use cube_mem::dirty::{CombinedTracker, DirtyBitmap, DirtyTracker, DirtyTrackerKind};
-use cube_mem::{GuestMemory, MemoryLayout};
-use cube_storage::Durability;
-use vm_memory::GuestAddress;
+use cube_mem::GuestMemory;
+use cube_storage::durable_marker::{self as durability};
+use cube_storage::{Durability, SnapshotDir};
 
-use super::dirty_tracking::{self, TrackingError};
-use super::layout::{ram_ranges, RamRange};
-use super::vcpu_runner::{VcpuHandle, VcpuRunnerError};
-use crate::snapshot::durability;
-use crate::snapshot::format::{self, GuestKind, MachineConfig, MachineState, MEMORY_FILE};
-use crate::test_guest::mailbox::{field, op, Mailbox, MailboxError, Mode};
-use crate::test_guest::program::{self, dirty_area_pages, ProgramError, WorkingSet};
+use super::mailbox::{field, op, Mailbox, MailboxError, Mode};
+use super::program::{self, dirty_area_pages, ProgramError};
+use crate::arch::x86_64::layout::{ram_ranges, RamRange};
+use crate::dirty_tracking::{self, TrackingError};
+use crate::memory::{memory_layout, register_guest_memory};
+use crate::persist::state::{self as format, GuestKind, MachineConfig, MachineState, WorkingSet};
+use crate::persist::SnapshotStats;
+use crate::vcpu_runner::{VcpuHandle, VcpuRunnerError};
 use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::{Vm, VmConfig};
 use crate::vstate::KvmContext;
@@ -29,7 +31,7 @@ const GUEST_TIMEOUT: Duration = Duration::from_secs(30);
 pub enum MachineError {
     /// The memory size cannot be laid out.
     #[error("Invalid machine shape")]
-    Layout(#[from] super::layout::LayoutError),
+    Layout(#[from] crate::arch::x86_64::layout::LayoutError),
     /// Guest memory could not be set up.
     #[error("Guest memory")]
     Memory(#[from] cube_mem::MemoryError),
@@ -74,17 +76,6 @@ pub enum MachineError {
     WrongState(&'static str),
 }
 
-/// Statistics of one snapshot.
-#[derive(Clone, Copy, Debug, Default, serde::Serialize, serde::Deserialize)]
-pub struct SnapshotStats {
-    /// Pages the guest or the VMM wrote since the parent image.
-    pub dirty_pages: u64,
-    /// Bytes written into the new memory file.
-    pub bytes_written: u64,
-    /// Whether the parent memory file was reflinked (false: copied, or no parent).
-    pub reflinked: bool,
-}
-
 /// A running (or paused) microVM.
 ///
 /// Field order is drop order: vCPU threads stop before the VM closes, and the VM
@@ -103,40 +94,6 @@ pub struct Machine {
     /// Dirty pages collected by a snapshot that then failed: they must reach the next.
     carry: Option<DirtyBitmap>,
     running: bool,
-}
-
-/// The memory layout of `ram`, regions in memory-file order.
-pub(crate) fn memory_layout(ram: &[RamRange]) -> Result<MemoryLayout, cube_mem::MemoryError> {
-    let regions: Vec<(GuestAddress, usize)> = ram
-        .iter()
-        .map(|r| (GuestAddress(r.guest_addr), r.size as usize))
-        .collect();
-    MemoryLayout::new(&regions)
-}
-
-/// Registers every region of `memory` as a KVM memslot of `vm` (slot = region index).
-///
-/// # Safety
-/// `memory` must stay mapped until `vm` is closed or the slots are removed: KVM keeps
-/// the host addresses and the guest would otherwise reach whatever is mapped there next.
-pub(crate) unsafe fn register_guest_memory(
-    vm: &Vm,
-    memory: &GuestMemory,
-    log_dirty: bool,
-) -> Result<(), crate::vstate::vm::VmError> {
-    for region in memory.regions() {
-        // SAFETY: the caller keeps the mapping alive as long as the VM uses it.
-        unsafe {
-            vm.register_memory_slot(
-                region.slot,
-                region.guest_addr.0,
-                region.host_addr,
-                region.size as u64,
-                log_dirty,
-            )?;
-        }
-    }
-    Ok(())
 }
 
 impl Machine {
@@ -241,7 +198,7 @@ impl Machine {
             return Err(MachineError::LinuxSnapshot);
         }
         tracing::debug!(elapsed = ?start.elapsed(), "restore: state read");
-        let memory_path = dir.join(MEMORY_FILE);
+        let memory_path = SnapshotDir::new(dir).memory();
         let memory = GuestMemory::restore_private(memory_layout(&state.ram)?, &memory_path)?;
         let parent = open_parent(&memory_path)?;
         let MachineState {
@@ -292,7 +249,7 @@ impl Machine {
         {
             return Ok(false);
         }
-        let memory_path = dir.join(MEMORY_FILE);
+        let memory_path = SnapshotDir::new(dir).memory();
         let parent = open_parent(&memory_path)?;
         self.pause()?;
         // SAFETY: every vCPU is parked and this machine has no device thread, so
@@ -481,7 +438,7 @@ impl Machine {
         dir: &Path,
         dirty: &DirtyBitmap,
     ) -> Result<SnapshotStats, MachineError> {
-        let memory_path = dir.join(MEMORY_FILE);
+        let memory_path = SnapshotDir::new(dir).memory();
         let dirty_pages = dirty.count() as u64;
         let stats = match &self.parent {
             Some(parent) => {
@@ -536,7 +493,7 @@ impl Machine {
     /// Records that the snapshot last written now lives in `dir`: its memory file is
     /// the new parent image, and the pages it holds are no longer pending.
     pub fn snapshot_committed(&mut self, dir: &Path) -> Result<(), MachineError> {
-        self.parent = Some(open_parent(&dir.join(MEMORY_FILE))?);
+        self.parent = Some(open_parent(&SnapshotDir::new(dir).memory())?);
         self.carry = None;
         Ok(())
     }

@@ -65,7 +65,7 @@ pub const WORKING_SET_READ_ADDR: u64 = 16 << 20;
 /// Guest physical start of the write working set (32 MiB).
 pub const WORKING_SET_WRITE_ADDR: u64 = 32 << 20;
 /// Largest working set either pass may touch (the areas must not overlap).
-pub const WORKING_SET_MAX_BYTES: u64 = 16 << 20;
+pub use crate::persist::state::WORKING_SET_MAX_BYTES;
 /// Guest physical start of the area `dirty` commands write into (64 MiB).
 pub const DIRTY_AREA_ADDR: u64 = 64 << 20;
 

@@ -18,8 +18,9 @@ use super::mailbox::{
     field, op, Mode, DIRTY_AREA_ADDR, MAILBOX_ADDR, MAILBOX_MAGIC, WORKING_SET_READ_ADDR,
     WORKING_SET_WRITE_ADDR,
 };
-use crate::vmm::control_device::IDLE_REGISTER;
-use crate::vmm::layout::{RamRange, CONTROL_DEVICE_ADDR, MMIO_HOLE_START};
+use crate::arch::x86_64::layout::{RamRange, CONTROL_DEVICE_ADDR, MMIO_HOLE_START};
+use crate::control_device::IDLE_REGISTER;
+use crate::persist::state::{WorkingSet, WORKING_SET_MAX_BYTES};
 
 /// Guest physical address of the GDT.
 const GDT_ADDR: u64 = 0x1000;
@@ -61,25 +62,6 @@ pub enum ProgramError {
     /// The guest memory is too small for the working sets.
     #[error("Guest memory of {0} bytes is too small for the test guest")]
     MemoryTooSmall(u64),
-}
-
-/// What the guest does after every start or restore.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct WorkingSet {
-    /// Bytes read, one load per page.
-    pub read_bytes: u64,
-    /// Bytes written, one store per page.
-    pub write_bytes: u64,
-}
-
-impl Default for WorkingSet {
-    /// About what an idle Linux guest with its agent touches after a restore.
-    fn default() -> Self {
-        WorkingSet {
-            read_bytes: 16 << 20,
-            write_bytes: 4 << 20,
-        }
-    }
 }
 
 /// Entry points of the assembled program.
@@ -227,7 +209,7 @@ pub fn load(
 ) -> Result<Vec<(kvm_regs, kvm_sregs)>, ProgramError> {
     let total: u64 = ram.iter().map(|r| r.size).sum();
     let needed = DIRTY_AREA_ADDR + (2 << 20);
-    let ws_max = super::mailbox::WORKING_SET_MAX_BYTES;
+    let ws_max = WORKING_SET_MAX_BYTES;
     if total < needed || working_set.read_bytes > ws_max || working_set.write_bytes > ws_max {
         return Err(ProgramError::MemoryTooSmall(total));
     }

@@ -5,15 +5,16 @@ use std::sync::Arc;
 
 use kvm_bindings::{
     kvm_debugregs, kvm_fpu, kvm_lapic_state, kvm_mp_state, kvm_msr_entry, kvm_regs, kvm_sregs,
-    kvm_vcpu_events, kvm_xcrs, kvm_xsave, CpuId, Msrs, Xsave, KVM_MAX_CPUID_ENTRIES,
-    KVM_MAX_MSR_ENTRIES,
+    kvm_vcpu_events, kvm_xcrs, kvm_xsave, CpuId, Xsave, KVM_MAX_CPUID_ENTRIES,
 };
 use kvm_ioctls::VcpuFd;
 use serde::{Deserialize, Serialize};
 
-use super::cpuid::{vcpu_cpuid, CpuidEntry};
+use super::context::KvmContext;
+use super::kvm_bytes;
+use super::msrs::{get_msrs_prefix, set_msrs_prefix};
 use super::vm::Vm;
-use super::{kvm_bytes, KvmContext};
+use crate::arch::x86_64::cpuid::{vcpu_cpuid, CpuidEntry};
 
 /// MSR_IA32_TSC: the time-stamp counter.
 const MSR_IA32_TSC: u32 = 0x10;
@@ -412,45 +413,6 @@ impl Vcpu {
             None => Ok(()),
         }
     }
-}
-
-/// Runs `KVM_GET_MSRS` over `entries` in batches of `KVM_MAX_MSR_ENTRIES`, filling in
-/// their data; returns how many leading entries were read (KVM stops at the first MSR
-/// it refuses).
-pub(crate) fn get_msrs_prefix(
-    fd: &VcpuFd,
-    entries: &mut [kvm_msr_entry],
-) -> Result<usize, kvm_ioctls::Error> {
-    let mut done = 0;
-    for chunk in entries.chunks_mut(KVM_MAX_MSR_ENTRIES) {
-        let mut msrs =
-            Msrs::from_entries(chunk).map_err(|_| kvm_ioctls::Error::new(libc::E2BIG))?;
-        let read = fd.get_msrs(&mut msrs)?;
-        chunk[..read].copy_from_slice(&msrs.as_slice()[..read]);
-        done += read;
-        if read < chunk.len() {
-            break;
-        }
-    }
-    Ok(done)
-}
-
-/// Runs `KVM_SET_MSRS` over `entries` in order, in batches of `KVM_MAX_MSR_ENTRIES`;
-/// returns how many leading entries were set (KVM stops at the first MSR it refuses).
-pub(crate) fn set_msrs_prefix(
-    fd: &VcpuFd,
-    entries: &[kvm_msr_entry],
-) -> Result<usize, kvm_ioctls::Error> {
-    let mut done = 0;
-    for chunk in entries.chunks(KVM_MAX_MSR_ENTRIES) {
-        let msrs = Msrs::from_entries(chunk).map_err(|_| kvm_ioctls::Error::new(libc::E2BIG))?;
-        let set = fd.set_msrs(&msrs)?;
-        done += set;
-        if set < chunk.len() {
-            break;
-        }
-    }
-    Ok(done)
 }
 
 /// Everything KVM keeps for one vCPU.

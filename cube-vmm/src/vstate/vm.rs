@@ -12,7 +12,8 @@ use kvm_bindings::{
 use kvm_ioctls::VmFd;
 use serde::{Deserialize, Serialize};
 
-use super::{kvm_bytes, KvmContext};
+use super::context::KvmContext;
+use super::kvm_bytes;
 
 /// Where KVM puts the three-page TSS that Intel VMX needs for real-mode guests: just
 /// below the 4 GiB boundary, out of the way of guest RAM and the usual MMIO holes.

@@ -19,15 +19,9 @@ use acpi_tables::xsdt::XSDT;
 use acpi_tables::Aml;
 use vm_memory::{Bytes, GuestAddress};
 
-use crate::devices::virtio::VirtioMemory;
+use cube_devices::serial::{S5_SLEEP_TYPE, SLEEP_CONTROL_PORT, SLEEP_STATUS_PORT};
+use cube_devices::virtio::VirtioMemory;
 
-/// The hardware-reduced sleep control register (one byte of port I/O): the guest
-/// powers off by writing SLP_EN with SLP_TYP = [`S5_SLEEP_TYPE`].
-pub const SLEEP_CONTROL_PORT: u16 = 0x3c0;
-/// The sleep status register (reads as zero).
-pub const SLEEP_STATUS_PORT: u16 = 0x3c1;
-/// The SLP_TYP value the DSDT's `\_S5` names for soft-off.
-pub const S5_SLEEP_TYPE: u8 = 5;
 /// Where the RSDP goes (the kernel also finds it by scanning this area).
 pub const RSDP_ADDR: u64 = 0xe_0000;
 /// End of the area the tables may use.
@@ -232,7 +226,7 @@ pub fn write_tables(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::devices::virtio::test_driver::memory;
+    use cube_devices::virtio::test_driver::memory;
 
     fn read(mem: &VirtioMemory, addr: u64, len: usize) -> Vec<u8> {
         let mut v = vec![0; len];

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! scripts/fetch-kernel.sh                       # once: the kernel into the store
-//! cargo bench -p cube-benches --bench linux_vm -- --quick
+//! cargo bench -p cube-vmm --bench linux_vm -- --quick
 //! ```
 //!
 //! The images are written under `$CUBE_BENCH_STORE` (CI points it at a
@@ -14,18 +14,18 @@
 //! off the clock; the guest never runs again, so what is written there is never read.
 
 use std::hint::black_box;
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, SamplingMode};
 use vm_memory::{Bytes, GuestAddress};
 
-use cube_core::devices::virtio::device::VirtioDevice;
-use cube_core::devices::virtio::rng::Rng;
-use cube_core::vmm::linux_boot::{self, LinuxBootConfig, LinuxVm};
-use cube_core::vstate::KvmContext;
+use cube_devices::virtio::device::VirtioDevice;
+use cube_devices::virtio::rng::Rng;
+use cube_vmm::linux_vm::{self, LinuxBootConfig, LinuxVm};
+use cube_vmm::testing::{linux_kernel, wait_for, Console, TEST_CMDLINE};
+use cube_vmm::vstate::KvmContext;
 
 /// Directory the images' temporary directory is created in, when set.
 const STORE_ENV: &str = "CUBE_BENCH_STORE";
@@ -36,39 +36,6 @@ const DIRTY_PAGES: u64 = 256;
 /// Where those pages are, in guest physical memory (above what the kernel touched).
 const DIRTY_AT: u64 = 192 << 20;
 
-#[derive(Clone, Default)]
-struct Console(Arc<Mutex<String>>);
-
-impl Write for Console {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        if let Ok(mut text) = self.0.lock() {
-            text.push_str(&String::from_utf8_lossy(buf));
-        }
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-fn kernel() -> Option<PathBuf> {
-    if !Path::new("/dev/kvm").exists() {
-        println!("skipped: /dev/kvm not present");
-        return None;
-    }
-    let path =
-        PathBuf::from(std::env::var_os("CUBE_HOME").unwrap_or_else(|| "/var/lib/cube".into()))
-            .join("kernels/debian-cloud/vmlinux");
-    if !path.is_file() {
-        println!(
-            "skipped: no guest kernel at {} (scripts/fetch-kernel.sh)",
-            path.display()
-        );
-        return None;
-    }
-    Some(path)
-}
-
 /// Boots the kernel until its banner and pauses it there.
 fn paused_guest(kernel: PathBuf) -> LinuxVm {
     let ctx = Arc::new(KvmContext::open().unwrap_or_else(|e| panic!("opening KVM: {e}")));
@@ -77,31 +44,21 @@ fn paused_guest(kernel: PathBuf) -> LinuxVm {
     let config = LinuxBootConfig {
         kernel,
         initrd: None,
-        cmdline: "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nokaslr".into(),
+        cmdline: TEST_CMDLINE.into(),
         memory_bytes: MEMORY_BYTES,
         vcpus: 1,
         cmdline_devices: false,
     };
-    let vm = linux_boot::boot_with_devices(&ctx, &config, Box::new(console.clone()), devices)
+    let vm = linux_vm::boot_with_devices(&ctx, &config, Box::new(console.clone()), devices)
         .unwrap_or_else(|e| panic!("booting: {e}"));
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let printed = console.0.lock().map(|t| t.contains("Linux version"));
-        if printed.unwrap_or(false) {
-            break;
-        }
-        if let Some(why) = vm.fatal() {
-            panic!("the guest stopped before its banner: {why}");
-        }
-        assert!(Instant::now() < deadline, "no banner within 120 s");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for(&vm, &console, "Linux version", Duration::from_secs(120))
+        .unwrap_or_else(|e| panic!("the guest's banner: {e}"));
     vm.pause().unwrap_or_else(|e| panic!("pausing: {e}"));
     vm
 }
 
 fn main() {
-    let Some(kernel) = kernel() else { return };
+    let Some(kernel) = linux_kernel() else { return };
     let base = std::env::var_os(STORE_ENV)
         .map(PathBuf::from)
         .unwrap_or_else(std::env::temp_dir);
