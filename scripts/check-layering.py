@@ -198,7 +198,7 @@ def attributes_before(raw: str, line_start: int) -> str:
     for line in reversed(lines):
         if line.strip().startswith("#["):
             attrs.append(line.strip())
-        elif line.strip():
+        elif line.strip() and not line.strip().startswith("//"):
             break
     return " ".join(attrs)
 

@@ -3,7 +3,7 @@
 //! virtio_mmio driver does. Public (hidden) for the VMM crate's tests, behind the
 //! `test-driver` feature.
 
-#![allow(clippy::unwrap_used, missing_docs)]
+#![allow(clippy::unwrap_used, clippy::should_implement_trait, missing_docs)]
 
 use std::sync::{Arc, Mutex};
 

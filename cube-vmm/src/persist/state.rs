@@ -351,8 +351,9 @@ pub fn read_state(dir: &Path) -> Result<MachineState, FormatError> {
     Ok(state)
 }
 
+#[cfg(test)]
 // The tests write and read the state of a real machine: the test guest's.
-#[cfg(all(test, feature = "test-guest"))]
+#[cfg(feature = "test-guest")]
 mod tests {
     use super::*;
     use crate::test_guest::machine::Machine;
