@@ -69,7 +69,7 @@ fn jail_skip() -> bool {
         let path: PathBuf = Path::new(CUBE).with_file_name(bin);
         assert!(
             path.is_file(),
-            "{} is missing: run the tests with -p cube-agent -p cube-core -p cube-cli",
+            "{} is missing: run the tests with -p cube-agent -p cube-supervisor -p cube-cli",
             path.display()
         );
     }

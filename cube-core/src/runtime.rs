@@ -185,7 +185,7 @@ impl Runtime {
         // Pooled supervisors start a host-template jail in the store's scratch
         // directory (renamed into the sandbox on adoption) where the host can.
         // Only pooled ones: on the create path it would cost what it saves.
-        let scratch = (config.pool_size > 0).then(|| store.root().join("tmp"));
+        let scratch = (config.pool_size > 0).then(|| store.tmp_dir());
         Ok(Runtime {
             store,
             pool: SupervisorPool::with_scratch(exe, config.pool_size, scratch),
@@ -204,7 +204,7 @@ impl Runtime {
             SupervisorPool::networked(
                 self.pool.exe().to_path_buf(),
                 self.network_pool_size,
-                self.store.root().join("tmp"),
+                self.store.tmp_dir(),
             )
         })
     }
