@@ -16,8 +16,10 @@ Crate graph: cargo already refuses crate cycles; this checks the intended layeri
 (which crate may depend on which), from each Cargo.toml's [dependencies] and
 [dev-dependencies] and from the crate names paths actually use.
 
-Usage: scripts/check-layering.py [--graph] [--root DIR]
-  --graph   print every file's dependencies (for reading, not for CI)
+Usage: scripts/check-layering.py [--graph] [--root DIR] [--self-test]
+  --graph      print every file's dependencies (for reading, not for CI)
+  --self-test  check the checker: a made-up crate with a circle must fail, and the
+               same crate without it must pass
 Exit status 1 when a cycle or a layering violation is found.
 """
 
@@ -456,11 +458,46 @@ def crate_targets(crate_dir: str, manifest: dict) -> list[str]:
     return roots
 
 
+def self_test() -> int:
+    """Runs the checker on a made-up workspace, with and without a circle."""
+    import subprocess
+    import tempfile
+
+    files = {
+        "Cargo.toml": '[workspace]\nmembers = ["cube-storage"]\n',
+        "cube-storage/Cargo.toml": '[package]\nname = "cube-storage"\n',
+        "cube-storage/src/lib.rs": "pub mod a;\npub mod b;\npub use a::Alpha;\n",
+        "cube-storage/src/a.rs": "use crate::b::Beta;\npub struct Alpha(Beta);\n",
+        "cube-storage/src/b.rs": "pub struct Beta;\n",
+    }
+    circle = "use super::a::Alpha;\npub struct Beta;\npub fn f(_: &Alpha) {}\n"
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, text in files.items():
+            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
+            with open(os.path.join(tmp, name), "w") as f:
+                f.write(text)
+        run = lambda: subprocess.run(  # noqa: E731
+            [sys.executable, __file__, "--root", tmp], capture_output=True, text=True
+        )
+        clean = run()
+        with open(os.path.join(tmp, "cube-storage/src/b.rs"), "w") as f:
+            f.write(circle)
+        cyclic = run()
+    ok = clean.returncode == 0 and cyclic.returncode == 1 and "src/b.rs" in cyclic.stderr
+    print(f"check-layering self-test: {'ok' if ok else 'FAILED'}")
+    if not ok:
+        print(clean.stdout, clean.stderr, cyclic.stdout, cyclic.stderr, file=sys.stderr)
+    return 0 if ok else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--graph", action="store_true")
     ap.add_argument("--root", default=os.path.join(os.path.dirname(__file__), ".."))
+    ap.add_argument("--self-test", action="store_true")
     args = ap.parse_args()
+    if args.self_test:
+        return self_test()
     root = os.path.abspath(args.root)
     with open(os.path.join(root, "Cargo.toml"), "rb") as f:
         ws = tomllib.load(f)

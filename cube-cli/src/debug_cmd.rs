@@ -6,7 +6,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Subcommand;
-use cube_core::debug::{self, BootOptions, DebugError};
+use cube_core::debug::{self, BootOptions, DebugError, LinuxBootConfig};
 
 use crate::cli_error::{chain, CliError};
 
@@ -129,12 +129,14 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         log: Mutex::new(log),
     });
     let options = BootOptions {
-        kernel,
-        initrd,
-        cmdline,
-        memory_bytes: memory_mib << 20,
-        vcpus,
-        cmdline_devices,
+        config: LinuxBootConfig {
+            kernel,
+            initrd,
+            cmdline,
+            memory_bytes: memory_mib << 20,
+            vcpus,
+            cmdline_devices,
+        },
         disk,
         vsock_dir,
         rng,

@@ -11,7 +11,8 @@ use cube_devices::virtio::device::VirtioDevice;
 use cube_devices::virtio::rng::Rng;
 use cube_devices::virtio::vsock::Vsock;
 use cube_storage::SandboxDir;
-use cube_vmm::linux_vm::{self, BootError, LinuxBootConfig, LinuxVm};
+pub use cube_vmm::linux_vm::LinuxBootConfig;
+use cube_vmm::linux_vm::{self, BootError, LinuxVm};
 use cube_vmm::vstate::{KvmContext, VstateError};
 
 /// The guest context id of the vsock device ([`BootOptions::vsock_dir`]).
@@ -44,18 +45,8 @@ impl DebugError {
 /// What to boot, and with which devices.
 #[derive(Clone, Debug)]
 pub struct BootOptions {
-    /// An ELF vmlinux with a PVH entry point, or a bzImage.
-    pub kernel: PathBuf,
-    /// An initramfs.
-    pub initrd: Option<PathBuf>,
-    /// The kernel command line.
-    pub cmdline: String,
-    /// Guest memory in bytes.
-    pub memory_bytes: u64,
-    /// Number of vCPUs.
-    pub vcpus: u8,
-    /// Also list the devices as `virtio_mmio.device=` entries on the command line.
-    pub cmdline_devices: bool,
+    /// The kernel, initrd, command line and machine shape.
+    pub config: LinuxBootConfig,
     /// A virtio-blk disk backed by this image.
     pub disk: Option<PathBuf>,
     /// A virtio-vsock device (guest CID [`DEBUG_GUEST_CID`]) whose host side is
@@ -99,14 +90,6 @@ pub fn boot(options: &BootOptions, console: Box<dyn Write + Send>) -> Result<Deb
         devices.push(Box::new(Rng::new()));
     }
     let ctx = Arc::new(KvmContext::open().map_err(DebugError::NoKvm)?);
-    let config = LinuxBootConfig {
-        kernel: options.kernel.clone(),
-        initrd: options.initrd.clone(),
-        cmdline: options.cmdline.clone(),
-        memory_bytes: options.memory_bytes,
-        vcpus: options.vcpus,
-        cmdline_devices: options.cmdline_devices,
-    };
-    let vm = linux_vm::boot_with_devices(&ctx, &config, console, devices)?;
+    let vm = linux_vm::boot_with_devices(&ctx, &options.config, console, devices)?;
     Ok(DebugVm { vm })
 }

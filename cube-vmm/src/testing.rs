@@ -12,9 +12,12 @@ use crate::linux_vm::LinuxVm;
 /// KASLR (so a restored clone's addresses match), and a reset instead of a reboot.
 pub const TEST_CMDLINE: &str = "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nokaslr";
 
-/// Where `scripts/fetch-kernel.sh` unpacks Debian's cloud kernel: the store named by
-/// `$CUBE_HOME`, else `/var/lib/cube`.
+/// The kernel tests boot: `$CUBE_KERNEL`, else where `scripts/fetch-kernel.sh` unpacks
+/// Debian's cloud kernel, in the store named by `$CUBE_HOME` or `/var/lib/cube`.
 pub fn store_kernel() -> PathBuf {
+    if let Some(kernel) = std::env::var_os("CUBE_KERNEL") {
+        return PathBuf::from(kernel);
+    }
     PathBuf::from(std::env::var_os("CUBE_HOME").unwrap_or_else(|| "/var/lib/cube".into()))
         .join("kernels/debian-cloud/vmlinux")
 }
