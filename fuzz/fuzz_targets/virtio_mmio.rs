@@ -59,7 +59,7 @@ fn device(kind: u8) -> Box<dyn VirtioDevice> {
             )
             .expect("the disk opens"),
         ),
-        _ => Box::new(Vsock::new(3, dir).expect("the vsock device starts")),
+        _ => Box::new(Vsock::new(3, &dir.join("vsock.sock")).expect("the vsock device starts")),
     }
 }
 
