@@ -3,8 +3,9 @@
 //! ./cube-py`), so every wheel carries them; maturin includes
 //! `python/cubesandbox/bin/*` (see pyproject.toml).
 //!
-//! maturin marks its builds with `PYO3_BUILD_EXTENSION_MODULE`; a plain `cargo build`
-//! of the workspace does nothing here. `scripts/build-wheel.sh` builds and copies the
+//! maturin marks its builds with `PYO3_ENVIRONMENT_SIGNATURE` (not
+//! `PYO3_BUILD_EXTENSION_MODULE`, which the workspace's `.cargo/config.toml` sets for
+//! every build); a plain `cargo build` of the workspace does nothing here. `scripts/build-wheel.sh` builds and copies the
 //! helpers itself and sets `CUBE_PY_HELPERS=prebuilt`. Otherwise the helpers are built
 //! by a nested cargo in a target directory of their own (so the outer build's lock is
 //! not waited for), the agent linked statically (musl where its Rust target is
@@ -18,10 +19,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn main() {
-    println!("cargo:rerun-if-env-changed=PYO3_BUILD_EXTENSION_MODULE");
+    println!("cargo:rerun-if-env-changed=PYO3_ENVIRONMENT_SIGNATURE");
     println!("cargo:rerun-if-env-changed=CUBE_PY_HELPERS");
     println!("cargo:rerun-if-changed=build.rs");
-    if std::env::var_os("PYO3_BUILD_EXTENSION_MODULE").is_none()
+    if std::env::var_os("PYO3_ENVIRONMENT_SIGNATURE").is_none()
         || std::env::var("CUBE_PY_HELPERS").as_deref() == Ok("prebuilt")
     {
         return;
@@ -33,6 +34,9 @@ fn main() {
         .to_path_buf();
     for dir in [
         "cube-core/src",
+        "cube-supervisor/src",
+        "cube-vmm/src",
+        "cube-devices/src",
         "cube-agent/src",
         "cube-jail/src",
         "cube-net/src",
@@ -49,7 +53,7 @@ fn main() {
 
     run(Command::new(&cargo)
         .current_dir(&workspace)
-        .args(["build", "-p", "cube-core", "--bin", "cube-supervisor"])
+        .args(["build", "-p", "cube-supervisor", "--bin", "cube-supervisor"])
         .args(profile_args)
         .arg("--target-dir")
         .arg(&target_dir));

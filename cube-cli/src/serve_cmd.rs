@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use cube_server::config::{CliOverrides, ServeConfig, TlsFiles};
 
-use crate::CliError;
+use crate::cli_error::CliError;
 
 /// Options of `cube serve`.
 #[derive(clap::Args)]

@@ -13,7 +13,8 @@ use axum::{Json, Router};
 use serde_json::json;
 
 use crate::error::ApiError;
-use crate::service::{lock, now_ms, Service};
+use crate::lock::lock;
+use crate::service::{now_ms, Service};
 
 /// The dashboard page.
 const DASHBOARD: &str = include_str!("dashboard.html");

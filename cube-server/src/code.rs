@@ -17,7 +17,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::service::{lock, now_ms, Entry, Service};
+use crate::lock::lock;
+use crate::service::{now_ms, Entry, Service};
 
 /// The port the code interpreter listens on in E2B sandboxes.
 pub const PORT: u16 = 49999;

@@ -13,15 +13,17 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
 use axum::{Json, Router};
-use cube_core::sandbox::{EngineChoice, NetworkOptions, NetworkPolicy};
+use cube_core::network::{NetworkOptions, NetworkPolicy};
 use cube_core::CreateOptions;
+use cube_core::EngineChoice;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::ids;
+use crate::lock::lock;
 use crate::record::{OnTimeout, PauseKind, Record};
-use crate::service::{lock, new_token, now_ms, Entry, Service};
+use crate::service::{new_token, now_ms, Entry, Service};
 
 /// The envd version create answers report. The SDKs gate features on it; this is the
 /// newest whose features Cube serves (octet-stream uploads, closing stdin), so newer
@@ -376,7 +378,7 @@ fn metadata_filter(q: &str) -> BTreeMap<String, String> {
     q.split('&')
         .filter_map(|pair| {
             let (k, v) = pair.split_once('=')?;
-            Some((crate::plane::decode(k), crate::plane::decode(v)))
+            Some((crate::query::decode(k), crate::query::decode(v)))
         })
         .collect()
 }
@@ -911,8 +913,6 @@ mod tests {
         let m = metadata_filter("team%20a=x%3Dy&k=v");
         assert_eq!(m["team a"], "x=y");
         assert_eq!(m["k"], "v");
-        assert_eq!(crate::plane::decode("%zz"), "%zz");
-        assert_eq!(crate::plane::decode("%4"), "%4");
     }
 
     #[test]

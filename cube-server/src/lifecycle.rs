@@ -5,8 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::lock::lock;
 use crate::record::OnTimeout;
-use crate::service::{lock, now_ms, Service};
+use crate::service::{now_ms, Service};
 
 /// How often end times are checked.
 pub const TICK: Duration = Duration::from_millis(250);

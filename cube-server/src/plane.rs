@@ -21,7 +21,8 @@ use subtle::ConstantTimeEq as _;
 use tower::ServiceExt as _;
 
 use crate::error::ApiError;
-use crate::service::{lock, Entry, Service};
+use crate::lock::lock;
+use crate::service::{Entry, Service};
 
 /// Request bodies of the RPC and code routes are read whole, up to this.
 const MAX_RPC_BODY: usize = 16 << 20;
@@ -37,43 +38,11 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 fn query_map(query: Option<&str>) -> HashMap<String, String> {
     query
         .map(|q| {
-            serde_urlencoded_pairs(q)
+            crate::query::pairs(q)
                 .into_iter()
                 .collect::<HashMap<String, String>>()
         })
         .unwrap_or_default()
-}
-
-/// `a=1&b=%20x` into pairs (form-urlencoded, as the SDKs write query strings).
-fn serde_urlencoded_pairs(q: &str) -> Vec<(String, String)> {
-    q.split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (decode(k), decode(v))
-        })
-        .collect()
-}
-
-/// Percent-decodes a query component (`+` is a space, as in forms).
-pub(crate) fn decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i] == b'%' && i + 2 < b.len() {
-            if let Ok(v) =
-                u8::from_str_radix(std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or(""), 16)
-            {
-                out.push(v);
-                i += 3;
-                continue;
-            }
-        }
-        out.push(if b[i] == b'+' { b' ' } else { b[i] });
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Where a sandbox request goes.

@@ -18,10 +18,7 @@ use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::record::{PauseKind, Record, RecordStore};
 
-/// Locks a std mutex, ignoring poisoning (the data stays usable after a panic).
-pub fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
-}
+use crate::lock::lock;
 
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
@@ -50,13 +47,13 @@ pub struct Entry {
     /// The agent connection the service shares for it (reconnected when it drops).
     agent: Mutex<Option<Arc<Client>>>,
     /// Commands started through envd's Process service.
-    pub processes: crate::envd::process::ProcessTable,
+    pub processes: Arc<crate::envd::process::ProcessTable>,
     /// The last CPU sample: (when, CPU ns).
     pub cpu_sample: Mutex<Option<(std::time::Instant, u64)>>,
     /// Cells run per code context (the SDKs' execution count).
     pub executions: Mutex<HashMap<String, u64>>,
     /// Directory watchers made through envd's Filesystem service.
-    pub watchers: crate::envd::watch::Watchers,
+    pub watchers: crate::envd::watchers::Watchers,
 }
 
 impl Entry {
@@ -133,7 +130,7 @@ impl Service {
         let pause_hibernates = match config.pause {
             PauseMode::Hibernate => true,
             PauseMode::Freeze => false,
-            PauseMode::Auto => cube_core::host_caps::criu_check(),
+            PauseMode::Auto => cube_core::host::criu_check(),
         };
         let service = Service {
             creates: Arc::new(tokio::sync::Semaphore::new(config.max_concurrent_creates)),

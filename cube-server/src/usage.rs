@@ -7,7 +7,8 @@ use std::time::Instant;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::service::{lock, now_ms, Entry, Service};
+use crate::lock::lock;
+use crate::service::{now_ms, Entry, Service};
 
 /// One sample in E2B's `SandboxMetric` shape. CPU percent is the use since the
 /// previous sample of this sandbox (0 on the first).

@@ -17,7 +17,7 @@ use serde::Serialize;
 
 use super::stats::{percentiles_ms, round2};
 use super::{failed, progress, Target};
-use crate::CliError;
+use crate::cli_error::CliError;
 
 /// The overhead target: the API's p50 at most this much above the library's.
 const OVERHEAD_TARGET_MS: f64 = 2.0;

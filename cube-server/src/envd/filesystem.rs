@@ -7,6 +7,9 @@ use cube_agent::protocol::{FileInfo, FileKind};
 use super::connect::{Code, RpcError};
 use super::proto::{file_type, EntryInfo, Timestamp};
 
+/// The sandbox user's home, where relative paths start.
+pub const HOME: &str = "/home/user";
+
 /// A path as the agent needs it: absolute, relative ones under the home directory,
 /// `~` expanded.
 pub fn resolve(path: &str) -> Result<String, RpcError> {
@@ -17,13 +20,13 @@ pub fn resolve(path: &str) -> Result<String, RpcError> {
         ));
     }
     let p = if path.is_empty() || path == "~" {
-        super::HOME.to_string()
+        HOME.to_string()
     } else if let Some(rest) = path.strip_prefix("~/") {
-        format!("{}/{rest}", super::HOME)
+        format!("{}/{rest}", HOME)
     } else if path.starts_with('/') {
         path.to_string()
     } else {
-        format!("{}/{path}", super::HOME)
+        format!("{}/{path}", HOME)
     };
     Ok(p)
 }

@@ -9,6 +9,7 @@ pub mod json;
 pub mod process;
 pub mod proto;
 pub mod watch;
+pub mod watchers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,8 +28,7 @@ use proto::{
 
 use crate::service::{Entry, Service};
 
-/// The sandbox user's home, where relative paths start.
-pub const HOME: &str = "/home/user";
+pub use filesystem::HOME;
 
 /// The port envd listens on in E2B sandboxes.
 pub const ENVD_PORT: u16 = 49983;
@@ -99,7 +99,7 @@ pub async fn rpc(
                 Ok(c) => c,
                 Err(e) => return fail(process::rpc_from_api(&e)),
             };
-            match process::start(&entry, client, req).await {
+            match process::start(&entry.processes, client, req).await {
                 Ok((pid, rx)) => connect::stream_response(
                     codec,
                     process::event_stream(pid, rx, keepalive(&headers), shape.timeout),

@@ -17,7 +17,7 @@ use super::proto::{
     DataEvent, Empty, EndEvent, Event, EventResponse, Output, ProcessConfig, ProcessEvent,
     ProcessInfo, Selector, StartEvent, StartRequest,
 };
-use crate::service::lock;
+use crate::lock::lock;
 
 /// What a command's watchers receive.
 type Watch = Result<Event, RpcError>;
@@ -191,7 +191,7 @@ pub fn rpc_from_api(e: &crate::error::ApiError) -> RpcError {
 /// Starts a command on `client` and registers it in `table`; returns its pid and the
 /// stream of its events (for the `Start` call).
 pub async fn start(
-    table: &Arc<crate::service::Entry>,
+    table: &Arc<ProcessTable>,
     client: Arc<Client>,
     req: StartRequest,
 ) -> Result<(u32, mpsc::UnboundedReceiver<Watch>), RpcError> {
@@ -223,7 +223,7 @@ pub async fn start(
                 .cwd
                 .clone()
                 .filter(|c| !c.is_empty())
-                .unwrap_or_else(|| super::HOME.to_string()),
+                .unwrap_or_else(|| super::filesystem::HOME.to_string()),
         ),
         ..ExecRequest::default()
     };
@@ -235,7 +235,7 @@ pub async fn start(
     };
     let (started_tx, started_rx) = oneshot::channel();
     let (first_tx, first_rx) = mpsc::unbounded_channel();
-    let entry = Arc::clone(table);
+    let table = Arc::clone(table);
     let tag = req.tag.clone();
     std::thread::Builder::new()
         .name("envd-process".into())
@@ -247,7 +247,7 @@ pub async fn start(
                     return;
                 }
             };
-            pump(call, client, config, tag, entry, started_tx, first_tx);
+            pump(call, client, config, tag, table, started_tx, first_tx);
         })
         .map_err(|e| RpcError::new(Code::ResourceExhausted, format!("No thread: {e}")))?;
     let pid = started_rx
@@ -262,7 +262,7 @@ fn pump(
     client: Arc<Client>,
     config: ProcessConfig,
     tag: Option<String>,
-    entry: Arc<crate::service::Entry>,
+    table: Arc<ProcessTable>,
     started: oneshot::Sender<Result<u32, RpcError>>,
     first: mpsc::UnboundedSender<Watch>,
 ) {
@@ -276,7 +276,7 @@ fn pump(
                 tag,
                 watchers: Mutex::new(vec![first]),
             });
-            lock(&entry.processes.procs).insert(pid, Arc::clone(&proc));
+            lock(&table.procs).insert(pid, Arc::clone(&proc));
             let _ = started.send(Ok(pid));
             proc
         }
@@ -319,7 +319,7 @@ fn pump(
             break;
         }
     }
-    entry.processes.remove(proc.pid);
+    table.remove(proc.pid);
 }
 
 /// Runs a blocking agent call for a command.

@@ -12,7 +12,9 @@ use cube_agent::protocol::FileKind;
 
 use super::connect::{Code, RpcError};
 use super::proto::{event_type, FilesystemEvent};
-use crate::service::{lock, Entry, Service};
+use super::watchers::Watcher;
+use crate::lock::lock;
+use crate::service::{Entry, Service};
 
 /// How often a watcher lists its directory.
 pub const POLL: Duration = Duration::from_millis(250);
@@ -27,27 +29,6 @@ const RECURSIVE_DEPTH: u32 = 16;
 const MAX_QUEUED: usize = 10_000;
 
 type Listing = HashMap<String, (FileKind, u64, i64)>;
-
-/// One polling watcher whose events are collected until fetched.
-struct Watcher {
-    events: Mutex<Vec<FilesystemEvent>>,
-    stop: Arc<AtomicBool>,
-}
-
-/// The polling watchers of one sandbox, by id.
-#[derive(Default)]
-pub struct Watchers {
-    map: Mutex<HashMap<String, Arc<Watcher>>>,
-}
-
-impl Watchers {
-    /// Stops and forgets every watcher.
-    pub fn clear(&self) {
-        for (_, w) in lock(&self.map).drain() {
-            w.stop.store(true, Ordering::SeqCst);
-        }
-    }
-}
 
 /// Lists `dir` (to `RECURSIVE_DEPTH` levels when recursive) relative to it.
 pub async fn list(
