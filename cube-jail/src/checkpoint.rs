@@ -30,6 +30,13 @@
 //!   (`--manage-cgroups`) moves the tasks there, its `--cgroup-root` per controller
 //!   pointing the dumped sandbox cgroup at the new one; the cgroup namespace is rebuilt
 //!   rooted there.
+//! - **Network namespace**: left out of the images as external (`--external
+//!   net[<inode>]:cube-netns`; see [`NETNS_KEY`] for why that loses nothing), and
+//!   restore hands CRIU a fresh one with loopback up (`--inherit-fd
+//!   fd[<n>]:cube-netns`). No network lock (`--network-lock skip`): it guards TCP
+//!   connections, which a sandbox's checkpoint never holds.
+//! - **CRIU's start-up**: each run probes the kernel unless it finds its cache on a
+//!   tmpfs `/run`; see `kdat_cache.rs` for hosts whose `/run` is none.
 //! - **Process tree**: the jail's PID 1 leads its own session, so CRIU finds the whole
 //!   tree inside the PID namespace; `--restore-detached --restore-sibling` make the
 //!   restored PID 1 a child of the caller, which waits for and kills it like a spawned
@@ -60,6 +67,7 @@ use serde::{Deserialize, Serialize};
 use crate::cgroup::{CgroupError, CgroupLayout, Freezer, SandboxCgroup};
 use crate::criu::{error_summary, Criu};
 use crate::jail::{Jail, JailConfig, JailError, Stdio};
+use crate::kdat_cache;
 use crate::rootfs::{RootfsError, RootfsLayout};
 
 /// Name of the manifest file in an image directory.
@@ -81,6 +89,13 @@ const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 const INHERIT_BASE: RawFd = 900;
 /// The manifest's name for the v2 hierarchy (CRIU's is the empty string).
 const V2_NAME: &str = "unified";
+/// CRIU's key for the sandbox's network namespace, dumped as external: the namespace
+/// holds nothing the sandbox made (Cube brings loopback up, attaches and removes any
+/// other device itself, and the sandbox has no capability to configure it), so instead
+/// of CRIU saving and restoring its devices, addresses, routes and firewall tables
+/// (nine `ip`/`iptables` processes per dump and per restore), restore is handed a
+/// fresh namespace with loopback up. Its sockets are still found and saved.
+const NETNS_KEY: &str = "cube-netns";
 /// Filesystem types the sandbox mounts itself; every other non-root mount is a host
 /// bind and becomes an external mount.
 const SANDBOX_FS_TYPES: &[&str] = &["proc", "tmpfs", "devpts", "sysfs", "mqueue", "cgroup2"];
@@ -239,6 +254,11 @@ struct Manifest {
     /// The dumped sandbox's cgroup in each hierarchy, by the hierarchy's controllers
     /// (CRIU's controller names, comma separated; "unified" for v2).
     cgroups: BTreeMap<String, String>,
+    /// The sandbox had a network namespace of its own, left out of the images (see
+    /// [`NETNS_KEY`]): restore gives it a new one. False in checkpoints of builds
+    /// that had CRIU dump the namespace, which CRIU then restores itself.
+    #[serde(default)]
+    external_netns: bool,
 }
 
 impl Manifest {
@@ -449,6 +469,15 @@ fn cgroup_roots(layout: &CgroupLayout, cgroup: &SandboxCgroup) -> BTreeMap<Strin
     roots
 }
 
+/// The inode of PID `pid`'s network namespace when it is not this process's.
+fn own_network_namespace(pid: i32) -> Result<Option<u64>> {
+    let theirs = PathBuf::from(format!("/proc/{pid}/ns/net"));
+    let ours = Path::new("/proc/self/ns/net");
+    let ino = |p: &Path| fs::metadata(p).map(|m| m.ino()).map_err(io_err("stat", p));
+    let theirs_ino = ino(&theirs).map_err(|_| CheckpointError::NotRunning)?;
+    Ok((theirs_ino != ino(ours)?).then_some(theirs_ino))
+}
+
 fn fdinfo_mnt_id(pid: i32, fd: RawFd) -> Result<u64> {
     let path = PathBuf::from(format!("/proc/{pid}/fdinfo/{fd}"));
     let text = fs::read_to_string(&path).map_err(io_err("read", &path))?;
@@ -536,9 +565,9 @@ impl Drop for DirGuard<'_> {
 ///
 /// Command line (paths shortened):
 /// `criu dump --tree <pid1> --images-dir <dir>/images --work-dir <dir> --log-file
-/// dump.log --manage-cgroups --freeze-cgroup <freezer cgroup>
-/// [--leave-running] --external mnt[<target>]:<target>... --external
-/// file[<mnt_id>:<ino>]...`
+/// dump.log --manage-cgroups --freeze-cgroup <freezer cgroup> --network-lock skip
+/// --external net[<netns inode>]:cube-netns [--leave-running] --external
+/// mnt[<target>]:<target>... --external file[<mnt_id>:<ino>]...`
 pub fn dump(
     criu: &Criu,
     jail: &Jail,
@@ -588,6 +617,7 @@ pub fn dump(
     }
     let layout = CgroupLayout::detect()?;
     let host_fds = host_fds(pid, &options.passed_fds, &sandbox_mounts)?;
+    let netns = own_network_namespace(pid)?;
     let manifest = Manifest {
         format: FORMAT,
         criu_version: criu.version().to_string(),
@@ -596,6 +626,7 @@ pub fn dump(
         mounts,
         host_fds,
         cgroups: cgroup_roots(&layout, cgroup),
+        external_netns: netns.is_some(),
     };
     manifest
         .validate()
@@ -629,6 +660,15 @@ pub fn dump(
     arg(&"--manage-cgroups");
     arg(&"--freeze-cgroup");
     arg(&freezer);
+    // CRIU's network lock keeps TCP peers from seeing a half-dumped connection; a
+    // sandbox's established connections are refused anyway (no --tcp-established), and
+    // the lock costs several iptables processes per dump and per restore.
+    arg(&"--network-lock");
+    arg(&"skip");
+    if let Some(ino) = netns {
+        arg(&"--external");
+        arg(&format!("net[{ino}]:{NETNS_KEY}"));
+    }
     if options.leave_running {
         arg(&"--leave-running");
     }
@@ -694,6 +734,17 @@ fn run_criu(
         .stdin(ProcessStdio::null())
         .stdout(ProcessStdio::null())
         .stderr(ProcessStdio::piped());
+    // criu's own mounts (the cache on /run, a restore's root) stay out of the host's
+    // mount table: it runs in a private copy of the caller's mount namespace.
+    let kdat = kdat_cache::get();
+    // SAFETY: the closure runs in the forked child before exec and only makes
+    // async-signal-safe system calls (unshare, mount) on memory prepared before.
+    unsafe {
+        cmd.pre_exec(move || {
+            private_mount_namespace()?;
+            kdat.bind_in_child()
+        });
+    }
     let mut pre_exec = pre_exec;
     pre_exec(&mut cmd).map_err(io_err("prepare", criu.path()))?;
     let out = cmd.output().map_err(io_err("run", criu.path()))?;
@@ -707,6 +758,30 @@ fn run_criu(
         action,
         reason: error_summary(&text),
     })
+}
+
+/// In a forked child before exec: moves it into a new mount namespace whose mounts
+/// propagate nowhere. Async-signal-safe.
+fn private_mount_namespace() -> io::Result<()> {
+    // SAFETY: unshare and mount with static NUL-terminated strings and null pointers
+    // where mount(2) allows them; no memory is allocated.
+    unsafe {
+        if libc::unshare(libc::CLONE_NEWNS) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let none = std::ptr::null();
+        if libc::mount(
+            none,
+            c"/".as_ptr(),
+            none,
+            libc::MS_REC | libc::MS_PRIVATE,
+            none.cast(),
+        ) != 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// How the restored sandbox's root directory is made a mount point for `--root`.
@@ -737,7 +812,8 @@ struct Inherited {
 /// restore.log --root <state>/root --restore-detached --restore-sibling
 /// --pidfile <state>/criu/pid --manage-cgroups --cgroup-root <ctrl>:<new cgroup>...
 /// (`:<new cgroup>` for the v2 hierarchy)
-/// --external mnt[<target>]:<host path>... --inherit-fd fd[<n>]:<resource>...`,
+/// --external mnt[<target>]:<host path>... --inherit-fd fd[<n>]:<resource>...`
+/// (a new network namespace among the inherited descriptors),
 /// run in a private mount namespace where `<state>/root` is bound onto itself.
 pub fn restore(
     criu: &Criu,
@@ -821,6 +897,15 @@ pub fn restore(
                 .map_err(io_err("duplicate", Path::new("a passed descriptor")))?;
             inherited.push(Inherited { fd, resource });
         }
+    }
+
+    if manifest.external_netns {
+        let fd = crate::namespaces::new_network_namespace()
+            .map_err(|e| CheckpointError::Jail(JailError::Namespace(e)))?;
+        inherited.push(Inherited {
+            fd,
+            resource: NETNS_KEY.to_owned(),
+        });
     }
 
     let layout = CgroupLayout::detect()?;
@@ -945,22 +1030,9 @@ pub fn restore(
         // async-signal-safe system calls on memory prepared above.
         unsafe {
             cmd.pre_exec(move || {
-                // criu's mounts (the root bind) stay out of the host's mount table.
-                if libc::unshare(libc::CLONE_NEWNS) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
+                // run_criu made the mount namespace private. pivot_root, which CRIU
+                // does into --root, needs a mount point.
                 let none = std::ptr::null();
-                if libc::mount(
-                    none,
-                    c"/".as_ptr(),
-                    none,
-                    libc::MS_REC | libc::MS_PRIVATE,
-                    none.cast(),
-                ) != 0
-                {
-                    return Err(io::Error::last_os_error());
-                }
-                // pivot_root, which CRIU does into --root, needs a mount point.
                 let mounted = match &root_mount {
                     RootMount::Bind => libc::mount(
                         root_c.as_ptr(),
@@ -1060,6 +1132,7 @@ mod tests {
             }],
             host_fds: BTreeMap::from([(3, HostFd::Pipe { ino: 5 })]),
             cgroups: BTreeMap::from([("pids".into(), "/cube/a".into())]),
+            external_netns: true,
         }
     }
 
@@ -1082,6 +1155,16 @@ mod tests {
         let mut bad = manifest();
         bad.cgroups.insert("pids".into(), "relative".into());
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn manifests_of_earlier_builds_still_load() {
+        // Before the network namespace was external, manifests had no such field.
+        let mut old = serde_json::to_value(manifest()).unwrap();
+        old.as_object_mut().unwrap().remove("external_netns");
+        let back: Manifest = serde_json::from_value(old).unwrap();
+        assert!(!back.external_netns);
+        assert!(back.validate().is_ok());
     }
 
     #[test]

@@ -46,6 +46,7 @@ pub mod cgroup;
 pub mod checkpoint;
 pub mod criu;
 pub mod jail;
+mod kdat_cache;
 pub mod namespaces;
 pub mod rootfs;
 pub mod seccomp;
