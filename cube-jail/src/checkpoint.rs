@@ -61,6 +61,7 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio as ProcessStdio};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
@@ -310,6 +311,8 @@ impl Manifest {
 pub struct Checkpoint {
     dir: PathBuf,
     manifest: Manifest,
+    /// How long [`dump`] kept the sandbox frozen.
+    paused: Option<Duration>,
 }
 
 impl Checkpoint {
@@ -342,12 +345,20 @@ impl Checkpoint {
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             manifest,
+            paused: None,
         })
     }
 
     /// The image directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// How long the sandbox was frozen for the dump that wrote this checkpoint: from
+    /// before its layer was copied until CRIU let its processes go. None for a
+    /// checkpoint opened from disk.
+    pub fn source_paused(&self) -> Option<Duration> {
+        self.paused
     }
 
     /// Name of the sandbox that was dumped.
@@ -688,17 +699,33 @@ pub fn dump(
     }
 
     // Frozen from before the layer copy until CRIU has the tasks: one instant for both.
+    let start = Instant::now();
     jail.pause()?;
+    let frozen = Instant::now();
+    let mut copied = frozen;
     let dumped = fs::canonicalize(&layer)
         .map_err(io_err("resolve", &layer))
         .and_then(|root| {
             cube_storage::reflink::clone_tree(&root, &image_dir.join(LAYER))
                 .map_err(CheckpointError::Layer)
         })
-        .and_then(|_| run_criu(criu, "dump", &args, &image_dir.join(DUMP_LOG), |_| Ok(())));
+        .and_then(|_| {
+            copied = Instant::now();
+            run_criu(criu, "dump", &args, &image_dir.join(DUMP_LOG), |_| Ok(()))
+        });
     // Thawed on every path: a failed dump must leave the sandbox as it was, and without
     // --leave-running the killed tasks of a v1 freezer only die once thawed.
+    let dumped_at = Instant::now();
     let thawed = jail.resume();
+    let paused = start.elapsed();
+    tracing::debug!(
+        freeze_ms = ms(frozen - start),
+        layer_ms = ms(copied - frozen),
+        criu_ms = ms(dumped_at - copied),
+        thaw_ms = ms(dumped_at.elapsed()),
+        paused_ms = ms(paused),
+        "dump"
+    );
     dumped?;
     if options.leave_running {
         thawed?;
@@ -717,6 +744,7 @@ pub fn dump(
     Ok(Checkpoint {
         dir: image_dir.to_path_buf(),
         manifest,
+        paused: Some(paused),
     })
 }
 
@@ -758,6 +786,11 @@ fn run_criu(
         action,
         reason: error_summary(&text),
     })
+}
+
+/// Milliseconds, for the step timings in the debug log.
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 /// In a forked child before exec: moves it into a new mount namespace whose mounts
@@ -821,6 +854,7 @@ pub fn restore(
     config: &JailConfig,
     fds: &[(BorrowedFd<'_>, RawFd)],
 ) -> Result<Jail> {
+    let start = Instant::now();
     let checkpoint = Checkpoint::open(image_dir)?;
     let manifest = &checkpoint.manifest;
     config.validate()?;
@@ -908,8 +942,10 @@ pub fn restore(
         });
     }
 
+    let prepared = Instant::now();
     let layout = CgroupLayout::detect()?;
     let cgroup = SandboxCgroup::create(&layout, &config.name, &config.limits)?;
+    let cgroups_made = Instant::now();
     let rootfs = RootfsLayout::create_empty(&config.state_dir, &config.root)?;
     let state_dir = rootfs.state_dir().to_path_buf();
     // The root directory becomes a mount point: a bind of itself, or the overlay.
@@ -951,6 +987,7 @@ pub fn restore(
             )
         }
     };
+    let layer_copied = Instant::now();
     let work = state_dir.join(RESTORE_WORK);
     fs::DirBuilder::new()
         .mode(0o700)
@@ -1022,6 +1059,7 @@ pub fn restore(
         .map_err(|_| RootfsError::InvalidPath(rootfs.root().to_path_buf()))?;
     let dups: Vec<(RawFd, RawFd)> = sources.iter().map(|(s, t)| (s.as_raw_fd(), *t)).collect();
 
+    let criu_start = Instant::now();
     let restored = run_criu(criu, "restore", &args, &work.join("restore.log"), |cmd| {
         let root_c = root_c.clone();
         let dups = dups.clone();
@@ -1064,6 +1102,13 @@ pub fn restore(
     });
     drop(sources);
     drop(inherited);
+    tracing::debug!(
+        prepare_ms = ms(prepared - start),
+        cgroups_ms = ms(cgroups_made - prepared),
+        layer_ms = ms(layer_copied - cgroups_made),
+        criu_ms = ms(criu_start.elapsed()),
+        "restore"
+    );
     restored?;
     let pid: libc::pid_t = fs::read_to_string(&pidfile)
         .ok()
