@@ -310,9 +310,16 @@ impl JailSandbox {
             None,
         )?;
         let lifeline = Lifeline::new()?;
+        let start = Instant::now();
         let jail = checkpoint::restore(criu, image_dir, &config, &lifeline.fds())
             .map_err(|e| format!("restoring the jail: {}", error_chain(&e)))?;
+        let restored = Instant::now();
         self.install(jail, lifeline)?;
+        tracing::debug!(
+            restore_ms = (restored - start).as_secs_f64() * 1e3,
+            agent_listening_ms = restored.elapsed().as_secs_f64() * 1e3,
+            "jail restored"
+        );
         self.connect_network()
     }
 
@@ -518,10 +525,18 @@ impl JailSandbox {
         };
         let mut result = Err(String::new());
         for _ in 0..2 {
+            let start = Instant::now();
             result = disconnect_agent(jail.pid()).and_then(|()| {
-                checkpoint::dump(criu, jail, image_dir, &options)
+                let disconnected = start.elapsed();
+                let dumped = checkpoint::dump(criu, jail, image_dir, &options)
                     .map(|_| ())
-                    .map_err(|e| error_chain(&e))
+                    .map_err(|e| error_chain(&e));
+                tracing::debug!(
+                    disconnect_ms = disconnected.as_secs_f64() * 1e3,
+                    dump_ms = (start.elapsed() - disconnected).as_secs_f64() * 1e3,
+                    "jail dumped"
+                );
+                dumped
             });
             if result.is_ok() {
                 break;
@@ -656,6 +671,7 @@ impl JailSandbox {
             // Refuse a damaged checkpoint before the running jail goes.
             Checkpoint::open(snapshot).map_err(|e| error_chain(&e))?;
             self.stop_current()?;
+            tracing::debug!(elapsed = ?start.elapsed(), "rollback: old jail stopped");
             self.restore(criu, snapshot)?;
             tracing::debug!(elapsed = ?start.elapsed(), "rollback: processes restored");
             return Ok(());
@@ -886,7 +902,9 @@ fn publish_socket(dir: &Path, pid: i32) -> Result<(), String> {
 }
 
 /// Has the agent (PID 1 `pid`) close its host connections, and waits until its only
-/// socket is the listening one.
+/// socket is the listening one and the signal has been taken: a signal still pending
+/// when the sandbox is frozen would be saved with it, and the restored agent would
+/// then drop the first connections made to it.
 fn disconnect_agent(pid: i32) -> Result<(), String> {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), DISCONNECT_SIGNAL)
         .map_err(|e| format!("signalling the agent: {e}"))?;
@@ -902,17 +920,30 @@ fn disconnect_agent(pid: i32) -> Result<(), String> {
                     .unwrap_or(false)
             })
             .count();
-        if sockets <= 1 {
+        if sockets <= 1 && !signal_pending(pid, DISCONNECT_SIGNAL)? {
             return Ok(());
         }
         if Instant::now() >= deadline {
             return Err(format!(
-                "the agent still holds {} host connections",
-                sockets - 1
+                "the agent still holds {} host connections or has not taken the signal",
+                sockets.saturating_sub(1)
             ));
         }
         std::thread::sleep(Duration::from_micros(200));
     }
+}
+
+/// Whether `signal` waits, sent to process `pid` and not yet taken by any of its
+/// threads (the `ShdPnd` mask of /proc/PID/status).
+fn signal_pending(pid: i32, signal: nix::sys::signal::Signal) -> Result<bool, String> {
+    let path = format!("/proc/{pid}/status");
+    let status = std::fs::read_to_string(&path).map_err(|e| format!("reading {path}: {e}"))?;
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("ShdPnd:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .ok_or_else(|| format!("{path} has no ShdPnd line"))?;
+    Ok(mask & (1u64 << (signal as i32 - 1)) != 0)
 }
 
 /// Pool jails' cgroups are this followed by their supervisor's pid.
@@ -1076,4 +1107,34 @@ fn jail_config(
     config.limits = limits(settings)?;
     config.seed_layer = seed;
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::signal::{SigSet, Signal};
+    use std::os::unix::process::CommandExt;
+
+    #[test]
+    fn a_signal_sent_and_blocked_is_seen_pending() {
+        let mut blocked = std::process::Command::new("sleep");
+        blocked.arg("30");
+        // SAFETY: sigprocmask is async-signal-safe; the child blocks SIGUSR2 for exec.
+        unsafe {
+            blocked.pre_exec(|| {
+                let mut set = SigSet::empty();
+                set.add(Signal::SIGUSR2);
+                set.thread_block().map_err(std::io::Error::from)
+            });
+        }
+        let mut child = blocked.spawn().unwrap();
+        let pid = child.id() as i32;
+        assert!(!signal_pending(pid, Signal::SIGUSR2).unwrap());
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGUSR2).unwrap();
+        assert!(signal_pending(pid, Signal::SIGUSR2).unwrap());
+        assert!(!signal_pending(pid, Signal::SIGUSR1).unwrap());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(signal_pending(-1, Signal::SIGUSR2).is_err());
+    }
 }
