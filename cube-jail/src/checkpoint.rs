@@ -58,17 +58,15 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio as ProcessStdio};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use crate::cgroup::{CgroupError, CgroupLayout, Freezer, SandboxCgroup};
 use crate::criu::{error_summary, Criu};
+use crate::criu_launch::{CriuLaunch, LaunchError, RootMount};
 use crate::jail::{Jail, JailConfig, JailError, Stdio};
-use crate::kdat_cache;
 use crate::rootfs::{RootfsError, RootfsLayout};
 
 /// Name of the manifest file in an image directory.
@@ -181,6 +179,9 @@ pub enum CheckpointError {
     /// different.
     #[error("fds {0} and {1} were one file at dump time; restore them alike")]
     ConflictingStdio(RawFd, RawFd),
+    /// The criu process could not be run.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
     /// CRIU reported success without a readable PID file.
     #[error("criu wrote no valid PID file")]
     BadPidFile,
@@ -668,7 +669,9 @@ pub fn dump(
     arg(&image_dir);
     arg(&"--log-file");
     arg(&DUMP_LOG);
-    arg(&"--manage-cgroups");
+    // Cube makes and fills the sandbox's cgroups itself (see criu_launch.rs).
+    // An optional argument: one word with the option.
+    arg(&"--manage-cgroups=ignore");
     arg(&"--freeze-cgroup");
     arg(&freezer);
     // CRIU's network lock keeps TCP peers from seeing a half-dumped connection; a
@@ -711,7 +714,11 @@ pub fn dump(
         })
         .and_then(|_| {
             copied = Instant::now();
-            run_criu(criu, "dump", &args, &image_dir.join(DUMP_LOG), |_| Ok(()))
+            run_criu(
+                "dump",
+                CriuLaunch::new(criu, args.clone()),
+                &image_dir.join(DUMP_LOG),
+            )
         });
     // Thawed on every path: a failed dump must leave the sandbox as it was, and without
     // --leave-running the killed tasks of a v1 freezer only die once thawed.
@@ -748,39 +755,14 @@ pub fn dump(
     })
 }
 
-/// Runs criu with `args`; `pre_exec` runs in the child before exec (async-signal-safe
-/// only). A failure is reported with the last error line of `log`.
-fn run_criu(
-    criu: &Criu,
-    action: &'static str,
-    args: &[std::ffi::OsString],
-    log: &Path,
-    pre_exec: impl FnMut(&mut Command) -> io::Result<()>,
-) -> Result<()> {
-    let mut cmd = Command::new(criu.path());
-    cmd.args(args)
-        .stdin(ProcessStdio::null())
-        .stdout(ProcessStdio::null())
-        .stderr(ProcessStdio::piped());
-    // criu's own mounts (the cache on /run, a restore's root) stay out of the host's
-    // mount table: it runs in a private copy of the caller's mount namespace.
-    let kdat = kdat_cache::get();
-    // SAFETY: the closure runs in the forked child before exec and only makes
-    // async-signal-safe system calls (unshare, mount) on memory prepared before.
-    unsafe {
-        cmd.pre_exec(move || {
-            private_mount_namespace()?;
-            kdat.bind_in_child()
-        });
-    }
-    let mut pre_exec = pre_exec;
-    pre_exec(&mut cmd).map_err(io_err("prepare", criu.path()))?;
-    let out = cmd.output().map_err(io_err("run", criu.path()))?;
-    if out.status.success() {
+/// Runs `launch` (criu `action`); a failure is reported with the first error lines
+/// of criu's `log`.
+fn run_criu(action: &'static str, launch: CriuLaunch<'_>, log: &Path) -> Result<()> {
+    let finished = launch.run()?;
+    if finished.success {
         return Ok(());
     }
-    let text = fs::read_to_string(log)
-        .unwrap_or_else(|_| String::from_utf8_lossy(&out.stderr).into_owned());
+    let text = fs::read_to_string(log).unwrap_or(finished.stderr);
     tracing::debug!(action, log = %text, "criu failed");
     Err(CheckpointError::Criu {
         action,
@@ -791,39 +773,6 @@ fn run_criu(
 /// Milliseconds, for the step timings in the debug log.
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-/// In a forked child before exec: moves it into a new mount namespace whose mounts
-/// propagate nowhere. Async-signal-safe.
-fn private_mount_namespace() -> io::Result<()> {
-    // SAFETY: unshare and mount with static NUL-terminated strings and null pointers
-    // where mount(2) allows them; no memory is allocated.
-    unsafe {
-        if libc::unshare(libc::CLONE_NEWNS) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let none = std::ptr::null();
-        if libc::mount(
-            none,
-            c"/".as_ptr(),
-            none,
-            libc::MS_REC | libc::MS_PRIVATE,
-            none.cast(),
-        ) != 0
-        {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
-}
-
-/// How the restored sandbox's root directory is made a mount point for `--root`.
-#[derive(Clone)]
-enum RootMount {
-    /// Bound onto itself (a host-userland root, whose layer is the directory).
-    Bind,
-    /// An overlay with these mount options.
-    Overlay(CString),
 }
 
 /// A descriptor criu inherits, and the resource it stands for.
@@ -1010,16 +959,9 @@ pub fn restore(
     arg(&"--restore-sibling");
     arg(&"--pidfile");
     arg(&pidfile);
-    arg(&"--manage-cgroups");
-    let new_roots = cgroup_roots(&layout, &cgroup);
-    for (ctrl, path) in &new_roots {
-        if manifest.cgroups.contains_key(ctrl) {
-            // CRIU names the v2 hierarchy by the empty controller name.
-            let criu_name = if ctrl == V2_NAME { "" } else { ctrl.as_str() };
-            arg(&"--cgroup-root");
-            arg(&format!("{criu_name}:{path}"));
-        }
-    }
+    // criu starts in the new cgroups, and what it restores inherits them.
+    // An optional argument: one word with the option.
+    arg(&"--manage-cgroups=ignore");
     for m in &manifest.mounts {
         // A bind the configuration names comes from its source (it may have moved).
         let source = config
@@ -1057,49 +999,15 @@ pub fn restore(
     }
     let root_c = CString::new(rootfs.root().as_os_str().as_bytes())
         .map_err(|_| RootfsError::InvalidPath(rootfs.root().to_path_buf()))?;
-    let dups: Vec<(RawFd, RawFd)> = sources.iter().map(|(s, t)| (s.as_raw_fd(), *t)).collect();
+    let mut launch = CriuLaunch::new(criu, args);
+    for (source, target) in &sources {
+        launch.inherit(source.as_raw_fd(), *target);
+    }
+    launch.root(root_c, root_mount);
+    launch.in_cgroup(&cgroup);
 
     let criu_start = Instant::now();
-    let restored = run_criu(criu, "restore", &args, &work.join("restore.log"), |cmd| {
-        let root_c = root_c.clone();
-        let dups = dups.clone();
-        let root_mount = root_mount.clone();
-        // SAFETY: the closure runs in the forked child before exec and only makes
-        // async-signal-safe system calls on memory prepared above.
-        unsafe {
-            cmd.pre_exec(move || {
-                // run_criu made the mount namespace private. pivot_root, which CRIU
-                // does into --root, needs a mount point.
-                let none = std::ptr::null();
-                let mounted = match &root_mount {
-                    RootMount::Bind => libc::mount(
-                        root_c.as_ptr(),
-                        root_c.as_ptr(),
-                        none,
-                        libc::MS_BIND | libc::MS_REC,
-                        none.cast(),
-                    ),
-                    RootMount::Overlay(data) => libc::mount(
-                        c"overlay".as_ptr(),
-                        root_c.as_ptr(),
-                        c"overlay".as_ptr(),
-                        libc::MS_NOSUID | libc::MS_NODEV,
-                        data.as_ptr().cast(),
-                    ),
-                };
-                if mounted != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                for (source, target) in &dups {
-                    if libc::dup2(*source, *target) < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
-        Ok(())
-    });
+    let restored = run_criu("restore", launch, &work.join("restore.log"));
     drop(sources);
     drop(inherited);
     tracing::debug!(

@@ -45,6 +45,7 @@ pub mod capabilities;
 pub mod cgroup;
 pub mod checkpoint;
 pub mod criu;
+mod criu_launch;
 pub mod jail;
 mod kdat_cache;
 pub mod namespaces;
