@@ -344,10 +344,6 @@ pub fn clone_tree_with(
             path: src_dir.to_owned(),
         });
     }
-    let src_canonical = fs::canonicalize(src_dir).map_err(|source| CloneError::OpenSource {
-        path: src_dir.to_owned(),
-        source,
-    })?;
     let dst_parent = match dst_dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -357,7 +353,12 @@ pub fn clone_tree_with(
             path: dst_dir.to_owned(),
             source,
         })?;
-    if dst_parent_canonical.starts_with(&src_canonical) {
+    // By identity, not by name: a source reached through a magic link
+    // (/proc/PID/root/...) has a name that says nothing of where it is.
+    let inside = dst_parent_canonical.ancestors().any(|a| {
+        fs::metadata(a).is_ok_and(|m| m.dev() == src_meta.dev() && m.ino() == src_meta.ino())
+    });
+    if inside {
         return Err(CloneError::DestinationInsideSource {
             src: src_dir.to_owned(),
             dst: dst_dir.to_owned(),
