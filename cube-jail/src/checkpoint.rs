@@ -68,12 +68,15 @@ use crate::criu::{error_summary, Criu};
 use crate::criu_launch::{CriuLaunch, LaunchError, RootMount};
 use crate::jail::{Jail, JailConfig, JailError, Stdio};
 use crate::rootfs::{RootfsError, RootfsLayout};
+use crate::tmpfs_image::{TmpfsError, TmpfsMount};
 
 /// Name of the manifest file in an image directory.
 pub const MANIFEST: &str = "cube-checkpoint.json";
 /// Version of the manifest format this module writes and reads.
 pub const FORMAT: u32 = 1;
 const IMAGES: &str = "images";
+/// The saved contents of the sandbox's tmpfs mounts, one directory per mount.
+const TMPFS: &str = "tmpfs";
 const LAYER: &str = "layer";
 /// The overlay directories in a sandbox directory, as `rootfs::prepare` makes them.
 const OVERLAY_UPPER: &str = "upper";
@@ -182,6 +185,9 @@ pub enum CheckpointError {
     /// The criu process could not be run.
     #[error(transparent)]
     Launch(#[from] LaunchError),
+    /// Saving or restoring the contents of a tmpfs mount failed.
+    #[error(transparent)]
+    Tmpfs(#[from] TmpfsError),
     /// CRIU reported success without a readable PID file.
     #[error("criu wrote no valid PID file")]
     BadPidFile,
@@ -261,6 +267,10 @@ struct Manifest {
     /// that had CRIU dump the namespace, which CRIU then restores itself.
     #[serde(default)]
     external_netns: bool,
+    /// The sandbox's tmpfs mounts, whose contents Cube saved in [`TMPFS`]`/<index>`
+    /// (see `tmpfs_image.rs`). Empty in checkpoints of builds that had CRIU save them.
+    #[serde(default)]
+    tmpfs: Vec<TmpfsMount>,
 }
 
 impl Manifest {
@@ -285,6 +295,13 @@ impl Manifest {
                 .any(|b| b"[]:".contains(b))
             {
                 return Err(format!("bad mount target {}", m.target.display()));
+            }
+        }
+        for t in &self.tmpfs {
+            t.validate()?;
+            let target = t.target.as_os_str().as_bytes();
+            if !t.target.is_absolute() || target.iter().any(|b| b"[]:\0".contains(b)) {
+                return Err(format!("bad tmpfs target {}", t.target.display()));
             }
         }
         for fd in self.host_fds.keys() {
@@ -385,7 +402,11 @@ struct MountEntry {
     dev: String,
     root: PathBuf,
     mount_point: PathBuf,
+    /// Per-mount options (`rw,nosuid,...`).
+    mount_options: String,
     fs_type: String,
+    /// The filesystem's options (`rw,size=64k,...`).
+    fs_options: String,
 }
 
 /// Undoes mountinfo's octal escapes (`\040` for a space and so on).
@@ -412,13 +433,15 @@ fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
         .filter_map(|line| {
             let (left, right) = line.split_once(" - ")?;
             let f: Vec<&str> = left.split(' ').collect();
-            let fs_type = right.split(' ').next()?;
+            let r: Vec<&str> = right.split(' ').collect();
             Some(MountEntry {
                 id: f.first()?.parse().ok()?,
                 dev: (*f.get(2)?).to_owned(),
                 root: unescape(f.get(3)?),
                 mount_point: unescape(f.get(4)?),
-                fs_type: fs_type.to_owned(),
+                mount_options: f.get(5).copied().unwrap_or_default().to_owned(),
+                fs_type: (*r.first()?).to_owned(),
+                fs_options: r.get(2).copied().unwrap_or_default().to_owned(),
             })
         })
         .collect()
@@ -611,6 +634,15 @@ pub fn dump(
         (true, Some(state_dir)) => state_dir.join(OVERLAY_UPPER),
         (true, None) => return Err(CheckpointError::NotRunning),
     };
+    // The tmpfs mounts besides the root (an in-memory root was refused above).
+    let tmpfs_entries: Vec<&MountEntry> = sandbox_mounts
+        .iter()
+        .filter(|m| m.fs_type == "tmpfs" && m.mount_point != Path::new("/"))
+        .collect();
+    let tmpfs: Vec<TmpfsMount> = tmpfs_entries
+        .iter()
+        .map(|m| TmpfsMount::from_mountinfo(&m.mount_point, &m.mount_options, &m.fs_options))
+        .collect();
     let mut mounts = Vec::new();
     for m in &sandbox_mounts {
         if m.mount_point == Path::new("/") || SANDBOX_FS_TYPES.contains(&m.fs_type.as_str()) {
@@ -639,6 +671,7 @@ pub fn dump(
         host_fds,
         cgroups: cgroup_roots(&layout, cgroup),
         external_netns: netns.is_some(),
+        tmpfs,
     };
     manifest
         .validate()
@@ -683,6 +716,12 @@ pub fn dump(
         arg(&"--external");
         arg(&format!("net[{ino}]:{NETNS_KEY}"));
     }
+    // Their contents are Cube's to save; CRIU records the mounts only.
+    for t in &manifest.tmpfs {
+        let t = t.target.display();
+        arg(&"--external");
+        arg(&format!("mnt[{t}]:{t}"));
+    }
     if options.leave_running {
         arg(&"--leave-running");
     }
@@ -712,6 +751,7 @@ pub fn dump(
             cube_storage::reflink::clone_tree(&root, &image_dir.join(LAYER))
                 .map_err(CheckpointError::Layer)
         })
+        .and_then(|_| save_tmpfs(pid, &manifest.tmpfs, &tmpfs_entries, image_dir))
         .and_then(|_| {
             copied = Instant::now();
             run_criu(
@@ -753,6 +793,24 @@ pub fn dump(
         manifest,
         paused: Some(paused),
     })
+}
+
+/// Copies each tmpfs of process `pid` into `<image_dir>/tmpfs/<index>`.
+fn save_tmpfs(
+    pid: i32,
+    tmpfs: &[TmpfsMount],
+    entries: &[&MountEntry],
+    image_dir: &Path,
+) -> Result<()> {
+    let dir = image_dir.join(TMPFS);
+    fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(io_err("create", &dir))?;
+    for (i, (t, entry)) in tmpfs.iter().zip(entries).enumerate() {
+        t.save(pid, &entry.dev, &dir.join(i.to_string()))?;
+    }
+    Ok(())
 }
 
 /// Runs `launch` (criu `action`); a failure is reported with the first error lines
@@ -999,9 +1057,28 @@ pub fn restore(
     }
     let root_c = CString::new(rootfs.root().as_os_str().as_bytes())
         .map_err(|_| RootfsError::InvalidPath(rootfs.root().to_path_buf()))?;
+    // Fresh tmpfs mounts, filled from the saved trees, attached in criu's mount
+    // namespace where CRIU binds the external mounts from.
+    let mut tmpfs_mounts = Vec::with_capacity(manifest.tmpfs.len());
+    for (i, t) in manifest.tmpfs.iter().enumerate() {
+        let mount = t.restore(&image_dir.join(TMPFS).join(i.to_string()))?;
+        let at = work.join(format!("tmpfs-{i}"));
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&at)
+            .map_err(io_err("create", &at))?;
+        args.push("--external".into());
+        args.push(format!("mnt[{}]:{}", t.target.display(), at.display()).into());
+        let at = CString::new(at.as_os_str().as_bytes())
+            .map_err(|_| RootfsError::InvalidPath(at.clone()))?;
+        tmpfs_mounts.push((mount, at));
+    }
     let mut launch = CriuLaunch::new(criu, args);
     for (source, target) in &sources {
         launch.inherit(source.as_raw_fd(), *target);
+    }
+    for (mount, at) in &tmpfs_mounts {
+        launch.attach(mount.as_raw_fd(), at.clone());
     }
     launch.root(root_c, root_mount);
     launch.in_cgroup(&cgroup);
@@ -1086,6 +1163,11 @@ mod tests {
             host_fds: BTreeMap::from([(3, HostFd::Pipe { ino: 5 })]),
             cgroups: BTreeMap::from([("pids".into(), "/cube/a".into())]),
             external_netns: true,
+            tmpfs: vec![TmpfsMount::from_mountinfo(
+                Path::new("/tmp"),
+                "rw,nosuid,nodev",
+                "rw,mode=1777",
+            )],
         }
     }
 
@@ -1108,15 +1190,24 @@ mod tests {
         let mut bad = manifest();
         bad.cgroups.insert("pids".into(), "relative".into());
         assert!(bad.validate().is_err());
+        let mut bad = manifest();
+        bad.tmpfs[0].target = "/t[mp]".into();
+        assert!(bad.validate().is_err());
+        let mut bad = manifest();
+        bad.tmpfs[0].options = "size=1m,x y".into();
+        assert!(bad.validate().is_err());
     }
 
     #[test]
     fn manifests_of_earlier_builds_still_load() {
-        // Before the network namespace was external, manifests had no such field.
+        // Before the network namespace was external and tmpfs contents Cube's,
+        // manifests had no such fields.
         let mut old = serde_json::to_value(manifest()).unwrap();
         old.as_object_mut().unwrap().remove("external_netns");
+        old.as_object_mut().unwrap().remove("tmpfs");
         let back: Manifest = serde_json::from_value(old).unwrap();
         assert!(!back.external_netns);
+        assert!(back.tmpfs.is_empty());
         assert!(back.validate().is_ok());
     }
 

@@ -342,13 +342,24 @@ fn child_setup(p: &ChildPlan<'_>, in_v2_cgroup: bool) -> Result<Never, (u32, Err
         if let Some((dir, mount)) = p.root {
             // pivot_root, which CRIU does into --root, needs a mount point.
             let r = match mount {
-                RootMount::Bind => libc::mount(
+                // As the jail made it: a bind, then nosuid and nodev on it (a bind
+                // takes no flags of its own).
+                RootMount::Bind => match libc::mount(
                     dir.as_ptr(),
                     dir.as_ptr(),
                     none,
                     libc::MS_BIND | libc::MS_REC,
                     none.cast(),
-                ),
+                ) {
+                    0 => libc::mount(
+                        none,
+                        dir.as_ptr(),
+                        none,
+                        libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NODEV,
+                        none.cast(),
+                    ),
+                    failed => failed,
+                },
                 RootMount::Overlay(data) => libc::mount(
                     c"overlay".as_ptr(),
                     dir.as_ptr(),

@@ -51,6 +51,7 @@ mod kdat_cache;
 pub mod namespaces;
 pub mod rootfs;
 pub mod seccomp;
+pub mod tmpfs_image;
 
 pub use capabilities::Identity;
 pub use cgroup::{CgroupLayout, Limits, SandboxCgroup};
