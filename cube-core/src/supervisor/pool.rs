@@ -160,9 +160,19 @@ pub fn spawn_supervisor_warm(
     }
 }
 
+/// Longest a create waits for the supervisor the refill is starting before it starts
+/// its own (a refill that hangs must not hold creates up).
+const REFILL_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 struct PoolState {
     idle: VecDeque<IdleSupervisor>,
     refilling: bool,
+    /// What the refills prepare for: the engine the last create asked for (both,
+    /// until one has). A supervisor warmed for the other engine too would do work
+    /// that is thrown away, on a host where that work competes with the creates.
+    warm_for: WarmFor,
+    /// Whether a create waits for the supervisor the refill is starting.
+    awaited: bool,
 }
 
 /// A pool of idle supervisors, refilled in the background.
@@ -204,6 +214,8 @@ impl SupervisorPool {
                 Mutex::new(PoolState {
                     idle: VecDeque::new(),
                     refilling: false,
+                    warm_for: WarmFor::Any,
+                    awaited: false,
                 }),
                 Condvar::new(),
             )),
@@ -223,11 +235,34 @@ impl SupervisorPool {
     }
 
     /// Like [`SupervisorPool::take`]; a supervisor started on the spot prepares only
-    /// for `engine` (a jail's needs no KVM warm-up).
+    /// for `engine` (a jail's needs no KVM warm-up), and so do the refills from now
+    /// on (unless `engine` is [`WarmFor::Any`]).
+    ///
+    /// When the pool is empty while the refill is starting a supervisor, one create
+    /// waits for that one: it is part way through its start, and a second start on the
+    /// create path would only compete with it for the CPU. Further creates start their
+    /// own.
     pub fn take_for(&self, engine: WarmFor) -> Result<IdleSupervisor, PoolError> {
+        let (lock, cond) = &*self.state;
         let taken = {
-            let mut state = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
-            state.idle.pop_front()
+            let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
+            if engine != WarmFor::Any && self.network_warm_for() != WarmFor::Jail {
+                state.warm_for = engine;
+            }
+            match state.idle.pop_front() {
+                Some(s) => Some(s),
+                None if state.refilling && !state.awaited => {
+                    state.awaited = true;
+                    let (mut state, _) = cond
+                        .wait_timeout_while(state, REFILL_WAIT, |s| {
+                            s.idle.is_empty() && s.refilling
+                        })
+                        .unwrap_or_else(|e| e.into_inner());
+                    state.awaited = false;
+                    state.idle.pop_front()
+                }
+                None => None,
+            }
         };
         self.refill();
         match taken {
@@ -236,6 +271,15 @@ impl SupervisorPool {
                 tracing::debug!("supervisor pool empty: starting one on the create path");
                 spawn_supervisor_with_scratch(&self.exe, None, engine)
             }
+        }
+    }
+
+    /// What a networked pool's supervisors are always warmed for.
+    fn network_warm_for(&self) -> WarmFor {
+        if self.network {
+            WarmFor::Jail
+        } else {
+            WarmFor::Any
         }
     }
 
@@ -264,6 +308,7 @@ impl SupervisorPool {
         let scratch = self.scratch.clone();
         let network = self.network;
         let target = self.target;
+        let network_warm = self.network_warm_for();
         let spawned = std::thread::Builder::new()
             .name("supervisor-pool".into())
             .spawn(move || loop {
@@ -275,8 +320,14 @@ impl SupervisorPool {
                     return;
                 }
                 // A networked supervisor serves jails only: no KVM warm-up.
-                let warm_for = if network { WarmFor::Jail } else { WarmFor::Any };
-                match spawn_supervisor_warm(&exe, scratch.as_deref(), warm_for, network) {
+                let warm_for = match network_warm {
+                    WarmFor::Jail => WarmFor::Jail,
+                    _ => lock.lock().unwrap_or_else(|e| e.into_inner()).warm_for,
+                };
+                let start = std::time::Instant::now();
+                let spawned = spawn_supervisor_warm(&exe, scratch.as_deref(), warm_for, network);
+                tracing::debug!(elapsed = ?start.elapsed(), ?warm_for, "pool: supervisor started");
+                match spawned {
                     Ok(s) => lock
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
