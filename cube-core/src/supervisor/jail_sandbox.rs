@@ -486,7 +486,14 @@ impl JailSandbox {
     /// attached when the jail runs on, here, or when a checkpoint is restored
     /// ([`JailSandbox::restore`]). Connections through the device end with it (CRIU
     /// would refuse an established one); listening sockets carry over.
-    fn dump(&mut self, criu: &Criu, image_dir: &Path, leave_running: bool) -> Result<(), String> {
+    /// Returns how long the processes were stopped for it (0 when they were paused
+    /// already).
+    fn dump(
+        &mut self,
+        criu: &Criu,
+        image_dir: &Path,
+        leave_running: bool,
+    ) -> Result<Duration, String> {
         if self.jail.is_none() {
             return Err("sandbox is hibernated: wake it first".to_string());
         }
@@ -512,7 +519,7 @@ impl JailSandbox {
         criu: &Criu,
         image_dir: &Path,
         leave_running: bool,
-    ) -> Result<(), String> {
+    ) -> Result<Duration, String> {
         let was_paused = self.paused;
         let jail = self.running()?;
         if was_paused {
@@ -529,7 +536,10 @@ impl JailSandbox {
             result = disconnect_agent(jail.pid()).and_then(|()| {
                 let disconnected = start.elapsed();
                 let dumped = checkpoint::dump(criu, jail, image_dir, &options)
-                    .map(|_| ())
+                    .map(|c| match was_paused {
+                        true => Duration::ZERO,
+                        false => c.source_paused().unwrap_or_default(),
+                    })
                     .map_err(|e| error_chain(&e));
                 tracing::debug!(
                     disconnect_ms = disconnected.as_secs_f64() * 1e3,
@@ -567,8 +577,9 @@ impl JailSandbox {
             Err(why) => Err(format!("no working CRIU: {why}")),
             Ok(_) if hibernated_full => {
                 // The hibernation's checkpoint is the state: copy it.
+                // Nothing runs: nothing is stopped for it.
                 cube_storage::clone_tree(&self.dir.join(HIBERNATED_CHECKPOINT), staging)
-                    .map(|_| ())
+                    .map(|_| Duration::ZERO)
                     .map_err(|e| format!("copying the hibernated checkpoint: {}", error_chain(&e)))
             }
             Ok(_) if self.jail.is_none() => {
@@ -576,18 +587,19 @@ impl JailSandbox {
             }
             Ok(criu) => self.dump(criu, staging, true),
         };
-        let (kind, fallback, reflinked) = match full {
+        let (kind, fallback, reflinked, paused) = match full {
             // CRIU's dump reflinks the layer where the store's filesystem can.
-            Ok(()) => (
+            Ok(paused) => (
                 SnapshotKind::Full,
                 None,
                 cube_storage::reflink::supports_reflink(staging).unwrap_or(false),
+                paused,
             ),
             Err(why) => {
                 tracing::warn!(sandbox = %self.id, "snapshot {snapshot_id} holds files only: {why}");
                 let _ = std::fs::remove_dir_all(staging);
-                let reflinked = self.snapshot_files(staging)?;
-                (SnapshotKind::Filesystem, Some(why), reflinked)
+                let (reflinked, paused) = self.snapshot_files(staging)?;
+                (SnapshotKind::Filesystem, Some(why), reflinked, paused)
             }
         };
         tracing::debug!(elapsed = ?start.elapsed(), %kind, "snapshot written");
@@ -596,6 +608,7 @@ impl JailSandbox {
                 dirty_pages: 0,
                 bytes_written: 0,
                 reflinked,
+                paused_us: paused.as_micros() as u64,
             };
             let meta = SnapshotMeta {
                 id: snapshot_id,
@@ -624,20 +637,25 @@ impl JailSandbox {
     }
 
     /// Clones the writable layer into `staging/layer`, the processes frozen meanwhile;
-    /// true when every file was reflinked.
-    fn snapshot_files(&mut self, staging: &Path) -> Result<bool, String> {
+    /// true when every file was reflinked, and how long they were frozen.
+    fn snapshot_files(&mut self, staging: &Path) -> Result<(bool, Duration), String> {
         std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
         let layer = self.layer();
         let freeze = !self.paused && self.jail.is_some();
+        let stopped = Instant::now();
         if freeze {
             self.running()?.pause().map_err(|e| error_chain(&e))?;
         }
         let copied = cube_storage::clone_tree(&layer, &staging.join(LAYER_DIR));
-        if freeze {
-            self.running()?.resume().map_err(|e| error_chain(&e))?;
-        }
+        let paused = match freeze {
+            true => {
+                self.running()?.resume().map_err(|e| error_chain(&e))?;
+                stopped.elapsed()
+            }
+            false => Duration::ZERO,
+        };
         match copied {
-            Ok(stats) => Ok(stats.copied_files == 0),
+            Ok(stats) => Ok((stats.copied_files == 0, paused)),
             Err(e) => {
                 let _ = std::fs::remove_dir_all(staging);
                 Err(format!("copying the layer: {}", error_chain(&e)))
@@ -715,7 +733,7 @@ impl JailSandbox {
         self.lifeline = None;
         self.paused = false;
         match dumped {
-            Ok(()) => jail
+            Ok(_) => jail
                 .destroy()
                 .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e))),
             Err(why) => {

@@ -83,6 +83,11 @@ pub struct SnapshotStats {
     pub bytes_written: u64,
     /// Whether the parent memory file was reflinked (false: copied, or no parent).
     pub reflinked: bool,
+    /// How long the sandbox was stopped for this snapshot, in microseconds: the vCPUs
+    /// of a VM (the whole snapshot, today), the frozen processes of a jail. 0 where it
+    /// was stopped already, and in records written before this was measured.
+    #[serde(default)]
+    pub paused_us: u64,
 }
 
 /// A running (or paused) microVM.
@@ -496,6 +501,7 @@ impl Machine {
                     dirty_pages,
                     bytes_written: diff.bytes_written,
                     reflinked: diff.clone_method == cube_storage::CloneMethod::Reflink,
+                    paused_us: 0,
                 }
             }
             None => {
@@ -509,6 +515,7 @@ impl Machine {
                     dirty_pages,
                     bytes_written: written.bytes_written,
                     reflinked: false,
+                    paused_us: 0,
                 }
             }
         };
