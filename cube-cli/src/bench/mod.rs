@@ -634,18 +634,7 @@ fn print_markdown(r: &Report) {
         r.floor_kvm_vm_ms, r.floor_kvm_vm_p95_ms, r.floor_write_mib_per_s
     );
     println!("## Create sandbox from template\n");
-    table(
-        &["Concurrency", "n", "p50 ms", "p95 ms", "Throughput /s"],
-        r.create_from_template.iter().map(|row| {
-            vec![
-                row.concurrency.to_string(),
-                row.n.to_string(),
-                row.p50_ms.to_string(),
-                row.p95_ms.to_string(),
-                row.throughput_per_s.to_string(),
-            ]
-        }),
-    );
+    create_table(&r.create_from_template);
     println!("\n## Create vs guest size\n");
     table(
         &["Guest MiB", "n", "p50 ms", "p95 ms"],
@@ -716,6 +705,22 @@ fn print_markdown(r: &Report) {
             if t.met { "yes" } else { "no" }
         );
     }
+}
+
+/// Prints the create rows as a markdown table.
+fn create_table(rows: &[CreateRow]) {
+    table(
+        &["Concurrency", "n", "p50 ms", "p95 ms", "Throughput /s"],
+        rows.iter().map(|row| {
+            vec![
+                row.concurrency.to_string(),
+                row.n.to_string(),
+                row.p50_ms.to_string(),
+                row.p95_ms.to_string(),
+                row.throughput_per_s.to_string(),
+            ]
+        }),
+    );
 }
 
 /// Prints a markdown table.

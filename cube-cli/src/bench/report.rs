@@ -660,6 +660,21 @@ fn span(values: impl Iterator<Item = f64>, log: bool) -> (f64, f64) {
 
 type DrawResult = Result<(), Box<dyn std::error::Error>>;
 
+/// Draws the series' names, top left.
+fn legend<'a, X, Y>(chart: &mut ChartContext<'a, SVGBackend<'a>, Cartesian2d<X, Y>>) -> DrawResult
+where
+    X: plotters::coord::ranged1d::Ranged,
+    Y: plotters::coord::ranged1d::Ranged,
+{
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .position(SeriesLabelPosition::UpperLeft)
+        .draw()?;
+    Ok(())
+}
+
 fn draw_lines<X, Y>(
     root: &DrawingArea<SVGBackend<'_>, Shift>,
     caption: &str,
@@ -705,13 +720,7 @@ where
         };
         chart.draw_series(s.points.iter().map(|p| Circle::new(*p, 3, fill)))?;
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()?;
-    Ok(())
+    legend(&mut chart)
 }
 
 /// Grouped bars: for each category, one bar per series, on a log axis (None when
@@ -788,11 +797,5 @@ fn draw_bars(
             .label(name.clone())
             .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], colour.filled()));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()?;
-    Ok(())
+    legend(&mut chart)
 }

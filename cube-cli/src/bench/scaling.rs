@@ -336,18 +336,7 @@ fn print_table(r: &ScalingReport) {
         r.engine, r.guest, r.store_filesystem, r.host_memory_mib, r.elapsed_s
     );
     println!("## Create at concurrency (§3.2)\n");
-    super::table(
-        &["Concurrency", "n", "p50 ms", "p95 ms", "Throughput /s"],
-        r.create_from_template.iter().map(|row| {
-            vec![
-                row.concurrency.to_string(),
-                row.n.to_string(),
-                row.p50_ms.to_string(),
-                row.p95_ms.to_string(),
-                row.throughput_per_s.to_string(),
-            ]
-        }),
-    );
+    super::create_table(&r.create_from_template);
     println!("\n## Density (§3.3)\n");
     super::table(
         &[
