@@ -190,6 +190,8 @@ impl JailSandbox {
         } = ready;
         jail.relocate(&dir.join(JAIL_DIR))
             .map_err(|e| error_chain(&e))?;
+        // Started ahead at the pool's lower priority, as its supervisor was.
+        super::pool::normal_priority(jail.pid() as u32);
         publish_socket(dir, jail.pid())?;
         // The pool started the jail with the default settings' limits.
         let limits = limits(&settings)?;

@@ -87,6 +87,40 @@ pub fn spawn_supervisor_warm(
     warm_for: WarmFor,
     network: bool,
 ) -> Result<IdleSupervisor, PoolError> {
+    spawn(exe, scratch, warm_for, network, false)
+}
+
+/// The nice value pool refills start supervisors at: on a host with few cores, a
+/// supervisor warming up (exec, KVM, a VM or jail started ahead) competes with the
+/// creates the pool serves, and should lose. [`normal_priority`] undoes it once the
+/// supervisor holds a sandbox.
+pub const REFILL_NICE: i32 = 10;
+
+/// Puts every thread of process `pid` back at nice 0 (the pool started it at
+/// [`REFILL_NICE`]; a thread's nice value is its own, so each is set).
+pub fn normal_priority(pid: u32) {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return;
+    };
+    for task in tasks.flatten() {
+        if let Some(tid) = task
+            .file_name()
+            .to_str()
+            .and_then(|t| t.parse::<u32>().ok())
+        {
+            // SAFETY: setpriority takes integers only.
+            unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, 0) };
+        }
+    }
+}
+
+fn spawn(
+    exe: &Path,
+    scratch: Option<&Path>,
+    warm_for: WarmFor,
+    network: bool,
+    background: bool,
+) -> Result<IdleSupervisor, PoolError> {
     let (ours, theirs) = UnixStream::pair().map_err(PoolError::SocketPair)?;
     let theirs: OwnedFd = theirs.into();
     let fd = theirs.as_raw_fd();
@@ -121,10 +155,15 @@ pub fn spawn_supervisor_warm(
         Some(log) => command.stderr(log),
         None => command.stderr(Stdio::null()),
     };
-    // SAFETY: between fork and exec the closure only calls dup2, which is
-    // async-signal-safe; dup2 clears FD_CLOEXEC on the new descriptor 3.
+    // SAFETY: between fork and exec the closure only calls dup2, fcntl and
+    // setpriority, which are async-signal-safe; dup2 clears FD_CLOEXEC on the new
+    // descriptor 3.
     unsafe {
         command.pre_exec(move || {
+            // The child is single-threaded here: the whole process starts behind.
+            if background {
+                libc::setpriority(libc::PRIO_PROCESS, 0, REFILL_NICE);
+            }
             // dup2 onto itself would keep FD_CLOEXEC: clear it explicitly then.
             let r = if fd == 3 {
                 libc::fcntl(3, libc::F_SETFD, 0)
@@ -166,13 +205,16 @@ const REFILL_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 struct PoolState {
     idle: VecDeque<IdleSupervisor>,
-    refilling: bool,
+    /// Refill threads running.
+    workers: usize,
+    /// Supervisors those threads are starting now.
+    starting: usize,
     /// What the refills prepare for: the engine the last create asked for (both,
     /// until one has). A supervisor warmed for the other engine too would do work
     /// that is thrown away, on a host where that work competes with the creates.
     warm_for: WarmFor,
-    /// Whether a create waits for the supervisor the refill is starting.
-    awaited: bool,
+    /// Creates waiting for a supervisor being started (each waits for its own).
+    awaited: usize,
 }
 
 /// A pool of idle supervisors, refilled in the background.
@@ -213,9 +255,10 @@ impl SupervisorPool {
             state: Arc::new((
                 Mutex::new(PoolState {
                     idle: VecDeque::new(),
-                    refilling: false,
+                    workers: 0,
+                    starting: 0,
                     warm_for: WarmFor::Any,
-                    awaited: false,
+                    awaited: 0,
                 }),
                 Condvar::new(),
             )),
@@ -238,10 +281,10 @@ impl SupervisorPool {
     /// for `engine` (a jail's needs no KVM warm-up), and so do the refills from now
     /// on (unless `engine` is [`WarmFor::Any`]).
     ///
-    /// When the pool is empty while the refill is starting a supervisor, one create
-    /// waits for that one: it is part way through its start, and a second start on the
-    /// create path would only compete with it for the CPU. Further creates start their
-    /// own.
+    /// When the pool is empty while refills are starting supervisors, as many creates
+    /// wait for those as are being started: each is part way through its start, and a
+    /// second start on the create path would only compete with it for the CPU.
+    /// Further creates start their own.
     pub fn take_for(&self, engine: WarmFor) -> Result<IdleSupervisor, PoolError> {
         let (lock, cond) = &*self.state;
         let taken = {
@@ -251,14 +294,14 @@ impl SupervisorPool {
             }
             match state.idle.pop_front() {
                 Some(s) => Some(s),
-                None if state.refilling && !state.awaited => {
-                    state.awaited = true;
+                None if state.starting > state.awaited => {
+                    state.awaited += 1;
                     let (mut state, _) = cond
                         .wait_timeout_while(state, REFILL_WAIT, |s| {
-                            s.idle.is_empty() && s.refilling
+                            s.idle.is_empty() && s.starting > 0
                         })
                         .unwrap_or_else(|e| e.into_inner());
-                    state.awaited = false;
+                    state.awaited -= 1;
                     state.idle.pop_front()
                 }
                 None => None,
@@ -288,66 +331,102 @@ impl SupervisorPool {
         let (lock, cond) = &*self.state;
         let state = lock.lock().unwrap_or_else(|e| e.into_inner());
         let _state = cond
-            .wait_while(state, |s| s.idle.len() < self.target && s.refilling)
+            .wait_while(state, |s| s.idle.len() < self.target && s.workers > 0)
             .unwrap_or_else(|e| e.into_inner());
     }
 
+    /// Starts refill threads, up to [`refill_parallelism`], while the pool and what
+    /// is being started fall short of the target: supervisors start in parallel, so
+    /// a run of creates empties the pool less often on a host with cores to spare.
     fn refill(&self) {
         if self.target == 0 {
             return;
         }
+        let mut state = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
+        // Each worker starts one supervisor at a time: what is wanted beyond the idle
+        // ones and one per worker is what another worker would start.
+        while state.workers < refill_parallelism() && state.idle.len() + state.workers < self.target
         {
-            let mut state = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
-            if state.refilling || state.idle.len() >= self.target {
-                return;
+            let worker = RefillWorker {
+                state: Arc::clone(&self.state),
+                exe: self.exe.clone(),
+                scratch: self.scratch.clone(),
+                network: self.network,
+                target: self.target,
+                network_warm: self.network_warm_for(),
+            };
+            let spawned = std::thread::Builder::new()
+                .name("supervisor-pool".into())
+                .spawn(move || worker.run());
+            match spawned {
+                Ok(_) => state.workers += 1,
+                Err(e) => {
+                    tracing::warn!("starting a pool refill thread: {e}");
+                    break;
+                }
             }
-            state.refilling = true;
         }
-        let state = Arc::clone(&self.state);
-        let exe = self.exe.clone();
-        let scratch = self.scratch.clone();
-        let network = self.network;
-        let target = self.target;
-        let network_warm = self.network_warm_for();
-        let spawned = std::thread::Builder::new()
-            .name("supervisor-pool".into())
-            .spawn(move || loop {
-                let (lock, cond) = &*state;
-                let have = lock.lock().unwrap_or_else(|e| e.into_inner()).idle.len();
-                if have >= target {
-                    lock.lock().unwrap_or_else(|e| e.into_inner()).refilling = false;
+    }
+}
+
+/// How many supervisors the pool starts at once: one per core, at most four.
+fn refill_parallelism() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .clamp(1, 4)
+}
+
+/// One refill thread's share of the pool.
+struct RefillWorker {
+    state: Arc<(Mutex<PoolState>, Condvar)>,
+    exe: PathBuf,
+    scratch: Option<PathBuf>,
+    network: bool,
+    target: usize,
+    network_warm: WarmFor,
+}
+
+impl RefillWorker {
+    /// Starts supervisors while the pool needs more than are being started.
+    fn run(self) {
+        let (lock, cond) = &*self.state;
+        loop {
+            let warm_for = {
+                let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
+                if state.idle.len() + state.starting >= self.target {
+                    state.workers -= 1;
                     cond.notify_all();
                     return;
                 }
+                state.starting += 1;
                 // A networked supervisor serves jails only: no KVM warm-up.
-                let warm_for = match network_warm {
+                match self.network_warm {
                     WarmFor::Jail => WarmFor::Jail,
-                    _ => lock.lock().unwrap_or_else(|e| e.into_inner()).warm_for,
-                };
-                let start = std::time::Instant::now();
-                let spawned = spawn_supervisor_warm(&exe, scratch.as_deref(), warm_for, network);
-                tracing::debug!(elapsed = ?start.elapsed(), ?warm_for, "pool: supervisor started");
-                match spawned {
-                    Ok(s) => lock
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .idle
-                        .push_back(s),
-                    Err(e) => {
-                        tracing::warn!("pre-starting a supervisor: {e}");
-                        lock.lock().unwrap_or_else(|e| e.into_inner()).refilling = false;
-                        cond.notify_all();
-                        return;
-                    }
+                    _ => state.warm_for,
                 }
-                cond.notify_all();
-            });
-        if spawned.is_err() {
-            self.state
-                .0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .refilling = false;
+            };
+            let start = std::time::Instant::now();
+            let spawned = spawn(
+                &self.exe,
+                self.scratch.as_deref(),
+                warm_for,
+                self.network,
+                true,
+            );
+            tracing::debug!(elapsed = ?start.elapsed(), ?warm_for, "pool: supervisor started");
+            let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
+            state.starting -= 1;
+            match spawned {
+                Ok(s) => state.idle.push_back(s),
+                Err(e) => {
+                    tracing::warn!("pre-starting a supervisor: {e}");
+                    state.workers -= 1;
+                    cond.notify_all();
+                    return;
+                }
+            }
+            cond.notify_all();
         }
     }
 }

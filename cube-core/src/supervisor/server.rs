@@ -215,6 +215,8 @@ pub fn run(
         Err(ProtocolError::Closed) => return Ok(()),
         Err(e) => return Err(e.into()),
     };
+    // A pool refill started this supervisor behind the creates; now it is one.
+    super::pool::normal_priority(std::process::id());
     let Request::Adopt {
         version,
         id,
