@@ -161,8 +161,16 @@ impl Criu {
         }
     }
 
-    /// Uses the binary at `path` if it is new enough and `criu check` passes.
+    /// Uses the binary at `path` if it is new enough and `criu check` passes. A binary
+    /// found good since the host booted is not run again (see `kdat_cache.rs`): every
+    /// supervisor probes once, and the check takes ~100 ms.
     pub fn at(path: &Path) -> Result<Criu, CriuError> {
+        if let Some(version) = crate::kdat_cache::checked_version(path) {
+            return Ok(Criu {
+                path: path.to_path_buf(),
+                version,
+            });
+        }
         let run_err = |source| CriuError::Run {
             path: path.to_path_buf(),
             source,
@@ -196,6 +204,7 @@ impl Criu {
                 reason: error_summary(&text),
             });
         }
+        crate::kdat_cache::record_checked(path, version);
         Ok(Criu {
             path: path.to_path_buf(),
             version,

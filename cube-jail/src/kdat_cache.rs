@@ -11,19 +11,27 @@
 //! There, Cube keeps a small tmpfs of its own at [`CACHE_DIR`] (it goes away on reboot,
 //! as a tmpfs `/run` would) and criu runs in a private mount namespace with that tmpfs
 //! bound on `/run`: the first run writes the cache, the following ones load it. Where
-//! `/run` is a tmpfs already, nothing is mounted. Nothing else of `/run` is hidden from
-//! criu that it uses with Cube's options (its iptables lock file is only taken when it
-//! dumps or locks a network namespace, which [`crate::checkpoint`] never has it do).
+//! `/run` is a tmpfs already, nothing is mounted. Of the rest of `/run`, criu only
+//! opens iptables' lock file (`xtables.lock`, at every restore, though Cube's restores
+//! run no iptables): the tmpfs holds an empty one, without which criu would mount a
+//! tmpfs of its own on `/run` in yet another mount namespace each time.
+//!
+//! The same tmpfs lists the CRIU binaries that passed `criu check` since boot
+//! (`checked`): each supervisor finds its CRIU once ([`crate::Criu::probe`]), and the
+//! check costs ~100 ms, which a clone's new supervisor would otherwise pay on its
+//! create path.
 
 use std::ffi::CString;
 use std::fs;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::OnceLock;
 
 use nix::sys::statfs::{statfs, TMPFS_MAGIC};
+
+use crate::criu::{parse_version, CriuVersion};
 
 /// The tmpfs Cube keeps for CRIU's cache where the host's `/run` is no tmpfs.
 pub const CACHE_DIR: &str = "/run/cube/criu";
@@ -88,19 +96,89 @@ fn mount_cache_dir() -> io::Result<()> {
     if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
         return Err(io::Error::last_os_error());
     }
-    if is_tmpfs(dir) {
-        return Ok(());
+    if !is_tmpfs(dir) {
+        nix::mount::mount(
+            Some("cube-criu"),
+            dir,
+            Some("tmpfs"),
+            nix::mount::MsFlags::MS_NOSUID
+                | nix::mount::MsFlags::MS_NODEV
+                | nix::mount::MsFlags::MS_NOEXEC,
+            Some(TMPFS_OPTIONS),
+        )
+        .map_err(io::Error::from)?;
     }
-    nix::mount::mount(
-        Some("cube-criu"),
-        dir,
-        Some("tmpfs"),
-        nix::mount::MsFlags::MS_NOSUID
-            | nix::mount::MsFlags::MS_NODEV
-            | nix::mount::MsFlags::MS_NOEXEC,
-        Some(TMPFS_OPTIONS),
-    )
-    .map_err(io::Error::from)
+    // CRIU's restore takes iptables' lock file from /run; where it finds none it
+    // mounts a tmpfs of its own there first (a mount namespace and a mount per
+    // restore).
+    fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(Path::new(CACHE_DIR).join("xtables.lock"))?;
+    Ok(())
+}
+
+/// Where the CRIU binaries that passed `criu check` since boot are listed, one per
+/// line: `<dev>:<ino>:<size>:<mtime ns> <version>` (a rebuilt or replaced binary has
+/// another key).
+const CHECKED: &str = "checked";
+
+/// The key of the binary at `path`: changes when the file does.
+fn binary_key(path: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let m = fs::metadata(path).ok()?;
+    Some(format!(
+        "{}:{}:{}:{}",
+        m.dev(),
+        m.ino(),
+        m.size(),
+        m.mtime() as i128 * 1_000_000_000 + i128::from(m.mtime_nsec())
+    ))
+}
+
+/// The version of the CRIU at `path` if it passed `criu check` since the host
+/// booted (the list lives on a tmpfs: [`CACHE_DIR`], or `/run`'s own where `/run` is
+/// one).
+pub(crate) fn checked_version(path: &Path) -> Option<CriuVersion> {
+    let key = binary_key(path)?;
+    let text = fs::read_to_string(Path::new(CACHE_DIR).join(CHECKED)).ok()?;
+    text.lines().find_map(|line| {
+        let (k, version) = line.split_once(' ')?;
+        (k == key)
+            .then(|| parse_version(&format!("Version: {version}")))
+            .flatten()
+    })
+}
+
+/// Lists the CRIU at `path` as checked; best effort (without the list, the next
+/// process checks again).
+pub(crate) fn record_checked(path: &Path, version: CriuVersion) {
+    let Some(key) = binary_key(path) else { return };
+    // The directory is a tmpfs of Cube's, or a directory on a tmpfs /run.
+    if get().bind.is_none() && !is_tmpfs(Path::new("/run")) {
+        return;
+    }
+    let dir = Path::new(CACHE_DIR);
+    if fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .is_err()
+    {
+        return;
+    }
+    let line = format!("{key} {version}\n");
+    let written = fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(dir.join(CHECKED))
+        .and_then(|mut f| io::Write::write_all(&mut f, line.as_bytes()));
+    if let Err(e) = written {
+        tracing::debug!("not recording the CRIU check: {e}");
+    }
 }
 
 impl KdatCache {
