@@ -760,13 +760,37 @@ impl JailSandbox {
                 format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}")
             })?;
             self.restore(criu, &image_dir)?;
-            if let Err(e) = std::fs::remove_dir_all(&image_dir) {
-                tracing::warn!(sandbox = %self.id, "removing the woken checkpoint: {e}");
-            }
+            self.remove_aside(&image_dir);
             return Ok(());
         }
         let layer = self.dir.join(HIBERNATED_LAYER);
         self.spawn(Some(layer))
+    }
+
+    /// Moves the directory `dir` aside and removes it off the request path (a woken
+    /// checkpoint: megabytes of images and a layer copy to unlink).
+    fn remove_aside(&mut self, dir: &Path) {
+        let aside = self
+            .dir
+            .join(format!("{JAIL_DIR}.removed-{}", self.generation));
+        let target = match std::fs::rename(dir, &aside) {
+            Ok(()) => aside,
+            Err(_) => dir.to_path_buf(),
+        };
+        self.retiring.retain(|t| !t.is_finished());
+        let sandbox = self.id.clone();
+        let removal = move || {
+            if let Err(e) = std::fs::remove_dir_all(&target) {
+                tracing::warn!(sandbox = %sandbox, "removing {}: {e}", target.display());
+            }
+        };
+        match std::thread::Builder::new()
+            .name("remove-aside".into())
+            .spawn(removal.clone())
+        {
+            Ok(handle) => self.retiring.push(handle),
+            Err(_) => removal(),
+        }
     }
 
     /// Ends a replaced jail's processes now (so its agent accepts nothing more) and

@@ -141,6 +141,9 @@ fn spawn(
         WarmFor::Jail => {
             command.arg("--warm").arg("jail");
         }
+        WarmFor::JailFromImage => {
+            command.arg("--warm").arg("jail-from-image");
+        }
     }
     if network {
         command.arg("--network");
