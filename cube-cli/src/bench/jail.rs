@@ -68,7 +68,8 @@ struct FullStateRows {
     snapshot_source_paused: Timing,
     /// Restoring the snapshot in place, to the variable read back.
     rollback: Timing,
-    /// A new sandbox restored from the snapshot, to the variable read back.
+    /// A new sandbox restored from the snapshot (its supervisor from the pool), to the
+    /// variable read back.
     clone: Timing,
     /// Dumping the processes and stopping them.
     hibernate: Timing,
@@ -335,7 +336,8 @@ fn measure(
     let (snapshot_kind, snapshot_fallback) = snapshot_kind.unwrap_or_default();
     let full_state = if snapshot_kind == "full" {
         progress("jail: full-state snapshot, rollback, clone, hibernate, wake");
-        Some(full_state(unpooled, repeats)?)
+        // Through the pool, as a runtime serves clones: their supervisors start ahead.
+        Some(full_state(pooled, repeats)?)
     } else {
         None
     };
