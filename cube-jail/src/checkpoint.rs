@@ -9,6 +9,7 @@
 //!                                    last, so a directory without it is incomplete
 //! <image_dir>/images/                CRIU's image files
 //! <image_dir>/layer/                 the writable root layer, reflinked where possible
+//! <image_dir>/tmpfs/<n>/             the contents of the sandbox's n-th tmpfs mount
 //! <image_dir>/dump.log               CRIU's log of the dump
 //! ```
 //!
@@ -18,18 +19,20 @@
 //!   them so), and the sandbox is thawed: processes and files are from the same instant.
 //! - **Root**: restore binds the new sandbox directory's root onto itself in a private
 //!   mount namespace of its own (nothing reaches the host's mount table) and passes it as
-//!   `--root`; CRIU rebuilds the sandbox's mount tree (fresh /proc, /dev and /tmp tmpfs
-//!   with their contents, devpts) on it.
+//!   `--root`; CRIU rebuilds the sandbox's mount tree (fresh /proc, devpts, the tmpfs
+//!   mounts Cube hands it) on it.
+//! - **tmpfs mounts** (/dev, /dev/shm, /tmp): external to CRIU, their contents copied
+//!   by Cube while frozen and restored into fresh tmpfs mounts (see `tmpfs_image.rs`).
 //! - **Host binds** (the read-only host userland, [`crate::ReadOnlyBind`]s): dumped as
 //!   external mounts `--external mnt[<mount point>]:<key>` and bound again from the
 //!   host path at restore (the configuration's bind source when it names that target).
 //! - **Descriptors from the host** (stdio, passed descriptors such as the agent's
 //!   pipes): `--external file[mnt:ino]` at dump, and at restore the jail
 //!   configuration's stdio and the caller's new descriptors go in with `--inherit-fd`.
-//! - **cgroups**: restore creates the target's cgroups with its limits, and CRIU
-//!   (`--manage-cgroups`) moves the tasks there, its `--cgroup-root` per controller
-//!   pointing the dumped sandbox cgroup at the new one; the cgroup namespace is rebuilt
-//!   rooted there.
+//! - **cgroups**: Cube's, not CRIU's (`--manage-cgroups=ignore`): restore creates the
+//!   target's cgroups with its limits and starts criu inside them and in a cgroup
+//!   namespace rooted there, which the restored processes inherit (see
+//!   `criu_launch.rs`).
 //! - **Network namespace**: left out of the images as external (`--external
 //!   net[<inode>]:cube-netns`; see [`NETNS_KEY`] for why that loses nothing), and
 //!   restore hands CRIU a fresh one with loopback up (`--inherit-fd
