@@ -743,6 +743,11 @@ pub fn dump(
         }
     }
 
+    // The layer is reflinked while the sandbox is frozen, and a reflink first writes
+    // the file's dirty pages out: written back now, while the sandbox still runs,
+    // that leaves the freeze only what it wrote since (100 MiB just written: ~110 ms
+    // frozen otherwise).
+    write_back(&layer);
     // Frozen from before the layer copy until CRIU has the tasks: one instant for both.
     let start = Instant::now();
     jail.pause()?;
@@ -796,6 +801,16 @@ pub fn dump(
         manifest,
         paused: Some(paused),
     })
+}
+
+/// Writes the dirty data of the filesystem holding `dir` to disk (`syncfs`); best
+/// effort: what it leaves is written by the reflink, inside the freeze.
+fn write_back(dir: &Path) {
+    let Ok(d) = File::open(dir) else { return };
+    // SAFETY: syncfs takes a descriptor this function owns.
+    if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
+        tracing::debug!(error = %io::Error::last_os_error(), "syncfs before a dump");
+    }
 }
 
 /// Copies each tmpfs of process `pid` into `<image_dir>/tmpfs/<index>`.
