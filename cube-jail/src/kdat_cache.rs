@@ -31,7 +31,7 @@ use std::sync::OnceLock;
 
 use nix::sys::statfs::{statfs, TMPFS_MAGIC};
 
-use crate::criu::{parse_version, CriuVersion};
+use crate::criu_version::{parse_version, CriuVersion};
 
 /// The tmpfs Cube keeps for CRIU's cache where the host's `/run` is no tmpfs.
 pub const CACHE_DIR: &str = "/run/cube/criu";

@@ -46,6 +46,7 @@ pub mod cgroup;
 pub mod checkpoint;
 pub mod criu;
 mod criu_launch;
+mod criu_version;
 pub mod jail;
 mod kdat_cache;
 pub mod namespaces;

@@ -1,7 +1,8 @@
 //! `cube bench`: CubeSandbox's benchmark tables, reproduced on this host with Cube's
 //! test guest, next to floors measured in the same run.
 
-mod floor;
+mod html_report;
+mod interrupt;
 mod jail;
 mod linux_guest;
 mod network;
@@ -14,11 +15,15 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use cube_core::snapshot::MachineConfig;
-use cube_core::test_guest::WorkingSet;
+use cube_core::store::{filesystem_name, supports_reflink, SnapshotDir};
+use cube_core::templates::{MachineConfig, WorkingSet};
+use cube_core::testing::{floor, max_dirty_mib, TestGuestControl};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox};
 
-use crate::{chain, store_root, CliError};
+use crate::cli_error::CliError;
+use crate::store_cmd::store_root;
+use interrupt::remove_on_interrupt;
+use report::{create_table, failed, progress, progress_done, table, CloneRow, CreateRow, Target};
 use stats::{percentiles_ms, round2};
 
 /// Options of `cube bench`.
@@ -79,15 +84,6 @@ struct SizeRow {
     p95_ms: f64,
 }
 
-#[derive(Serialize)]
-struct CreateRow {
-    concurrency: usize,
-    n: usize,
-    p50_ms: f64,
-    p95_ms: f64,
-    throughput_per_s: f64,
-}
-
 /// Creates timed from each snapshot of the dirty-memory series.
 const CREATES_PER_SNAPSHOT: usize = 5;
 
@@ -102,22 +98,6 @@ struct SnapshotRow {
     create_from_snapshot_ms: f64,
     create_from_snapshot_p95_ms: f64,
     dirty_pages: u64,
-}
-
-#[derive(Serialize)]
-struct CloneRow {
-    n: usize,
-    concurrency: usize,
-    wall_ms: f64,
-    per_clone_ms: f64,
-}
-
-#[derive(Serialize)]
-struct Target {
-    name: &'static str,
-    value: f64,
-    limit: f64,
-    met: bool,
 }
 
 #[derive(Serialize)]
@@ -160,29 +140,9 @@ struct Plan {
     density: usize,
 }
 
-fn failed(e: impl std::error::Error) -> CliError {
-    CliError::failed(chain(&e))
-}
-
-/// The bench's phases: a spinner on a terminal, `bench: ...` lines otherwise.
-static PHASES: std::sync::OnceLock<crate::progress::Phases> = std::sync::OnceLock::new();
-
-fn progress(message: &str) {
-    PHASES
-        .get_or_init(|| crate::progress::Phases::new("bench"))
-        .phase(message);
-}
-
-/// Clears the spinner before the report is printed.
-fn progress_done() {
-    if let Some(p) = PHASES.get() {
-        p.finish();
-    }
-}
-
 pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
     if let Some(dir) = &args.report {
-        return report::run(dir, &args.input);
+        return html_report::run(dir, &args.input);
     }
     let root = store_root(store)?;
     if args.scaling {
@@ -250,36 +210,6 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// On Ctrl-C or SIGTERM, removes the templates this run made (`prefix` and
-/// `prefix-*`) and exits 130. Its sandboxes are ephemeral: they end with this process.
-///
-/// Must run before any other thread starts, so that every thread inherits the blocked
-/// signals and only the watcher receives them.
-fn remove_on_interrupt(root: &Path, prefix: &str) -> Result<(), CliError> {
-    let signals = crate::interrupts::block()?;
-    let templates = root.join("templates");
-    let prefix = prefix.to_string();
-    std::thread::Builder::new()
-        .name("interrupt".into())
-        .spawn(move || {
-            if signals.wait().is_err() {
-                return;
-            }
-            eprintln!("bench: interrupted, removing its templates");
-            if let Ok(entries) = std::fs::read_dir(&templates) {
-                for entry in entries.flatten() {
-                    let name = entry.file_name().to_string_lossy().into_owned();
-                    if name == prefix || name.starts_with(&format!("{prefix}-")) {
-                        let _ = std::fs::remove_dir_all(entry.path());
-                    }
-                }
-            }
-            std::process::exit(130);
-        })
-        .map_err(|e| CliError::failed(format!("starting the interrupt watcher: {e}")))?;
-    Ok(())
-}
-
 fn timed<T>(
     f: impl FnOnce() -> Result<T, cube_core::SandboxError>,
 ) -> Result<(Duration, T), CliError> {
@@ -302,9 +232,10 @@ fn run_plan(
     let store = rt.store().root().to_path_buf();
     let template_memory = rt
         .store()
-        .template_dir(template)
+        .template(template)
         .map_err(failed)?
-        .join(cube_core::snapshot::format::MEMORY_FILE);
+        .image()
+        .memory();
 
     progress("floors");
     let mut floor_vm = Vec::new();
@@ -317,8 +248,11 @@ fn run_plan(
     let (floor_vm_p50, floor_vm_p95) = percentiles_ms(&floor_vm);
     // As much as the largest snapshot writes, so both meet the same page-cache limits.
     let floor_write_mib = plan.dirty_mib.iter().copied().max().unwrap_or(256).max(64) as usize;
-    let floor_write =
-        floor::sequential_write(&store.join("tmp"), floor_write_mib).map_err(CliError::failed)?;
+    let floor_write = floor::sequential_write(
+        &cube_core::store::Store::tmp_dir_at(&store),
+        floor_write_mib,
+    )
+    .map_err(CliError::failed)?;
 
     let mut create_rows = Vec::new();
     for &(concurrency, n) in &plan.create {
@@ -362,11 +296,7 @@ fn run_plan(
 
     // The test guest dirties pages above 64 MiB and below the MMIO hole: a small guest
     // gets its largest possible size instead of sizes it cannot hold.
-    let dirty_area_mib = (machine
-        .memory_bytes
-        .min(cube_core::vmm::layout::MMIO_HOLE_START)
-        >> 20)
-        .saturating_sub(cube_core::test_guest::mailbox::DIRTY_AREA_ADDR >> 20);
+    let dirty_area_mib = max_dirty_mib(&machine);
     let mut dirty_sizes: Vec<u64> = plan
         .dirty_mib
         .iter()
@@ -489,14 +419,14 @@ fn run_plan(
     for t in &mut targets {
         t.value = round2(t.value);
     }
-    let fs = cube_storage::filesystem_name(&store).unwrap_or_default();
+    let fs = filesystem_name(&store).unwrap_or_default();
     Ok(Report {
         guest: "synthetic",
         engine: args.engine.clone(),
         vcpus: machine.vcpus,
         memory_mib: machine.memory_bytes >> 20,
         store_filesystem: fs,
-        reflink: cube_storage::supports_reflink(&store).unwrap_or(false),
+        reflink: supports_reflink(&store).unwrap_or(false),
         create_from_template: create_rows,
         create_vs_guest_size: size_rows,
         snapshot_vs_dirty: snapshot_rows,
@@ -521,20 +451,9 @@ fn run_plan(
     })
 }
 
-impl Target {
-    fn at_most(name: &'static str, value: f64, limit: f64) -> Target {
-        Target {
-            name,
-            value,
-            limit,
-            met: value <= limit,
-        }
-    }
-}
-
 /// Waits (bounded) until the snapshot in `dir` has been flushed to disk.
 fn wait_durable(dir: &Path) -> Result<(), CliError> {
-    let marker = dir.join(cube_core::snapshot::durability::DURABLE_FILE);
+    let marker = SnapshotDir::new(dir).durable_marker();
     let start = Instant::now();
     while !marker.exists() {
         if start.elapsed() > Duration::from_secs(120) {
@@ -704,30 +623,5 @@ fn print_markdown(r: &Report) {
             t.limit,
             if t.met { "yes" } else { "no" }
         );
-    }
-}
-
-/// Prints the create rows as a markdown table.
-fn create_table(rows: &[CreateRow]) {
-    table(
-        &["Concurrency", "n", "p50 ms", "p95 ms", "Throughput /s"],
-        rows.iter().map(|row| {
-            vec![
-                row.concurrency.to_string(),
-                row.n.to_string(),
-                row.p50_ms.to_string(),
-                row.p95_ms.to_string(),
-                row.throughput_per_s.to_string(),
-            ]
-        }),
-    );
-}
-
-/// Prints a markdown table.
-fn table(headers: &[&str], rows: impl Iterator<Item = Vec<String>>) {
-    println!("| {} |", headers.join(" | "));
-    println!("|{}", "---|".repeat(headers.len()));
-    for row in rows {
-        println!("| {} |", row.join(" | "));
     }
 }

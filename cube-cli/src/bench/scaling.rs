@@ -8,14 +8,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use cube_core::snapshot::MachineConfig;
-use cube_core::test_guest::WorkingSet;
+use cube_core::store::filesystem_name;
+use cube_core::templates::{MachineConfig, WorkingSet};
+use cube_core::testing::TestGuestControl;
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
 use serde::Serialize;
 
+use super::interrupt::remove_on_interrupt;
+use super::report::{create_table, failed, progress, progress_done, table, CreateRow, Target};
 use super::stats::{percentiles_ms, round2};
-use super::{failed, progress, CreateRow, Target};
-use crate::{chain, CliError};
+use crate::cli_error::{chain, CliError};
 
 /// Concurrency levels of the reference's cold-start table, and a few more.
 pub const LEVELS: &[usize] = &[1, 2, 4, 8, 16, 32, 64];
@@ -89,7 +91,7 @@ pub fn run(root: &Path, engine: &str, plan: &ScalingPlan, json: bool) -> Result<
     let template = match engine {
         "vm" => {
             let name = format!("bench-scaling-{}", std::process::id());
-            super::remove_on_interrupt(root, &name)?;
+            remove_on_interrupt(root, &name)?;
             progress(&format!("building template {name}"));
             rt.build_test_template(&name, MachineConfig::default(), WorkingSet::default(), 0)?;
             Some(name)
@@ -102,7 +104,7 @@ pub fn run(root: &Path, engine: &str, plan: &ScalingPlan, json: bool) -> Result<
         let _ = rt.remove_template(t);
     }
     let (rows, density) = measured?;
-    super::progress_done();
+    progress_done();
     let mut targets = Vec::new();
     if let Some(first) = rows.iter().find(|r| r.concurrency == 1) {
         targets.push(Target::at_most(
@@ -119,7 +121,7 @@ pub fn run(root: &Path, engine: &str, plan: &ScalingPlan, json: bool) -> Result<
         } else {
             "host userland"
         },
-        store_filesystem: cube_storage::filesystem_name(root).unwrap_or_default(),
+        store_filesystem: filesystem_name(root).unwrap_or_default(),
         host_memory_mib: round2(meminfo_kib("MemTotal:")? / 1024.0),
         create_from_template: rows,
         density,
@@ -336,9 +338,9 @@ fn print_table(r: &ScalingReport) {
         r.engine, r.guest, r.store_filesystem, r.host_memory_mib, r.elapsed_s
     );
     println!("## Create at concurrency (§3.2)\n");
-    super::create_table(&r.create_from_template);
+    create_table(&r.create_from_template);
     println!("\n## Density (§3.3)\n");
-    super::table(
+    table(
         &[
             "Sandboxes",
             "Used MiB",
