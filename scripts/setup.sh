@@ -14,8 +14,9 @@ echo "setup: system packages"
 export DEBIAN_FRONTEND=noninteractive
 need=()
 # debootstrap builds template root filesystems; bubblewrap is the peer `cube bench
-# --engine jail` measures `cube run` against.
-for pkg in xfsprogs util-linux gcc make pkg-config python3 lz4 xz-utils zstd debootstrap bubblewrap; do
+# --engine jail` measures `cube run` against; chromium renders `cube bench --report`'s
+# page in its check (scripts/check-report.sh).
+for pkg in xfsprogs util-linux gcc make pkg-config python3 lz4 xz-utils zstd debootstrap bubblewrap chromium; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ]; then

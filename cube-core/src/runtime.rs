@@ -579,9 +579,11 @@ impl Runtime {
                 cube_storage::Durability::Deferred,
             )?;
             let pool = self.supervisors_for(engine, options.network.is_some());
-            let supervisor = pool.take_for(match engine {
-                Engine::Vm => WarmFor::Vm,
-                Engine::Jail => WarmFor::Jail,
+            // Only a host-template jail with an empty layer uses a jail started ahead.
+            let supervisor = pool.take_for(match (engine, &source) {
+                (Engine::Vm, _) => WarmFor::Vm,
+                (Engine::Jail, Source::Jail { layer: None }) => WarmFor::Jail,
+                (Engine::Jail, _) => WarmFor::JailFromImage,
             })?;
             tracing::debug!(elapsed = ?start.elapsed(), "create: supervisor taken");
             let mut sandbox = Sandbox {

@@ -180,6 +180,21 @@ fn host_template_is_listed_and_engines_are_checked() {
     assert!(env.rt.list().unwrap().is_empty());
 }
 
+/// The nice value of every thread of process `pid`.
+fn nice_values(pid: u32) -> Vec<i64> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+        .map(|stat| {
+            // Fields after the command name (which may hold spaces): nice is the 19th
+            // field of the line, the 17th after the name.
+            let after = &stat[stat.rfind(')').unwrap() + 2..];
+            after.split(' ').nth(16).unwrap().parse().unwrap()
+        })
+        .collect()
+}
+
 fn lifecycle(pool_size: usize) {
     let env = Env::new(pool_size);
     let mut options = CreateOptions::new(false);
@@ -195,7 +210,17 @@ fn lifecycle(pool_size: usize) {
         list[0].metadata.get("owner").map(String::as_str),
         Some("test")
     );
-    assert_eq!(sb.status().unwrap().status, MachineStatus::Running);
+    let status = sb.status().unwrap();
+    assert_eq!(status.status, MachineStatus::Running);
+    // A pool starts supervisors (and their jails) behind the creates; a sandbox in
+    // use runs at normal priority, every thread of it.
+    for pid in [status.pid, status.jail.as_ref().unwrap().pid.unwrap()] {
+        assert_eq!(
+            nice_values(pid),
+            vec![0; nice_values(pid).len()],
+            "pid {pid}"
+        );
+    }
 
     let agent = sb.agent().unwrap();
     let (code, out, err) = sh(&agent, "echo $CUBE_TEST_VAR; id -u; hostname");

@@ -9,6 +9,7 @@
 //!                                    last, so a directory without it is incomplete
 //! <image_dir>/images/                CRIU's image files
 //! <image_dir>/layer/                 the writable root layer, reflinked where possible
+//! <image_dir>/tmpfs/<n>/             the contents of the sandbox's n-th tmpfs mount
 //! <image_dir>/dump.log               CRIU's log of the dump
 //! ```
 //!
@@ -18,18 +19,27 @@
 //!   them so), and the sandbox is thawed: processes and files are from the same instant.
 //! - **Root**: restore binds the new sandbox directory's root onto itself in a private
 //!   mount namespace of its own (nothing reaches the host's mount table) and passes it as
-//!   `--root`; CRIU rebuilds the sandbox's mount tree (fresh /proc, /dev and /tmp tmpfs
-//!   with their contents, devpts) on it.
+//!   `--root`; CRIU rebuilds the sandbox's mount tree (fresh /proc, devpts, the tmpfs
+//!   mounts Cube hands it) on it.
+//! - **tmpfs mounts** (/dev, /dev/shm, /tmp): external to CRIU, their contents copied
+//!   by Cube while frozen and restored into fresh tmpfs mounts (see `tmpfs_image.rs`).
 //! - **Host binds** (the read-only host userland, [`crate::ReadOnlyBind`]s): dumped as
 //!   external mounts `--external mnt[<mount point>]:<key>` and bound again from the
 //!   host path at restore (the configuration's bind source when it names that target).
 //! - **Descriptors from the host** (stdio, passed descriptors such as the agent's
 //!   pipes): `--external file[mnt:ino]` at dump, and at restore the jail
 //!   configuration's stdio and the caller's new descriptors go in with `--inherit-fd`.
-//! - **cgroups**: restore creates the target's cgroups with its limits, and CRIU
-//!   (`--manage-cgroups`) moves the tasks there, its `--cgroup-root` per controller
-//!   pointing the dumped sandbox cgroup at the new one; the cgroup namespace is rebuilt
-//!   rooted there.
+//! - **cgroups**: Cube's, not CRIU's (`--manage-cgroups=ignore`): restore creates the
+//!   target's cgroups with its limits and starts criu inside them and in a cgroup
+//!   namespace rooted there, which the restored processes inherit (see
+//!   `criu_launch.rs`).
+//! - **Network namespace**: left out of the images as external (`--external
+//!   net[<inode>]:cube-netns`; see [`NETNS_KEY`] for why that loses nothing), and
+//!   restore hands CRIU a fresh one with loopback up (`--inherit-fd
+//!   fd[<n>]:cube-netns`). No network lock (`--network-lock skip`): it guards TCP
+//!   connections, which a sandbox's checkpoint never holds.
+//! - **CRIU's start-up**: each run probes the kernel unless it finds its cache on a
+//!   tmpfs `/run`; see `kdat_cache.rs` for hosts whose `/run` is none.
 //! - **Process tree**: the jail's PID 1 leads its own session, so CRIU finds the whole
 //!   tree inside the PID namespace; `--restore-detached --restore-sibling` make the
 //!   restored PID 1 a child of the caller, which waits for and kills it like a spawned
@@ -51,22 +61,25 @@ use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio as ProcessStdio};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
 use crate::cgroup::{CgroupError, CgroupLayout, Freezer, SandboxCgroup};
 use crate::criu::{error_summary, Criu};
+use crate::criu_launch::{CriuLaunch, LaunchError, RootMount};
 use crate::jail::{Jail, JailConfig, JailError, Stdio};
 use crate::rootfs::{RootfsError, RootfsLayout};
+use crate::tmpfs_image::{TmpfsError, TmpfsMount};
 
 /// Name of the manifest file in an image directory.
 pub const MANIFEST: &str = "cube-checkpoint.json";
 /// Version of the manifest format this module writes and reads.
 pub const FORMAT: u32 = 1;
 const IMAGES: &str = "images";
+/// The saved contents of the sandbox's tmpfs mounts, one directory per mount.
+const TMPFS: &str = "tmpfs";
 const LAYER: &str = "layer";
 /// The overlay directories in a sandbox directory, as `rootfs::prepare` makes them.
 const OVERLAY_UPPER: &str = "upper";
@@ -81,6 +94,13 @@ const MAX_MANIFEST_BYTES: u64 = 1 << 20;
 const INHERIT_BASE: RawFd = 900;
 /// The manifest's name for the v2 hierarchy (CRIU's is the empty string).
 const V2_NAME: &str = "unified";
+/// CRIU's key for the sandbox's network namespace, dumped as external: the namespace
+/// holds nothing the sandbox made (Cube brings loopback up, attaches and removes any
+/// other device itself, and the sandbox has no capability to configure it), so instead
+/// of CRIU saving and restoring its devices, addresses, routes and firewall tables
+/// (nine `ip`/`iptables` processes per dump and per restore), restore is handed a
+/// fresh namespace with loopback up. Its sockets are still found and saved.
+const NETNS_KEY: &str = "cube-netns";
 /// Filesystem types the sandbox mounts itself; every other non-root mount is a host
 /// bind and becomes an external mount.
 const SANDBOX_FS_TYPES: &[&str] = &["proc", "tmpfs", "devpts", "sysfs", "mqueue", "cgroup2"];
@@ -165,6 +185,12 @@ pub enum CheckpointError {
     /// different.
     #[error("fds {0} and {1} were one file at dump time; restore them alike")]
     ConflictingStdio(RawFd, RawFd),
+    /// The criu process could not be run.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    /// Saving or restoring the contents of a tmpfs mount failed.
+    #[error(transparent)]
+    Tmpfs(#[from] TmpfsError),
     /// CRIU reported success without a readable PID file.
     #[error("criu wrote no valid PID file")]
     BadPidFile,
@@ -239,6 +265,15 @@ struct Manifest {
     /// The dumped sandbox's cgroup in each hierarchy, by the hierarchy's controllers
     /// (CRIU's controller names, comma separated; "unified" for v2).
     cgroups: BTreeMap<String, String>,
+    /// The sandbox had a network namespace of its own, left out of the images (see
+    /// [`NETNS_KEY`]): restore gives it a new one. False in checkpoints of builds
+    /// that had CRIU dump the namespace, which CRIU then restores itself.
+    #[serde(default)]
+    external_netns: bool,
+    /// The sandbox's tmpfs mounts, whose contents Cube saved in [`TMPFS`]`/<index>`
+    /// (see `tmpfs_image.rs`). Empty in checkpoints of builds that had CRIU save them.
+    #[serde(default)]
+    tmpfs: Vec<TmpfsMount>,
 }
 
 impl Manifest {
@@ -263,6 +298,13 @@ impl Manifest {
                 .any(|b| b"[]:".contains(b))
             {
                 return Err(format!("bad mount target {}", m.target.display()));
+            }
+        }
+        for t in &self.tmpfs {
+            t.validate()?;
+            let target = t.target.as_os_str().as_bytes();
+            if !t.target.is_absolute() || target.iter().any(|b| b"[]:\0".contains(b)) {
+                return Err(format!("bad tmpfs target {}", t.target.display()));
             }
         }
         for fd in self.host_fds.keys() {
@@ -290,6 +332,8 @@ impl Manifest {
 pub struct Checkpoint {
     dir: PathBuf,
     manifest: Manifest,
+    /// How long [`dump`] kept the sandbox frozen.
+    paused: Option<Duration>,
 }
 
 impl Checkpoint {
@@ -322,12 +366,20 @@ impl Checkpoint {
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             manifest,
+            paused: None,
         })
     }
 
     /// The image directory.
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// How long the sandbox was frozen for the dump that wrote this checkpoint: from
+    /// before its layer was copied until CRIU let its processes go. None for a
+    /// checkpoint opened from disk.
+    pub fn source_paused(&self) -> Option<Duration> {
+        self.paused
     }
 
     /// Name of the sandbox that was dumped.
@@ -353,7 +405,11 @@ struct MountEntry {
     dev: String,
     root: PathBuf,
     mount_point: PathBuf,
+    /// Per-mount options (`rw,nosuid,...`).
+    mount_options: String,
     fs_type: String,
+    /// The filesystem's options (`rw,size=64k,...`).
+    fs_options: String,
 }
 
 /// Undoes mountinfo's octal escapes (`\040` for a space and so on).
@@ -380,13 +436,15 @@ fn parse_mountinfo(text: &str) -> Vec<MountEntry> {
         .filter_map(|line| {
             let (left, right) = line.split_once(" - ")?;
             let f: Vec<&str> = left.split(' ').collect();
-            let fs_type = right.split(' ').next()?;
+            let r: Vec<&str> = right.split(' ').collect();
             Some(MountEntry {
                 id: f.first()?.parse().ok()?,
                 dev: (*f.get(2)?).to_owned(),
                 root: unescape(f.get(3)?),
                 mount_point: unescape(f.get(4)?),
-                fs_type: fs_type.to_owned(),
+                mount_options: f.get(5).copied().unwrap_or_default().to_owned(),
+                fs_type: (*r.first()?).to_owned(),
+                fs_options: r.get(2).copied().unwrap_or_default().to_owned(),
             })
         })
         .collect()
@@ -447,6 +505,15 @@ fn cgroup_roots(layout: &CgroupLayout, cgroup: &SandboxCgroup) -> BTreeMap<Strin
         }
     }
     roots
+}
+
+/// The inode of PID `pid`'s network namespace when it is not this process's.
+fn own_network_namespace(pid: i32) -> Result<Option<u64>> {
+    let theirs = PathBuf::from(format!("/proc/{pid}/ns/net"));
+    let ours = Path::new("/proc/self/ns/net");
+    let ino = |p: &Path| fs::metadata(p).map(|m| m.ino()).map_err(io_err("stat", p));
+    let theirs_ino = ino(&theirs).map_err(|_| CheckpointError::NotRunning)?;
+    Ok((theirs_ino != ino(ours)?).then_some(theirs_ino))
 }
 
 fn fdinfo_mnt_id(pid: i32, fd: RawFd) -> Result<u64> {
@@ -536,9 +603,9 @@ impl Drop for DirGuard<'_> {
 ///
 /// Command line (paths shortened):
 /// `criu dump --tree <pid1> --images-dir <dir>/images --work-dir <dir> --log-file
-/// dump.log --manage-cgroups --freeze-cgroup <freezer cgroup>
-/// [--leave-running] --external mnt[<target>]:<target>... --external
-/// file[<mnt_id>:<ino>]...`
+/// dump.log --manage-cgroups --freeze-cgroup <freezer cgroup> --network-lock skip
+/// --external net[<netns inode>]:cube-netns [--leave-running] --external
+/// mnt[<target>]:<target>... --external file[<mnt_id>:<ino>]...`
 pub fn dump(
     criu: &Criu,
     jail: &Jail,
@@ -570,6 +637,15 @@ pub fn dump(
         (true, Some(state_dir)) => state_dir.join(OVERLAY_UPPER),
         (true, None) => return Err(CheckpointError::NotRunning),
     };
+    // The tmpfs mounts besides the root (an in-memory root was refused above).
+    let tmpfs_entries: Vec<&MountEntry> = sandbox_mounts
+        .iter()
+        .filter(|m| m.fs_type == "tmpfs" && m.mount_point != Path::new("/"))
+        .collect();
+    let tmpfs: Vec<TmpfsMount> = tmpfs_entries
+        .iter()
+        .map(|m| TmpfsMount::from_mountinfo(&m.mount_point, &m.mount_options, &m.fs_options))
+        .collect();
     let mut mounts = Vec::new();
     for m in &sandbox_mounts {
         if m.mount_point == Path::new("/") || SANDBOX_FS_TYPES.contains(&m.fs_type.as_str()) {
@@ -588,6 +664,7 @@ pub fn dump(
     }
     let layout = CgroupLayout::detect()?;
     let host_fds = host_fds(pid, &options.passed_fds, &sandbox_mounts)?;
+    let netns = own_network_namespace(pid)?;
     let manifest = Manifest {
         format: FORMAT,
         criu_version: criu.version().to_string(),
@@ -596,6 +673,8 @@ pub fn dump(
         mounts,
         host_fds,
         cgroups: cgroup_roots(&layout, cgroup),
+        external_netns: netns.is_some(),
+        tmpfs,
     };
     manifest
         .validate()
@@ -626,9 +705,26 @@ pub fn dump(
     arg(&image_dir);
     arg(&"--log-file");
     arg(&DUMP_LOG);
-    arg(&"--manage-cgroups");
+    // Cube makes and fills the sandbox's cgroups itself (see criu_launch.rs).
+    // An optional argument: one word with the option.
+    arg(&"--manage-cgroups=ignore");
     arg(&"--freeze-cgroup");
     arg(&freezer);
+    // CRIU's network lock keeps TCP peers from seeing a half-dumped connection; a
+    // sandbox's established connections are refused anyway (no --tcp-established), and
+    // the lock costs several iptables processes per dump and per restore.
+    arg(&"--network-lock");
+    arg(&"skip");
+    if let Some(ino) = netns {
+        arg(&"--external");
+        arg(&format!("net[{ino}]:{NETNS_KEY}"));
+    }
+    // Their contents are Cube's to save; CRIU records the mounts only.
+    for t in &manifest.tmpfs {
+        let t = t.target.display();
+        arg(&"--external");
+        arg(&format!("mnt[{t}]:{t}"));
+    }
     if options.leave_running {
         arg(&"--leave-running");
     }
@@ -647,18 +743,44 @@ pub fn dump(
         }
     }
 
+    // The layer is reflinked while the sandbox is frozen, and a reflink first writes
+    // the file's dirty pages out: written back now, while the sandbox still runs,
+    // that leaves the freeze only what it wrote since (100 MiB just written: ~110 ms
+    // frozen otherwise).
+    write_back(&layer);
     // Frozen from before the layer copy until CRIU has the tasks: one instant for both.
+    let start = Instant::now();
     jail.pause()?;
+    let frozen = Instant::now();
+    let mut copied = frozen;
     let dumped = fs::canonicalize(&layer)
         .map_err(io_err("resolve", &layer))
         .and_then(|root| {
             cube_storage::reflink::clone_tree(&root, &image_dir.join(LAYER))
                 .map_err(CheckpointError::Layer)
         })
-        .and_then(|_| run_criu(criu, "dump", &args, &image_dir.join(DUMP_LOG), |_| Ok(())));
+        .and_then(|_| save_tmpfs(pid, &manifest.tmpfs, &tmpfs_entries, image_dir))
+        .and_then(|_| {
+            copied = Instant::now();
+            run_criu(
+                "dump",
+                CriuLaunch::new(criu, args.clone()),
+                &image_dir.join(DUMP_LOG),
+            )
+        });
     // Thawed on every path: a failed dump must leave the sandbox as it was, and without
     // --leave-running the killed tasks of a v1 freezer only die once thawed.
+    let dumped_at = Instant::now();
     let thawed = jail.resume();
+    let paused = start.elapsed();
+    tracing::debug!(
+        freeze_ms = ms(frozen - start),
+        layer_ms = ms(copied - frozen),
+        criu_ms = ms(dumped_at - copied),
+        thaw_ms = ms(dumped_at.elapsed()),
+        paused_ms = ms(paused),
+        "dump"
+    );
     dumped?;
     if options.leave_running {
         thawed?;
@@ -677,31 +799,46 @@ pub fn dump(
     Ok(Checkpoint {
         dir: image_dir.to_path_buf(),
         manifest,
+        paused: Some(paused),
     })
 }
 
-/// Runs criu with `args`; `pre_exec` runs in the child before exec (async-signal-safe
-/// only). A failure is reported with the last error line of `log`.
-fn run_criu(
-    criu: &Criu,
-    action: &'static str,
-    args: &[std::ffi::OsString],
-    log: &Path,
-    pre_exec: impl FnMut(&mut Command) -> io::Result<()>,
+/// Writes the dirty data of the filesystem holding `dir` to disk (`syncfs`); best
+/// effort: what it leaves is written by the reflink, inside the freeze.
+fn write_back(dir: &Path) {
+    let Ok(d) = File::open(dir) else { return };
+    // SAFETY: syncfs takes a descriptor this function owns.
+    if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
+        tracing::debug!(error = %io::Error::last_os_error(), "syncfs before a dump");
+    }
+}
+
+/// Copies each tmpfs of process `pid` into `<image_dir>/tmpfs/<index>`.
+fn save_tmpfs(
+    pid: i32,
+    tmpfs: &[TmpfsMount],
+    entries: &[&MountEntry],
+    image_dir: &Path,
 ) -> Result<()> {
-    let mut cmd = Command::new(criu.path());
-    cmd.args(args)
-        .stdin(ProcessStdio::null())
-        .stdout(ProcessStdio::null())
-        .stderr(ProcessStdio::piped());
-    let mut pre_exec = pre_exec;
-    pre_exec(&mut cmd).map_err(io_err("prepare", criu.path()))?;
-    let out = cmd.output().map_err(io_err("run", criu.path()))?;
-    if out.status.success() {
+    let dir = image_dir.join(TMPFS);
+    fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&dir)
+        .map_err(io_err("create", &dir))?;
+    for (i, (t, entry)) in tmpfs.iter().zip(entries).enumerate() {
+        t.save(pid, &entry.dev, &dir.join(i.to_string()))?;
+    }
+    Ok(())
+}
+
+/// Runs `launch` (criu `action`); a failure is reported with the first error lines
+/// of criu's `log`.
+fn run_criu(action: &'static str, launch: CriuLaunch<'_>, log: &Path) -> Result<()> {
+    let finished = launch.run()?;
+    if finished.success {
         return Ok(());
     }
-    let text = fs::read_to_string(log)
-        .unwrap_or_else(|_| String::from_utf8_lossy(&out.stderr).into_owned());
+    let text = fs::read_to_string(log).unwrap_or(finished.stderr);
     tracing::debug!(action, log = %text, "criu failed");
     Err(CheckpointError::Criu {
         action,
@@ -709,13 +846,9 @@ fn run_criu(
     })
 }
 
-/// How the restored sandbox's root directory is made a mount point for `--root`.
-#[derive(Clone)]
-enum RootMount {
-    /// Bound onto itself (a host-userland root, whose layer is the directory).
-    Bind,
-    /// An overlay with these mount options.
-    Overlay(CString),
+/// Milliseconds, for the step timings in the debug log.
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }
 
 /// A descriptor criu inherits, and the resource it stands for.
@@ -737,7 +870,8 @@ struct Inherited {
 /// restore.log --root <state>/root --restore-detached --restore-sibling
 /// --pidfile <state>/criu/pid --manage-cgroups --cgroup-root <ctrl>:<new cgroup>...
 /// (`:<new cgroup>` for the v2 hierarchy)
-/// --external mnt[<target>]:<host path>... --inherit-fd fd[<n>]:<resource>...`,
+/// --external mnt[<target>]:<host path>... --inherit-fd fd[<n>]:<resource>...`
+/// (a new network namespace among the inherited descriptors),
 /// run in a private mount namespace where `<state>/root` is bound onto itself.
 pub fn restore(
     criu: &Criu,
@@ -745,6 +879,7 @@ pub fn restore(
     config: &JailConfig,
     fds: &[(BorrowedFd<'_>, RawFd)],
 ) -> Result<Jail> {
+    let start = Instant::now();
     let checkpoint = Checkpoint::open(image_dir)?;
     let manifest = &checkpoint.manifest;
     config.validate()?;
@@ -823,8 +958,19 @@ pub fn restore(
         }
     }
 
+    if manifest.external_netns {
+        let fd = crate::namespaces::new_network_namespace()
+            .map_err(|e| CheckpointError::Jail(JailError::Namespace(e)))?;
+        inherited.push(Inherited {
+            fd,
+            resource: NETNS_KEY.to_owned(),
+        });
+    }
+
+    let prepared = Instant::now();
     let layout = CgroupLayout::detect()?;
     let cgroup = SandboxCgroup::create(&layout, &config.name, &config.limits)?;
+    let cgroups_made = Instant::now();
     let rootfs = RootfsLayout::create_empty(&config.state_dir, &config.root)?;
     let state_dir = rootfs.state_dir().to_path_buf();
     // The root directory becomes a mount point: a bind of itself, or the overlay.
@@ -866,6 +1012,7 @@ pub fn restore(
             )
         }
     };
+    let layer_copied = Instant::now();
     let work = state_dir.join(RESTORE_WORK);
     fs::DirBuilder::new()
         .mode(0o700)
@@ -888,16 +1035,9 @@ pub fn restore(
     arg(&"--restore-sibling");
     arg(&"--pidfile");
     arg(&pidfile);
-    arg(&"--manage-cgroups");
-    let new_roots = cgroup_roots(&layout, &cgroup);
-    for (ctrl, path) in &new_roots {
-        if manifest.cgroups.contains_key(ctrl) {
-            // CRIU names the v2 hierarchy by the empty controller name.
-            let criu_name = if ctrl == V2_NAME { "" } else { ctrl.as_str() };
-            arg(&"--cgroup-root");
-            arg(&format!("{criu_name}:{path}"));
-        }
-    }
+    // criu starts in the new cgroups, and what it restores inherits them.
+    // An optional argument: one word with the option.
+    arg(&"--manage-cgroups=ignore");
     for m in &manifest.mounts {
         // A bind the configuration names comes from its source (it may have moved).
         let source = config
@@ -935,63 +1075,43 @@ pub fn restore(
     }
     let root_c = CString::new(rootfs.root().as_os_str().as_bytes())
         .map_err(|_| RootfsError::InvalidPath(rootfs.root().to_path_buf()))?;
-    let dups: Vec<(RawFd, RawFd)> = sources.iter().map(|(s, t)| (s.as_raw_fd(), *t)).collect();
+    // Fresh tmpfs mounts, filled from the saved trees, attached in criu's mount
+    // namespace where CRIU binds the external mounts from.
+    let mut tmpfs_mounts = Vec::with_capacity(manifest.tmpfs.len());
+    for (i, t) in manifest.tmpfs.iter().enumerate() {
+        let mount = t.restore(&image_dir.join(TMPFS).join(i.to_string()))?;
+        let at = work.join(format!("tmpfs-{i}"));
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&at)
+            .map_err(io_err("create", &at))?;
+        args.push("--external".into());
+        args.push(format!("mnt[{}]:{}", t.target.display(), at.display()).into());
+        let at = CString::new(at.as_os_str().as_bytes())
+            .map_err(|_| RootfsError::InvalidPath(at.clone()))?;
+        tmpfs_mounts.push((mount, at));
+    }
+    let mut launch = CriuLaunch::new(criu, args);
+    for (source, target) in &sources {
+        launch.inherit(source.as_raw_fd(), *target);
+    }
+    for (mount, at) in &tmpfs_mounts {
+        launch.attach(mount.as_raw_fd(), at.clone());
+    }
+    launch.root(root_c, root_mount);
+    launch.in_cgroup(&cgroup);
 
-    let restored = run_criu(criu, "restore", &args, &work.join("restore.log"), |cmd| {
-        let root_c = root_c.clone();
-        let dups = dups.clone();
-        let root_mount = root_mount.clone();
-        // SAFETY: the closure runs in the forked child before exec and only makes
-        // async-signal-safe system calls on memory prepared above.
-        unsafe {
-            cmd.pre_exec(move || {
-                // criu's mounts (the root bind) stay out of the host's mount table.
-                if libc::unshare(libc::CLONE_NEWNS) != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                let none = std::ptr::null();
-                if libc::mount(
-                    none,
-                    c"/".as_ptr(),
-                    none,
-                    libc::MS_REC | libc::MS_PRIVATE,
-                    none.cast(),
-                ) != 0
-                {
-                    return Err(io::Error::last_os_error());
-                }
-                // pivot_root, which CRIU does into --root, needs a mount point.
-                let mounted = match &root_mount {
-                    RootMount::Bind => libc::mount(
-                        root_c.as_ptr(),
-                        root_c.as_ptr(),
-                        none,
-                        libc::MS_BIND | libc::MS_REC,
-                        none.cast(),
-                    ),
-                    RootMount::Overlay(data) => libc::mount(
-                        c"overlay".as_ptr(),
-                        root_c.as_ptr(),
-                        c"overlay".as_ptr(),
-                        libc::MS_NOSUID | libc::MS_NODEV,
-                        data.as_ptr().cast(),
-                    ),
-                };
-                if mounted != 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                for (source, target) in &dups {
-                    if libc::dup2(*source, *target) < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
-        Ok(())
-    });
+    let criu_start = Instant::now();
+    let restored = run_criu("restore", launch, &work.join("restore.log"));
     drop(sources);
     drop(inherited);
+    tracing::debug!(
+        prepare_ms = ms(prepared - start),
+        cgroups_ms = ms(cgroups_made - prepared),
+        layer_ms = ms(layer_copied - cgroups_made),
+        criu_ms = ms(criu_start.elapsed()),
+        "restore"
+    );
     restored?;
     let pid: libc::pid_t = fs::read_to_string(&pidfile)
         .ok()
@@ -1060,6 +1180,12 @@ mod tests {
             }],
             host_fds: BTreeMap::from([(3, HostFd::Pipe { ino: 5 })]),
             cgroups: BTreeMap::from([("pids".into(), "/cube/a".into())]),
+            external_netns: true,
+            tmpfs: vec![TmpfsMount::from_mountinfo(
+                Path::new("/tmp"),
+                "rw,nosuid,nodev",
+                "rw,mode=1777",
+            )],
         }
     }
 
@@ -1082,6 +1208,25 @@ mod tests {
         let mut bad = manifest();
         bad.cgroups.insert("pids".into(), "relative".into());
         assert!(bad.validate().is_err());
+        let mut bad = manifest();
+        bad.tmpfs[0].target = "/t[mp]".into();
+        assert!(bad.validate().is_err());
+        let mut bad = manifest();
+        bad.tmpfs[0].options = "size=1m,x y".into();
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn manifests_of_earlier_builds_still_load() {
+        // Before the network namespace was external and tmpfs contents Cube's,
+        // manifests had no such fields.
+        let mut old = serde_json::to_value(manifest()).unwrap();
+        old.as_object_mut().unwrap().remove("external_netns");
+        old.as_object_mut().unwrap().remove("tmpfs");
+        let back: Manifest = serde_json::from_value(old).unwrap();
+        assert!(!back.external_netns);
+        assert!(back.tmpfs.is_empty());
+        assert!(back.validate().is_ok());
     }
 
     #[test]

@@ -7,10 +7,11 @@
 //! candidate and why it was refused, so "why is full-state snapshot unavailable" has a
 //! one-line answer.
 
-use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+
+pub use crate::criu_version::{parse_version, CriuVersion};
 
 /// The oldest CRIU major version this crate drives.
 pub const MIN_MAJOR: u32 = 4;
@@ -68,46 +69,6 @@ pub enum CriuError {
     NoneUsable(String),
 }
 
-/// A CRIU release number.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
-pub struct CriuVersion {
-    /// Major.
-    pub major: u32,
-    /// Minor.
-    pub minor: u32,
-    /// Patch level (0 when the release has none).
-    pub patch: u32,
-}
-
-impl fmt::Display for CriuVersion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}.{}", self.major, self.minor, self.patch)
-    }
-}
-
-/// Parses the `Version: X.Y[.Z]` line of `criu --version`.
-pub fn parse_version(output: &str) -> Option<CriuVersion> {
-    let line = output
-        .lines()
-        .find_map(|l| l.trim().strip_prefix("Version:"))?;
-    let mut parts = line.trim().split('.');
-    let mut next = |required: bool| -> Option<u32> {
-        match parts.next() {
-            Some(p) => {
-                let digits: String = p.chars().take_while(char::is_ascii_digit).collect();
-                digits.parse().ok()
-            }
-            None if required => None,
-            None => Some(0),
-        }
-    };
-    Some(CriuVersion {
-        major: next(true)?,
-        minor: next(true)?,
-        patch: next(false)?,
-    })
-}
-
 /// A CRIU binary that is new enough and whose `criu check` passed.
 #[derive(Clone, Debug)]
 pub struct Criu {
@@ -161,8 +122,16 @@ impl Criu {
         }
     }
 
-    /// Uses the binary at `path` if it is new enough and `criu check` passes.
+    /// Uses the binary at `path` if it is new enough and `criu check` passes. A binary
+    /// found good since the host booted is not run again (see `kdat_cache.rs`): every
+    /// supervisor probes once, and the check takes ~100 ms.
     pub fn at(path: &Path) -> Result<Criu, CriuError> {
+        if let Some(version) = crate::kdat_cache::checked_version(path) {
+            return Ok(Criu {
+                path: path.to_path_buf(),
+                version,
+            });
+        }
         let run_err = |source| CriuError::Run {
             path: path.to_path_buf(),
             source,
@@ -196,6 +165,7 @@ impl Criu {
                 reason: error_summary(&text),
             });
         }
+        crate::kdat_cache::record_checked(path, version);
         Ok(Criu {
             path: path.to_path_buf(),
             version,
@@ -243,32 +213,6 @@ pub(crate) fn error_summary(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_versions() {
-        let v = parse_version("Version: 4.1.1\nGitID: v4.1.1\n").unwrap();
-        assert_eq!(
-            v,
-            CriuVersion {
-                major: 4,
-                minor: 1,
-                patch: 1
-            }
-        );
-        assert_eq!(v.to_string(), "4.1.1");
-        let v = parse_version("Version: 3.17\n").unwrap();
-        assert_eq!((v.major, v.minor, v.patch), (3, 17, 0));
-        assert!(
-            v < CriuVersion {
-                major: 4,
-                minor: 0,
-                patch: 0
-            }
-        );
-        assert_eq!(parse_version("criu 4.1"), None);
-        assert_eq!(parse_version("Version: x.y"), None);
-        assert_eq!(parse_version(""), None);
-    }
 
     #[test]
     fn picks_the_error_line() {

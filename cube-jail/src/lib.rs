@@ -45,10 +45,14 @@ pub mod capabilities;
 pub mod cgroup;
 pub mod checkpoint;
 pub mod criu;
+mod criu_launch;
+mod criu_version;
 pub mod jail;
+mod kdat_cache;
 pub mod namespaces;
 pub mod rootfs;
 pub mod seccomp;
+pub mod tmpfs_image;
 
 pub use capabilities::Identity;
 pub use cgroup::{CgroupLayout, Limits, SandboxCgroup};

@@ -26,6 +26,31 @@ pub enum NamespaceError {
     /// The hostname is empty, too long or holds a NUL.
     #[error("invalid hostname {0:?}")]
     InvalidHostname(String),
+    /// A network namespace for a restore could not be made (unshare, loopback or
+    /// opening it failed, or its thread could not start).
+    #[error("cannot make a network namespace")]
+    NetworkNamespace(#[source] std::io::Error),
+}
+
+/// A new network namespace with its loopback up, held by the returned descriptor: what
+/// a jail's own namespace holds when it starts (Cube gives sandboxes no other device of
+/// their own, and they cannot configure one), made for a restore to put a sandbox into.
+/// It is made on a short-lived thread, so the caller's namespaces never change.
+pub fn new_network_namespace() -> Result<std::os::fd::OwnedFd, NamespaceError> {
+    let made = std::thread::Builder::new()
+        .name("netns".into())
+        .spawn(|| -> std::io::Result<std::os::fd::OwnedFd> {
+            // Only this thread moves: network namespaces are per thread.
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNET)?;
+            loopback_up_in_child()?;
+            Ok(std::fs::File::open("/proc/thread-self/ns/net")?.into())
+        })
+        .map_err(NamespaceError::NetworkNamespace)?
+        .join()
+        .map_err(|_| {
+            NamespaceError::NetworkNamespace(std::io::Error::other("its thread panicked"))
+        })?;
+    made.map_err(NamespaceError::NetworkNamespace)
 }
 
 /// Which namespaces a sandbox gets. All of them by default; network, IPC, UTS and cgroup
@@ -265,6 +290,49 @@ mod tests {
             assert_ne!(f & flag as libc::c_ulong, 0);
         }
         assert_eq!(f & libc::CLONE_NEWCGROUP as libc::c_ulong, 0);
+    }
+
+    #[test]
+    fn a_new_network_namespace_is_not_ours() {
+        // SAFETY: geteuid has no failure mode.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: network namespaces need root");
+            return;
+        }
+        use std::os::unix::fs::MetadataExt;
+        let fd = new_network_namespace().unwrap();
+        let theirs = std::fs::metadata(format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&fd)
+        ))
+        .unwrap();
+        let ours = std::fs::metadata("/proc/thread-self/ns/net").unwrap();
+        assert_ne!(theirs.ino(), ours.ino());
+        // Inside it, loopback is up.
+        let flags = std::thread::scope(|s| {
+            s.spawn(|| {
+                nix::sched::setns(&fd, nix::sched::CloneFlags::CLONE_NEWNET).unwrap();
+                // SAFETY: plain socket creation; closed below.
+                let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
+                assert!(sock >= 0);
+                let mut req = IfreqFlags {
+                    name: [0; libc::IFNAMSIZ],
+                    flags: 0,
+                    _pad: [0; 22],
+                };
+                req.name[..2].copy_from_slice(b"lo");
+                // SAFETY: `req` is a live, correctly sized ifreq.
+                let r =
+                    unsafe { libc::ioctl(sock, libc::SIOCGIFFLAGS, &mut req as *mut IfreqFlags) };
+                // SAFETY: `sock` is not used after this.
+                unsafe { libc::close(sock) };
+                assert_eq!(r, 0);
+                req.flags
+            })
+            .join()
+            .unwrap()
+        });
+        assert_ne!(flags & libc::IFF_UP as libc::c_short, 0, "loopback is up");
     }
 
     #[test]

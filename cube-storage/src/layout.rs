@@ -265,6 +265,11 @@ impl SandboxDir {
         self.0.join(format!("{JAIL_DIR}.retired-{generation}"))
     }
 
+    /// Where a woken jail's checkpoint goes while it is removed off the request path.
+    pub fn removed_checkpoint(&self, generation: u64) -> PathBuf {
+        self.0.join(format!("{JAIL_DIR}.removed-{generation}"))
+    }
+
     /// A jail sandbox's writable layer.
     pub fn layer(&self) -> PathBuf {
         self.0.join(LAYER_DIR)
@@ -377,6 +382,10 @@ mod tests {
         assert_eq!(
             sandbox.retired_jail(3),
             Path::new("/store/sandboxes/sb-1/jail.retired-3")
+        );
+        assert_eq!(
+            sandbox.removed_checkpoint(3),
+            Path::new("/store/sandboxes/sb-1/jail.removed-3")
         );
     }
 }

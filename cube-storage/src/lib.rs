@@ -36,7 +36,7 @@ pub use metadata::{
     write_atomic_bytes, write_atomic_bytes_with, MetadataError,
 };
 pub use reflink::{
-    clone_file, clone_tree, filesystem_name, supports_reflink, CloneError, CloneMethod,
-    TreeCloneStats,
+    clone_file, clone_tree, clone_tree_into, clone_tree_with, filesystem_name, supports_reflink,
+    CloneError, CloneMethod, TreeCloneStats, TreeOptions,
 };
 pub use store::{is_valid_name, scratch_entry_name, StagingDir, Store, StoreError};

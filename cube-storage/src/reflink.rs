@@ -54,6 +54,21 @@ pub struct TreeCloneStats {
     pub special_files: u64,
 }
 
+/// How [`clone_tree_with`] and [`clone_tree_into`] walk the source.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TreeOptions {
+    /// Stay on the source's filesystem: a directory (or file) where another
+    /// filesystem is mounted becomes an empty one (with the mounted root's permission
+    /// bits, owner and times), a mount point again for whoever mounts there.
+    pub one_file_system: bool,
+    /// Leave sockets out instead of refusing them: a socket is its bound name only,
+    /// and whoever binds it again makes it anew.
+    pub skip_sockets: bool,
+    /// Copying between filesystems is the point (a tmpfs saved to disk and back): no
+    /// warning that files are copied rather than reflinked.
+    pub expect_copies: bool,
+}
+
 /// Errors from cloning files and trees.
 #[derive(Debug, thiserror::Error)]
 pub enum CloneError {
@@ -197,6 +212,11 @@ pub enum CloneError {
 /// first fallback to a sparse copy on a filesystem logs one warning for the whole
 /// process. On any error the partial `dst` is removed.
 pub fn clone_file(src: &Path, dst: &Path) -> Result<CloneMethod, CloneError> {
+    clone_file_warning(src, dst, true)
+}
+
+/// [`clone_file`], warning of a sparse copy only when `warn`.
+fn clone_file_warning(src: &Path, dst: &Path, warn: bool) -> Result<CloneMethod, CloneError> {
     let src_file = File::open(src).map_err(|source| CloneError::OpenSource {
         path: src.to_owned(),
         source,
@@ -222,7 +242,9 @@ pub fn clone_file(src: &Path, dst: &Path) -> Result<CloneMethod, CloneError> {
     let method = match ficlone(&src_file, &dst_file) {
         Ok(()) => CloneMethod::Reflink,
         Err(e) if is_reflink_unsupported(&e) => {
-            warn_sparse_fallback(&src_file, src, &dst_file, dst, &e);
+            if warn {
+                warn_sparse_fallback(&src_file, src, &dst_file, dst, &e);
+            }
             sparse_copy(&src_file, &dst_file, src_meta.len()).map_err(|source| {
                 CloneError::SparseCopy {
                     src: src.to_owned(),
@@ -304,6 +326,15 @@ pub fn filesystem_name(path: &Path) -> Result<String, CloneError> {
 /// `dst_dir` must not exist and must not lie inside `src_dir`. On any error the
 /// partial `dst_dir` is removed.
 pub fn clone_tree(src_dir: &Path, dst_dir: &Path) -> Result<TreeCloneStats, CloneError> {
+    clone_tree_with(src_dir, dst_dir, TreeOptions::default())
+}
+
+/// [`clone_tree`], walking as `options` say.
+pub fn clone_tree_with(
+    src_dir: &Path,
+    dst_dir: &Path,
+    options: TreeOptions,
+) -> Result<TreeCloneStats, CloneError> {
     let src_meta = fs::symlink_metadata(src_dir).map_err(|source| CloneError::OpenSource {
         path: src_dir.to_owned(),
         source,
@@ -313,10 +344,6 @@ pub fn clone_tree(src_dir: &Path, dst_dir: &Path) -> Result<TreeCloneStats, Clon
             path: src_dir.to_owned(),
         });
     }
-    let src_canonical = fs::canonicalize(src_dir).map_err(|source| CloneError::OpenSource {
-        path: src_dir.to_owned(),
-        source,
-    })?;
     let dst_parent = match dst_dir.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -326,7 +353,12 @@ pub fn clone_tree(src_dir: &Path, dst_dir: &Path) -> Result<TreeCloneStats, Clon
             path: dst_dir.to_owned(),
             source,
         })?;
-    if dst_parent_canonical.starts_with(&src_canonical) {
+    // By identity, not by name: a source reached through a magic link
+    // (/proc/PID/root/...) has a name that says nothing of where it is.
+    let inside = dst_parent_canonical.ancestors().any(|a| {
+        fs::metadata(a).is_ok_and(|m| m.dev() == src_meta.dev() && m.ino() == src_meta.ino())
+    });
+    if inside {
         return Err(CloneError::DestinationInsideSource {
             src: src_dir.to_owned(),
             dst: dst_dir.to_owned(),
@@ -339,17 +371,34 @@ pub fn clone_tree(src_dir: &Path, dst_dir: &Path) -> Result<TreeCloneStats, Clon
     })?;
     let guard = RemovalGuard::tree(dst_dir);
 
-    let mut walk = TreeWalk {
-        stats: TreeCloneStats {
-            directories: 1,
-            ..TreeCloneStats::default()
-        },
-        first_names: HashMap::new(),
-        preserve_owner: nix::unistd::geteuid().is_root(),
-    };
+    let mut walk = TreeWalk::new(options, src_meta.dev());
     walk.clone_entries(src_dir, dst_dir)?;
     walk.apply_attributes(dst_dir, &src_meta)?;
     guard.disarm();
+    Ok(walk.stats)
+}
+
+/// Clones the contents of the directory `src_dir` into the existing, empty
+/// directory `dst_dir` (the root of a new filesystem, say), which then gets
+/// `src_dir`'s permission bits, owner and times; otherwise as [`clone_tree_with`].
+/// On error what was cloned so far stays, for the caller to discard with `dst_dir`.
+pub fn clone_tree_into(
+    src_dir: &Path,
+    dst_dir: &Path,
+    options: TreeOptions,
+) -> Result<TreeCloneStats, CloneError> {
+    let src_meta = fs::symlink_metadata(src_dir).map_err(|source| CloneError::OpenSource {
+        path: src_dir.to_owned(),
+        source,
+    })?;
+    if !src_meta.file_type().is_dir() {
+        return Err(CloneError::NotDirectory {
+            path: src_dir.to_owned(),
+        });
+    }
+    let mut walk = TreeWalk::new(options, src_meta.dev());
+    walk.clone_entries(src_dir, dst_dir)?;
+    walk.apply_attributes(dst_dir, &src_meta)?;
     Ok(walk.stats)
 }
 
@@ -359,9 +408,25 @@ struct TreeWalk {
     /// Destination path of the first name seen for each multiply-linked source inode.
     first_names: HashMap<(u64, u64), PathBuf>,
     preserve_owner: bool,
+    options: TreeOptions,
+    /// The source root's device, for [`TreeOptions::one_file_system`].
+    root_dev: u64,
 }
 
 impl TreeWalk {
+    fn new(options: TreeOptions, root_dev: u64) -> TreeWalk {
+        TreeWalk {
+            stats: TreeCloneStats {
+                directories: 1,
+                ..TreeCloneStats::default()
+            },
+            first_names: HashMap::new(),
+            preserve_owner: nix::unistd::geteuid().is_root(),
+            options,
+            root_dev,
+        }
+    }
+
     fn clone_entries(&mut self, src_dir: &Path, dst_dir: &Path) -> Result<(), CloneError> {
         let read_dir_err = |source| CloneError::ReadDir {
             path: src_dir.to_owned(),
@@ -386,9 +451,21 @@ impl TreeWalk {
                     source,
                 })?;
                 self.stats.directories += 1;
-                self.clone_entries(&src, &dst)?;
+                // A mount point (another filesystem's root) stays empty.
+                if !(self.options.one_file_system && meta.dev() != self.root_dev) {
+                    self.clone_entries(&src, &dst)?;
+                }
                 self.apply_attributes(&dst, &meta)?;
             } else if file_type.is_file() {
+                if self.options.one_file_system && meta.dev() != self.root_dev {
+                    // A file mounted over another: an empty mount point again.
+                    create_exclusive(&dst).map_err(|source| CloneError::CreateDestination {
+                        path: dst.clone(),
+                        source,
+                    })?;
+                    self.apply_attributes(&dst, &meta)?;
+                    continue;
+                }
                 if meta.nlink() > 1 {
                     if let Some(first) = self.first_names.get(&(meta.dev(), meta.ino())) {
                         fs::hard_link(first, &dst)
@@ -399,7 +476,7 @@ impl TreeWalk {
                     self.first_names
                         .insert((meta.dev(), meta.ino()), dst.clone());
                 }
-                match clone_file(&src, &dst)? {
+                match clone_file_warning(&src, &dst, !self.options.expect_copies)? {
                     CloneMethod::Reflink => self.stats.reflinked_files += 1,
                     CloneMethod::SparseCopy => self.stats.copied_files += 1,
                 }
@@ -427,7 +504,7 @@ impl TreeWalk {
                 })?;
                 self.stats.special_files += 1;
                 self.apply_attributes(&dst, &meta)?;
-            } else {
+            } else if !self.options.skip_sockets {
                 return Err(CloneError::Socket { path: src });
             }
         }
@@ -946,5 +1023,88 @@ mod tests {
 
         assert!(matches!(err, CloneError::Socket { .. }), "{err}");
         assert!(!dst.exists());
+    }
+
+    #[test]
+    fn sockets_can_be_left_out_and_a_tree_cloned_into_an_existing_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        let dst = dir.path().join("dst");
+        fs::create_dir(&src).unwrap();
+        fs::create_dir(src.join("sub")).unwrap();
+        fs::write(src.join("sub/a"), b"a").unwrap();
+        let _listener = std::os::unix::net::UnixListener::bind(src.join("sock")).unwrap();
+        fs::set_permissions(&src, Permissions::from_mode(0o1777)).unwrap();
+        fs::create_dir(&dst).unwrap();
+        let options = TreeOptions {
+            skip_sockets: true,
+            ..TreeOptions::default()
+        };
+
+        let stats = clone_tree_into(&src, &dst, options).unwrap();
+
+        assert_eq!(fs::read(dst.join("sub/a")).unwrap(), b"a");
+        assert!(!dst.join("sock").exists());
+        assert_eq!(stats.directories, 2);
+        // The existing root takes the source root's mode.
+        assert_eq!(fs::metadata(&dst).unwrap().mode() & 0o7777, 0o1777);
+    }
+
+    #[test]
+    fn one_file_system_leaves_mount_points_empty() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: mounting a tmpfs needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let src = dir.path().join("src");
+        fs::create_dir_all(src.join("mnt")).unwrap();
+        fs::write(src.join("kept"), b"k").unwrap();
+        // A private mount namespace on a thread of its own, so the test's tmpfs is
+        // nobody else's and goes with the thread.
+        let cloned = std::thread::spawn(move || {
+            nix::sched::unshare(
+                nix::sched::CloneFlags::CLONE_NEWNS | nix::sched::CloneFlags::CLONE_FS,
+            )
+            .unwrap();
+            nix::mount::mount(
+                None::<&str>,
+                "/",
+                None::<&str>,
+                nix::mount::MsFlags::MS_REC | nix::mount::MsFlags::MS_PRIVATE,
+                None::<&str>,
+            )
+            .unwrap();
+            nix::mount::mount(
+                Some("tmpfs"),
+                &src.join("mnt"),
+                Some("tmpfs"),
+                nix::mount::MsFlags::empty(),
+                Some("mode=0750"),
+            )
+            .unwrap();
+            fs::write(src.join("mnt/hidden"), b"h").unwrap();
+            let dst = src.with_file_name("dst");
+            let options = TreeOptions {
+                one_file_system: true,
+                expect_copies: true,
+                ..TreeOptions::default()
+            };
+            clone_tree_with(&src, &dst, options).unwrap();
+            let everything = src.with_file_name("all");
+            clone_tree(&src, &everything).unwrap();
+            (dst, everything)
+        })
+        .join()
+        .unwrap();
+        let (dst, everything) = cloned;
+        assert_eq!(fs::read(dst.join("kept")).unwrap(), b"k");
+        assert!(dst.join("mnt").is_dir());
+        assert!(!dst.join("mnt/hidden").exists());
+        assert_eq!(
+            fs::metadata(dst.join("mnt")).unwrap().mode() & 0o7777,
+            0o750
+        );
+        assert!(everything.join("mnt/hidden").exists());
     }
 }

@@ -156,6 +156,8 @@ impl JailSandbox {
             network: standby,
         } = ready;
         jail.relocate(&dir.jail()).map_err(|e| error_chain(&e))?;
+        // Started ahead at the pool's lower priority, as its supervisor was.
+        crate::priority::normal_priority(jail.pid() as u32);
         publish_socket(&dir, jail.pid())?;
         // The pool started the jail with the default settings' limits.
         let limits = limits(&settings)?;
@@ -276,9 +278,16 @@ impl JailSandbox {
             None,
         )?;
         let lifeline = Lifeline::new()?;
+        let start = Instant::now();
         let jail = checkpoint::restore(criu, image_dir, &config, &lifeline.fds())
             .map_err(|e| format!("restoring the jail: {}", error_chain(&e)))?;
+        let restored = Instant::now();
         self.install(jail, lifeline)?;
+        tracing::debug!(
+            restore_ms = (restored - start).as_secs_f64() * 1e3,
+            agent_listening_ms = restored.elapsed().as_secs_f64() * 1e3,
+            "jail restored"
+        );
         self.connect_network()
     }
 
@@ -445,7 +454,14 @@ impl JailSandbox {
     /// attached when the jail runs on, here, or when a checkpoint is restored
     /// ([`JailSandbox::restore`]). Connections through the device end with it (CRIU
     /// would refuse an established one); listening sockets carry over.
-    fn dump(&mut self, criu: &Criu, image_dir: &Path, leave_running: bool) -> Result<(), String> {
+    /// Returns how long the processes were stopped for it (0 when they were paused
+    /// already).
+    fn dump(
+        &mut self,
+        criu: &Criu,
+        image_dir: &Path,
+        leave_running: bool,
+    ) -> Result<Duration, String> {
         if self.jail.is_none() {
             return Err("sandbox is hibernated: wake it first".to_string());
         }
@@ -471,7 +487,7 @@ impl JailSandbox {
         criu: &Criu,
         image_dir: &Path,
         leave_running: bool,
-    ) -> Result<(), String> {
+    ) -> Result<Duration, String> {
         let was_paused = self.paused;
         let jail = self.running().map_err(|f| f.message)?;
         if was_paused {
@@ -484,10 +500,21 @@ impl JailSandbox {
         };
         let mut result = Err(String::new());
         for _ in 0..2 {
+            let start = Instant::now();
             result = disconnect_agent(jail.pid()).and_then(|()| {
-                checkpoint::dump(criu, jail, image_dir, &options)
-                    .map(|_| ())
-                    .map_err(|e| error_chain(&e))
+                let disconnected = start.elapsed();
+                let dumped = checkpoint::dump(criu, jail, image_dir, &options)
+                    .map(|c| match was_paused {
+                        true => Duration::ZERO,
+                        false => c.source_paused().unwrap_or_default(),
+                    })
+                    .map_err(|e| error_chain(&e));
+                tracing::debug!(
+                    disconnect_ms = disconnected.as_secs_f64() * 1e3,
+                    dump_ms = (start.elapsed() - disconnected).as_secs_f64() * 1e3,
+                    "jail dumped"
+                );
+                dumped
             });
             if result.is_ok() {
                 break;
@@ -521,8 +548,9 @@ impl JailSandbox {
             Err(why) => Err(format!("no working CRIU: {why}")),
             Ok(_) if hibernated_full => {
                 // The hibernation's checkpoint is the state: copy it.
+                // Nothing runs: nothing is stopped for it.
                 cube_storage::clone_tree(&self.dir.hibernated_checkpoint(), staging)
-                    .map(|_| ())
+                    .map(|_| Duration::ZERO)
                     .map_err(|e| format!("copying the hibernated checkpoint: {}", error_chain(&e)))
             }
             Ok(_) if self.jail.is_none() => {
@@ -530,18 +558,19 @@ impl JailSandbox {
             }
             Ok(criu) => self.dump(criu, staging, true),
         };
-        let (kind, fallback, reflinked) = match full {
+        let (kind, fallback, reflinked, paused) = match full {
             // CRIU's dump reflinks the layer where the store's filesystem can.
-            Ok(()) => (
+            Ok(paused) => (
                 SnapshotKind::Full,
                 None,
                 cube_storage::reflink::supports_reflink(staging).unwrap_or(false),
+                paused,
             ),
             Err(why) => {
                 tracing::warn!(sandbox = %self.id, "snapshot {snapshot_id} holds files only: {why}");
                 let _ = std::fs::remove_dir_all(staging);
-                let reflinked = self.snapshot_files(staging)?;
-                (SnapshotKind::Filesystem, Some(why), reflinked)
+                let (reflinked, paused) = self.snapshot_files(staging)?;
+                (SnapshotKind::Filesystem, Some(why), reflinked, paused)
             }
         };
         tracing::debug!(elapsed = ?start.elapsed(), %kind, "snapshot written");
@@ -550,6 +579,7 @@ impl JailSandbox {
                 dirty_pages: 0,
                 bytes_written: 0,
                 reflinked,
+                paused_us: paused.as_micros() as u64,
             };
             let meta = SnapshotMeta {
                 id: snapshot_id,
@@ -578,20 +608,25 @@ impl JailSandbox {
     }
 
     /// Clones the writable layer into `staging/layer`, the processes frozen meanwhile;
-    /// true when every file was reflinked.
-    fn snapshot_files(&mut self, staging: &Path) -> Result<bool, Failure> {
+    /// true when every file was reflinked, and how long they were frozen.
+    fn snapshot_files(&mut self, staging: &Path) -> Result<(bool, Duration), Failure> {
         std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
         let layer = self.layer();
         let freeze = !self.paused && self.jail.is_some();
+        let stopped = Instant::now();
         if freeze {
             self.running()?.pause().map_err(|e| error_chain(&e))?;
         }
         let copied = cube_storage::clone_tree(&layer, &SnapshotDir::new(staging).layer());
-        if freeze {
-            self.running()?.resume().map_err(|e| error_chain(&e))?;
-        }
+        let paused = match freeze {
+            true => {
+                self.running()?.resume().map_err(|e| error_chain(&e))?;
+                stopped.elapsed()
+            }
+            false => Duration::ZERO,
+        };
         match copied {
-            Ok(stats) => Ok(stats.copied_files == 0),
+            Ok(stats) => Ok((stats.copied_files == 0, paused)),
             Err(e) => {
                 let _ = std::fs::remove_dir_all(staging);
                 Err(format!("copying the layer: {}", error_chain(&e)).into())
@@ -630,6 +665,7 @@ impl JailSandbox {
             // Refuse a damaged checkpoint before the running jail goes.
             Checkpoint::open(snapshot).map_err(|e| error_chain(&e))?;
             self.stop_current()?;
+            tracing::debug!(elapsed = ?start.elapsed(), "rollback: old jail stopped");
             self.restore(criu, snapshot)?;
             tracing::debug!(elapsed = ?start.elapsed(), "rollback: processes restored");
             return Ok(());
@@ -673,7 +709,7 @@ impl JailSandbox {
         self.lifeline = None;
         self.paused = false;
         let stopped = match dumped {
-            Ok(()) => jail
+            Ok(_) => jail
                 .destroy()
                 .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e))),
             Err(why) => {
@@ -702,13 +738,35 @@ impl JailSandbox {
                 )
             })?;
             self.restore(criu, &image_dir)?;
-            if let Err(e) = std::fs::remove_dir_all(&image_dir) {
-                tracing::warn!(sandbox = %self.id, "removing the woken checkpoint: {e}");
-            }
+            self.remove_aside(&image_dir);
             return Ok(());
         }
         let layer = self.dir.hibernated_layer();
         Ok(self.spawn(Some(layer))?)
+    }
+
+    /// Moves the directory `dir` aside and removes it off the request path (a woken
+    /// checkpoint: megabytes of images and a layer copy to unlink).
+    fn remove_aside(&mut self, dir: &Path) {
+        let aside = self.dir.removed_checkpoint(self.generation);
+        let target = match std::fs::rename(dir, &aside) {
+            Ok(()) => aside,
+            Err(_) => dir.to_path_buf(),
+        };
+        self.retiring.retain(|t| !t.is_finished());
+        let sandbox = self.id.clone();
+        let removal = move || {
+            if let Err(e) = std::fs::remove_dir_all(&target) {
+                tracing::warn!(sandbox = %sandbox, "removing {}: {e}", target.display());
+            }
+        };
+        match std::thread::Builder::new()
+            .name("remove-aside".into())
+            .spawn(removal.clone())
+        {
+            Ok(handle) => self.retiring.push(handle),
+            Err(_) => removal(),
+        }
     }
 
     /// Ends a replaced jail's processes now (so its agent accepts nothing more) and
@@ -862,7 +920,9 @@ fn publish_socket(dir: &SandboxDir, pid: i32) -> Result<(), String> {
 }
 
 /// Has the agent (PID 1 `pid`) close its host connections, and waits until its only
-/// socket is the listening one.
+/// socket is the listening one and the signal has been taken: a signal still pending
+/// when the sandbox is frozen would be saved with it, and the restored agent would
+/// then drop the first connections made to it.
 fn disconnect_agent(pid: i32) -> Result<(), String> {
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), DISCONNECT_SIGNAL)
         .map_err(|e| format!("signalling the agent: {e}"))?;
@@ -878,17 +938,30 @@ fn disconnect_agent(pid: i32) -> Result<(), String> {
                     .unwrap_or(false)
             })
             .count();
-        if sockets <= 1 {
+        if sockets <= 1 && !signal_pending(pid, DISCONNECT_SIGNAL)? {
             return Ok(());
         }
         if Instant::now() >= deadline {
             return Err(format!(
-                "the agent still holds {} host connections",
-                sockets - 1
+                "the agent still holds {} host connections or has not taken the signal",
+                sockets.saturating_sub(1)
             ));
         }
         std::thread::sleep(Duration::from_micros(200));
     }
+}
+
+/// Whether `signal` waits, sent to process `pid` and not yet taken by any of its
+/// threads (the `ShdPnd` mask of /proc/PID/status).
+fn signal_pending(pid: i32, signal: nix::sys::signal::Signal) -> Result<bool, String> {
+    let path = format!("/proc/{pid}/status");
+    let status = std::fs::read_to_string(&path).map_err(|e| format!("reading {path}: {e}"))?;
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("ShdPnd:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .ok_or_else(|| format!("{path} has no ShdPnd line"))?;
+    Ok(mask & (1u64 << (signal as i32 - 1)) != 0)
 }
 
 /// Pool jails' cgroups are this followed by their supervisor's pid.
@@ -1051,4 +1124,34 @@ fn jail_config(
         Stdio::Inherit
     };
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use nix::sys::signal::{SigSet, Signal};
+    use std::os::unix::process::CommandExt;
+
+    #[test]
+    fn a_signal_sent_and_blocked_is_seen_pending() {
+        let mut blocked = std::process::Command::new("sleep");
+        blocked.arg("30");
+        // SAFETY: sigprocmask is async-signal-safe; the child blocks SIGUSR2 for exec.
+        unsafe {
+            blocked.pre_exec(|| {
+                let mut set = SigSet::empty();
+                set.add(Signal::SIGUSR2);
+                set.thread_block().map_err(std::io::Error::from)
+            });
+        }
+        let mut child = blocked.spawn().unwrap();
+        let pid = child.id() as i32;
+        assert!(!signal_pending(pid, Signal::SIGUSR2).unwrap());
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGUSR2).unwrap();
+        assert!(signal_pending(pid, Signal::SIGUSR2).unwrap());
+        assert!(!signal_pending(pid, Signal::SIGUSR1).unwrap());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(signal_pending(-1, Signal::SIGUSR2).is_err());
+    }
 }

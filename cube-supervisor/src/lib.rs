@@ -3,7 +3,8 @@
 //!
 //! - [`protocol`]: the messages (with typed failures, [`protocol::ErrorKind`]), and
 //!   [`client`], the library's end of a connection.
-//! - [`pool`]: starting supervisors, and keeping some started ahead.
+//! - [`pool`]: starting supervisors, and keeping some started ahead (at the lower
+//!   [`priority`] they warm at).
 //! - [`server`]: the supervisor process; it holds one of three sandboxes:
 //!   [`test_guest_sandbox`] (Cube's test guest in a VM), [`linux_sandbox`] (a Linux
 //!   guest) or [`jail_sandbox`] (a jail, see [`jail_spec`]), with
@@ -24,6 +25,7 @@ pub mod jail_spec;
 pub mod linux_sandbox;
 pub mod network;
 pub mod pool;
+pub mod priority;
 pub mod protocol;
 pub mod records;
 pub mod resident_memory;

@@ -321,11 +321,17 @@ impl LinuxSandbox {
         let disk = self.dir.rootfs();
         let vm = self.vm()?;
         std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let stopped = std::time::Instant::now();
         let written = (|| {
             vm.pause().map_err(|e| error_chain(&e))?;
-            let stats = vm
+            let mut stats = vm
                 .snapshot(staging, Some(&disk))
                 .map_err(|e| error_chain(&e))?;
+            // The record counts until it is written; the answer below, until the
+            // VM runs again.
+            if was_running {
+                stats.paused_us = stopped.elapsed().as_micros() as u64;
+            }
             let meta = SnapshotMeta {
                 id: snapshot_id,
                 sandbox: sandbox_id,
@@ -362,8 +368,11 @@ impl LinuxSandbox {
         } else {
             Ok(())
         };
-        let stats = committed?;
+        let mut stats = committed?;
         resumed?;
+        if was_running {
+            stats.paused_us = stopped.elapsed().as_micros() as u64;
+        }
         self.track_flush(flush_in_background(dest.to_path_buf()));
         Ok(stats)
     }

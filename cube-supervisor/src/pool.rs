@@ -10,6 +10,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use super::protocol::{read_frame, Response};
 use super::server::WarmFor;
+use crate::priority::REFILL_NICE;
 
 /// Environment variable naming the supervisor binary.
 pub const SUPERVISOR_ENV: &str = "CUBE_SUPERVISOR";
@@ -87,6 +88,16 @@ pub fn spawn_supervisor_warm(
     warm_for: WarmFor,
     network: bool,
 ) -> Result<IdleSupervisor, PoolError> {
+    spawn(exe, scratch, warm_for, network, false)
+}
+
+fn spawn(
+    exe: &Path,
+    scratch: Option<&Path>,
+    warm_for: WarmFor,
+    network: bool,
+    background: bool,
+) -> Result<IdleSupervisor, PoolError> {
     let (ours, theirs) = UnixStream::pair().map_err(PoolError::SocketPair)?;
     let theirs: OwnedFd = theirs.into();
     let fd = theirs.as_raw_fd();
@@ -107,6 +118,9 @@ pub fn spawn_supervisor_warm(
         WarmFor::Jail => {
             command.arg("--warm").arg("jail");
         }
+        WarmFor::JailFromImage => {
+            command.arg("--warm").arg("jail-from-image");
+        }
     }
     if network {
         command.arg("--network");
@@ -121,10 +135,15 @@ pub fn spawn_supervisor_warm(
         Some(log) => command.stderr(log),
         None => command.stderr(Stdio::null()),
     };
-    // SAFETY: between fork and exec the closure only calls dup2, which is
-    // async-signal-safe; dup2 clears FD_CLOEXEC on the new descriptor 3.
+    // SAFETY: between fork and exec the closure only calls dup2, fcntl and
+    // setpriority, which are async-signal-safe; dup2 clears FD_CLOEXEC on the new
+    // descriptor 3.
     unsafe {
         command.pre_exec(move || {
+            // The child is single-threaded here: the whole process starts behind.
+            if background {
+                libc::setpriority(libc::PRIO_PROCESS, 0, REFILL_NICE);
+            }
             // dup2 onto itself would keep FD_CLOEXEC: clear it explicitly then.
             let r = if fd == 3 {
                 libc::fcntl(3, libc::F_SETFD, 0)
@@ -160,9 +179,22 @@ pub fn spawn_supervisor_warm(
     }
 }
 
+/// Longest a create waits for the supervisor the refill is starting before it starts
+/// its own (a refill that hangs must not hold creates up).
+const REFILL_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 struct PoolState {
     idle: VecDeque<IdleSupervisor>,
-    refilling: bool,
+    /// Refill threads running.
+    workers: usize,
+    /// Supervisors those threads are starting now.
+    starting: usize,
+    /// What the refills prepare for: the engine the last create asked for (both,
+    /// until one has). A supervisor warmed for the other engine too would do work
+    /// that is thrown away, on a host where that work competes with the creates.
+    warm_for: WarmFor,
+    /// Creates waiting for a supervisor being started (each waits for its own).
+    awaited: usize,
 }
 
 /// A pool of idle supervisors, refilled in the background.
@@ -203,7 +235,10 @@ impl SupervisorPool {
             state: Arc::new((
                 Mutex::new(PoolState {
                     idle: VecDeque::new(),
-                    refilling: false,
+                    workers: 0,
+                    starting: 0,
+                    warm_for: WarmFor::Any,
+                    awaited: 0,
                 }),
                 Condvar::new(),
             )),
@@ -223,11 +258,34 @@ impl SupervisorPool {
     }
 
     /// Like [`SupervisorPool::take`]; a supervisor started on the spot prepares only
-    /// for `engine` (a jail's needs no KVM warm-up).
+    /// for `engine` (a jail's needs no KVM warm-up), and so do the refills from now
+    /// on (unless `engine` is [`WarmFor::Any`]).
+    ///
+    /// When the pool is empty while refills are starting supervisors, as many creates
+    /// wait for those as are being started: each is part way through its start, and a
+    /// second start on the create path would only compete with it for the CPU.
+    /// Further creates start their own.
     pub fn take_for(&self, engine: WarmFor) -> Result<IdleSupervisor, PoolError> {
+        let (lock, cond) = &*self.state;
         let taken = {
-            let mut state = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
-            state.idle.pop_front()
+            let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
+            if engine != WarmFor::Any && self.network_warm_for() != WarmFor::Jail {
+                state.warm_for = engine;
+            }
+            match state.idle.pop_front() {
+                Some(s) => Some(s),
+                None if state.starting > state.awaited => {
+                    state.awaited += 1;
+                    let (mut state, _) = cond
+                        .wait_timeout_while(state, REFILL_WAIT, |s| {
+                            s.idle.is_empty() && s.starting > 0
+                        })
+                        .unwrap_or_else(|e| e.into_inner());
+                    state.awaited -= 1;
+                    state.idle.pop_front()
+                }
+                None => None,
+            }
         };
         self.refill();
         match taken {
@@ -239,64 +297,116 @@ impl SupervisorPool {
         }
     }
 
+    /// What a networked pool's supervisors are always warmed for.
+    fn network_warm_for(&self) -> WarmFor {
+        if self.network {
+            WarmFor::Jail
+        } else {
+            WarmFor::Any
+        }
+    }
+
     /// Waits until the pool holds its target number of supervisors.
     pub fn wait_full(&self) {
         let (lock, cond) = &*self.state;
         let state = lock.lock().unwrap_or_else(|e| e.into_inner());
         let _state = cond
-            .wait_while(state, |s| s.idle.len() < self.target && s.refilling)
+            .wait_while(state, |s| s.idle.len() < self.target && s.workers > 0)
             .unwrap_or_else(|e| e.into_inner());
     }
 
+    /// Starts refill threads, up to [`refill_parallelism`], while the pool and what
+    /// is being started fall short of the target: supervisors start in parallel, so
+    /// a run of creates empties the pool less often on a host with cores to spare.
     fn refill(&self) {
         if self.target == 0 {
             return;
         }
+        let mut state = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
+        // Each worker starts one supervisor at a time: what is wanted beyond the idle
+        // ones and one per worker is what another worker would start.
+        while state.workers < refill_parallelism() && state.idle.len() + state.workers < self.target
         {
-            let mut state = self.state.0.lock().unwrap_or_else(|e| e.into_inner());
-            if state.refilling || state.idle.len() >= self.target {
-                return;
+            let worker = RefillWorker {
+                state: Arc::clone(&self.state),
+                exe: self.exe.clone(),
+                scratch: self.scratch.clone(),
+                network: self.network,
+                target: self.target,
+                network_warm: self.network_warm_for(),
+            };
+            let spawned = std::thread::Builder::new()
+                .name("supervisor-pool".into())
+                .spawn(move || worker.run());
+            match spawned {
+                Ok(_) => state.workers += 1,
+                Err(e) => {
+                    tracing::warn!("starting a pool refill thread: {e}");
+                    break;
+                }
             }
-            state.refilling = true;
         }
-        let state = Arc::clone(&self.state);
-        let exe = self.exe.clone();
-        let scratch = self.scratch.clone();
-        let network = self.network;
-        let target = self.target;
-        let spawned = std::thread::Builder::new()
-            .name("supervisor-pool".into())
-            .spawn(move || loop {
-                let (lock, cond) = &*state;
-                let have = lock.lock().unwrap_or_else(|e| e.into_inner()).idle.len();
-                if have >= target {
-                    lock.lock().unwrap_or_else(|e| e.into_inner()).refilling = false;
+    }
+}
+
+/// How many supervisors the pool starts at once: one per core, at most four.
+fn refill_parallelism() -> usize {
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
+        .clamp(1, 4)
+}
+
+/// One refill thread's share of the pool.
+struct RefillWorker {
+    state: Arc<(Mutex<PoolState>, Condvar)>,
+    exe: PathBuf,
+    scratch: Option<PathBuf>,
+    network: bool,
+    target: usize,
+    network_warm: WarmFor,
+}
+
+impl RefillWorker {
+    /// Starts supervisors while the pool needs more than are being started.
+    fn run(self) {
+        let (lock, cond) = &*self.state;
+        loop {
+            let warm_for = {
+                let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
+                if state.idle.len() + state.starting >= self.target {
+                    state.workers -= 1;
                     cond.notify_all();
                     return;
                 }
+                state.starting += 1;
                 // A networked supervisor serves jails only: no KVM warm-up.
-                let warm_for = if network { WarmFor::Jail } else { WarmFor::Any };
-                match spawn_supervisor_warm(&exe, scratch.as_deref(), warm_for, network) {
-                    Ok(s) => lock
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .idle
-                        .push_back(s),
-                    Err(e) => {
-                        tracing::warn!("pre-starting a supervisor: {e}");
-                        lock.lock().unwrap_or_else(|e| e.into_inner()).refilling = false;
-                        cond.notify_all();
-                        return;
-                    }
+                match self.network_warm {
+                    WarmFor::Jail => WarmFor::Jail,
+                    _ => state.warm_for,
                 }
-                cond.notify_all();
-            });
-        if spawned.is_err() {
-            self.state
-                .0
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .refilling = false;
+            };
+            let start = std::time::Instant::now();
+            let spawned = spawn(
+                &self.exe,
+                self.scratch.as_deref(),
+                warm_for,
+                self.network,
+                true,
+            );
+            tracing::debug!(elapsed = ?start.elapsed(), ?warm_for, "pool: supervisor started");
+            let mut state = lock.lock().unwrap_or_else(|e| e.into_inner());
+            state.starting -= 1;
+            match spawned {
+                Ok(s) => state.idle.push_back(s),
+                Err(e) => {
+                    tracing::warn!("pre-starting a supervisor: {e}");
+                    state.workers -= 1;
+                    cond.notify_all();
+                    return;
+                }
+            }
+            cond.notify_all();
         }
     }
 }

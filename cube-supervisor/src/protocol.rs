@@ -19,8 +19,10 @@ use crate::records::{Engine, SnapshotKind};
 pub const MAX_FRAME: u32 = 1 << 20;
 
 /// Protocol version; a supervisor refuses clients of another version. (4: failures
-/// carry an [`ErrorKind`].)
-pub const PROTOCOL_VERSION: u32 = 4;
+/// carry an [`ErrorKind`]; 5: snapshot stats carry the time the sandbox was stopped,
+/// `SnapshotStats::paused_us`, and a supervisor can be warmed for a jail restored
+/// from an image, `--warm jail-from-image`.)
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Why a frame could not be exchanged.
 #[derive(Debug, thiserror::Error)]

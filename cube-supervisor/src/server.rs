@@ -96,6 +96,9 @@ pub enum WarmFor {
     Vm,
     /// A jail sandbox follows: nothing to warm (KVM stays closed).
     Jail,
+    /// A jail that starts from a snapshot or a template tree follows, which a jail
+    /// started ahead on the host template cannot serve: the process only.
+    JailFromImage,
 }
 
 impl std::str::FromStr for WarmFor {
@@ -106,7 +109,10 @@ impl std::str::FromStr for WarmFor {
             "any" => Ok(WarmFor::Any),
             "vm" => Ok(WarmFor::Vm),
             "jail" => Ok(WarmFor::Jail),
-            other => Err(format!("unknown warm-up {other:?} (any, vm or jail)")),
+            "jail-from-image" => Ok(WarmFor::JailFromImage),
+            other => Err(format!(
+                "unknown warm-up {other:?} (any, vm, jail or jail-from-image)"
+            )),
         }
     }
 }
@@ -123,8 +129,8 @@ struct Warm {
 }
 
 fn warm_up(scratch: Option<&Path>, warm_for: WarmFor, network: bool) -> Warm {
-    let kvm = (warm_for != WarmFor::Jail).then(open_kvm);
-    let scratch = scratch.filter(|_| warm_for != WarmFor::Vm);
+    let kvm = matches!(warm_for, WarmFor::Any | WarmFor::Vm).then(open_kvm);
+    let scratch = scratch.filter(|_| matches!(warm_for, WarmFor::Any | WarmFor::Jail));
     let mut jail = scratch.and_then(|dir| match PrespawnedJail::start(dir) {
         Ok(j) => Some(j),
         Err(e) => {
@@ -186,6 +192,8 @@ pub fn run(
         Err(ProtocolError::Closed) => return Ok(()),
         Err(e) => return Err(e.into()),
     };
+    // A pool refill started this supervisor behind the creates; now it is one.
+    crate::priority::normal_priority(std::process::id());
     let Request::Adopt {
         version,
         id,

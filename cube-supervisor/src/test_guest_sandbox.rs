@@ -371,14 +371,16 @@ fn write_snapshot(
     let was_running = m.is_running();
     let result = (|| {
         // Memory, vCPUs and disk must be taken at the same instant.
+        let stopped = std::time::Instant::now();
         m.pause().map_err(|e| error_chain(&e))?;
-        let stats = m.snapshot(&staging).map_err(|e| error_chain(&e))?;
+        let mut stats = m.snapshot(&staging).map_err(|e| error_chain(&e))?;
         let rootfs = sandbox_dir.rootfs();
         if rootfs.exists() {
             cube_storage::clone_file(&rootfs, &staging.rootfs()).map_err(|e| error_chain(&e))?;
         }
         if was_running {
             m.resume().map_err(|e| error_chain(&e))?;
+            stats.paused_us = stopped.elapsed().as_micros() as u64;
         }
         let meta = SnapshotMeta {
             id: snapshot_id,

@@ -369,6 +369,7 @@ fn write_snapshot(
                 dirty_pages,
                 bytes_written: diff.bytes_written,
                 reflinked: diff.clone_method == cube_storage::CloneMethod::Reflink,
+                paused_us: 0,
             }
         }
         None => {
@@ -383,6 +384,7 @@ fn write_snapshot(
                 dirty_pages,
                 bytes_written: written.bytes_written,
                 reflinked: false,
+                paused_us: 0,
             }
         }
     };

@@ -12,12 +12,12 @@ use std::path::Path;
 use std::sync::Arc;
 
 use cube_storage::SnapshotDir;
-use cube_vmm::persist::state::STATE_KIND;
-use cube_vmm::persist::MachineConfig;
 use cube_supervisor::protocol::{write_frame, MachineStatus, Source, StatusReport};
 use cube_supervisor::protocol::{Request, Response};
-use cube_vmm::persist::WorkingSet;
+use cube_vmm::persist::state::STATE_KIND;
+use cube_vmm::persist::MachineConfig;
 use cube_vmm::persist::SnapshotStats;
+use cube_vmm::persist::WorkingSet;
 use cube_vmm::test_guest::Machine;
 use cube_vmm::vstate::KvmContext;
 
@@ -61,10 +61,8 @@ fn rng_record() -> Result<cube_devices::records::DeviceRecord, Error> {
             Ok(())
         }
     }
-    let memory = cube_devices::virtio::VirtioMemory::from_ranges(&[(
-        vm_memory::GuestAddress(0),
-        1 << 20,
-    )])?;
+    let memory =
+        cube_devices::virtio::VirtioMemory::from_ranges(&[(vm_memory::GuestAddress(0), 1 << 20)])?;
     let transport = cube_devices::virtio::mmio::MmioTransport::new(
         Box::new(cube_devices::virtio::rng::Rng::new()),
         memory,
@@ -144,6 +142,7 @@ fn main() -> Result<(), Error> {
                 cpu_millis: Some(500),
                 pids_max: Some(64),
                 lifetime_ms: Some(60_000),
+                network: None,
             },
         },
         Request::Adopt {
@@ -211,8 +210,10 @@ fn main() -> Result<(), Error> {
                 dirty_pages: 4096,
                 bytes_written: 16 << 20,
                 reflinked: true,
+                paused_us: 2_000,
             },
             kind: cube_supervisor::records::SnapshotKind::Full,
+            fallback: None,
         },
         Response::Memory(vec![0xab; 64]),
         Response::Digest(vec![0xdead_beef, 0x0123_4567]),

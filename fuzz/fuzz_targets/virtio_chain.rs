@@ -39,13 +39,20 @@ fuzz_target!(|data: &[u8]| {
         assert!(chain.buffers.len() <= usize::from(size));
         let mut seen_writable = false;
         for buffer in &chain.buffers {
-            let end = buffer.addr.0.checked_add(u64::from(buffer.len)).expect("no wrap");
+            let end = buffer
+                .addr
+                .0
+                .checked_add(u64::from(buffer.len))
+                .expect("no wrap");
             let inside = [LOW, HIGH]
                 .iter()
                 .any(|(start, len)| buffer.addr.0 >= *start && end <= start + *len as u64);
             assert!(inside, "buffer {buffer:?} outside guest memory");
             assert!(mem.check_range(buffer.addr, buffer.len as usize) || buffer.len == 0);
-            assert!(!(seen_writable && !buffer.writable), "readable after writable");
+            assert!(
+                !(seen_writable && !buffer.writable),
+                "readable after writable"
+            );
             seen_writable |= buffer.writable;
         }
     }

@@ -23,6 +23,9 @@ struct SnapshotRow {
     /// MiB written into the writable layer before the snapshot.
     dirty_mib: u64,
     snapshot_ms: f64,
+    /// How long the sandbox's processes were frozen for it (see
+    /// [`JailReport::source_paused_means`]).
+    source_paused_ms: f64,
     create_from_snapshot_ms: f64,
     /// Always 0: a jail snapshot copies files, not pages.
     dirty_pages: u64,
@@ -62,9 +65,12 @@ struct FullStateRows {
     n: usize,
     /// Dumping the processes and reflinking the layer, sandbox left running.
     snapshot: Timing,
+    /// How long the processes were frozen during each snapshot.
+    snapshot_source_paused: Timing,
     /// Restoring the snapshot in place, to the variable read back.
     rollback: Timing,
-    /// A new sandbox restored from the snapshot, to the variable read back.
+    /// A new sandbox restored from the snapshot (its supervisor from the pool), to the
+    /// variable read back.
     clone: Timing,
     /// Dumping the processes and stopping them.
     hibernate: Timing,
@@ -86,6 +92,8 @@ struct JailReport {
     create_from_template: Vec<CreateRow>,
     create_vs_guest_size: Vec<()>,
     snapshot_vs_dirty: Vec<SnapshotRow>,
+    /// What `source_paused_ms` counts for this engine.
+    source_paused_means: &'static str,
     rollback_ms: f64,
     rollback_p95_ms: f64,
     clone: Vec<CloneRow>,
@@ -289,6 +297,7 @@ fn measure(
         snapshot_rows.push(SnapshotRow {
             dirty_mib,
             snapshot_ms: round2(snapshot_ms),
+            source_paused_ms: round2(snap.stats.paused_us as f64 / 1e3),
             create_from_snapshot_ms: round2(clone_ms),
             dirty_pages: 0,
         });
@@ -321,14 +330,15 @@ fn measure(
         .status()?
         .jail
         .and_then(|j| j.pid)
-        .map(proportional_set_kib)
+        .map(super::scaling::proportional_set_kib)
         .unwrap_or(0);
     sb.destroy()?;
 
     let (snapshot_kind, snapshot_fallback) = snapshot_kind.unwrap_or_default();
     let full_state = if snapshot_kind == "full" {
         progress("jail: full-state snapshot, rollback, clone, hibernate, wake");
-        Some(full_state(unpooled, repeats)?)
+        // Through the pool, as a runtime serves clones: their supervisors start ahead.
+        Some(full_state(pooled, repeats)?)
     } else {
         None
     };
@@ -422,6 +432,9 @@ fn measure(
         create_from_template: create_rows,
         create_vs_guest_size: Vec::new(),
         snapshot_vs_dirty: snapshot_rows,
+        source_paused_means: "processes frozen: the layer reflinked, the tmpfs mounts \
+            copied and CRIU's dump (memory written out) before they thaw; the agent's \
+            disconnect before it is not counted",
         rollback_ms: round2(rollback_p50),
         rollback_p95_ms: round2(rollback_p95),
         clone: clone_rows,
@@ -493,11 +506,13 @@ fn full_state(rt: &Runtime, repeats: usize) -> Result<FullStateRows, CliError> {
     }
     let (mut snapshots, mut rollbacks, mut clones, mut hibernates, mut wakes) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut paused = Vec::new();
     let mut image_bytes = 0;
     for _ in 0..repeats {
         let start = Instant::now();
         let snap = sb.snapshot()?;
         snapshots.push(start.elapsed());
+        paused.push(Duration::from_micros(snap.stats.paused_us));
         image_bytes = dir_bytes(&snap.dir.join("images"));
 
         let start = Instant::now();
@@ -523,6 +538,7 @@ fn full_state(rt: &Runtime, repeats: usize) -> Result<FullStateRows, CliError> {
     Ok(FullStateRows {
         n: repeats,
         snapshot: Timing::of(&snapshots),
+        snapshot_source_paused: Timing::of(&paused),
         rollback: Timing::of(&rollbacks),
         clone: Timing::of(&clones),
         hibernate: Timing::of(&hibernates),
@@ -586,18 +602,6 @@ fn direct_true(root: &Path) -> Result<(Duration, Duration), CliError> {
     Ok((start.elapsed(), destroy_start.elapsed()))
 }
 
-fn proportional_set_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("Pss:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
 fn print_table(r: &JailReport) {
     println!("# cube bench --engine jail ({})", r.store_filesystem);
     for row in &r.create_from_template {
@@ -627,8 +631,8 @@ fn print_table(r: &JailReport) {
     }
     for row in &r.snapshot_vs_dirty {
         println!(
-            "snapshot with {:>4} MiB written: {:>8} ms, clone to agent ready {:>8} ms",
-            row.dirty_mib, row.snapshot_ms, row.create_from_snapshot_ms
+            "snapshot with {:>4} MiB written: {:>8} ms (frozen {:>8} ms), clone to agent ready {:>8} ms",
+            row.dirty_mib, row.snapshot_ms, row.source_paused_ms, row.create_from_snapshot_ms
         );
     }
     println!(
@@ -652,6 +656,10 @@ fn print_table(r: &JailReport) {
         );
         for (what, t) in [
             ("snapshot", &f.snapshot),
+            (
+                "  of which the processes were frozen",
+                &f.snapshot_source_paused,
+            ),
             ("rollback to variable read back", &f.rollback),
             ("clone to variable read back", &f.clone),
             ("hibernate", &f.hibernate),

@@ -1,10 +1,13 @@
 //! `cube bench`: CubeSandbox's benchmark tables, reproduced on this host with Cube's
 //! test guest, next to floors measured in the same run.
 
+mod html_report;
+mod interrupt;
 mod jail;
 mod linux_guest;
 mod network;
 mod report;
+mod scaling;
 mod serve;
 mod stats;
 
@@ -18,9 +21,10 @@ use cube_core::templates::{MachineConfig, WorkingSet};
 use cube_core::testing::{floor, max_dirty_mib, TestGuestControl};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox};
 
-use crate::cli_error::{chain, CliError};
+use crate::cli_error::CliError;
 use crate::store_cmd::store_root;
-use report::{failed, progress, progress_done, CloneRow, CreateRow, Target};
+use interrupt::remove_on_interrupt;
+use report::{create_table, failed, progress, progress_done, table, CloneRow, CreateRow, Target};
 use stats::{percentiles_ms, round2};
 
 /// Options of `cube bench`.
@@ -56,6 +60,25 @@ pub struct BenchArgs {
     /// Guest kernel for --guest linux (a PVM-enabled one on PVM hosts).
     #[arg(long, value_name = "PATH")]
     kernel: Option<std::path::PathBuf>,
+    /// Measure scaling instead (CubeSandbox's §3.2 and §3.3) for --engine: creates at
+    /// concurrency 1 to 64 and the memory of 100 and 500 idle sandboxes. Not part of
+    /// --quick: 5 to 15 minutes on a 2-core host.
+    #[arg(long)]
+    scaling: bool,
+    /// Concurrency levels for --scaling.
+    #[arg(long, value_delimiter = ',', default_values_t = scaling::LEVELS.to_vec())]
+    levels: Vec<usize>,
+    /// Sandbox counts of the density rows for --scaling (0: none).
+    #[arg(long, value_delimiter = ',', default_values_t = scaling::DENSITY.to_vec())]
+    density: Vec<usize>,
+    /// Write an HTML page of charts into DIR (index.html, openable offline) from the
+    /// JSON reports of earlier runs: the --input files, else every *.json in DIR.
+    /// Runs no benchmark.
+    #[arg(long, value_name = "DIR")]
+    report: Option<std::path::PathBuf>,
+    /// A `cube bench --json` report for --report (repeatable).
+    #[arg(long, value_name = "FILE", requires = "report")]
+    input: Vec<std::path::PathBuf>,
 }
 
 #[derive(Serialize)]
@@ -73,6 +96,9 @@ const CREATES_PER_SNAPSHOT: usize = 5;
 struct SnapshotRow {
     dirty_mib: u64,
     snapshot_ms: f64,
+    /// How long the sandbox was stopped for the snapshot (see
+    /// [`Report::source_paused_means`]).
+    source_paused_ms: f64,
     /// p50 over [`CREATES_PER_SNAPSHOT`] creates.
     create_from_snapshot_ms: f64,
     create_from_snapshot_p95_ms: f64,
@@ -91,6 +117,8 @@ struct Report {
     /// Create latency against guest size: restore maps memory lazily, so it is flat.
     create_vs_guest_size: Vec<SizeRow>,
     snapshot_vs_dirty: Vec<SnapshotRow>,
+    /// What `source_paused_ms` counts for this engine.
+    source_paused_means: &'static str,
     rollback_ms: f64,
     rollback_p95_ms: f64,
     clone: Vec<CloneRow>,
@@ -118,7 +146,17 @@ struct Plan {
 }
 
 pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
+    if let Some(dir) = &args.report {
+        return html_report::run(dir, &args.input);
+    }
     let root = store_root(store)?;
+    if args.scaling {
+        let plan = scaling::ScalingPlan {
+            levels: args.levels.clone(),
+            density: args.density.iter().copied().filter(|n| *n > 0).collect(),
+        };
+        return scaling::run(&root, &args.engine, &plan, args.json);
+    }
     if args.network {
         return network::run(&root, args.quick, args.json);
     }
@@ -180,36 +218,6 @@ pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
     Ok(())
 }
 
-/// On Ctrl-C or SIGTERM, removes the templates this run made (`prefix` and
-/// `prefix-*`) and exits 130. Its sandboxes are ephemeral: they end with this process.
-///
-/// Must run before any other thread starts, so that every thread inherits the blocked
-/// signals and only the watcher receives them.
-fn remove_on_interrupt(root: &Path, prefix: &str) -> Result<(), CliError> {
-    let signals = crate::interrupts::block()?;
-    let templates = root.join("templates");
-    let prefix = prefix.to_string();
-    std::thread::Builder::new()
-        .name("interrupt".into())
-        .spawn(move || {
-            if signals.wait().is_err() {
-                return;
-            }
-            eprintln!("bench: interrupted, removing its templates");
-            if let Ok(entries) = std::fs::read_dir(&templates) {
-                for entry in entries.flatten() {
-                    let name = entry.file_name().to_string_lossy().into_owned();
-                    if name == prefix || name.starts_with(&format!("{prefix}-")) {
-                        let _ = std::fs::remove_dir_all(entry.path());
-                    }
-                }
-            }
-            std::process::exit(130);
-        })
-        .map_err(|e| CliError::failed(format!("starting the interrupt watcher: {e}")))?;
-    Ok(())
-}
-
 fn timed<T>(
     f: impl FnOnce() -> Result<T, cube_core::SandboxError>,
 ) -> Result<(Duration, T), CliError> {
@@ -260,51 +268,7 @@ fn run_plan(
             "create from template: concurrency {concurrency}, n {n}"
         ));
         rt.wait_pool_ready();
-        let wall_start = Instant::now();
-        let samples = std::sync::Mutex::new(Vec::new());
-        let failures = std::sync::Mutex::new(Vec::new());
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        std::thread::scope(|scope| {
-            for _ in 0..concurrency {
-                scope.spawn(|| {
-                    while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < n {
-                        let start = Instant::now();
-                        match rt.create(template, ephemeral()) {
-                            Ok(sb) => {
-                                let elapsed = start.elapsed();
-                                samples
-                                    .lock()
-                                    .unwrap_or_else(|e| e.into_inner())
-                                    .push(elapsed);
-                                let _ = sb.destroy();
-                            }
-                            Err(e) => failures
-                                .lock()
-                                .unwrap_or_else(|e| e.into_inner())
-                                .push(chain(&e)),
-                        }
-                    }
-                });
-            }
-        });
-        let wall = wall_start.elapsed();
-        if let Some(e) = failures
-            .into_inner()
-            .unwrap_or_else(|e| e.into_inner())
-            .first()
-        {
-            return Err(CliError::failed(e.clone()));
-        }
-        let samples = samples.into_inner().unwrap_or_else(|e| e.into_inner());
-        let (p50, p95) = percentiles_ms(&samples);
-        create_rows.push(CreateRow {
-            concurrency,
-            n,
-            p50_ms: round2(p50),
-            p95_ms: round2(p95),
-            // Wall time includes the destroys, as the reference's create-then-delete loop.
-            throughput_per_s: round2(n as f64 / wall.as_secs_f64()),
-        });
+        create_rows.push(scaling::create_at(rt, template, concurrency, n)?);
     }
 
     let mut size_rows = Vec::new();
@@ -378,6 +342,7 @@ fn run_plan(
             Ok::<_, CliError>(SnapshotRow {
                 dirty_mib: mib,
                 snapshot_ms: round2(snap_time.as_secs_f64() * 1e3),
+                source_paused_ms: round2(snap.stats.paused_us as f64 / 1e3),
                 create_from_snapshot_ms: round2(create_p50),
                 create_from_snapshot_p95_ms: round2(create_p95),
                 dirty_pages: snap.stats.dirty_pages,
@@ -473,6 +438,8 @@ fn run_plan(
         create_from_template: create_rows,
         create_vs_guest_size: size_rows,
         snapshot_vs_dirty: snapshot_rows,
+        source_paused_means: "vCPUs stopped: the whole snapshot (dirty set, memory \
+            written, vCPU state); live snapshots are not in this build",
         rollback_ms: lifecycle.rollback.0,
         rollback_p95_ms: lifecycle.rollback.1,
         clone: clone_rows,
@@ -546,25 +513,6 @@ fn lifecycle(sb: &mut Sandbox, repeats: usize) -> Result<Lifecycle, CliError> {
     })
 }
 
-/// Memory in use that no cache can give back, MiB (the reference's "Used Memory").
-fn used_memory_mib() -> Result<f64, CliError> {
-    let text = std::fs::read_to_string("/proc/meminfo").map_err(failed)?;
-    let field = |name: &str| {
-        text.lines()
-            .find(|l| l.starts_with(name))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    let kib = field("MemTotal:")
-        - field("MemFree:")
-        - field("Buffers:")
-        - field("Cached:")
-        - field("SReclaimable:")
-        + field("Shmem:");
-    Ok(kib / 1024.0)
-}
-
 /// Per idle sandbox: the host's used memory grown by `count` sandboxes, divided by
 /// `count` (the reference's method, which other processes on the host disturb), and the
 /// mean proportional set size of their supervisors (guest pages they wrote, their share
@@ -579,7 +527,7 @@ fn memory_overhead(store: &Path, template: &str, count: usize) -> Result<(f64, f
     })
     .map_err(CliError::from)?;
     std::thread::sleep(Duration::from_millis(200));
-    let before = used_memory_mib()?;
+    let before = scaling::used_memory_mib()?;
     let mut sandboxes = Vec::with_capacity(count);
     let result = (|| -> Result<(f64, f64), CliError> {
         for _ in 0..count {
@@ -588,11 +536,11 @@ fn memory_overhead(store: &Path, template: &str, count: usize) -> Result<(f64, f
             sandboxes.push(sb);
         }
         std::thread::sleep(Duration::from_millis(500));
-        let used = used_memory_mib()?;
+        let used = scaling::used_memory_mib()?;
         let mut pss_kib = 0u64;
         for sb in &mut sandboxes {
             let pid = sb.status().map_err(CliError::from)?.pid;
-            pss_kib += proportional_set_kib(pid)?;
+            pss_kib += scaling::proportional_set_kib(pid);
         }
         Ok((used, pss_kib as f64 / 1024.0))
     })();
@@ -601,18 +549,6 @@ fn memory_overhead(store: &Path, template: &str, count: usize) -> Result<(f64, f
     }
     let (after, pss_mib) = result?;
     Ok(((after - before) / count as f64, pss_mib / count as f64))
-}
-
-/// `Pss` of process `pid`, KiB.
-fn proportional_set_kib(pid: u32) -> Result<u64, CliError> {
-    let path = format!("/proc/{pid}/smaps_rollup");
-    let text =
-        std::fs::read_to_string(&path).map_err(|e| CliError::failed(format!("{path}: {e}")))?;
-    text.lines()
-        .find(|l| l.starts_with("Pss:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .ok_or_else(|| CliError::failed(format!("{path} has no Pss line")))
 }
 
 fn print_markdown(r: &Report) {
@@ -625,18 +561,7 @@ fn print_markdown(r: &Report) {
         r.floor_kvm_vm_ms, r.floor_kvm_vm_p95_ms, r.floor_write_mib_per_s
     );
     println!("## Create sandbox from template\n");
-    table(
-        &["Concurrency", "n", "p50 ms", "p95 ms", "Throughput /s"],
-        r.create_from_template.iter().map(|row| {
-            vec![
-                row.concurrency.to_string(),
-                row.n.to_string(),
-                row.p50_ms.to_string(),
-                row.p95_ms.to_string(),
-                row.throughput_per_s.to_string(),
-            ]
-        }),
-    );
+    create_table(&r.create_from_template);
     println!("\n## Create vs guest size\n");
     table(
         &["Guest MiB", "n", "p50 ms", "p95 ms"],
@@ -655,6 +580,7 @@ fn print_markdown(r: &Report) {
             "Dirty MiB",
             "Dirty pages",
             "Snapshot ms",
+            "Source paused ms",
             "Create from snapshot p50 ms",
             "p95 ms",
         ],
@@ -663,11 +589,13 @@ fn print_markdown(r: &Report) {
                 row.dirty_mib.to_string(),
                 row.dirty_pages.to_string(),
                 row.snapshot_ms.to_string(),
+                row.source_paused_ms.to_string(),
                 row.create_from_snapshot_ms.to_string(),
                 row.create_from_snapshot_p95_ms.to_string(),
             ]
         }),
     );
+    println!("\nSource paused: {}", r.source_paused_means);
     println!("\n## Clone\n");
     table(
         &["n", "Concurrency", "Wall ms", "Per clone ms"],
@@ -703,14 +631,5 @@ fn print_markdown(r: &Report) {
             t.limit,
             if t.met { "yes" } else { "no" }
         );
-    }
-}
-
-/// Prints a markdown table.
-fn table(headers: &[&str], rows: impl Iterator<Item = Vec<String>>) {
-    println!("| {} |", headers.join(" | "));
-    println!("|{}", "---|".repeat(headers.len()));
-    for row in rows {
-        println!("| {} |", row.join(" | "));
     }
 }

@@ -1,5 +1,5 @@
 //! What every part of `cube bench` shares: the rows and targets its reports are made
-//! of, and how it shows progress and failures.
+//! of, how they print as markdown tables, and how it shows progress and failures.
 
 use serde::Serialize;
 
@@ -61,5 +61,30 @@ pub fn progress(message: &str) {
 pub fn progress_done() {
     if let Some(p) = PHASES.get() {
         p.finish();
+    }
+}
+
+/// Prints the create rows as a markdown table.
+pub fn create_table(rows: &[CreateRow]) {
+    table(
+        &["Concurrency", "n", "p50 ms", "p95 ms", "Throughput /s"],
+        rows.iter().map(|row| {
+            vec![
+                row.concurrency.to_string(),
+                row.n.to_string(),
+                row.p50_ms.to_string(),
+                row.p95_ms.to_string(),
+                row.throughput_per_s.to_string(),
+            ]
+        }),
+    );
+}
+
+/// Prints a markdown table.
+pub fn table(headers: &[&str], rows: impl Iterator<Item = Vec<String>>) {
+    println!("| {} |", headers.join(" | "));
+    println!("|{}", "---|".repeat(headers.len()));
+    for row in rows {
+        println!("| {} |", row.join(" | "));
     }
 }

@@ -9,4 +9,9 @@ pub struct SnapshotStats {
     pub bytes_written: u64,
     /// Whether the parent memory file was reflinked (false: copied, or no parent).
     pub reflinked: bool,
+    /// How long the sandbox was stopped for this snapshot, in microseconds: the vCPUs
+    /// of a VM (the whole snapshot, today), the frozen processes of a jail. 0 where it
+    /// was stopped already, and in records written before this was measured.
+    #[serde(default)]
+    pub paused_us: u64,
 }

@@ -453,6 +453,7 @@ impl Machine {
                     dirty_pages,
                     bytes_written: diff.bytes_written,
                     reflinked: diff.clone_method == cube_storage::CloneMethod::Reflink,
+                    paused_us: 0,
                 }
             }
             None => {
@@ -466,6 +467,7 @@ impl Machine {
                     dirty_pages,
                     bytes_written: written.bytes_written,
                     reflinked: false,
+                    paused_us: 0,
                 }
             }
         };
