@@ -52,6 +52,10 @@ pub struct TreeCloneStats {
     pub directories: u64,
     /// FIFOs and device nodes recreated with `mknod`.
     pub special_files: u64,
+    /// Unix socket files left out: a socket file is only a name for a socket some
+    /// process bound, meaningless once copied (a process restored with its socket
+    /// binds the name anew).
+    pub skipped_sockets: u64,
 }
 
 /// Errors from cloning files and trees.
@@ -172,12 +176,6 @@ pub enum CloneError {
         #[source]
         source: io::Error,
     },
-    /// The tree holds a socket, which means nothing once copied.
-    #[error("Cannot clone socket {path}")]
-    Socket {
-        /// The socket path.
-        path: PathBuf,
-    },
     /// The destination of [`clone_tree`] lies inside its source, so the walk would
     /// never end.
     #[error("Clone destination {dst} is inside source {src}")]
@@ -201,6 +199,25 @@ pub fn clone_file(src: &Path, dst: &Path) -> Result<CloneMethod, CloneError> {
         path: src.to_owned(),
         source,
     })?;
+    clone_open_file(src_file, src, dst)
+}
+
+/// Like [`clone_file`] for an entry of a tree walk, which may belong to a sandbox: a
+/// symlink put in the file's place is not followed (the copy could otherwise read any
+/// host file into the sandbox's snapshot) and a FIFO put there does not block the open.
+fn clone_tree_file(src: &Path, dst: &Path) -> Result<CloneMethod, CloneError> {
+    let src_file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(src)
+        .map_err(|source| CloneError::OpenSource {
+            path: src.to_owned(),
+            source,
+        })?;
+    clone_open_file(src_file, src, dst)
+}
+
+fn clone_open_file(src_file: File, src: &Path, dst: &Path) -> Result<CloneMethod, CloneError> {
     let src_meta = src_file
         .metadata()
         .map_err(|source| CloneError::OpenSource {
@@ -299,7 +316,9 @@ pub fn filesystem_name(path: &Path) -> Result<String, CloneError> {
 /// names of a hard-linked file become hard links again, FIFOs and device nodes are
 /// recreated with `mknod`. Permission bits, access and modification times are kept;
 /// owners are kept when running as root (otherwise everything belongs to the
-/// caller). Extended attributes are not copied. Sockets are refused.
+/// caller). Extended attributes are not copied. Socket files are left out (see
+/// [`TreeCloneStats::skipped_sockets`]): a sandbox's layer may hold one, and its
+/// snapshot must not fail for it.
 ///
 /// `dst_dir` must not exist and must not lie inside `src_dir`. On any error the
 /// partial `dst_dir` is removed.
@@ -399,7 +418,7 @@ impl TreeWalk {
                     self.first_names
                         .insert((meta.dev(), meta.ino()), dst.clone());
                 }
-                match clone_file(&src, &dst)? {
+                match clone_tree_file(&src, &dst)? {
                     CloneMethod::Reflink => self.stats.reflinked_files += 1,
                     CloneMethod::SparseCopy => self.stats.copied_files += 1,
                 }
@@ -427,8 +446,13 @@ impl TreeWalk {
                 })?;
                 self.stats.special_files += 1;
                 self.apply_attributes(&dst, &meta)?;
+            } else if file_type.is_socket() {
+                self.stats.skipped_sockets += 1;
             } else {
-                return Err(CloneError::Socket { path: src });
+                return Err(CloneError::OpenSource {
+                    path: src,
+                    source: io::ErrorKind::Unsupported.into(),
+                });
             }
         }
         Ok(())
@@ -934,7 +958,7 @@ mod tests {
     }
 
     #[test]
-    fn failed_tree_clone_removes_partial_destination() {
+    fn socket_files_are_left_out_of_a_tree_clone() {
         let dir = tempfile::tempdir().unwrap();
         let src = dir.path().join("src");
         let dst = dir.path().join("dst");
@@ -942,9 +966,36 @@ mod tests {
         fs::write(src.join("a"), b"a").unwrap();
         let _listener = std::os::unix::net::UnixListener::bind(src.join("sock")).unwrap();
 
-        let err = clone_tree(&src, &dst).unwrap_err();
+        let stats = clone_tree(&src, &dst).unwrap();
 
-        assert!(matches!(err, CloneError::Socket { .. }), "{err}");
+        assert_eq!(stats.skipped_sockets, 1);
+        assert_eq!(fs::read(dst.join("a")).unwrap(), b"a");
+        assert!(fs::symlink_metadata(dst.join("sock")).is_err());
+    }
+
+    #[test]
+    fn failed_tree_clone_removes_partial_destination() {
+        // A sparse file larger than the destination's filesystem allows (tmpfs takes
+        // 17 TiB, ext4 stops at 16): its copy fails after the first file went in.
+        let Ok(shm) = tempfile::tempdir_in("/dev/shm") else {
+            println!("skipped: no /dev/shm");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        if filesystem_name(dir.path()).unwrap() != "ext4" {
+            println!("skipped: the temporary directory is not on ext4");
+            return;
+        }
+        let src = shm.path().join("src");
+        let dst = dir.path().join("dst");
+        fs::create_dir(&src).unwrap();
+        fs::write(src.join("a"), b"a").unwrap();
+        File::create(src.join("huge"))
+            .unwrap()
+            .set_len(17 << 40)
+            .unwrap();
+
+        assert!(clone_tree(&src, &dst).is_err());
         assert!(!dst.exists());
     }
 }
