@@ -316,6 +316,34 @@ fn the_agent_channel_does_not_leak_into_commands() {
 }
 
 #[test]
+fn the_command_cannot_read_or_write_the_agents_memory_or_take_its_descriptors() {
+    if skip() {
+        return;
+    }
+    let cube = Cube::new();
+    // The agent (PID 1) holds this process's streams; the command runs as its uid.
+    let script = r#"
+import os
+for path in ["/proc/1/mem", "/proc/1/environ"]:
+    try:
+        open(path, "rb").close()
+        print("OPENED", path)
+    except OSError as e:
+        print("refused", path, e.errno)
+try:
+    print("LISTED", os.listdir("/proc/1/fd"))
+except OSError as e:
+    print("refused fd", e.errno)
+"#;
+    let out = cube.run(&["run", "--", "python3", "-c", script]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(!stdout.contains("OPENED"), "{stdout}");
+    assert!(!stdout.contains("LISTED"), "{stdout}");
+    assert_eq!(stdout.matches("refused").count(), 3, "{stdout}");
+}
+
+#[test]
 fn code_prints_the_value_of_the_last_expression() {
     if skip() {
         return;
