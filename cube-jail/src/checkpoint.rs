@@ -17,9 +17,9 @@
 //!   copied, then CRIU dumps with `--freeze-cgroup` (it finds the tasks frozen and leaves
 //!   them so), and the sandbox is thawed: processes and files are from the same instant.
 //! - **Root**: restore binds the new sandbox directory's root onto itself in a private
-//!   mount namespace of its own (nothing reaches the host's mount table) and passes it as
-//!   `--root`; CRIU rebuilds the sandbox's mount tree (fresh /proc, /dev and /tmp tmpfs
-//!   with their contents, devpts) on it.
+//!   mount namespace of its own (nothing reaches the host's mount table), `nosuid,nodev`
+//!   as a spawned jail's root, and passes it as `--root`; CRIU rebuilds the sandbox's
+//!   mount tree (fresh /proc, /dev and /tmp tmpfs with their contents, devpts) on it.
 //! - **Host binds** (the read-only host userland, [`crate::ReadOnlyBind`]s): dumped as
 //!   external mounts `--external mnt[<mount point>]:<key>` and bound again from the
 //!   host path at restore (the configuration's bind source when it names that target).
@@ -960,15 +960,31 @@ pub fn restore(
                 {
                     return Err(io::Error::last_os_error());
                 }
-                // pivot_root, which CRIU does into --root, needs a mount point.
+                // pivot_root, which CRIU does into --root, needs a mount point. CRIU
+                // takes that mount as the sandbox's `/` as it is, so it gets the flags
+                // a spawned jail's root has (a bind takes none of them; the remount
+                // sets them on the bind alone).
                 let mounted = match &root_mount {
-                    RootMount::Bind => libc::mount(
-                        root_c.as_ptr(),
-                        root_c.as_ptr(),
-                        none,
-                        libc::MS_BIND | libc::MS_REC,
-                        none.cast(),
-                    ),
+                    RootMount::Bind => {
+                        let bound = libc::mount(
+                            root_c.as_ptr(),
+                            root_c.as_ptr(),
+                            none,
+                            libc::MS_BIND | libc::MS_REC,
+                            none.cast(),
+                        );
+                        if bound != 0 {
+                            bound
+                        } else {
+                            libc::mount(
+                                none,
+                                root_c.as_ptr(),
+                                none,
+                                libc::MS_REMOUNT | libc::MS_BIND | libc::MS_NOSUID | libc::MS_NODEV,
+                                none.cast(),
+                            )
+                        }
+                    }
                     RootMount::Overlay(data) => libc::mount(
                         c"overlay".as_ptr(),
                         root_c.as_ptr(),
