@@ -27,6 +27,9 @@ const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
 const HOST_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const OUT_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
 const FAR_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+/// An outside address in a range every sandbox is refused by default (198.18.0.0/15,
+/// benchmarking), routed to the outside namespace this test makes.
+const DEFAULT_DENIED_ADDR: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
 
 fn skip() -> bool {
     // SAFETY: geteuid has no failure mode.
@@ -120,6 +123,7 @@ impl Lab {
             "eth0",
         ]);
         ip(&["-n", &lab.ns, "addr", "add", "203.0.113.2/32", "dev", "lo"]);
+        ip(&["-n", &lab.ns, "addr", "add", "198.18.0.2/32", "dev", "lo"]);
         ip(&["-n", &lab.ns, "link", "set", "eth0", "up"]);
         ip(&["-n", &lab.ns, "link", "set", "lo", "up"]);
         ip(&[
@@ -132,6 +136,8 @@ impl Lab {
             "198.51.100.1",
         ]);
         ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.2"]);
+        // Goes with the uplink.
+        ip(&["route", "add", "198.18.0.2/32", "via", "198.51.100.2"]);
         let www = lab._www.path().to_path_buf();
         let out = Command::new("ip")
             .args([
@@ -301,7 +307,24 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
         get_inside(&agent_a, HOST_ADDR, 18081).is_err(),
         "the host reached"
     );
+    // The default deny list is in force besides the sandbox's own entries, and the
+    // report shows it.
+    assert!(
+        get_inside(&agent_a, DEFAULT_DENIED_ADDR, 80).is_err(),
+        "a default-deny range reached"
+    );
     let report = a.network().unwrap();
+    for cidr in [
+        "203.0.113.0/24",
+        "198.18.0.0/15",
+        "169.254.0.0/16",
+        "10.0.0.0/8",
+    ] {
+        assert!(
+            report.deny_in_force.iter().any(|c| c == cidr),
+            "{cidr} not in force: {report:?}"
+        );
+    }
     assert!(report.counters.tx_packets >= 4, "{report:?}");
     assert!(report.counters.rx_bytes > 0, "{report:?}");
     assert!(report.counters.dropped > 0, "{report:?}");
@@ -309,6 +332,16 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
     // Live policy changes: lift the deny; then offline; then the host exactly.
     a.set_policy(&NetworkPolicy::default()).unwrap();
     assert_eq!(get_inside(&agent_a, FAR_ADDR, 80).unwrap(), "outside");
+    // A default range is lifted by an allow entry for it.
+    a.set_policy(&NetworkPolicy {
+        allow_out: vec!["198.18.0.0/15".into()],
+        ..NetworkPolicy::default()
+    })
+    .unwrap();
+    assert_eq!(
+        get_inside(&agent_a, DEFAULT_DENIED_ADDR, 80).unwrap(),
+        "outside"
+    );
     a.set_policy(&NetworkPolicy {
         internet: false,
         ..NetworkPolicy::default()
