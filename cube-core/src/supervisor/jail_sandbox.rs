@@ -791,7 +791,6 @@ impl JailSandbox {
 /// one on the host (to any host socket). Here it stays inside the sandbox.
 pub fn connect_agent(link: &Path) -> std::io::Result<std::os::unix::net::UnixStream> {
     use std::io::{Error, ErrorKind};
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let target = std::fs::read_link(link)?;
     let bad = || {
         Error::new(
@@ -805,10 +804,20 @@ pub fn connect_agent(link: &Path) -> std::io::Result<std::os::unix::net::UnixStr
         .strip_prefix("/proc/")
         .and_then(|r| r.strip_suffix("/root"))
         .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|p| p.parse::<i32>().ok())
         .ok_or_else(bad)?;
+    connect_inner(pid)
+}
+
+/// Connects to the agent socket of the jail whose PID 1 is `pid`, resolving
+/// [`AGENT_INNER_SOCKET`] inside the jail's root (see [`connect_agent`]): every path
+/// the host side follows inside a sandbox stays inside it.
+fn connect_inner(pid: i32) -> std::io::Result<std::os::unix::net::UnixStream> {
+    use std::io::{Error, ErrorKind};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let root = std::fs::File::open(format!("/proc/{pid}/root"))?;
-    let inner =
-        std::ffi::CString::new(AGENT_INNER_SOCKET.trim_start_matches('/')).map_err(|_| bad())?;
+    let inner = std::ffi::CString::new(AGENT_INNER_SOCKET.trim_start_matches('/'))
+        .map_err(|_| Error::from(ErrorKind::InvalidInput))?;
     // SAFETY: open_how is plain data; all-zero is valid and the fields are set below.
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
     how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
@@ -988,11 +997,18 @@ impl PrespawnedJail {
 /// Waits until the agent of PID 1 `pid` listens. (The probe connection is closed at
 /// once; the agent sees it end.)
 fn wait_listening(pid: i32) -> Result<(), String> {
+    wait_listening_for(pid, AGENT_READY_TIMEOUT)
+}
+
+/// [`wait_listening`] for at most `timeout`. The probe resolves the socket inside the
+/// jail's root: the sandbox's code can put a symlink in its place, which a plain
+/// connect through `/proc/<pid>/root` would follow on the host, to any host socket.
+fn wait_listening_for(pid: i32, timeout: Duration) -> Result<(), String> {
     let inner = inner_socket(pid);
-    let deadline = Instant::now() + AGENT_READY_TIMEOUT;
+    let deadline = Instant::now() + timeout;
     let mut pause = Duration::from_micros(50);
     loop {
-        match std::os::unix::net::UnixStream::connect(&inner) {
+        match connect_inner(pid) {
             Ok(_) => return Ok(()),
             Err(e) if Instant::now() >= deadline => {
                 return Err(format!(
@@ -1076,4 +1092,51 @@ fn jail_config(
     config.limits = limits(settings)?;
     config.seed_layer = seed;
     Ok(config)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_readiness_probe_does_not_follow_a_planted_symlink_to_a_host_socket() {
+        // SAFETY: geteuid has no failure mode.
+        if unsafe { libc::geteuid() } != 0 || cube_jail::CgroupLayout::detect().is_err() {
+            println!("skipped: jails need root and a cgroup hierarchy");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        // A host socket the sandbox must never make the supervisor connect to.
+        let host_socket = tmp.path().join("host.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&host_socket).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let mut config = JailConfig::new(
+            format!("t{}-probe", std::process::id()),
+            tmp.path().join("jail"),
+        );
+        config.pausable = false;
+        // What code in a sandbox can do: replace the agent's socket with a symlink.
+        let script = format!(
+            "ln -sf {} {AGENT_INNER_SOCKET} && touch /tmp/.planted && sleep 30",
+            host_socket.display()
+        );
+        let jail = Jail::spawn(&config, &["/bin/sh", "-c", &script]).unwrap();
+        let pid = jail.pid();
+        let root_tmp = PathBuf::from(format!("/proc/{pid}/root/tmp/.planted"));
+        for _ in 0..500 {
+            if root_tmp.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(root_tmp.exists(), "the symlink was never planted");
+        let probed = wait_listening_for(pid, Duration::from_millis(300));
+        let reached = listener.accept().is_ok();
+        jail.destroy().unwrap();
+        assert!(!reached, "the probe connected to the host socket");
+        assert!(
+            probed.is_err(),
+            "the probe found an agent that does not exist"
+        );
+    }
 }
