@@ -7,6 +7,7 @@
 //!   staging directories that appear in place atomically or not at all.
 //! - [`loop_store`]: a reflink-capable XFS filesystem on a loop device, for hosts
 //!   whose root filesystem (ext4) cannot reflink.
+//! - [`project_quota`]: XFS project quotas, the disk limits of directories.
 //!
 //! This crate knows nothing about KVM or sandboxes' contents: it moves bytes and
 //! directories safely and cheaply.
@@ -14,6 +15,7 @@
 pub mod durability;
 pub mod loop_store;
 pub mod metadata;
+pub mod project_quota;
 pub mod reflink;
 pub mod store;
 
@@ -30,4 +32,6 @@ pub use reflink::{
     clone_file, clone_tree, filesystem_name, supports_reflink, CloneError, CloneMethod,
     TreeCloneStats,
 };
-pub use store::{is_valid_name, scratch_entry_name, StagingDir, Store, StoreError};
+pub use store::{
+    is_valid_name, remove_dead_scratch, scratch_entry_name, StagingDir, Store, StoreError,
+};
