@@ -57,10 +57,13 @@ use std::process::{Command, Stdio as ProcessStdio};
 
 use serde::{Deserialize, Serialize};
 
+use crate::capabilities::Identity;
 use crate::cgroup::{CgroupError, CgroupLayout, Freezer, SandboxCgroup};
 use crate::criu::{error_summary, Criu};
+use crate::disk_limit::{DiskLimit, DiskLimitError};
 use crate::jail::{Jail, JailConfig, JailError, Stdio};
 use crate::rootfs::{RootfsError, RootfsLayout};
+use crate::sandbox_uid::UidLease;
 
 /// Name of the manifest file in an image directory.
 pub const MANIFEST: &str = "cube-checkpoint.json";
@@ -133,6 +136,9 @@ pub enum CheckpointError {
     /// The jail configuration is invalid, or pausing/resuming the jail failed.
     #[error(transparent)]
     Jail(#[from] JailError),
+    /// The restored sandbox's disk limit could not be set.
+    #[error(transparent)]
+    Disk(#[from] DiskLimitError),
     /// The criu process failed. Its log went with the partial image or sandbox
     /// directory; `reason` keeps its first error lines.
     #[error("criu {action} failed: {reason}")]
@@ -239,6 +245,10 @@ struct Manifest {
     /// The dumped sandbox's cgroup in each hierarchy, by the hierarchy's controllers
     /// (CRIU's controller names, comma separated; "unified" for v2).
     cgroups: BTreeMap<String, String>,
+    /// The uid and gid its processes run as (CRIU restores them so); absent in
+    /// checkpoints written before sandboxes had uids of their own.
+    #[serde(default)]
+    identity: Option<(u32, u32)>,
 }
 
 impl Manifest {
@@ -263,6 +273,11 @@ impl Manifest {
                 .any(|b| b"[]:".contains(b))
             {
                 return Err(format!("bad mount target {}", m.target.display()));
+            }
+        }
+        if let Some((uid, gid)) = self.identity {
+            if uid == 0 || gid == 0 {
+                return Err("the sandbox ran as root".into());
             }
         }
         for fd in self.host_fds.keys() {
@@ -596,6 +611,7 @@ pub fn dump(
         mounts,
         host_fds,
         cgroups: cgroup_roots(&layout, cgroup),
+        identity: Some((jail.identity().uid, jail.identity().gid)),
     };
     manifest
         .validate()
@@ -799,6 +815,11 @@ pub fn restore(
                 Stdio::Inherit => unsafe { BorrowedFd::borrow_raw(number) }
                     .try_clone_to_owned()
                     .map_err(io_err("duplicate", Path::new("/dev/stdin")))?,
+                // SAFETY: the caller keeps `fd` open until restore returns
+                // (`Stdio::Fd`'s contract); it is only duplicated here.
+                Stdio::Fd(fd) => unsafe { BorrowedFd::borrow_raw(fd) }
+                    .try_clone_to_owned()
+                    .map_err(io_err("duplicate", Path::new("a given stream")))?,
                 Stdio::Pipe => {
                     let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| {
                         CheckpointError::Io {
@@ -825,8 +846,19 @@ pub fn restore(
 
     let layout = CgroupLayout::detect()?;
     let cgroup = SandboxCgroup::create(&layout, &config.name, &config.limits)?;
+    let disk = config
+        .limits
+        .disk_bytes
+        .map(|bytes| DiskLimit::lease(&config.state_dir, bytes))
+        .transpose()?;
     let rootfs = RootfsLayout::create_empty(&config.state_dir, &config.root)?;
     let state_dir = rootfs.state_dir().to_path_buf();
+    if let Some(disk) = &disk {
+        // Tagged while empty: the layer copied in below takes the project.
+        cube_storage::project_quota::tag_tree(&state_dir, disk.project())
+            .map_err(RootfsError::from)?;
+        disk.apply()?;
+    }
     // The root directory becomes a mount point: a bind of itself, or the overlay.
     let root_mount: RootMount = match lower {
         None => {
@@ -1015,13 +1047,30 @@ pub fn restore(
         .filter(|p| *p > 0)
         .ok_or(CheckpointError::BadPidFile)?;
     tracing::debug!(name = %config.name, pid, from = %manifest.source_name, "sandbox restored");
-    Ok(Jail::from_restored(
+    let identity = manifest
+        .identity
+        .map_or(crate::jail::DEFAULT_IDENTITY, |(uid, gid)| Identity {
+            uid,
+            gid,
+        });
+    // Held by the source when this is a clone of a running sandbox: the two share it.
+    let lease = UidLease::claim(identity.uid).unwrap_or_else(|e| {
+        tracing::warn!(uid = identity.uid, error = %e, "cannot lease the restored sandbox's uid");
+        None
+    });
+    let mut jail = Jail::from_restored(
         config.name.clone(),
         pid,
         cgroup,
         rootfs,
         parent_ends,
-    ))
+        identity,
+        lease,
+    );
+    if let Some(disk) = disk {
+        jail.hold_disk_limit(disk);
+    }
+    Ok(jail)
 }
 
 #[cfg(test)]
@@ -1076,6 +1125,7 @@ mod tests {
             }],
             host_fds: BTreeMap::from([(3, HostFd::Pipe { ino: 5 })]),
             cgroups: BTreeMap::from([("pids".into(), "/cube/a".into())]),
+            identity: Some((0x7000_0001, 0x7000_0001)),
         }
     }
 

@@ -3,6 +3,7 @@
 mod common;
 
 use std::fs;
+use std::os::unix::process::CommandExt;
 use std::process::Command;
 
 use cube_jail::{Jail, JailExit, Stdio};
@@ -314,4 +315,64 @@ print("pidfd_getfd", -1 if int(e2) else 0, e2)
         assert_eq!(f[2], expected.to_string(), "{line}");
     }
     assert_eq!(out.stdout.lines().count(), 14, "{}", out.stdout);
+}
+
+#[test]
+fn per_user_kernel_limits_are_not_shared_with_other_sandboxes_or_the_hosts_nobody() {
+    if common::skip() || common::skip_without_python() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    // A takes every inotify instance its uid may have (fs.inotify.max_user_instances),
+    // then holds them.
+    let mut a_cfg = common::config(tmp.path(), "inotify-a");
+    a_cfg.stderr = Stdio::Null;
+    let hog = r#"
+import ctypes, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+fds = []
+while len(fds) < 100000:
+    fd = libc.inotify_init()
+    if fd < 0:
+        break
+    fds.append(fd)
+print(len(fds), ctypes.get_errno(), flush=True)
+time.sleep(30)
+"#;
+    let mut a = Jail::spawn(&a_cfg, &["/usr/bin/python3", "-c", hog]).unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(a.take_stdout().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(
+        fields[1],
+        libc::EMFILE.to_string(),
+        "A never ran out: {line}"
+    );
+    let one = "import ctypes; libc = ctypes.CDLL(None, use_errno=True); \
+               fd = libc.inotify_init(); print(fd >= 0, ctypes.get_errno())";
+    // B, another sandbox, still gets one.
+    let b_cfg = common::config(tmp.path(), "inotify-b");
+    let mut b = Jail::spawn(&b_cfg, &["/usr/bin/python3", "-c", one]).unwrap();
+    let out = common::collect(&mut b);
+    b.destroy().unwrap();
+    // So does a host process running as nobody.
+    let host = Command::new("/usr/bin/python3")
+        .args(["-c", one])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    a.destroy().unwrap();
+    assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
+    assert_eq!(out.stdout.trim(), "True 0", "sandbox B was refused");
+    assert_eq!(
+        String::from_utf8_lossy(&host.stdout).trim(),
+        "True 0",
+        "the host's nobody was refused: {}",
+        String::from_utf8_lossy(&host.stderr)
+    );
 }
