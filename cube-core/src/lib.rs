@@ -16,5 +16,6 @@ pub mod vstate;
 
 pub use sandbox::{
     CreateOptions, Engine, EngineChoice, Runtime, RuntimeConfig, Sandbox, SandboxError, Snapshot,
-    SnapshotKind, DEFAULT_PIDS_MAX, HOST_TEMPLATE,
+    SnapshotKind, DEFAULT_CPU_MILLIS, DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB, DEFAULT_PIDS_MAX,
+    HOST_TEMPLATE,
 };

@@ -581,7 +581,7 @@ fn wait_gone(name: &str) {
 fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_is_reclaimed() {
     use cube_core::supervisor::pool::spawn_supervisor_warm;
     use cube_core::supervisor::server::WarmFor;
-    use cube_core::supervisor::{Request, Settings, Source, SupervisorClient};
+    use cube_core::supervisor::{Request, Source, SupervisorClient};
 
     if skip() {
         return;
@@ -733,7 +733,7 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
             dir: dir.clone(),
             source: Source::Jail { layer: None },
             ephemeral: true,
-            settings: Settings::default(),
+            settings: Box::default(),
         })
         .unwrap();
     assert!(ifindex(&ahead).is_none(), "{ahead} still on the host");

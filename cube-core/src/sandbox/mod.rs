@@ -71,7 +71,17 @@ pub const HOST_TEMPLATE: &str = "host";
 /// limit ([`CreateOptions::pids_max`]), on hosts with a pids cgroup controller: a fork
 /// bomb stops here instead of filling the host's PID space, and interpreters, builds
 /// and test runners stay far below it.
-pub const DEFAULT_PIDS_MAX: u32 = 4096;
+pub const DEFAULT_PIDS_MAX: u32 = cube_jail::DEFAULT_PIDS_MAX as u32;
+/// Memory of a jail sandbox whose creator names no limit ([`CreateOptions::memory_mib`]),
+/// on hosts with a memory cgroup controller; its tmpfs count, and each is this big at
+/// most.
+pub const DEFAULT_MEMORY_MIB: u64 = cube_jail::DEFAULT_MEMORY_BYTES >> 20;
+/// CPU of a jail sandbox whose creator names no limit ([`CreateOptions::cpu_millis`]),
+/// in thousandths of a core, on hosts with a cpu cgroup controller.
+pub const DEFAULT_CPU_MILLIS: u32 = (cube_jail::DEFAULT_CPU_QUOTA * 1000.0) as u32;
+/// What a jail sandbox's writable root may hold when its creator names no limit
+/// ([`CreateOptions::disk_mib`]), on a store with project quotas.
+pub const DEFAULT_DISK_MIB: u64 = cube_jail::DEFAULT_DISK_BYTES >> 20;
 
 use crate::supervisor::protocol::{Request, Response, StatusReport};
 use crate::supervisor::{ClientError, SupervisorClient};

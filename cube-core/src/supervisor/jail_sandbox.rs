@@ -192,8 +192,8 @@ impl JailSandbox {
             .map_err(|e| error_chain(&e))?;
         publish_socket(dir, jail.pid())?;
         // The pool started the jail with the default settings' limits.
-        let limits = limits(&settings)?;
-        if limits != self::limits(&Settings::default())? {
+        let limits = limits(&settings, dir)?;
+        if limits != self::limits(&Settings::default(), dir)? {
             jail.set_limits(&limits).map_err(|e| error_chain(&e))?;
         }
         if !settings.env.is_empty() {
@@ -1024,27 +1024,28 @@ fn wait_listening_for(pid: i32, timeout: Duration) -> Result<(), String> {
     }
 }
 
-fn limits(settings: &Settings) -> Result<Limits, String> {
-    let limits = Limits {
-        memory_bytes: settings
-            .memory_mib
-            .map(|m| m.checked_mul(1 << 20).ok_or("memory limit too large"))
-            .transpose()?,
+/// The limits `settings` ask for, every one they leave unset at its default where the
+/// host can enforce it (see [`Limits::with_defaults`]); `dir` is where the jail's
+/// directory will be (its filesystem decides the disk default).
+fn limits(settings: &Settings, dir: &Path) -> Result<Limits, String> {
+    let mib = |m: u64, what: &str| {
+        m.checked_mul(1 << 20)
+            .ok_or(format!("{what} limit too large"))
+    };
+    let asked = Limits {
+        memory_bytes: settings.memory_mib.map(|m| mib(m, "memory")).transpose()?,
         cpu_quota: settings.cpu_millis.map(|m| f64::from(m) / 1000.0),
-        pids_max: settings.pids_max.or_else(default_pids_max).map(u64::from),
+        pids_max: settings.pids_max.map(u64::from),
+        disk_bytes: settings.disk_mib.map(|m| mib(m, "disk")).transpose()?,
+    };
+    // Looked up once per supervisor.
+    static LAYOUT: OnceLock<Option<cube_jail::CgroupLayout>> = OnceLock::new();
+    let limits = match LAYOUT.get_or_init(|| cube_jail::CgroupLayout::detect().ok()) {
+        Some(layout) => asked.with_defaults(layout, dir),
+        None => asked,
     };
     limits.validate().map_err(|e| error_chain(&e))?;
     Ok(limits)
-}
-
-/// [`crate::DEFAULT_PIDS_MAX`] where the host has a pids controller (looked up once per
-/// supervisor); None elsewhere, where asking for it would fail every create.
-fn default_pids_max() -> Option<u32> {
-    static HAS_PIDS: OnceLock<bool> = OnceLock::new();
-    let has = *HAS_PIDS.get_or_init(|| {
-        cube_jail::CgroupLayout::detect().is_ok_and(|l| l.provider("pids").is_some())
-    });
-    has.then_some(crate::DEFAULT_PIDS_MAX)
 }
 
 /// Whether this process's standard error is `/dev/null`.
@@ -1089,7 +1090,7 @@ fn jail_config(
     };
     config.env.push(("RUST_LOG".into(), "warn".into()));
     config.env.extend(settings.env.iter().cloned());
-    config.limits = limits(settings)?;
+    config.limits = limits(settings, state_dir.parent().unwrap_or(state_dir))?;
     config.seed_layer = seed;
     Ok(config)
 }

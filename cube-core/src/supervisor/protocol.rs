@@ -20,7 +20,7 @@ use crate::vmm::machine::SnapshotStats;
 pub const MAX_FRAME: u32 = 1 << 20;
 
 /// Protocol version; a supervisor refuses clients of another version.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Why a frame could not be exchanged.
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +78,8 @@ pub struct Settings {
     pub cpu_millis: Option<u32>,
     /// Most processes and threads (jail).
     pub pids_max: Option<u32>,
+    /// Disk limit of the writable root, MiB (jail).
+    pub disk_mib: Option<u64>,
     /// Destroy the sandbox this many milliseconds after it was adopted.
     pub lifetime_ms: Option<u64>,
     /// A network from the host's pool (jail); None: loopback only.
@@ -99,8 +101,8 @@ pub enum Request {
         source: Source,
         /// Exit (and release everything) when this connection closes.
         ephemeral: bool,
-        /// Environment, limits, lifetime.
-        settings: Settings,
+        /// Environment, limits, lifetime (boxed: the other requests are small).
+        settings: Box<Settings>,
     },
     /// Report state.
     Status,
