@@ -137,9 +137,11 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("cube: {}", e.message);
+            // Messages can quote what a sandbox said (a file name, an agent error):
+            // shown, never acted on by the terminal.
+            eprintln!("cube: {}", table::printable_lines(&e.message));
             if let Some(hint) = e.hint {
-                eprintln!("hint: {hint}");
+                eprintln!("hint: {}", table::printable_lines(&hint));
             }
             ExitCode::from(e.code)
         }
