@@ -26,7 +26,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use cube_agent::client::{Client, ClientError};
@@ -37,6 +37,7 @@ use cube_core::EngineChoice;
 use cube_jail::{Jail, JailConfig, JailExit, ReadOnlyBind, Stdio};
 
 use crate::net_cmd::{NetworkArgs, PolicyArgs};
+use crate::terminal::{Resizer, SandboxTerminal};
 use crate::{chain, store_root, CliError};
 
 /// Where the agent binary appears inside the sandbox.
@@ -93,13 +94,24 @@ pub struct SandboxArgs {
     /// Kill the command after this many seconds and exit 124.
     #[arg(long, value_name = "S")]
     timeout: Option<f64>,
-    /// Memory limit of the whole sandbox, MiB.
-    #[arg(long, value_name = "N")]
+    /// Memory limit of the whole sandbox, MiB, its files included (its root, /tmp and
+    /// /dev/shm are memory) [default: 2048 where the host has a memory cgroup
+    /// controller].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     memory_mib: Option<u64>,
-    /// Most processes and threads alive at once in the sandbox (a fork bomb stops
-    /// there). Without it, as without --memory-mib, the sandbox gets no cgroup.
+    /// CPU limit in thousandths of a core [default: 1000 where the host has a cpu
+    /// cgroup controller].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    cpu_millis: Option<u32>,
+    /// Most processes and threads alive at once in the sandbox; a fork bomb stops
+    /// there [default: 4096 where the host has a pids cgroup controller].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pids_max: Option<u64>,
+    /// What the sandbox's files may take, MiB; past it writes fail with ENOSPC inside
+    /// [default: 4096 on a store with project quotas (a networked run's root is on
+    /// disk), else the memory limit: a `cube run` root is memory].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    disk_mib: Option<u64>,
     /// Give the sandbox a network (NAT through the host; private ranges and the host
     /// refused unless allowed). Implied by the other network flags. Without it the
     /// sandbox has loopback only.
@@ -171,16 +183,27 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
     config.root = cube_jail::RootSpec::HostUserlandInMemory;
     // Nor is it paused or checkpointed: without limits it needs no cgroup either.
     config.pausable = false;
-    // The command writes straight to our streams; a terminal among them stays out of
-    // reach of TIOCSTI, as the jail gives the sandbox a session of its own.
-    config.stdin = Stdio::Inherit;
-    config.stdout = Stdio::Inherit;
-    config.stderr = Stdio::Inherit;
+    // The command writes straight to our streams, pipes and files as they are. A
+    // terminal among them is replaced by one of the sandbox's own (see
+    // `terminal`): the host's must not be reachable by TIOCSTI or have its
+    // settings changed.
+    let mut terminal = SandboxTerminal::open()?;
+    let stream = |n: usize| match terminal.as_ref().and_then(|t| t.stream(n)) {
+        Some(fd) => Stdio::Fd(fd),
+        None => Stdio::Inherit,
+    };
+    config.stdin = stream(0);
+    config.stdout = stream(1);
+    config.stderr = stream(2);
+    let resizer = terminal
+        .as_ref()
+        .map(SandboxTerminal::resizer)
+        .transpose()?;
     // A closed stderr must not kill this process (SIGPIPE) before it destroys the
     // sandbox; what it writes there is best effort.
     // SAFETY: installs no handler; no memory effects.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-    let watch = Watch::start(timeout)?;
+    let watch = Watch::start(timeout, resizer)?;
     {
         // Held across the spawn: an interrupt meanwhile waits, then kills the jail.
         let mut slot = watch.lock();
@@ -190,6 +213,9 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
         if slot.outcome.is_some() {
             slot.kill();
         }
+    }
+    if let Some(terminal) = terminal.as_mut() {
+        terminal.start()?;
     }
     let waited = watch.wait_for_init();
     let (exit, destroyed) = {
@@ -204,6 +230,11 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
         }
     };
     let outcome = watch.lock().outcome;
+    // Its last output copied and the host terminal's settings back before anything
+    // else is printed.
+    if let Some(terminal) = terminal {
+        terminal.finish();
+    }
     destroyed.map_err(|e| CliError::failed(format!("destroying the sandbox: {}", chain(&e))))?;
     waited?;
     match outcome {
@@ -264,7 +295,8 @@ impl Slot {
 }
 
 /// The watcher of `cube run`: a thread that takes SIGINT and SIGTERM (blocked in every
-/// other thread) and the deadline, records why, and kills the sandbox.
+/// other thread) and the deadline, records why, and kills the sandbox; with a terminal
+/// of the sandbox's own it also takes SIGWINCH and passes the new window size on.
 struct Watch {
     slot: Arc<Mutex<Slot>>,
 }
@@ -272,17 +304,32 @@ struct Watch {
 impl Watch {
     /// Starts the watcher. Must run before any other thread starts, so that every
     /// thread inherits the blocked signals and only the watcher receives them.
-    fn start(timeout: Option<Duration>) -> Result<Watch, CliError> {
-        let signals = crate::interrupts::block()?;
+    fn start(timeout: Option<Duration>, resizer: Option<Resizer>) -> Result<Watch, CliError> {
+        let mut signals = crate::interrupts::block()?;
+        if resizer.is_some() {
+            let mut winch = nix::sys::signal::SigSet::empty();
+            winch.add(nix::sys::signal::Signal::SIGWINCH);
+            winch
+                .thread_block()
+                .map_err(|e| CliError::failed(format!("blocking signals: {e}")))?;
+            signals.add(nix::sys::signal::Signal::SIGWINCH);
+        }
         let slot = Arc::new(Mutex::new(Slot::default()));
         let shared = Arc::clone(&slot);
         let deadline = timeout.map(|t| Instant::now() + t);
         std::thread::Builder::new()
             .name("watch".into())
             .spawn(move || {
-                let outcome = match wait_signal_until(&signals, deadline) {
-                    Some(_) => Outcome::Interrupted,
-                    None => Outcome::TimedOut,
+                let outcome = loop {
+                    match wait_signal_until(&signals, deadline) {
+                        Some(libc::SIGWINCH) => {
+                            if let Some(resizer) = &resizer {
+                                resizer.resize();
+                            }
+                        }
+                        Some(_) => break Outcome::Interrupted,
+                        None => break Outcome::TimedOut,
+                    }
                 };
                 let mut slot = shared.lock().unwrap_or_else(PoisonError::into_inner);
                 slot.outcome.get_or_insert(outcome);
@@ -502,18 +549,46 @@ fn jail_config(store: Option<&Path>, args: &SandboxArgs) -> Result<JailConfig, C
     let tmp = store_root(store)?.join("tmp");
     std::fs::create_dir_all(&tmp)
         .map_err(|e| CliError::failed(format!("creating {}: {e}", tmp.display())))?;
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let name = format!("run-{}-{nanos}", std::process::id());
+    sweep_killed_runs(&tmp);
+    // Named for this process and its start time: the owner marker the sweep reads.
+    let name =
+        cube_storage::scratch_entry_name(RUN_PURPOSE).map_err(|e| CliError::failed(chain(&e)))?;
     let mut config = JailConfig::new(&name, tmp.join(&name));
+    // Killed with this process, SIGKILL included (Ctrl-C and errors destroy it here).
+    config.die_with_parent = true;
     config.binds.push(ReadOnlyBind {
         source: agent,
         target: PathBuf::from(AGENT_PATH),
     });
-    config.limits.memory_bytes = args.memory_mib.map(|m| m << 20);
-    config.limits.pids_max = args.pids_max;
+    let asked = cube_jail::Limits {
+        memory_bytes: args.memory_mib.map(|m| m.saturating_mul(1 << 20)),
+        cpu_quota: args.cpu_millis.map(|m| f64::from(m) / 1000.0),
+        pids_max: args.pids_max,
+        disk_bytes: args.disk_mib.map(|m| m.saturating_mul(1 << 20)),
+    };
+    // Every sandbox gets the default limits the host can enforce (see `Limits`).
+    config.limits = match cube_jail::CgroupLayout::detect() {
+        Ok(layout) => asked.with_defaults(&layout, &tmp),
+        Err(_) => asked,
+    };
     Ok(config)
+}
+
+/// What names the directories and cgroups of `cube run` and `cube code` sandboxes.
+const RUN_PURPOSE: &str = "run";
+
+/// Removes what `cube run`s killed outright left: their sandboxes died with them (see
+/// [`JailConfig::die_with_parent`]), their directories under the store's `tmp/` and
+/// their cgroups did not. Costs one directory read when there is nothing to do.
+fn sweep_killed_runs(tmp: &Path) {
+    let removed = cube_storage::remove_dead_scratch(tmp, RUN_PURPOSE);
+    if removed.is_empty() {
+        return;
+    }
+    tracing::debug!(?removed, "removed the sandboxes of killed runs");
+    if let Ok(layout) = cube_jail::CgroupLayout::detect() {
+        layout.remove_orphaned(&format!("{RUN_PURPOSE}-"));
+    }
 }
 
 /// A running sandbox: the jail and, when it has one, its network.
