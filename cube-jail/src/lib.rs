@@ -13,9 +13,10 @@
 //!   Killing PID 1 kills the whole namespace, which is what [`Jail::kill`] relies on.
 //! - **No user namespace; an unprivileged host uid of the sandbox's own** (leased per
 //!   sandbox from a range no account uses, see [`sandbox_uid`], so per-user kernel
-//!   limits are not shared; or a configured one, never 0). Cube runs as root, so it can set everything up in the init
-//!   user namespace and then give root up for good: bounding, ambient, effective,
-//!   permitted and inheritable capability sets empty, no_new_privs. A user namespace
+//!   limits are not shared; or a configured one, never 0). Cube runs as root, so it
+//!   can set everything up in the init user namespace and then give root up for good:
+//!   bounding, ambient, effective, permitted and inheritable capability sets empty,
+//!   no_new_privs. A user namespace
 //!   would give the sandbox "root" with capabilities over its own namespaces, which is
 //!   the largest source of kernel privilege escalations, and would complicate overlay
 //!   ownership; seccomp refuses creating one.
