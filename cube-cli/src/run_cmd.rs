@@ -2,8 +2,8 @@
 //! PID 1 is Cube's agent; the sandbox is destroyed when the command ends, fails or is
 //! interrupted, so nothing (process, mount, cgroup, file) outlives the invocation.
 //!
-//! The jail gets the agent binary bound read-only at [`AGENT_PATH`]. For `cube run` the
-//! agent is started as `cube-agent --exec -- CMD...`: init of the sandbox, it runs the
+//! The jail gets the agent binary bound read-only inside. For `cube run` the agent is
+//! started as `cube-agent --exec -- CMD...`: init of the sandbox, it runs the
 //! command on the standard streams this process was given (so output arrives as it is
 //! written, stdin of any size or a terminal works, and nothing is copied on the way) and
 //! exits with the command's status, which ends the sandbox. For `cube code` it gets one
@@ -11,53 +11,38 @@
 //! over the other end. Each invocation is a new sandbox: nothing, not even a `cube
 //! code` variable, carries over to the next one.
 //!
-//! They drive cube-jail directly rather than through the Sandbox API: an ephemeral API
-//! sandbox measured 1.4 times slower end to end on the CI hosts (the supervisor start
-//! and its round trips; `cube bench --engine jail` reports both paths in `run_true`),
-//! and a one-shot command gains nothing from a supervisor. `cube sandbox exec` and
-//! `cube sandbox code` are the API's way to run a command or a cell.
+//! They start their jail in this process ([`cube_core::oneshot`]) rather than through
+//! the Sandbox API: an ephemeral API sandbox measured 1.4 times slower end to end on
+//! the CI hosts (the supervisor start and its round trips; `cube bench --engine jail`
+//! reports both paths in `run_true`), and a one-shot command gains nothing from a
+//! supervisor. The jail is the one a jail sandbox gets (the same spec, agent and
+//! limits). `cube sandbox exec` and `cube sandbox code` are the API's way to run a
+//! command or a cell.
 //!
 //! With `--network` (or any policy flag, or `cube run --expose`) the jail gets a
 //! device from the host's `cube-net` pool, as an API sandbox does, attached once its
 //! agent answers and released when it is destroyed, on Ctrl-C too.
 
 use std::io::{Read, Write};
-use std::os::fd::AsFd;
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use cube_agent::client::{Client, ClientError};
 use cube_agent::protocol::{ErrorCode, ExecRequest, ExitInfo, Language, RequestBody, ResponseBody};
-use cube_core::sandbox::NetworkOptions;
-use cube_core::supervisor::jail_network::JailNetwork;
+use cube_core::network::{NetworkOptions, PortMapping};
+use cube_core::oneshot::{Exit, OneShotError, OneShotJail, OneShotOptions, Stdio};
 use cube_core::EngineChoice;
-use cube_jail::{Jail, JailConfig, JailExit, ReadOnlyBind, Stdio};
 
+use crate::cli_error::{chain, CliError, EXIT_INTERRUPTED, EXIT_TIMEOUT};
 use crate::net_cmd::{NetworkArgs, PolicyArgs};
+use crate::store_cmd::store_root;
 use crate::terminal::{Resizer, SandboxTerminal};
-use crate::{chain, store_root, CliError};
-
-/// Where the agent binary appears inside the sandbox.
-const AGENT_PATH: &str = "/.cube/cube-agent";
-
-/// The descriptor number the agent's socket gets inside the sandbox.
-const AGENT_FD: i32 = 3;
-
-/// Environment variable naming the agent binary, when it is not next to `cube`.
-const AGENT_ENV: &str = "CUBE_AGENT";
 
 /// How long past `--timeout` this process waits for the agent's own timeout report
 /// before giving up on it (the sandbox is destroyed either way).
 const TIMEOUT_GRACE: Duration = Duration::from_secs(5);
-
-/// Exit code for a command that ran out of time, as coreutils `timeout` uses.
-pub const EXIT_TIMEOUT: u8 = 124;
-
-/// Exit code after Ctrl-C or SIGTERM.
-const EXIT_INTERRUPTED: i32 = 130;
 
 /// Largest standard input `cube sandbox exec` forwards to a command (it travels in one
 /// agent message).
@@ -129,7 +114,7 @@ pub struct RunArgs {
     /// Serve a sandbox port on the host's addresses (not 127.0.0.1) while the
     /// command runs; repeatable. Implies --network.
     #[arg(long = "expose", value_name = "PORT[:SANDBOX_PORT]", value_parser = crate::net_cmd::parse_port)]
-    expose: Vec<cube_core::sandbox::PortMapping>,
+    expose: Vec<PortMapping>,
     /// The command and its arguments (after `--`); looked up in the sandbox's PATH.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
@@ -176,13 +161,7 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
         // does.
         return run_networked(store, args, timeout, network);
     }
-    let mut argv = vec![AGENT_PATH.to_string(), "--exec".into(), "--".into()];
-    argv.extend(args.command.iter().cloned());
-    let mut config = jail_config(store, &args.sandbox)?;
-    // Nothing of a `cube run` sandbox is kept: its root needs no disk.
-    config.root = cube_jail::RootSpec::HostUserlandInMemory;
-    // Nor is it paused or checkpointed: without limits it needs no cgroup either.
-    config.pausable = false;
+    let options = oneshot_options(store, &args.sandbox)?;
     // The command writes straight to our streams, pipes and files as they are. A
     // terminal among them is replaced by one of the sandbox's own (see
     // `terminal`): the host's must not be reachable by TIOCSTI or have its
@@ -192,9 +171,7 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
         Some(fd) => Stdio::Fd(fd),
         None => Stdio::Inherit,
     };
-    config.stdin = stream(0);
-    config.stdout = stream(1);
-    config.stderr = stream(2);
+    let streams = [stream(0), stream(1), stream(2)];
     let resizer = terminal
         .as_ref()
         .map(SandboxTerminal::resizer)
@@ -207,8 +184,9 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
     {
         // Held across the spawn: an interrupt meanwhile waits, then kills the jail.
         let mut slot = watch.lock();
-        let jail = Jail::spawn(&config, &argv)
-            .map_err(|e| CliError::failed(format!("creating the sandbox: {}", chain(&e))))?;
+        // Nothing of a `cube run` sandbox is kept: its root needs no disk.
+        let jail = OneShotJail::exec(&options, &args.command, streams)
+            .map_err(|e| oneshot_error("creating the sandbox", e))?;
         slot.jail = Some(jail);
         if slot.outcome.is_some() {
             slot.kill();
@@ -243,7 +221,7 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
                 std::io::stderr(),
                 "cube: interrupted, the sandbox was destroyed"
             );
-            Ok(EXIT_INTERRUPTED as u8)
+            Ok(EXIT_INTERRUPTED)
         }
         Some(Outcome::TimedOut) => {
             let _ = writeln!(
@@ -255,8 +233,8 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
         None => match exit
             .map_err(|e| CliError::failed(format!("waiting for the sandbox: {}", chain(&e))))?
         {
-            JailExit::Exited(code) => Ok((code & 0xff) as u8),
-            JailExit::Signaled(sig) => Ok((128 + (sig & 0x7f)) as u8),
+            Exit::Exited(code) => Ok((code & 0xff) as u8),
+            Exit::Signaled(sig) => Ok((128 + (sig & 0x7f)) as u8),
         },
     }
 }
@@ -274,7 +252,7 @@ enum Outcome {
 /// interrupt or at the deadline.
 #[derive(Default)]
 struct Slot {
-    jail: Option<Jail>,
+    jail: Option<OneShotJail>,
     outcome: Option<Outcome>,
 }
 
@@ -347,7 +325,7 @@ impl Watch {
     /// reaped (under the lock) its pid cannot be reused, so a kill from the watcher
     /// meanwhile can only reach it.
     fn wait_for_init(&self) -> Result<(), CliError> {
-        let Some(pid) = self.lock().jail.as_ref().map(Jail::pid) else {
+        let Some(pid) = self.lock().jail.as_ref().map(OneShotJail::pid) else {
             return Ok(());
         };
         loop {
@@ -465,7 +443,7 @@ fn check_engine(engine: Engine) -> Result<(), CliError> {
 /// starts.
 fn network_options(
     args: &SandboxArgs,
-    expose: &[cube_core::sandbox::PortMapping],
+    expose: &[PortMapping],
 ) -> Result<Option<NetworkOptions>, CliError> {
     NetworkArgs {
         network: args.network,
@@ -515,104 +493,31 @@ pub fn forwarded_stdin() -> Result<Vec<u8>, CliError> {
     Ok(data)
 }
 
-/// The agent binary: `$CUBE_AGENT`, else `cube-agent` next to this executable.
-fn agent_binary() -> Result<PathBuf, CliError> {
-    let path = match std::env::var_os(AGENT_ENV) {
-        Some(p) => PathBuf::from(p),
-        None => std::env::current_exe()
-            .map_err(|e| CliError::failed(format!("locating the cube executable: {e}")))?
-            .with_file_name("cube-agent"),
-    };
-    if !path.is_file() {
-        return Err(CliError::not_found(format!(
-            "the agent binary {} does not exist",
-            path.display()
-        ))
-        .hint(format!(
-            "build it (cargo build -p cube-agent) or set {AGENT_ENV} to its path"
-        )));
-    }
-    Ok(path)
-}
-
-/// The jail of one invocation: the host's userland, the agent bound in, the limits
-/// asked for, its directory under the store's `tmp`.
-fn jail_config(store: Option<&Path>, args: &SandboxArgs) -> Result<JailConfig, CliError> {
-    // SAFETY: geteuid has no failure mode.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err(CliError::unsupported(
-            "the jail engine needs root (namespaces, mounts and cgroups)",
-        )
-        .hint("run cube as root"));
-    }
-    let agent = agent_binary()?;
-    let tmp = store_root(store)?.join("tmp");
-    std::fs::create_dir_all(&tmp)
-        .map_err(|e| CliError::failed(format!("creating {}: {e}", tmp.display())))?;
-    sweep_killed_runs(&tmp);
-    // Named for this process and its start time: the owner marker the sweep reads.
-    let name =
-        cube_storage::scratch_entry_name(RUN_PURPOSE).map_err(|e| CliError::failed(chain(&e)))?;
-    let mut config = JailConfig::new(&name, tmp.join(&name));
-    // Killed with this process, SIGKILL included (Ctrl-C and errors destroy it here).
-    config.die_with_parent = true;
-    config.binds.push(ReadOnlyBind {
-        source: agent,
-        target: PathBuf::from(AGENT_PATH),
-    });
-    let asked = cube_jail::Limits {
-        memory_bytes: args.memory_mib.map(|m| m.saturating_mul(1 << 20)),
-        cpu_quota: args.cpu_millis.map(|m| f64::from(m) / 1000.0),
+/// Where the jail of one invocation lives (the store's `tmp`) and the limits asked
+/// for.
+fn oneshot_options(store: Option<&Path>, args: &SandboxArgs) -> Result<OneShotOptions, CliError> {
+    Ok(OneShotOptions {
+        memory_mib: args.memory_mib,
+        cpu_millis: args.cpu_millis,
         pids_max: args.pids_max,
-        disk_bytes: args.disk_mib.map(|m| m.saturating_mul(1 << 20)),
-    };
-    // Every sandbox gets the default limits the host can enforce (see `Limits`).
-    config.limits = match cube_jail::CgroupLayout::detect() {
-        Ok(layout) => asked.with_defaults(&layout, &tmp),
-        Err(_) => asked,
-    };
-    Ok(config)
+        disk_mib: args.disk_mib,
+        ..OneShotOptions::new(store_root(store)?)
+    })
 }
 
-/// What names the directories and cgroups of `cube run` and `cube code` sandboxes.
-const RUN_PURPOSE: &str = "run";
-
-/// Removes what `cube run`s killed outright left: their sandboxes died with them (see
-/// [`JailConfig::die_with_parent`]), their directories under the store's `tmp/` and
-/// their cgroups did not. Costs one directory read when there is nothing to do.
-fn sweep_killed_runs(tmp: &Path) {
-    let removed = cube_storage::remove_dead_scratch(tmp, RUN_PURPOSE);
-    if removed.is_empty() {
-        return;
-    }
-    tracing::debug!(?removed, "removed the sandboxes of killed runs");
-    if let Ok(layout) = cube_jail::CgroupLayout::detect() {
-        layout.remove_orphaned(&format!("{RUN_PURPOSE}-"));
-    }
-}
-
-/// A running sandbox: the jail and, when it has one, its network.
-struct Running {
-    jail: Jail,
-    network: Option<JailNetwork>,
-}
-
-impl Running {
-    /// Ends the jail, then releases its device and datapath state.
-    fn destroy(self) -> Result<(), CliError> {
-        let Running { jail, network } = self;
-        let destroyed = jail
-            .destroy()
-            .map_err(|e| CliError::failed(format!("destroying the sandbox: {}", chain(&e))));
-        // Released on drop; a failure is logged there (the device goes with the
-        // jail's namespace regardless).
-        drop(network);
-        destroyed
+/// A one-shot jail that could not be started or ended, with the advice its kind gets.
+fn oneshot_error(doing: &str, e: OneShotError) -> CliError {
+    let message = format!("{doing}: {}", chain(&e));
+    match e {
+        OneShotError::NotRoot => CliError::of_kind(e.kind(), message).hint("run cube as root"),
+        OneShotError::NoAgent(_) => CliError::of_kind(e.kind(), message)
+            .hint("build it (cargo build -p cube-agent) or set CUBE_AGENT to its path"),
+        _ => CliError::of_kind(e.kind(), message),
     }
 }
 
 /// The running sandbox: shared with the interrupt watcher, which destroys it on Ctrl-C.
-type SharedJail = Arc<Mutex<Option<Running>>>;
+type SharedJail = Arc<Mutex<Option<OneShotJail>>>;
 
 /// One sandbox with its agent connected. Dropping it destroys the sandbox.
 struct Session {
@@ -633,31 +538,18 @@ impl Session {
         // death by SIGPIPE.
         // SAFETY: installs no handler; no memory effects.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-        let mut config = jail_config(store, args)?;
-        let state_dir = config.state_dir.clone();
-        config.env.push(("RUST_LOG".into(), "warn".into()));
-        config.stderr = Stdio::Pipe;
-
-        let (ours, theirs) = UnixStream::pair()
-            .map_err(|e| CliError::failed(format!("creating the agent socket: {e}")))?;
-        {
+        let options = oneshot_options(store, args)?;
+        let ours = {
             // Held across the spawn: an interrupt meanwhile waits, then destroys it.
             let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
-            let mut spawned = Jail::spawn_with_fds(
-                &config,
-                &[AGENT_PATH, "--fd", "3"],
-                &[(theirs.as_fd(), AGENT_FD)],
-            )
-            .map_err(|e| CliError::failed(format!("creating the sandbox: {}", chain(&e))))?;
-            if let Some(log) = spawned.take_stderr() {
+            let (spawned, ours, log) = OneShotJail::serve(&options, true)
+                .map_err(|e| oneshot_error("creating the sandbox", e))?;
+            if let Some(log) = log {
                 forward_agent_log(log);
             }
-            *slot = Some(Running {
-                jail: spawned,
-                network: None,
-            });
-        }
-        drop(theirs);
+            *slot = Some(spawned);
+            ours
+        };
         let client = match Client::new(ours) {
             Ok(c) => c,
             Err(e) => {
@@ -671,9 +563,9 @@ impl Session {
         if let Some(options) = network {
             let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
             let attached = match slot.as_mut() {
-                Some(running) => JailNetwork::attach(running.jail.pid(), &options, &state_dir)
-                    .map(|n| running.network = Some(n))
-                    .map_err(|e| CliError::failed(format!("attaching the network: {}", chain(&e)))),
+                Some(running) => running
+                    .attach_network(&options)
+                    .map_err(|e| oneshot_error("attaching the network", e)),
                 None => Ok(()),
             };
             drop(slot);
@@ -817,7 +709,9 @@ pub fn run_cell(
 fn destroy(jail: &SharedJail) -> Result<(), CliError> {
     let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
     match slot.take() {
-        Some(running) => running.destroy(),
+        Some(running) => running
+            .destroy()
+            .map_err(|e| oneshot_error("destroying the sandbox", e)),
         None => Ok(()),
     }
 }
@@ -840,10 +734,10 @@ fn destroy_on_interrupt(jail: SharedJail) -> Result<(), CliError> {
             let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
             if let Some(running) = slot.take() {
                 if let Err(e) = running.destroy() {
-                    eprintln!("cube: {}", e.message);
+                    eprintln!("cube: destroying the sandbox: {}", chain(&e));
                 }
             }
-            std::process::exit(EXIT_INTERRUPTED);
+            std::process::exit(i32::from(EXIT_INTERRUPTED));
         })
         .map_err(|e| CliError::failed(format!("starting the interrupt watcher: {e}")))?;
     Ok(())

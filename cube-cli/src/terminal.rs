@@ -16,7 +16,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::thread::JoinHandle;
 
-use crate::CliError;
+use crate::cli_error::CliError;
 
 /// The host terminal a window size is read from and settings are restored to.
 #[derive(Clone, Copy)]
