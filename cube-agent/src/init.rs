@@ -25,11 +25,31 @@ pub enum InitError {
     /// The signal thread could not be started.
     #[error("starting the signal thread failed")]
     Thread(#[source] std::io::Error),
+    /// `prctl(PR_SET_DUMPABLE, 0)` failed.
+    #[error("making the agent undumpable failed")]
+    Undumpable(#[source] nix::errno::Errno),
 }
 
 /// Whether this process is PID 1 (of its PID namespace).
 pub fn is_pid1() -> bool {
     getpid().as_raw() == 1
+}
+
+/// Closes the agent to inspection by the code it runs, which has the same uid: with
+/// the process undumpable, `/proc/<agent>/mem`, ptrace, `process_vm_readv` and
+/// `pidfd_getfd` on it need CAP_SYS_PTRACE, which nothing in a sandbox has. The agent
+/// holds what the sandbox must not reach: the host's channel, and with `--exec` the
+/// host's standard streams. The commands it starts are dumpable again after their
+/// exec (the kernel resets it), as ordinary processes are. CRIU restores the flag.
+pub fn forbid_inspection() -> Result<(), InitError> {
+    // SAFETY: PR_SET_DUMPABLE takes one integer argument and touches no memory of
+    // ours; the unused arguments are zero as prctl(2) asks.
+    let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(InitError::Undumpable(nix::errno::Errno::last()))
+    }
 }
 
 /// Makes orphaned descendants re-parent to this process, as they would to PID 1.

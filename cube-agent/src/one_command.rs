@@ -89,14 +89,22 @@ pub fn run(argv: &[OsString]) -> Result<u8, OneCommandError> {
     // std starts the child with an empty signal mask and default SIGPIPE, and leads a
     // process group of its own so that a forwarded signal reaches the pipeline it
     // starts, not only its first process.
-    let child = Command::new(program)
-        .args(args)
-        .process_group(0)
-        .spawn()
-        .map_err(|source| OneCommandError::Spawn {
-            program: program.to_string_lossy().into_owned(),
-            source,
-        })?;
+    let mut command = Command::new(program);
+    command.args(args).process_group(0);
+    if crate::init::is_pid1() && take_terminal() {
+        // SAFETY: the closure runs in the forked child before exec and makes only
+        // async-signal-safe calls.
+        unsafe {
+            command.pre_exec(|| {
+                foreground_in_child();
+                Ok(())
+            });
+        }
+    }
+    let child = command.spawn().map_err(|source| OneCommandError::Spawn {
+        program: program.to_string_lossy().into_owned(),
+        source,
+    })?;
     let leader = Pid::from_raw(child.id() as i32);
     // The status comes from waitpid below, never from `child`, which is not waited for.
     drop(child);
@@ -110,6 +118,27 @@ pub fn run(argv: &[OsString]) -> Result<u8, OneCommandError> {
         if let Some(status) = reap(leader) {
             return Ok(status);
         }
+    }
+}
+
+/// When stdin is a terminal (the sandbox's own: `cube run` on a terminal), makes it
+/// the controlling terminal of the sandbox's session, which this process (PID 1)
+/// leads, so that the command can be its foreground job: Ctrl-C there interrupts the
+/// command, and it reads the terminal without being stopped. Whether it did.
+fn take_terminal() -> bool {
+    // SAFETY: isatty and TIOCSCTTY (argument 0: no stealing) only act on descriptor 0.
+    unsafe { libc::isatty(0) == 1 && libc::ioctl(0, libc::TIOCSCTTY, 0) == 0 }
+}
+
+/// In the command's child, once it leads its own process group: makes that group the
+/// terminal's foreground. (SIGTTOU, which a background group asking this gets, is
+/// ignored meanwhile.) Async-signal-safe.
+fn foreground_in_child() {
+    // SAFETY: signal and tcsetpgrp take integers and touch no memory of ours.
+    unsafe {
+        libc::signal(libc::SIGTTOU, libc::SIG_IGN);
+        libc::tcsetpgrp(0, libc::getpid());
+        libc::signal(libc::SIGTTOU, libc::SIG_DFL);
     }
 }
 

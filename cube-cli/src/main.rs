@@ -15,6 +15,7 @@ mod serve_cmd;
 mod store_cmd;
 mod table;
 mod template_build_cmd;
+mod terminal;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -143,9 +144,11 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("cube: {}", e.message);
+            // Messages can quote what a sandbox said (a file name, an agent error):
+            // shown, never acted on by the terminal.
+            eprintln!("cube: {}", table::printable_lines(&e.message));
             if let Some(hint) = e.hint {
-                eprintln!("hint: {hint}");
+                eprintln!("hint: {}", table::printable_lines(&hint));
             }
             ExitCode::from(e.code)
         }
@@ -174,17 +177,29 @@ mod tests {
         assert!(missing.is_empty(), "no example in --help of: {missing:?}");
     }
 
-    /// The help of `cube sandbox create` states the engine's default pids limit.
+    /// The help of `cube sandbox create` and `cube run` states the engine's default
+    /// limits.
     #[test]
-    fn the_pids_default_in_help_is_the_engines() {
+    fn the_limit_defaults_in_help_are_the_engines() {
         let mut cli = Cli::command();
-        let create = cli
-            .find_subcommand_mut("sandbox")
-            .and_then(|s| s.find_subcommand_mut("create"))
-            .expect("cube sandbox create exists");
-        let help = create.render_long_help().to_string();
-        let stated = format!("default: {} where", cube_core::DEFAULT_PIDS_MAX);
-        assert!(help.contains(&stated), "{help}");
+        for path in [&["sandbox", "create"][..], &["run"][..]] {
+            let mut cmd = &mut cli;
+            for name in path {
+                cmd = cmd
+                    .find_subcommand_mut(name)
+                    .unwrap_or_else(|| panic!("cube {path:?} exists"));
+            }
+            let help = cmd.render_long_help().to_string().replace('\n', " ");
+            let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+            for stated in [
+                format!("default: {} where", cube_core::DEFAULT_PIDS_MAX),
+                format!("default: {} where", cube_core::DEFAULT_MEMORY_MIB),
+                format!("default: {} where", cube_core::DEFAULT_CPU_MILLIS),
+                format!("default: {} on", cube_core::DEFAULT_DISK_MIB),
+            ] {
+                assert!(help.contains(&stated), "{path:?}: {stated} missing: {help}");
+            }
+        }
     }
 
     #[test]

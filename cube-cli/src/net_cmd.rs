@@ -100,8 +100,9 @@ pub fn print_report(report: &NetworkReport, json: bool) -> Result<(), CliError> 
         "internet   {}",
         if report.policy.internet { "on" } else { "off" }
     );
-    println!("allow-out  {}", list(&report.policy.allow_out));
-    println!("deny-out   {}", list(&report.policy.deny_out));
+    // What the datapath holds: the default deny ranges included.
+    println!("allow-out  {}", list(&report.allow_in_force));
+    println!("deny-out   {}", list(&report.deny_in_force));
     let ports: Vec<String> = report.exposed.iter().map(PortMapping::to_string).collect();
     println!("exposed    {}", list(&ports));
     println!(

@@ -32,12 +32,13 @@ use clap::{Args, ValueEnum};
 use cube_agent::client::{Client, ClientError};
 use cube_agent::protocol::{ErrorCode, ExecRequest, ExitInfo, Language, RequestBody, ResponseBody};
 use cube_core::network::{NetworkOptions, PortMapping};
-use cube_core::oneshot::{Exit, OneShotError, OneShotJail, OneShotOptions};
+use cube_core::oneshot::{Exit, OneShotError, OneShotJail, OneShotOptions, Stdio};
 use cube_core::EngineChoice;
 
 use crate::cli_error::{chain, CliError, EXIT_INTERRUPTED, EXIT_TIMEOUT};
 use crate::net_cmd::{NetworkArgs, PolicyArgs};
 use crate::store_cmd::store_root;
+use crate::terminal::{Resizer, SandboxTerminal};
 
 /// How long past `--timeout` this process waits for the agent's own timeout report
 /// before giving up on it (the sandbox is destroyed either way).
@@ -78,13 +79,24 @@ pub struct SandboxArgs {
     /// Kill the command after this many seconds and exit 124.
     #[arg(long, value_name = "S")]
     timeout: Option<f64>,
-    /// Memory limit of the whole sandbox, MiB.
-    #[arg(long, value_name = "N")]
+    /// Memory limit of the whole sandbox, MiB, its files included (its root, /tmp and
+    /// /dev/shm are memory) [default: 2048 where the host has a memory cgroup
+    /// controller].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     memory_mib: Option<u64>,
-    /// Most processes and threads alive at once in the sandbox (a fork bomb stops
-    /// there). Without it, as without --memory-mib, the sandbox gets no cgroup.
+    /// CPU limit in thousandths of a core [default: 1000 where the host has a cpu
+    /// cgroup controller].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    cpu_millis: Option<u32>,
+    /// Most processes and threads alive at once in the sandbox; a fork bomb stops
+    /// there [default: 4096 where the host has a pids cgroup controller].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pids_max: Option<u64>,
+    /// What the sandbox's files may take, MiB; past it writes fail with ENOSPC inside
+    /// [default: 4096 on a store with project quotas (a networked run's root is on
+    /// disk), else the memory limit: a `cube run` root is memory].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    disk_mib: Option<u64>,
     /// Give the sandbox a network (NAT through the host; private ranges and the host
     /// refused unless allowed). Implied by the other network flags. Without it the
     /// sandbox has loopback only.
@@ -150,22 +162,38 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
         return run_networked(store, args, timeout, network);
     }
     let options = oneshot_options(store, &args.sandbox)?;
+    // The command writes straight to our streams, pipes and files as they are. A
+    // terminal among them is replaced by one of the sandbox's own (see
+    // `terminal`): the host's must not be reachable by TIOCSTI or have its
+    // settings changed.
+    let mut terminal = SandboxTerminal::open()?;
+    let stream = |n: usize| match terminal.as_ref().and_then(|t| t.stream(n)) {
+        Some(fd) => Stdio::Fd(fd),
+        None => Stdio::Inherit,
+    };
+    let streams = [stream(0), stream(1), stream(2)];
+    let resizer = terminal
+        .as_ref()
+        .map(SandboxTerminal::resizer)
+        .transpose()?;
     // A closed stderr must not kill this process (SIGPIPE) before it destroys the
     // sandbox; what it writes there is best effort.
     // SAFETY: installs no handler; no memory effects.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-    let watch = Watch::start(timeout)?;
+    let watch = Watch::start(timeout, resizer)?;
     {
         // Held across the spawn: an interrupt meanwhile waits, then kills the jail.
         let mut slot = watch.lock();
-        // Nothing of a `cube run` sandbox is kept (its root needs no disk, and without
-        // limits no cgroup), and the command writes straight to our streams.
-        let jail = OneShotJail::exec(&options, &args.command)
+        // Nothing of a `cube run` sandbox is kept: its root needs no disk.
+        let jail = OneShotJail::exec(&options, &args.command, streams)
             .map_err(|e| oneshot_error("creating the sandbox", e))?;
         slot.jail = Some(jail);
         if slot.outcome.is_some() {
             slot.kill();
         }
+    }
+    if let Some(terminal) = terminal.as_mut() {
+        terminal.start()?;
     }
     let waited = watch.wait_for_init();
     let (exit, destroyed) = {
@@ -180,6 +208,11 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
         }
     };
     let outcome = watch.lock().outcome;
+    // Its last output copied and the host terminal's settings back before anything
+    // else is printed.
+    if let Some(terminal) = terminal {
+        terminal.finish();
+    }
     destroyed.map_err(|e| CliError::failed(format!("destroying the sandbox: {}", chain(&e))))?;
     waited?;
     match outcome {
@@ -240,7 +273,8 @@ impl Slot {
 }
 
 /// The watcher of `cube run`: a thread that takes SIGINT and SIGTERM (blocked in every
-/// other thread) and the deadline, records why, and kills the sandbox.
+/// other thread) and the deadline, records why, and kills the sandbox; with a terminal
+/// of the sandbox's own it also takes SIGWINCH and passes the new window size on.
 struct Watch {
     slot: Arc<Mutex<Slot>>,
 }
@@ -248,17 +282,32 @@ struct Watch {
 impl Watch {
     /// Starts the watcher. Must run before any other thread starts, so that every
     /// thread inherits the blocked signals and only the watcher receives them.
-    fn start(timeout: Option<Duration>) -> Result<Watch, CliError> {
-        let signals = crate::interrupts::block()?;
+    fn start(timeout: Option<Duration>, resizer: Option<Resizer>) -> Result<Watch, CliError> {
+        let mut signals = crate::interrupts::block()?;
+        if resizer.is_some() {
+            let mut winch = nix::sys::signal::SigSet::empty();
+            winch.add(nix::sys::signal::Signal::SIGWINCH);
+            winch
+                .thread_block()
+                .map_err(|e| CliError::failed(format!("blocking signals: {e}")))?;
+            signals.add(nix::sys::signal::Signal::SIGWINCH);
+        }
         let slot = Arc::new(Mutex::new(Slot::default()));
         let shared = Arc::clone(&slot);
         let deadline = timeout.map(|t| Instant::now() + t);
         std::thread::Builder::new()
             .name("watch".into())
             .spawn(move || {
-                let outcome = match wait_signal_until(&signals, deadline) {
-                    Some(_) => Outcome::Interrupted,
-                    None => Outcome::TimedOut,
+                let outcome = loop {
+                    match wait_signal_until(&signals, deadline) {
+                        Some(libc::SIGWINCH) => {
+                            if let Some(resizer) = &resizer {
+                                resizer.resize();
+                            }
+                        }
+                        Some(_) => break Outcome::Interrupted,
+                        None => break Outcome::TimedOut,
+                    }
                 };
                 let mut slot = shared.lock().unwrap_or_else(PoisonError::into_inner);
                 slot.outcome.get_or_insert(outcome);
@@ -449,7 +498,9 @@ pub fn forwarded_stdin() -> Result<Vec<u8>, CliError> {
 fn oneshot_options(store: Option<&Path>, args: &SandboxArgs) -> Result<OneShotOptions, CliError> {
     Ok(OneShotOptions {
         memory_mib: args.memory_mib,
+        cpu_millis: args.cpu_millis,
         pids_max: args.pids_max,
+        disk_mib: args.disk_mib,
         ..OneShotOptions::new(store_root(store)?)
     })
 }

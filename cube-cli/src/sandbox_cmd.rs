@@ -92,16 +92,23 @@ pub enum SandboxCommand {
         /// A label stored with the sandbox (repeatable).
         #[arg(long = "label", value_name = "KEY=VALUE", value_parser = key_value)]
         labels: Vec<(String, String)>,
-        /// Memory limit, MiB.
-        #[arg(long, value_name = "N")]
+        /// Memory limit, MiB, its /tmp and /dev/shm included [default: 2048 where the
+        /// host has a memory cgroup controller].
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
         memory_mib: Option<u64>,
-        /// CPU limit in thousandths of a core.
-        #[arg(long, value_name = "N")]
+        /// CPU limit in thousandths of a core [default: 1000 where the host has a cpu
+        /// cgroup controller].
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
         cpu_millis: Option<u32>,
         /// Most processes and threads at once [default: 4096 where the host has a pids
         /// cgroup controller].
         #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
         pids_max: Option<u32>,
+        /// What the sandbox's files may take on disk, MiB; past it writes fail with
+        /// ENOSPC inside [default: 4096 on a store with project quotas, see `cube store
+        /// setup`].
+        #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+        disk_mib: Option<u64>,
         /// Destroy the sandbox after this many seconds.
         #[arg(long, value_name = "S")]
         lifetime: Option<f64>,
@@ -395,6 +402,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
             memory_mib,
             cpu_millis,
             pids_max,
+            disk_mib,
             lifetime,
             network,
         } => {
@@ -420,6 +428,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                 memory_mib,
                 cpu_millis,
                 pids_max,
+                disk_mib,
                 network: network.options()?,
             };
             let sb = rt.create(&template, options)?;

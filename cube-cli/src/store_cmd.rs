@@ -8,8 +8,9 @@ use crate::cli_error::{chain, CliError};
 
 #[derive(Subcommand)]
 pub enum StoreCommand {
-    /// Put the store on a reflink-capable filesystem: an XFS image on a loop device
-    /// when the host's filesystem cannot reflink. Idempotent.
+    /// Put the store on a reflink-capable filesystem: an XFS image on a loop device,
+    /// mounted with project quotas (per-sandbox disk limits), when the host's
+    /// filesystem cannot reflink. Idempotent.
     ///
     /// Example: cube store setup --size 16G
     Setup {
@@ -51,6 +52,19 @@ fn default_image(root: &Path) -> PathBuf {
     PathBuf::from(name)
 }
 
+/// Says whether sandboxes on the store at `root` get disk limits, and how to have them.
+fn note_disk_limits(root: &Path) {
+    if cube_core::store::project_quota::enforced(root) {
+        println!("disk limits: on (XFS project quotas)");
+    } else {
+        eprintln!(
+            "note: the store's filesystem enforces no project quotas, so sandboxes get no \
+             disk limit (--disk-mib is refused); an XFS store mounted with prjquota has \
+             them: unmount it (no sandbox running) and run `cube store setup` again"
+        );
+    }
+}
+
 pub fn run(store: Option<&Path>, command: StoreCommand) -> Result<(), CliError> {
     let root = store_root(store)?;
     match command {
@@ -65,6 +79,7 @@ pub fn run(store: Option<&Path>, command: StoreCommand) -> Result<(), CliError> 
                     root.display(),
                     cube_core::store::filesystem_name(&root).unwrap_or_default()
                 );
+                note_disk_limits(&root);
                 return Ok(());
             }
             let mounted =
@@ -80,6 +95,7 @@ pub fn run(store: Option<&Path>, command: StoreCommand) -> Result<(), CliError> 
                 "store {} is now XFS with reflink on {device}",
                 root.display()
             );
+            note_disk_limits(&root);
             Ok(())
         }
         StoreCommand::Info { json } => {
@@ -93,16 +109,26 @@ pub fn run(store: Option<&Path>, command: StoreCommand) -> Result<(), CliError> 
             let fs = cube_core::store::filesystem_name(&root)
                 .map_err(|e| CliError::failed(chain(&e)))?;
             let reflink = cube_core::store::supports_reflink(&root).unwrap_or(false);
+            let disk_limits = cube_core::store::project_quota::enforced(&root);
             if json {
                 return crate::table::print_json(&serde_json::json!({
                     "store": root,
                     "filesystem": fs,
                     "reflink": reflink,
+                    "disk_limits": disk_limits,
                 }));
             }
             println!("store      {}", root.display());
             println!("filesystem {fs}");
             println!("reflink    {reflink}");
+            println!(
+                "disk limits {}",
+                if disk_limits {
+                    "yes (project quotas)"
+                } else {
+                    "no"
+                }
+            );
             if !reflink {
                 eprintln!("hint: snapshots fall back to sparse copies; `cube store setup` puts the store on a reflink-capable XFS image");
             }

@@ -20,9 +20,15 @@ impl Table {
         }
     }
 
-    /// Adds a row; missing cells print empty.
+    /// Adds a row; missing cells print empty. Control characters in a cell are
+    /// shown escaped (see [`printable`]).
     pub fn row(&mut self, cells: Vec<String>) {
-        self.rows.push(cells);
+        self.rows.push(
+            cells
+                .into_iter()
+                .map(|c| printable(&c).into_owned())
+                .collect(),
+        );
     }
 
     /// The table as text, one line per row, trailing spaces trimmed.
@@ -60,6 +66,42 @@ impl Table {
     pub fn print(&self) {
         print!("{}", self.render());
     }
+}
+
+/// `text` with every character a terminal would act on rather than show escaped, so
+/// that text from inside a sandbox (file names, labels, messages) cannot move the
+/// cursor, recolour, retitle or otherwise drive the terminal of whoever lists it:
+/// C0 and C1 controls and DEL as `\xHH` or `\u{HHHH}`, and the bidirectional
+/// overrides and isolates (which reorder what is shown) as `\u{HHHH}`. A backslash
+/// stays as it is.
+pub fn printable(text: &str) -> std::borrow::Cow<'_, str> {
+    printable_keeping(text, &[])
+}
+
+/// [`printable`] for a message of several lines: newlines and tabs stay.
+pub fn printable_lines(text: &str) -> std::borrow::Cow<'_, str> {
+    printable_keeping(text, &['\n', '\t'])
+}
+
+fn printable_keeping<'a>(text: &'a str, keep: &[char]) -> std::borrow::Cow<'a, str> {
+    let acts = |c: char| {
+        (c.is_control() && !keep.contains(&c))
+            || matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    };
+    if !text.chars().any(acts) {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if !acts(c) {
+            out.push(c);
+        } else if (c as u32) < 0x80 {
+            out.push_str(&format!("\\x{:02x}", c as u32));
+        } else {
+            out.push_str(&format!("\\u{{{:04x}}}", c as u32));
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 /// A byte count in binary units: `512 B`, `1.5 KiB`, `3.0 GiB`.
@@ -129,6 +171,24 @@ mod tests {
             t.render(),
             "ID         STATE\nsb-1       running\nsb-123456  paused\n"
         );
+    }
+
+    #[test]
+    fn cells_show_terminal_controls_escaped() {
+        let mut t = Table::new(&["PATH"]);
+        t.row(vec!["a\u{1b}[31mred\u{7}\u{9b}2J\u{202e}txt.exe".into()]);
+        let text = t.render();
+        assert!(
+            !text.chars().any(|c| c.is_control() && c != '\n'),
+            "{text:?}"
+        );
+        assert!(!text.contains('\u{202e}'), "{text:?}");
+        assert_eq!(
+            text,
+            "PATH\na\\x1b[31mred\\x07\\u{009b}2J\\u{202e}txt.exe\n"
+        );
+        assert_eq!(printable("plain \\ name"), "plain \\ name");
+        assert_eq!(printable_lines("a\n\tb\u{1b}"), "a\n\tb\\x1b");
     }
 
     #[test]

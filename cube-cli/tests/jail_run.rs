@@ -150,6 +150,16 @@ fn processes_with(marker: &str) -> Vec<String> {
     found
 }
 
+/// Waits (10 s at most) until a host process's command line holds `marker`.
+fn wait_until_running(marker: &str) {
+    let mut waited = 0;
+    while processes_with(marker).is_empty() {
+        assert!(waited < 1000, "the command never started");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        waited += 1;
+    }
+}
+
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
 }
@@ -267,18 +277,175 @@ fn interrupt_destroys_the_sandbox_and_exits_130() {
     let script = format!("sleep 1000; : {marker}");
     let child = cube.spawn(&["run", "--", "sh", "-c", &script]);
     let pid = child.id();
-    let mut waited = 0;
-    while processes_with(&marker).is_empty() {
-        assert!(waited < 1000, "the command never started");
-        std::thread::sleep(std::time::Duration::from_millis(10));
-        waited += 1;
-    }
+    wait_until_running(&marker);
     // SAFETY: signals the child this test spawned and has not reaped.
     assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGINT) }, 0);
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(130), "{}", text(&out.stderr));
     assert_eq!(processes_with(&marker), Vec::<String>::new());
     cube.assert_clean(pid);
+}
+
+#[test]
+fn a_killed_runner_takes_its_sandbox_along_and_the_next_run_sweeps_its_leftovers() {
+    if skip() {
+        return;
+    }
+    let cube = Cube::new();
+    let marker = format!("cube-killed-runner-marker-{}", std::process::id());
+    let script = format!("sleep 1000; : {marker}");
+    let mut child = cube.spawn(&["run", "--", "sh", "-c", &script]);
+    let pid = child.id();
+    wait_until_running(&marker);
+    // SIGKILL: cube gets no chance to clean up.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let mut waited = 0;
+    while !processes_with(&marker).is_empty() {
+        assert!(
+            waited < 500,
+            "the sandbox outlived its runner: {:?}",
+            processes_with(&marker)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+        waited += 1;
+    }
+    // Its directory (and cgroup) stayed; the next run removes them.
+    let out = cube.run(&["run", "--", "true"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    cube.assert_clean(pid);
+}
+
+/// A pseudo-terminal pair, both ends close-on-exec.
+fn open_terminal() -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
+    use std::os::fd::FromRawFd;
+    let (mut master, mut slave) = (0, 0);
+    // SAFETY: openpty writes two descriptors into the live ints; the name, termios and
+    // winsize pointers may be null.
+    let r = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(r, 0, "openpty: {}", std::io::Error::last_os_error());
+    for fd in [master, slave] {
+        // SAFETY: sets close-on-exec on a descriptor just opened.
+        unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+    }
+    // SAFETY: both were just opened by openpty and nothing else owns them.
+    unsafe {
+        (
+            std::os::fd::OwnedFd::from_raw_fd(master),
+            std::os::fd::OwnedFd::from_raw_fd(slave),
+        )
+    }
+}
+
+/// The terminal settings of `fd`.
+fn terminal_settings(fd: &std::os::fd::OwnedFd) -> libc::termios {
+    use std::os::fd::AsRawFd;
+    // SAFETY: tcgetattr fills in the zeroed termios.
+    unsafe {
+        let mut t: libc::termios = std::mem::zeroed();
+        assert_eq!(libc::tcgetattr(fd.as_raw_fd(), &mut t), 0);
+        t
+    }
+}
+
+#[test]
+fn a_host_terminal_is_out_of_reach_of_tiocsti_and_keeps_its_settings() {
+    if skip() {
+        return;
+    }
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let cube = Cube::new();
+    // A terminal that is nobody's controlling terminal, as cube's three streams.
+    let (master, slave) = open_terminal();
+    let before = terminal_settings(&slave);
+    // Inside: take the terminal on fd 0 as controlling terminal from a new session,
+    // push a command line into its input with TIOCSTI, and turn its echo off.
+    let script = r#"
+import fcntl, os, sys, termios
+print("tty", os.isatty(0), flush=True)
+sys.stdout.flush()
+pid = os.fork()
+if pid == 0:
+    os.setsid()
+    for name, req, arg in [("sctty", termios.TIOCSCTTY, 0), ("sti", termios.TIOCSTI, b"x")]:
+        try:
+            fcntl.ioctl(0, req, arg)
+            print(name, "ok", flush=True)
+        except OSError as e:
+            print(name, e.errno, flush=True)
+    for c in b"echo INJECTED\n":
+        try:
+            fcntl.ioctl(0, termios.TIOCSTI, bytes([c]))
+        except OSError:
+            break
+    os._exit(0)
+os.waitpid(pid, 0)
+attrs = termios.tcgetattr(0)
+attrs[3] &= ~(termios.ECHO | termios.ICANON)
+termios.tcsetattr(0, termios.TCSANOW, attrs)
+print("done", flush=True)
+"#;
+    let mut command = cube.command(&["run", "--", "python3", "-c", script]);
+    let stream = || std::process::Stdio::from(slave.try_clone().unwrap());
+    command.stdin(stream()).stdout(stream()).stderr(stream());
+    // SAFETY: setsid in the forked child before exec: cube runs without a controlling
+    // terminal, as the terminal is nobody's.
+    unsafe {
+        command.pre_exec(|| {
+            libc::setsid();
+            Ok(())
+        });
+    }
+    let mut child = command.spawn().unwrap();
+    let pid = child.id();
+    let status = child.wait().unwrap();
+    // What cube wrote to the terminal (a few lines: the terminal's buffer holds them).
+    // SAFETY: makes our own descriptor non-blocking.
+    unsafe { libc::fcntl(master.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+    let mut output = std::fs::File::from(master.try_clone().unwrap());
+    let mut all = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = output.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        all.extend_from_slice(&buf[..n]);
+    }
+    let shown = String::from_utf8_lossy(&all).into_owned();
+    cube.assert_clean(pid);
+    assert_eq!(status.code(), Some(0), "{shown}");
+    assert!(shown.contains("done"), "{shown}");
+    // The command saw a terminal (its own).
+    assert!(shown.contains("tty True"), "{shown}");
+    // Nothing was pushed into the host terminal's input...
+    // SAFETY: makes our own descriptor non-blocking; then reads into a live buffer.
+    let pending = unsafe {
+        libc::fcntl(slave.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK);
+        let mut buf = [0u8; 64];
+        libc::read(slave.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len())
+    };
+    assert!(
+        pending <= 0,
+        "input was injected into the host terminal: {shown}"
+    );
+    // ...and its settings are as they were.
+    let after = terminal_settings(&slave);
+    let flags = libc::ECHO | libc::ICANON | libc::ISIG;
+    assert_eq!(
+        after.c_lflag & flags,
+        before.c_lflag & flags,
+        "the host terminal's settings changed: {shown}"
+    );
 }
 
 #[test]
@@ -311,6 +478,34 @@ fn the_agent_channel_does_not_leak_into_commands() {
     // The command sees its stdio and what it opened itself; never the host's socket.
     assert!(!listing.contains("socket:"), "{listing}");
     assert!(listing.contains("0 -> /dev/null"), "{listing}");
+}
+
+#[test]
+fn the_command_cannot_read_or_write_the_agents_memory_or_take_its_descriptors() {
+    if skip() {
+        return;
+    }
+    let cube = Cube::new();
+    // The agent (PID 1) holds this process's streams; the command runs as its uid.
+    let script = r#"
+import os
+for path in ["/proc/1/mem", "/proc/1/environ"]:
+    try:
+        open(path, "rb").close()
+        print("OPENED", path)
+    except OSError as e:
+        print("refused", path, e.errno)
+try:
+    print("LISTED", os.listdir("/proc/1/fd"))
+except OSError as e:
+    print("refused fd", e.errno)
+"#;
+    let out = cube.run(&["run", "--", "python3", "-c", script]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(!stdout.contains("OPENED"), "{stdout}");
+    assert!(!stdout.contains("LISTED"), "{stdout}");
+    assert_eq!(stdout.matches("refused").count(), 3, "{stdout}");
 }
 
 #[test]

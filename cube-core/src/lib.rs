@@ -91,7 +91,9 @@ pub use cube_supervisor::error_report;
 /// agent's handshake, resolving it inside the sandbox's root so that the sandbox
 /// cannot point the connection at a host socket.
 pub use cube_supervisor::jail_sandbox::connect_agent as connect_jail_agent;
-pub use cube_supervisor::jail_spec::DEFAULT_PIDS_MAX;
+pub use cube_supervisor::jail_spec::{
+    DEFAULT_CPU_MILLIS, DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB, DEFAULT_PIDS_MAX,
+};
 pub use cube_supervisor::protocol::{ErrorKind, JailStatus, MachineStatus, StatusReport};
 pub use cube_supervisor::records::{
     Engine, SandboxMeta, SnapshotKind, SnapshotMeta, TemplateMeta, HOST_TEMPLATE,

@@ -6,15 +6,16 @@
 //! (the supervisor's start and round trips; `cube bench --engine jail` reports both
 //! paths in `run_true`). The jail itself is the one a jail sandbox gets
 //! ([`cube_supervisor::jail_spec::JailSpec`], the same agent bound in, the same
-//! limits), except that nothing of it is kept: [`OneShotJail::exec`] gives it an
-//! in-memory root and no cgroup unless a limit asks for one.
+//! default limits), except that nothing of it is kept: [`OneShotJail::exec`] gives it
+//! an in-memory root. It dies with this process (SIGKILL included); what a killed one
+//! leaves under the store's `tmp/` and in the cgroup tree is swept by the next one.
 //!
 //! ```no_run
 //! // no_run: a jail needs root (namespaces, mounts).
-//! use cube_core::oneshot::{Exit, OneShotJail, OneShotOptions};
+//! use cube_core::oneshot::{Exit, OneShotJail, OneShotOptions, Stdio};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let options = OneShotOptions::new("/var/lib/cube");
-//! let mut jail = OneShotJail::exec(&options, &["true".to_string()])?;
+//! let mut jail = OneShotJail::exec(&options, &["true".to_string()], [Stdio::Inherit; 3])?;
 //! let exit = jail.wait()?;
 //! jail.destroy()?;
 //! assert_eq!(exit, Exit::Exited(0));
@@ -26,9 +27,8 @@ use std::fs::File;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::{SystemTime, UNIX_EPOCH};
 
-use cube_jail::{Jail, JailConfig, Limits, Stdio};
+use cube_jail::{Jail, JailConfig, Limits};
 use cube_supervisor::jail_network::{JailNetwork, JailNetworkError};
 use cube_supervisor::jail_spec::{locate_agent, JailSpec, AGENT_ENV, AGENT_PATH};
 
@@ -37,6 +37,11 @@ use crate::ErrorKind;
 
 /// How a one-shot jail's command ended.
 pub use cube_jail::JailExit as Exit;
+/// Where one of a one-shot jail's standard streams goes.
+pub use cube_jail::Stdio;
+
+/// What names the directories (under the store's `tmp/`) and cgroups of one-shot jails.
+const RUN_PURPOSE: &str = "run";
 
 /// The descriptor number the agent's socket gets inside a serving jail.
 const AGENT_FD: i32 = 3;
@@ -53,6 +58,9 @@ pub enum OneShotError {
     /// The jail's state directory could not be made.
     #[error("Creating {0}")]
     StateDir(PathBuf, #[source] std::io::Error),
+    /// The jail's state directory could not be named after this process.
+    #[error("Naming the sandbox's directory")]
+    Name(#[source] cube_storage::StoreError),
     /// The agent's socket pair could not be made.
     #[error("Creating the agent socket")]
     Socket(#[source] std::io::Error),
@@ -71,9 +79,10 @@ impl OneShotError {
             OneShotError::NotRoot => ErrorKind::HostCannot,
             OneShotError::NoAgent(_) => ErrorKind::NotFound,
             OneShotError::Network(e) => e.kind(),
-            OneShotError::StateDir(..) | OneShotError::Socket(_) | OneShotError::Jail(_) => {
-                ErrorKind::Internal
-            }
+            OneShotError::StateDir(..)
+            | OneShotError::Name(_)
+            | OneShotError::Socket(_)
+            | OneShotError::Jail(_) => ErrorKind::Internal,
         }
     }
 }
@@ -83,24 +92,37 @@ impl OneShotError {
 pub struct OneShotOptions {
     /// The store whose `tmp/` holds the jail's state directory.
     pub store_root: PathBuf,
-    /// Memory limit of the whole jail, MiB.
+    /// Memory limit of the whole jail, MiB, its files included (an in-memory root,
+    /// `/tmp` and `/dev/shm` are memory). None: the default where the host has a
+    /// memory cgroup controller ([`crate::DEFAULT_MEMORY_MIB`]).
     pub memory_mib: Option<u64>,
-    /// Most processes and threads at once.
+    /// CPU limit in thousandths of a core. None: the default where the host has a cpu
+    /// cgroup controller ([`crate::DEFAULT_CPU_MILLIS`]).
+    pub cpu_millis: Option<u32>,
+    /// Most processes and threads at once. None: the default where the host has a pids
+    /// cgroup controller ([`crate::DEFAULT_PIDS_MAX`]).
     pub pids_max: Option<u64>,
+    /// What the jail's files may take, MiB; past it writes fail with ENOSPC inside.
+    /// None: the default on a store with project quotas ([`crate::DEFAULT_DISK_MIB`]),
+    /// else the memory limit (an in-memory root is memory).
+    pub disk_mib: Option<u64>,
 }
 
 impl OneShotOptions {
-    /// No limits, state under `store_root`'s `tmp/`.
+    /// The default limits, state under `store_root`'s `tmp/`.
     pub fn new(store_root: impl Into<PathBuf>) -> Self {
         OneShotOptions {
             store_root: store_root.into(),
             memory_mib: None,
+            cpu_millis: None,
             pids_max: None,
+            disk_mib: None,
         }
     }
 
     /// The jail's configuration: the spec a jail sandbox gets, named after this
-    /// process, with these limits and `env`.
+    /// process, with these limits (the defaults where unset) and `env`, killed with
+    /// this process.
     fn config(&self, env: Vec<(String, String)>) -> Result<JailConfig, OneShotError> {
         // SAFETY: geteuid has no failure mode.
         if unsafe { libc::geteuid() } != 0 {
@@ -117,25 +139,50 @@ impl OneShotOptions {
         // of the store.
         let tmp = cube_storage::Store::tmp_dir_at(&self.store_root);
         std::fs::create_dir_all(&tmp).map_err(|e| OneShotError::StateDir(tmp.clone(), e))?;
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let name = format!("run-{}-{nanos}", std::process::id());
+        sweep_killed_runs(&tmp);
+        // Named for this process and its start time: the owner marker the sweep reads.
+        let name = cube_storage::scratch_entry_name(RUN_PURPOSE).map_err(OneShotError::Name)?;
         let state_dir = tmp.join(&name);
-        Ok(JailSpec {
+        let asked = Limits {
+            memory_bytes: self.memory_mib.map(|m| m.saturating_mul(1 << 20)),
+            cpu_quota: self.cpu_millis.map(|m| f64::from(m) / 1000.0),
+            pids_max: self.pids_max,
+            disk_bytes: self.disk_mib.map(|m| m.saturating_mul(1 << 20)),
+        };
+        // Every jail gets the default limits the host can enforce (see `Limits`).
+        let limits = match cube_jail::CgroupLayout::detect() {
+            Ok(layout) => asked.with_defaults(&layout, &tmp),
+            Err(_) => asked,
+        };
+        let mut config = JailSpec {
             name: &name,
             state_dir: &state_dir,
             agent: &agent,
             tree: None,
             seed: None,
             env,
-            limits: Limits {
-                memory_bytes: self.memory_mib.map(|m| m << 20),
-                cpu_quota: None,
-                pids_max: self.pids_max,
-            },
+            limits,
         }
-        .config())
+        .config();
+        // Killed with this process, SIGKILL included (errors and interrupts destroy it
+        // here; `sweep_killed_runs` takes what a killed one leaves).
+        config.die_with_parent = true;
+        Ok(config)
+    }
+}
+
+/// Removes what one-shot jails killed outright left: the jails died with their
+/// processes (see [`JailConfig::die_with_parent`]), their directories under the
+/// store's `tmp/` and their cgroups did not. Costs one directory read when there is
+/// nothing to do.
+fn sweep_killed_runs(tmp: &Path) {
+    let removed = cube_storage::remove_dead_scratch(tmp, RUN_PURPOSE);
+    if removed.is_empty() {
+        return;
+    }
+    tracing::debug!(?removed, "removed the sandboxes of killed runs");
+    if let Ok(layout) = cube_jail::CgroupLayout::detect() {
+        layout.remove_orphaned(&format!("{RUN_PURPOSE}-"));
     }
 }
 
@@ -149,17 +196,23 @@ pub struct OneShotJail {
 
 impl OneShotJail {
     /// Starts `command` as the jail's one command (`cube-agent --exec -- COMMAND`): it
-    /// runs on this process's standard streams (a terminal among them stays out of
-    /// reach of TIOCSTI: the jail has a session of its own), and the jail ends when it
-    /// does, with its status. Nothing of it is kept: its root is a tmpfs, and it gets no
-    /// cgroup unless a limit asks for one.
-    pub fn exec(options: &OneShotOptions, command: &[String]) -> Result<Self, OneShotError> {
+    /// runs on `streams` (standard input, output, error; a descriptor among them must
+    /// stay open until this returns), and the jail ends when it does, with its status.
+    /// Never hand it this process's terminal: the sandbox could push input into it
+    /// (TIOCSTI) or change its settings; give it a terminal of its own instead. Nothing
+    /// of it is kept: its root is a tmpfs.
+    pub fn exec(
+        options: &OneShotOptions,
+        command: &[String],
+        streams: [Stdio; 3],
+    ) -> Result<Self, OneShotError> {
         let mut config = options.config(Vec::new())?;
         config.root = cube_jail::RootSpec::HostUserlandInMemory;
         config.pausable = false;
-        config.stdin = Stdio::Inherit;
-        config.stdout = Stdio::Inherit;
-        config.stderr = Stdio::Inherit;
+        let [stdin, stdout, stderr] = streams;
+        config.stdin = stdin;
+        config.stdout = stdout;
+        config.stderr = stderr;
         let mut argv = vec![AGENT_PATH.to_string(), "--exec".into(), "--".into()];
         argv.extend(command.iter().cloned());
         let state_dir = config.state_dir.clone();

@@ -79,14 +79,23 @@ pub struct CreateOptions {
     pub metadata: std::collections::BTreeMap<String, String>,
     /// The supervisor destroys the sandbox this long after it was created.
     pub lifetime: Option<std::time::Duration>,
-    /// Memory limit of the whole sandbox, MiB (jail engine).
+    /// Memory limit of the whole sandbox, MiB, its tmpfs included (jail engine). None:
+    /// [`DEFAULT_MEMORY_MIB`](crate::DEFAULT_MEMORY_MIB) where the host has a memory
+    /// cgroup controller.
     pub memory_mib: Option<u64>,
-    /// CPU limit in thousandths of a core (jail engine).
+    /// CPU limit in thousandths of a core (jail engine). None:
+    /// [`DEFAULT_CPU_MILLIS`](crate::DEFAULT_CPU_MILLIS) where the host has a cpu
+    /// cgroup controller.
     pub cpu_millis: Option<u32>,
     /// Most processes and threads at once (jail engine). None:
     /// [`DEFAULT_PIDS_MAX`](crate::DEFAULT_PIDS_MAX) where the host has a pids cgroup
     /// controller, no limit where it has none.
     pub pids_max: Option<u32>,
+    /// Most MiB the sandbox's writable root may hold (jail engine): past it, writes
+    /// fail with ENOSPC inside the sandbox. Needs a store with project quotas (`cube
+    /// store setup`); None: [`DEFAULT_DISK_MIB`](crate::DEFAULT_DISK_MIB) on such a
+    /// store, no limit elsewhere.
+    pub disk_mib: Option<u64>,
     /// A network from the host's pool: a veth for a jail, a TAP behind a Linux VM's
     /// NIC; None: loopback only (a VM's NIC, if its template has one, stays unplugged).
     pub network: Option<NetworkOptions>,
@@ -110,6 +119,7 @@ impl CreateOptions {
             memory_mib: None,
             cpu_millis: None,
             pids_max: None,
+            disk_mib: None,
             network: None,
         }
     }
@@ -120,6 +130,7 @@ impl CreateOptions {
             memory_mib: self.memory_mib,
             cpu_millis: self.cpu_millis,
             pids_max: self.pids_max,
+            disk_mib: self.disk_mib,
             lifetime_ms: self
                 .lifetime
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
@@ -604,7 +615,7 @@ impl Runtime {
                 dir: dir.to_path_buf(),
                 source,
                 ephemeral: options.ephemeral,
-                settings: options.settings(),
+                settings: Box::new(options.settings()),
             })?;
             tracing::debug!(elapsed = ?start.elapsed(), "create: sandbox running");
             Ok(sandbox)

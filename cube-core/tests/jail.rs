@@ -225,7 +225,11 @@ fn lifecycle(pool_size: usize) {
     let agent = sb.agent().unwrap();
     let (code, out, err) = sh(&agent, "echo $CUBE_TEST_VAR; id -u; hostname");
     assert_eq!(code, 0, "{err}");
-    assert_eq!(out, "forty-two\n65534\nsandbox\n");
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!((lines[0], lines[2]), ("forty-two", "sandbox"), "{out}");
+    // A uid of the sandbox's own.
+    let uid: u32 = lines[1].parse().unwrap();
+    assert!(cube_jail::sandbox_uid::RANGE.contains(&uid), "{out}");
     // The sandbox sees its own processes only: the agent and this shell.
     let (_, out, _) = sh(&agent, "ls /proc | grep -c '^[0-9]'");
     // The agent, sh, ls and grep.

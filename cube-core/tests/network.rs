@@ -28,6 +28,9 @@ use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
 const HOST_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const OUT_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
 const FAR_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
+/// An outside address in a range every sandbox is refused by default (198.18.0.0/15,
+/// benchmarking), routed to the outside namespace this test makes.
+const DEFAULT_DENIED_ADDR: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
 
 fn skip() -> bool {
     // SAFETY: geteuid has no failure mode.
@@ -121,6 +124,7 @@ impl Lab {
             "eth0",
         ]);
         ip(&["-n", &lab.ns, "addr", "add", "203.0.113.2/32", "dev", "lo"]);
+        ip(&["-n", &lab.ns, "addr", "add", "198.18.0.2/32", "dev", "lo"]);
         ip(&["-n", &lab.ns, "link", "set", "eth0", "up"]);
         ip(&["-n", &lab.ns, "link", "set", "lo", "up"]);
         ip(&[
@@ -133,6 +137,8 @@ impl Lab {
             "198.51.100.1",
         ]);
         ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.2"]);
+        // Goes with the uplink.
+        ip(&["route", "add", "198.18.0.2/32", "via", "198.51.100.2"]);
         let www = lab._www.path().to_path_buf();
         let out = Command::new("ip")
             .args([
@@ -302,7 +308,24 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
         get_inside(&agent_a, HOST_ADDR, 18081).is_err(),
         "the host reached"
     );
+    // The default deny list is in force besides the sandbox's own entries, and the
+    // report shows it.
+    assert!(
+        get_inside(&agent_a, DEFAULT_DENIED_ADDR, 80).is_err(),
+        "a default-deny range reached"
+    );
     let report = a.network().unwrap();
+    for cidr in [
+        "203.0.113.0/24",
+        "198.18.0.0/15",
+        "169.254.0.0/16",
+        "10.0.0.0/8",
+    ] {
+        assert!(
+            report.deny_in_force.iter().any(|c| c == cidr),
+            "{cidr} not in force: {report:?}"
+        );
+    }
     assert!(report.counters.tx_packets >= 4, "{report:?}");
     assert!(report.counters.rx_bytes > 0, "{report:?}");
     assert!(report.counters.dropped > 0, "{report:?}");
@@ -310,6 +333,16 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
     // Live policy changes: lift the deny; then offline; then the host exactly.
     a.set_policy(&NetworkPolicy::default()).unwrap();
     assert_eq!(get_inside(&agent_a, FAR_ADDR, 80).unwrap(), "outside");
+    // A default range is lifted by an allow entry for it.
+    a.set_policy(&NetworkPolicy {
+        allow_out: vec!["198.18.0.0/15".into()],
+        ..NetworkPolicy::default()
+    })
+    .unwrap();
+    assert_eq!(
+        get_inside(&agent_a, DEFAULT_DENIED_ADDR, 80).unwrap(),
+        "outside"
+    );
     a.set_policy(&NetworkPolicy {
         internet: false,
         ..NetworkPolicy::default()
@@ -549,7 +582,7 @@ fn wait_gone(name: &str) {
 fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_is_reclaimed() {
     use cube_supervisor::client::SupervisorClient;
     use cube_supervisor::pool::spawn_supervisor_warm;
-    use cube_supervisor::protocol::{Request, Settings, Source};
+    use cube_supervisor::protocol::{Request, Source};
     use cube_supervisor::server::WarmFor;
 
     if skip() {
@@ -702,7 +735,7 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
             dir: dir.clone(),
             source: Source::Jail { layer: None },
             ephemeral: true,
-            settings: Settings::default(),
+            settings: Box::default(),
         })
         .unwrap();
     assert!(ifindex(&ahead).is_none(), "{ahead} still on the host");

@@ -96,22 +96,66 @@ pub enum CgroupError {
 
 type Result<T> = std::result::Result<T, CgroupError>;
 
-/// Resource limits of one sandbox. `None` leaves a resource unlimited.
+/// Memory a sandbox may use unless it names its own limit: 2 GiB (its tmpfs included).
+pub const DEFAULT_MEMORY_BYTES: u64 = 2 << 30;
+/// CPU a sandbox may use unless it names its own limit: one core.
+pub const DEFAULT_CPU_QUOTA: f64 = 1.0;
+/// Processes and threads a sandbox may have at once unless it names its own limit: a
+/// fork bomb stops there.
+pub const DEFAULT_PIDS_MAX: u64 = 4096;
+/// What a sandbox's writable root may hold unless it names its own limit: 4 GiB.
+pub const DEFAULT_DISK_BYTES: u64 = 4 << 30;
+
+/// Resource limits of one sandbox. `None` leaves a resource unlimited;
+/// [`Limits::with_defaults`] fills in the defaults.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Limits {
     /// Most memory (anonymous, page cache, tmpfs) the sandbox may use, in bytes; swap is
-    /// forbidden where the host allows controlling it.
+    /// forbidden where the host allows controlling it. Each of its tmpfs (/tmp,
+    /// /dev/shm, a root kept in memory) is also this big at most.
     pub memory_bytes: Option<u64>,
     /// CPU time as a fraction of one core: 0.5 is half a core, 2.0 two full cores.
     pub cpu_quota: Option<f64>,
     /// Most processes and threads alive at once.
     pub pids_max: Option<u64>,
+    /// Most bytes the sandbox's writable root may hold: an XFS project quota on its
+    /// directory (the store's filesystem must enforce project quotas), or the size of
+    /// a root kept in memory. Writes past it fail with ENOSPC inside the sandbox.
+    #[serde(default)]
+    pub disk_bytes: Option<u64>,
 }
 
 impl Limits {
     /// Whether no limit is set.
     pub fn is_unlimited(&self) -> bool {
         *self == Limits::default()
+    }
+
+    /// These limits with every unset one at its default (`DEFAULT_*`) where this host
+    /// can enforce it: memory, CPU and pids where `layout` has the controller, disk
+    /// where `dir` (where the sandbox's directory will be) is on a filesystem with
+    /// project quotas. A limit the caller set stays, enforceable or not (asking for
+    /// one the host cannot enforce is an error at spawn).
+    pub fn with_defaults(mut self, layout: &CgroupLayout, dir: &Path) -> Limits {
+        let has = |c: &str| layout.provider(c).is_some();
+        if self.memory_bytes.is_none() && has("memory") {
+            self.memory_bytes = Some(DEFAULT_MEMORY_BYTES);
+        }
+        if self.cpu_quota.is_none() && has("cpu") {
+            self.cpu_quota = Some(DEFAULT_CPU_QUOTA);
+        }
+        if self.pids_max.is_none() && has("pids") {
+            self.pids_max = Some(DEFAULT_PIDS_MAX);
+        }
+        if self.disk_bytes.is_none() && cube_storage::project_quota::enforced(dir) {
+            self.disk_bytes = Some(DEFAULT_DISK_BYTES);
+        }
+        self
+    }
+
+    /// Whether any limit needs a cgroup.
+    pub fn needs_cgroup(&self) -> bool {
+        self.memory_bytes.is_some() || self.cpu_quota.is_some() || self.pids_max.is_some()
     }
 
     /// Rejects limits the kernel would refuse or that make no sense.
@@ -128,6 +172,9 @@ impl Limits {
         }
         if self.pids_max == Some(0) {
             return Err(CgroupError::InvalidLimit("pids_max must be positive"));
+        }
+        if self.disk_bytes == Some(0) {
+            return Err(CgroupError::InvalidLimit("disk_bytes must be positive"));
         }
         Ok(())
     }
@@ -304,11 +351,12 @@ impl CgroupLayout {
         v2.chain(v1).collect()
     }
 
-    /// Removes the sandbox cgroups named `<prefix><pid>` whose process `pid` is gone
-    /// (or a zombie) and that hold no process: what a process that named its cgroups after itself
-    /// left behind when it was killed (SIGKILL gives it no chance to remove them).
-    /// Cgroups of live processes, or still holding tasks, are left alone. Returns how
-    /// many directories were removed.
+    /// Removes the sandbox cgroups named `<prefix><pid>`, or `<prefix><pid>-<start
+    /// ticks>-<anything>` (a store scratch name, whose start time tells a reused pid
+    /// apart), whose process is gone (or a zombie) and that hold no process: what a
+    /// process that named its cgroups after itself left behind when it was killed
+    /// (SIGKILL gives it no chance to remove them). Cgroups of live processes, or
+    /// still holding tasks, are left alone. Returns how many directories were removed.
     pub fn remove_orphaned(&self, prefix: &str) -> usize {
         let mut removed = 0;
         for parent in self.parents() {
@@ -317,14 +365,14 @@ impl CgroupLayout {
             };
             for entry in entries.flatten() {
                 let name = entry.file_name();
-                let Some(pid) = name
+                let Some(owner) = name
                     .to_str()
                     .and_then(|n| n.strip_prefix(prefix))
-                    .and_then(|p| p.parse::<u32>().ok())
+                    .and_then(parse_owner)
                 else {
                     continue;
                 };
-                if process_runs(pid) {
+                if owner_runs(owner) {
                     continue;
                 }
                 // rmdir refuses (EBUSY) a cgroup with tasks or children: nothing
@@ -860,16 +908,32 @@ fn remove_dir(path: &Path) -> Result<()> {
     }
 }
 
-/// Whether `pid` is a process that has not exited: a zombie (killed, not yet reaped
-/// by its parent) counts as gone.
-fn process_runs(pid: u32) -> bool {
+/// `<pid>` or `<pid>-<start ticks>-<anything>`: the pid, and the start time when given.
+fn parse_owner(name: &str) -> Option<(u32, Option<u64>)> {
+    let mut parts = name.splitn(3, '-');
+    let pid = parts.next()?.parse().ok()?;
+    match parts.next() {
+        None => Some((pid, None)),
+        Some(ticks) => Some((pid, Some(ticks.parse().ok()?))),
+    }
+}
+
+/// Whether the process `(pid, start ticks)` has not exited: a zombie (killed, not yet
+/// reaped by its parent) counts as gone, and so does another process that got the pid
+/// since (its start time differs).
+fn owner_runs((pid, start_ticks): (u32, Option<u64>)) -> bool {
     match fs::read_to_string(format!("/proc/{pid}/stat")) {
         Err(_) => false,
         // The state follows the command name, which is in parentheses and may itself
-        // hold ") ".
-        Ok(stat) => stat
-            .rsplit_once(')')
-            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        // hold ") "; the start time is the 20th field after it.
+        Ok(stat) => stat.rsplit_once(')').is_some_and(|(_, rest)| {
+            let mut fields = rest.split_whitespace();
+            let running = fields.next().is_some_and(|state| state != "Z");
+            running
+                && start_ticks.is_none_or(|want| {
+                    fields.nth(18).and_then(|t| t.parse::<u64>().ok()) == Some(want)
+                })
+        }),
     }
 }
 

@@ -18,9 +18,9 @@
 //!   copied, then CRIU dumps with `--freeze-cgroup` (it finds the tasks frozen and leaves
 //!   them so), and the sandbox is thawed: processes and files are from the same instant.
 //! - **Root**: restore binds the new sandbox directory's root onto itself in a private
-//!   mount namespace of its own (nothing reaches the host's mount table) and passes it as
-//!   `--root`; CRIU rebuilds the sandbox's mount tree (fresh /proc, devpts, the tmpfs
-//!   mounts Cube hands it) on it.
+//!   mount namespace of its own (nothing reaches the host's mount table), `nosuid,nodev`
+//!   as a spawned jail's root, and passes it as `--root`; CRIU rebuilds the sandbox's
+//!   mount tree (fresh /proc, devpts, the tmpfs mounts Cube hands it) on it.
 //! - **tmpfs mounts** (/dev, /dev/shm, /tmp): external to CRIU, their contents copied
 //!   by Cube while frozen and restored into fresh tmpfs mounts (see `tmpfs_image.rs`).
 //! - **Host binds** (the read-only host userland, [`crate::ReadOnlyBind`]s): dumped as
@@ -66,11 +66,14 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use crate::capabilities::Identity;
 use crate::cgroup::{CgroupError, CgroupLayout, Freezer, SandboxCgroup};
 use crate::criu::{error_summary, Criu};
 use crate::criu_launch::{CriuLaunch, LaunchError, RootMount};
+use crate::disk_limit::{DiskLimit, DiskLimitError};
 use crate::jail::{Jail, JailConfig, JailError, Stdio};
 use crate::rootfs::{RootfsError, RootfsLayout};
+use crate::sandbox_uid::UidLease;
 use crate::tmpfs_image::{TmpfsError, TmpfsMount};
 
 /// Name of the manifest file in an image directory.
@@ -153,6 +156,9 @@ pub enum CheckpointError {
     /// The jail configuration is invalid, or pausing/resuming the jail failed.
     #[error(transparent)]
     Jail(#[from] JailError),
+    /// The restored sandbox's disk limit could not be set.
+    #[error(transparent)]
+    Disk(#[from] DiskLimitError),
     /// The criu process failed. Its log went with the partial image or sandbox
     /// directory; `reason` keeps its first error lines.
     #[error("criu {action} failed: {reason}")]
@@ -274,6 +280,10 @@ struct Manifest {
     /// (see `tmpfs_image.rs`). Empty in checkpoints of builds that had CRIU save them.
     #[serde(default)]
     tmpfs: Vec<TmpfsMount>,
+    /// The uid and gid its processes run as (CRIU restores them so); absent in
+    /// checkpoints written before sandboxes had uids of their own.
+    #[serde(default)]
+    identity: Option<(u32, u32)>,
 }
 
 impl Manifest {
@@ -305,6 +315,11 @@ impl Manifest {
             let target = t.target.as_os_str().as_bytes();
             if !t.target.is_absolute() || target.iter().any(|b| b"[]:\0".contains(b)) {
                 return Err(format!("bad tmpfs target {}", t.target.display()));
+            }
+        }
+        if let Some((uid, gid)) = self.identity {
+            if uid == 0 || gid == 0 {
+                return Err("the sandbox ran as root".into());
             }
         }
         for fd in self.host_fds.keys() {
@@ -675,6 +690,7 @@ pub fn dump(
         cgroups: cgroup_roots(&layout, cgroup),
         external_netns: netns.is_some(),
         tmpfs,
+        identity: Some((jail.identity().uid, jail.identity().gid)),
     };
     manifest
         .validate()
@@ -934,6 +950,11 @@ pub fn restore(
                 Stdio::Inherit => unsafe { BorrowedFd::borrow_raw(number) }
                     .try_clone_to_owned()
                     .map_err(io_err("duplicate", Path::new("/dev/stdin")))?,
+                // SAFETY: the caller keeps `fd` open until restore returns
+                // (`Stdio::Fd`'s contract); it is only duplicated here.
+                Stdio::Fd(fd) => unsafe { BorrowedFd::borrow_raw(fd) }
+                    .try_clone_to_owned()
+                    .map_err(io_err("duplicate", Path::new("a given stream")))?,
                 Stdio::Pipe => {
                     let (r, w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| {
                         CheckpointError::Io {
@@ -971,8 +992,19 @@ pub fn restore(
     let layout = CgroupLayout::detect()?;
     let cgroup = SandboxCgroup::create(&layout, &config.name, &config.limits)?;
     let cgroups_made = Instant::now();
+    let disk = config
+        .limits
+        .disk_bytes
+        .map(|bytes| DiskLimit::lease(&config.state_dir, bytes))
+        .transpose()?;
     let rootfs = RootfsLayout::create_empty(&config.state_dir, &config.root)?;
     let state_dir = rootfs.state_dir().to_path_buf();
+    if let Some(disk) = &disk {
+        // Tagged while empty: the layer copied in below takes the project.
+        cube_storage::project_quota::tag_tree(&state_dir, disk.project())
+            .map_err(RootfsError::from)?;
+        disk.apply()?;
+    }
     // The root directory becomes a mount point: a bind of itself, or the overlay.
     let root_mount: RootMount = match lower {
         None => {
@@ -1119,13 +1151,30 @@ pub fn restore(
         .filter(|p| *p > 0)
         .ok_or(CheckpointError::BadPidFile)?;
     tracing::debug!(name = %config.name, pid, from = %manifest.source_name, "sandbox restored");
-    Ok(Jail::from_restored(
+    let identity = manifest
+        .identity
+        .map_or(crate::jail::DEFAULT_IDENTITY, |(uid, gid)| Identity {
+            uid,
+            gid,
+        });
+    // Held by the source when this is a clone of a running sandbox: the two share it.
+    let lease = UidLease::claim(identity.uid).unwrap_or_else(|e| {
+        tracing::warn!(uid = identity.uid, error = %e, "cannot lease the restored sandbox's uid");
+        None
+    });
+    let mut jail = Jail::from_restored(
         config.name.clone(),
         pid,
         cgroup,
         rootfs,
         parent_ends,
-    ))
+        identity,
+        lease,
+    );
+    if let Some(disk) = disk {
+        jail.hold_disk_limit(disk);
+    }
+    Ok(jail)
 }
 
 #[cfg(test)]
@@ -1186,6 +1235,7 @@ mod tests {
                 "rw,nosuid,nodev",
                 "rw,mode=1777",
             )],
+            identity: Some((0x7000_0001, 0x7000_0001)),
         }
     }
 

@@ -31,11 +31,16 @@ use nix::fcntl::OFlag;
 
 use crate::capabilities::{self, CapabilityError, Identity};
 use crate::cgroup::{CgroupError, CgroupLayout, Limits, SandboxCgroup};
+use crate::disk_limit::{DiskLimit, DiskLimitError};
 use crate::namespaces::{self, Cloned, NamespaceError, NamespaceSet};
-use crate::rootfs::{self, MountPlan, ReadOnlyBind, RootSpec, RootfsError, RootfsLayout};
+use crate::rootfs::{
+    self, MountPlan, ReadOnlyBind, RootLimits, RootSpec, RootfsError, RootfsLayout,
+};
+use crate::sandbox_uid::{SandboxUidError, UidLease};
 use crate::seccomp::{SeccompError, SeccompProgram};
 
-/// The uid and gid sandbox processes run as by default: the host's `nobody`/`nogroup`,
+/// The uid and gid sandbox processes run as where [`JailConfig::own_uid`] is off and
+/// no other identity is given: the host's `nobody`/`nogroup`,
 /// which owns no files and, in its own PID namespace, can signal nothing on the host.
 pub const DEFAULT_IDENTITY: Identity = Identity {
     uid: 65534,
@@ -117,6 +122,12 @@ pub enum JailError {
     /// Signalling the sandbox's first process failed.
     #[error("cannot kill the sandbox process")]
     Kill(#[source] Errno),
+    /// No uid of its own could be leased for the sandbox.
+    #[error(transparent)]
+    Uid(#[from] SandboxUidError),
+    /// The disk limit could not be set.
+    #[error(transparent)]
+    Disk(#[from] DiskLimitError),
 }
 
 type Result<T> = std::result::Result<T, JailError>;
@@ -149,6 +160,8 @@ pub enum SetupStage {
     ClearCapabilities,
     /// Setting no_new_privs.
     NoNewPrivs,
+    /// Asking for SIGKILL when the spawning thread ends.
+    ParentDeath,
     /// Installing the seccomp filter.
     Seccomp,
     /// Installing a passed descriptor at its number.
@@ -158,7 +171,7 @@ pub enum SetupStage {
 }
 
 impl SetupStage {
-    const ALL: [SetupStage; 15] = [
+    const ALL: [SetupStage; 16] = [
         SetupStage::JoinCgroup,
         SetupStage::CgroupNamespace,
         SetupStage::Mount,
@@ -171,6 +184,7 @@ impl SetupStage {
         SetupStage::SwitchIdentity,
         SetupStage::ClearCapabilities,
         SetupStage::NoNewPrivs,
+        SetupStage::ParentDeath,
         SetupStage::Seccomp,
         SetupStage::PassFd,
         SetupStage::Exec,
@@ -196,6 +210,7 @@ impl fmt::Display for SetupStage {
             SetupStage::SwitchIdentity => "switching uid/gid",
             SetupStage::ClearCapabilities => "clearing capabilities",
             SetupStage::NoNewPrivs => "setting no_new_privs",
+            SetupStage::ParentDeath => "asking to die with the spawning thread",
             SetupStage::Seccomp => "installing the seccomp filter",
             SetupStage::PassFd => "installing a passed descriptor",
             SetupStage::Exec => "executing the program",
@@ -214,6 +229,9 @@ pub enum Stdio {
     Inherit,
     /// A pipe whose other end is taken with [`Jail::take_stdin`] and friends.
     Pipe,
+    /// This descriptor of the caller (a terminal of the sandbox's own, say); the
+    /// sandbox gets a duplicate. It must stay open until the spawn returns.
+    Fd(RawFd),
 }
 
 /// Everything that defines a sandbox.
@@ -226,8 +244,13 @@ pub struct JailConfig {
     pub state_dir: PathBuf,
     /// What the root filesystem is made of.
     pub root: RootSpec,
-    /// The unprivileged identity the program runs as.
+    /// The unprivileged identity the program runs as when [`JailConfig::own_uid`] is
+    /// off.
     pub identity: Identity,
+    /// Run as a host uid (and gid) of the sandbox's own, leased for it (see
+    /// [`crate::sandbox_uid`]), instead of `identity`: per-user kernel limits are then
+    /// its own. A seeded layer is given to that uid. Default true.
+    pub own_uid: bool,
     /// Resource limits.
     pub limits: Limits,
     /// Hostname in the sandbox's UTS namespace.
@@ -258,10 +281,16 @@ pub struct JailConfig {
     /// namespace already ends every process of it with its PID 1 (`cube run`).
     /// Default true.
     pub pausable: bool,
+    /// PID 1, and with it the whole sandbox, is killed when the thread that spawned it
+    /// ends, however it ends (`PR_SET_PDEATHSIG`): for a sandbox that must not
+    /// outlive its runner (`cube run`). Spawn from a thread that lives as long as the
+    /// sandbox should (the main thread). A checkpoint's restore does not carry it over.
+    /// Default false.
+    pub die_with_parent: bool,
 }
 
 impl JailConfig {
-    /// A sandbox on the host userland, as `nobody`, without limits, no network, stdio to
+    /// A sandbox on the host userland, as a uid of its own, without limits, no network, stdio to
     /// `/dev/null`.
     pub fn new(name: impl Into<String>, state_dir: impl Into<PathBuf>) -> Self {
         JailConfig {
@@ -269,6 +298,7 @@ impl JailConfig {
             state_dir: state_dir.into(),
             root: RootSpec::default(),
             identity: DEFAULT_IDENTITY,
+            own_uid: true,
             limits: Limits::default(),
             hostname: "sandbox".into(),
             env: Vec::new(),
@@ -280,6 +310,7 @@ impl JailConfig {
             binds: Vec::new(),
             seed_layer: None,
             pausable: true,
+            die_with_parent: false,
         }
     }
 
@@ -365,6 +396,10 @@ struct ChildPlan<'a> {
     report_fd: RawFd,
     /// (source, target): sources are close-on-exec and above every target.
     passed: Vec<(RawFd, RawFd)>,
+    /// A pidfd of the spawning process, with [`JailConfig::die_with_parent`]: it
+    /// reads as ready once that process is gone, which tells a parent that died
+    /// before the death signal was asked for.
+    parent_pidfd: Option<RawFd>,
 }
 
 type ChildFailure = (SetupStage, usize, Errno);
@@ -461,6 +496,10 @@ fn child_setup(p: &ChildPlan<'_>, in_v2_cgroup: bool) -> std::result::Result<Nev
         SetupStage::NoNewPrivs,
         capabilities::set_no_new_privs_in_child(),
     )?;
+    if let Some(pidfd) = p.parent_pidfd {
+        // After every credential change, which would clear it.
+        stage(SetupStage::ParentDeath, die_with_parent_in_child(pidfd))?;
+    }
     stage(SetupStage::Seccomp, p.seccomp.install_in_child())?;
     // SAFETY: as above.
     unsafe { libc::umask(0o022) };
@@ -498,14 +537,41 @@ fn child_setup(p: &ChildPlan<'_>, in_v2_cgroup: bool) -> std::result::Result<Nev
     Err((SetupStage::Exec, 0, err))
 }
 
+/// Asks for SIGKILL when the spawning thread ends, then checks that the spawning
+/// process has not ended already (its death before the request sends nothing).
+/// Async-signal-safe.
+fn die_with_parent_in_child(parent_pidfd: RawFd) -> std::result::Result<(), Errno> {
+    // SAFETY: PR_SET_PDEATHSIG takes one integer argument; no memory effects.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
+        return Err(Errno::last());
+    }
+    let mut pfd = libc::pollfd {
+        fd: parent_pidfd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: `pfd` is one live pollfd; a zero timeout does not block.
+    let r = unsafe { libc::poll(&mut pfd, 1, 0) };
+    if r != 0 {
+        // SAFETY: ends the orphaned child at once, running nothing of the parent's.
+        unsafe { libc::_exit(137) };
+    }
+    Ok(())
+}
+
 /// A running sandbox. Dropping it destroys the sandbox ([`Jail::destroy`]).
 #[derive(Debug)]
 pub struct Jail {
     name: String,
     pid: libc::pid_t,
+    identity: Identity,
+    /// The lease of `identity`'s uid, held while the sandbox's processes live.
+    uid_lease: Option<UidLease>,
     exit: Option<JailExit>,
     cgroup: Option<SandboxCgroup>,
     rootfs: Option<RootfsLayout>,
+    /// The sandbox directory's disk limit; lifted once the directory is gone.
+    disk: Option<DiskLimit>,
     stdin: Option<File>,
     stdout: Option<File>,
     stderr: Option<File>,
@@ -569,8 +635,16 @@ impl Jail {
             .map_err(|_| JailError::InvalidCwd(config.cwd.clone()))?;
         let seccomp = SeccompProgram::build()?;
         let last_cap = capabilities::last_cap()?;
+        let uid_lease = if config.own_uid {
+            Some(UidLease::acquire()?)
+        } else {
+            None
+        };
+        let identity = uid_lease
+            .as_ref()
+            .map_or(config.identity, UidLease::identity);
 
-        let cgroup = if config.pausable || !config.limits.is_unlimited() {
+        let cgroup = if config.pausable || config.limits.needs_cgroup() {
             let layout = CgroupLayout::detect()?;
             Some(SandboxCgroup::create(
                 &layout,
@@ -580,14 +654,33 @@ impl Jail {
         } else {
             None
         };
+        let in_memory = config.root == RootSpec::HostUserlandInMemory;
+        let disk = match config.limits.disk_bytes {
+            // A root in memory is limited by its size instead.
+            Some(bytes) if !in_memory => Some(DiskLimit::lease(&config.state_dir, bytes)?),
+            _ => None,
+        };
+        let root_limits = RootLimits {
+            tmpfs_bytes: config.limits.memory_bytes,
+            root_bytes: match (config.limits.disk_bytes, config.limits.memory_bytes) {
+                _ if !in_memory => None,
+                (Some(d), Some(m)) => Some(d.min(m)),
+                (d, m) => d.or(m),
+            },
+            project: disk.as_ref().map(DiskLimit::project),
+        };
         let (rootfs, mounts) = rootfs::prepare_seeded(
             &config.state_dir,
             &config.root,
-            config.identity,
+            identity,
             &config.hostname,
             &config.binds,
             config.seed_layer.as_deref(),
+            root_limits,
         )?;
+        if let Some(disk) = &disk {
+            disk.apply()?;
+        }
 
         let (v2_dir, v1_tasks) = cgroup
             .as_ref()
@@ -639,8 +732,30 @@ impl Jail {
                     child_ends.push(child);
                     parent_ends[i] = Some(File::from(parent));
                 }
+                Stdio::Fd(fd) => {
+                    let dup = dup_at_least(fd, 3)?;
+                    stdio_fds[i] = Some(dup.as_raw_fd());
+                    child_ends.push(dup);
+                }
             }
         }
+        let parent_pidfd = if config.die_with_parent {
+            // SAFETY: pidfd_open of this process; the descriptor is owned right away.
+            let fd =
+                unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0 as libc::c_uint) };
+            if fd < 0 {
+                return Err(JailError::Io {
+                    action: "open a pidfd of this process",
+                    source: std::io::Error::last_os_error(),
+                });
+            }
+            // SAFETY: `fd` was just returned by pidfd_open and nothing else owns it.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+            // Close-on-exec and above the passed targets, like every source.
+            Some(dup_at_least(fd.as_raw_fd(), floor)?)
+        } else {
+            None
+        };
         let (report_read, report_write) = pipe()?;
         let report_write = if fds.is_empty() {
             report_write
@@ -665,7 +780,7 @@ impl Jail {
             stdio: stdio_fds,
             cwd,
             last_cap,
-            identity: config.identity,
+            identity,
             seccomp: &seccomp,
             exec_candidates,
             argv: argv_p,
@@ -676,6 +791,7 @@ impl Jail {
                 .zip(fds)
                 .map(|(s, (_, t))| (s.as_raw_fd(), *t))
                 .collect(),
+            parent_pidfd: parent_pidfd.as_ref().map(AsRawFd::as_raw_fd),
         };
 
         let v2_dir_fd = v2_files.as_ref().map(|(dir, _)| dir.as_raw_fd());
@@ -688,6 +804,7 @@ impl Jail {
             (Cloned::Parent(pid), _) => pid,
         };
         drop(report_write);
+        drop(parent_pidfd);
         drop(passed_sources);
         drop(child_ends);
         drop(v2_files);
@@ -696,9 +813,12 @@ impl Jail {
         let mut jail = Jail {
             name: config.name.clone(),
             pid,
+            identity,
+            uid_lease,
             exit: None,
             cgroup,
             rootfs: Some(rootfs),
+            disk,
             stdin: parent_ends[0].take(),
             stdout: parent_ends[1].take(),
             stderr: parent_ends[2].take(),
@@ -724,20 +844,27 @@ impl Jail {
     /// unreaped child of the calling process and PID 1 of the sandbox's PID namespace;
     /// `cgroup` and `rootfs` are the sandbox's, and are removed by [`Jail::destroy`] as
     /// for a spawned jail. `stdio` holds the parent ends of piped standard streams.
+    /// `identity` is what its processes run as, `uid_lease` the lease of that uid if
+    /// this process could take it.
     pub fn from_restored(
         name: String,
         pid: libc::pid_t,
         cgroup: SandboxCgroup,
         rootfs: RootfsLayout,
         stdio: [Option<File>; 3],
+        identity: Identity,
+        uid_lease: Option<UidLease>,
     ) -> Jail {
         let [stdin, stdout, stderr] = stdio;
         Jail {
             name,
             pid,
+            identity,
+            uid_lease,
             exit: None,
             cgroup: Some(cgroup),
             rootfs: Some(rootfs),
+            disk: None,
             stdin,
             stdout,
             stderr,
@@ -752,6 +879,11 @@ impl Jail {
     /// The sandbox's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The uid and gid the sandbox's processes run as.
+    pub fn identity(&self) -> Identity {
+        self.identity
     }
 
     /// The sandbox's cgroups (None after destroy, or for a jail that needed none: see
@@ -790,11 +922,36 @@ impl Jail {
         }
     }
 
-    /// Changes the memory and pids limits of the running sandbox (a CPU limit needs the
-    /// cpu controller, which only a sandbox spawned with one has).
+    /// Changes the limits of the running sandbox: memory, pids and, for a sandbox
+    /// spawned with one, CPU (which needs the cpu controller then); disk, for a sandbox
+    /// spawned with a disk limit (its directory carries the project). A limit left
+    /// unset is left as it is, except disk, which is lifted.
     pub fn set_limits(&self, limits: &Limits) -> Result<()> {
-        let layout = CgroupLayout::detect()?;
-        Ok(self.live_cgroup()?.set_limits(&layout, limits)?)
+        limits.validate()?;
+        if limits.needs_cgroup() {
+            let layout = CgroupLayout::detect()?;
+            self.live_cgroup()?.set_limits(&layout, limits)?;
+        }
+        match (limits.disk_bytes, &self.disk) {
+            (Some(bytes), Some(disk)) => disk.set(bytes)?,
+            (None, Some(disk)) => disk.set(0)?,
+            (Some(_), None) => {
+                let dir = self.state_dir().map(Path::to_path_buf).unwrap_or_default();
+                return Err(DiskLimitError::Unsupported(dir).into());
+            }
+            (None, None) => {}
+        }
+        Ok(())
+    }
+
+    /// Bytes the sandbox's directory holds, where it has a disk limit.
+    pub fn disk_used(&self) -> Option<u64> {
+        self.disk.as_ref().and_then(|d| d.used_bytes().ok())
+    }
+
+    /// Gives a restored jail the disk limit its directory was tagged with.
+    pub(crate) fn hold_disk_limit(&mut self, disk: DiskLimit) {
+        self.disk = Some(disk);
     }
 
     /// Like [`Jail::destroy`], but moves the writable layer to `keep` (same filesystem,
@@ -809,6 +966,7 @@ impl Jail {
         if let Some(fs) = self.rootfs.take() {
             fs.remove_keeping_layer(keep)?;
         }
+        self.disk = None;
         Ok(())
     }
 
@@ -880,6 +1038,9 @@ impl Jail {
             JailExit::Exited(libc::WEXITSTATUS(status))
         };
         self.exit = Some(exit);
+        // PID 1 took every process of the sandbox with it: its uid runs nothing now
+        // (its files stay its own until a later sandbox is given them).
+        self.uid_lease = None;
         Ok(Some(exit))
     }
 
@@ -926,6 +1087,8 @@ impl Jail {
         if let Some(fs) = self.rootfs.take() {
             note(fs.remove().map_err(JailError::from));
         }
+        // Once its files are gone, the directory's project is lifted and let go.
+        self.disk = None;
         first.map_or(Ok(()), Err)
     }
 }

@@ -11,10 +11,12 @@
 //!   so the program is PID 1 of its PID namespace without a double fork; the cgroup
 //!   namespace is created after the cgroup join so its root is the sandbox cgroup.
 //!   Killing PID 1 kills the whole namespace, which is what [`Jail::kill`] relies on.
-//! - **No user namespace; an unprivileged host uid** (`nobody`, 65534, by default;
-//!   configurable, never 0). Cube runs as root, so it can set everything up in the init
-//!   user namespace and then give root up for good: bounding, ambient, effective,
-//!   permitted and inheritable capability sets empty, no_new_privs. A user namespace
+//! - **No user namespace; an unprivileged host uid of the sandbox's own** (leased per
+//!   sandbox from a range no account uses, see [`sandbox_uid`], so per-user kernel
+//!   limits are not shared; or a configured one, never 0). Cube runs as root, so it
+//!   can set everything up in the init user namespace and then give root up for good:
+//!   bounding, ambient, effective, permitted and inheritable capability sets empty,
+//!   no_new_privs. A user namespace
 //!   would give the sandbox "root" with capabilities over its own namespaces, which is
 //!   the largest source of kernel privilege escalations, and would complicate overlay
 //!   ownership; seccomp refuses creating one.
@@ -47,17 +49,24 @@ pub mod checkpoint;
 pub mod criu;
 mod criu_launch;
 mod criu_version;
+pub mod disk_limit;
 pub mod jail;
 mod kdat_cache;
 pub mod namespaces;
 pub mod rootfs;
+pub mod sandbox_uid;
 pub mod seccomp;
 pub mod tmpfs_image;
 
 pub use capabilities::Identity;
-pub use cgroup::{CgroupLayout, Limits, SandboxCgroup};
+pub use cgroup::{
+    CgroupLayout, Limits, SandboxCgroup, DEFAULT_CPU_QUOTA, DEFAULT_DISK_BYTES,
+    DEFAULT_MEMORY_BYTES, DEFAULT_PIDS_MAX,
+};
 pub use checkpoint::{Checkpoint, CheckpointError, DumpOptions};
 pub use criu::{Criu, CriuError};
+pub use disk_limit::{DiskLimit, DiskLimitError};
 pub use jail::{Jail, JailConfig, JailError, JailExit, SetupStage, Stdio, MAX_PASSED_FD};
 pub use namespaces::NamespaceSet;
-pub use rootfs::{ReadOnlyBind, RootSpec};
+pub use rootfs::{ReadOnlyBind, RootLimits, RootSpec};
+pub use sandbox_uid::UidLease;

@@ -57,6 +57,12 @@ pub enum RootfsError {
     /// A root kept in memory cannot start from a layer on disk.
     #[error("a root kept in memory cannot be seeded from a layer on disk")]
     SeedInMemory,
+    /// A seeded layer could not be given to the sandbox's uid.
+    #[error(transparent)]
+    GiveLayer(#[from] crate::sandbox_uid::SandboxUidError),
+    /// The sandbox directory could not be tagged with its disk project.
+    #[error(transparent)]
+    DiskProject(#[from] cube_storage::project_quota::ProjectQuotaError),
     /// A mount under the sandbox directory could not be detached.
     #[error("cannot unmount {path}")]
     Unmount {
@@ -95,6 +101,19 @@ pub enum RootSpec {
         /// does: for templates that carry data but no programs.
         host_userland: bool,
     },
+}
+
+/// Sizes and the disk project of a root: what [`crate::Limits`] ask of its filesystem.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RootLimits {
+    /// Size of the tmpfs at /tmp and at /dev/shm, each; None: the kernel's default
+    /// (half the host's memory).
+    pub tmpfs_bytes: Option<u64>,
+    /// Size of a root kept in memory ([`RootSpec::HostUserlandInMemory`]).
+    pub root_bytes: Option<u64>,
+    /// XFS project the sandbox directory and everything in it is tagged with, so that
+    /// the project's quota limits it (see `cube_storage::project_quota`).
+    pub project: Option<u32>,
 }
 
 /// A host file or directory shown read-only inside the sandbox: how a jail gets host
@@ -404,6 +423,14 @@ fn pivot_in_child(root: &CStr) -> std::result::Result<(), Errno> {
     check(unsafe { libc::chdir(c"/".as_ptr()) })
 }
 
+/// tmpfs mount options: `base`, and a size when one is given.
+fn tmpfs_options(base: &str, bytes: Option<u64>) -> String {
+    match bytes {
+        Some(bytes) => format!("{base},size={bytes}"),
+        None => base.to_string(),
+    }
+}
+
 fn cpath(p: &Path) -> Result<CString> {
     CString::new(p.as_os_str().as_bytes()).map_err(|_| RootfsError::InvalidPath(p.to_path_buf()))
 }
@@ -579,7 +606,15 @@ pub fn prepare(
     hostname: &str,
     binds: &[ReadOnlyBind],
 ) -> Result<(RootfsLayout, MountPlan)> {
-    prepare_seeded(state_dir, spec, identity, hostname, binds, None)
+    prepare_seeded(
+        state_dir,
+        spec,
+        identity,
+        hostname,
+        binds,
+        None,
+        RootLimits::default(),
+    )
 }
 
 /// Like [`prepare`], but the writable layer starts as `seed` (a layer an earlier
@@ -594,6 +629,7 @@ pub fn prepare_seeded(
     hostname: &str,
     binds: &[ReadOnlyBind],
     seed: Option<&Path>,
+    limits: RootLimits,
 ) -> Result<(RootfsLayout, MountPlan)> {
     validate_path(state_dir)?;
     if let Some(seed) = seed {
@@ -637,8 +673,21 @@ pub fn prepare_seeded(
         seed: seed.map(Path::to_path_buf),
         removed: false,
     };
-    if let Some(seed) = seed {
-        fs::rename(seed, &layout.layer).map_err(io_err("move", seed))?;
+    match (seed, limits.project) {
+        (Some(seed), project) => {
+            // Into the directory before it is tagged: XFS refuses a rename into a
+            // directory of another project (EXDEV).
+            fs::rename(seed, &layout.layer).map_err(io_err("move", seed))?;
+            // The layer's files belong to the sandbox that wrote them; this one runs
+            // as another uid (see `sandbox_uid`).
+            crate::sandbox_uid::give_tree(&layout.layer, identity)?;
+            if let Some(project) = project {
+                cube_storage::project_quota::tag_tree(state_dir, project)?;
+            }
+        }
+        // Empty: whatever is made in it from now on takes its project.
+        (None, Some(project)) => cube_storage::project_quota::tag_tree(state_dir, project)?,
+        (None, None) => {}
     }
     let mut plan = MountPlan {
         steps: Vec::new(),
@@ -681,7 +730,7 @@ pub fn prepare_seeded(
                 &root,
                 Some("tmpfs"),
                 libc::MS_NOSUID | libc::MS_NODEV,
-                Some("mode=755"),
+                Some(&tmpfs_options("mode=755", limits.root_bytes)),
             )?;
             root.clone()
         }
@@ -788,7 +837,7 @@ pub fn prepare_seeded(
         &dev.join("shm"),
         Some("tmpfs"),
         libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-        Some("mode=1777"),
+        Some(&tmpfs_options("mode=1777", limits.tmpfs_bytes)),
     )?;
     for (link, target) in [
         ("ptmx", "pts/ptmx"),
@@ -807,14 +856,15 @@ pub fn prepare_seeded(
         );
     }
 
-    // Private /tmp; its pages are charged to the sandbox's memory cgroup.
+    // Private /tmp; its pages are charged to the sandbox's memory cgroup, and its size
+    // is bounded even where the host has no memory controller.
     skeleton.mount_point_dir(&mut plan, &prep.join("tmp"), 0o1777)?;
     plan.mount(
         Some(Path::new("tmpfs")),
         &root.join("tmp"),
         Some("tmpfs"),
         libc::MS_NOSUID | libc::MS_NODEV,
-        Some("mode=1777"),
+        Some(&tmpfs_options("mode=1777", limits.tmpfs_bytes)),
     )?;
     for bind in binds {
         add_bind(&mut plan, &mut skeleton, &prep, &root, bind)?;
@@ -1246,7 +1296,8 @@ mod tests {
                 id(),
                 "h",
                 &[],
-                Some(&seed)
+                Some(&seed),
+                RootLimits::default(),
             ),
             Err(RootfsError::SeedInMemory)
         ));

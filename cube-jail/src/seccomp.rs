@@ -4,8 +4,16 @@
 //!
 //! A deny list (not an allow list) keeps arbitrary user programs working; what it refuses
 //! is kernel attack surface and host-global state: modules, kexec, BPF, perf, keyrings,
-//! the clock, swap, reboot, new mounts and namespaces, ptrace, userfaultfd, io_uring,
-//! and personas other than plain Linux (which could turn off ASLR).
+//! the clock, swap, reboot, new mounts and namespaces, ptrace and reading or taking
+//! another process's memory or descriptors, userfaultfd, io_uring and AIO, LDT entries,
+//! secret memory, pushing input into a terminal (TIOCSTI, TIOCLINUX), and personas
+//! other than plain Linux (which could turn off ASLR).
+//! Sockets are limited to the families a sandbox needs ([`ALLOWED_FAMILIES`]: unix,
+//! IPv4, IPv6, and netlink's routing protocol for `ip`); every other family (vsock,
+//! whose port space is host-wide; packet; the kernel crypto API; other netlink
+//! protocols...) is refused with EAFNOSUPPORT, as on a kernel without it, so programs
+//! fall back. IPv4 and IPv6 stay allowed without a network: the sandbox's own network
+//! namespace then has loopback only, which reaches nothing outside it.
 //! x32-ABI numbers (which would alias the x86-64 calls past a deny list) are refused
 //! with ENOSYS, and so is `clone3`, whose flags live in memory a filter cannot read, so
 //! that libc falls back to `clone`, whose namespace flags the filter does check.
@@ -126,6 +134,32 @@ pub const DENIED: &[(&str, libc::c_long, &str)] = &[
         "pairs with ptrace",
     ),
     (
+        "process_vm_readv",
+        libc::SYS_process_vm_readv,
+        "reads another process's memory (the agent's)",
+    ),
+    (
+        "pidfd_getfd",
+        libc::SYS_pidfd_getfd,
+        "takes another process's descriptors (the agent's host streams)",
+    ),
+    (
+        "modify_ldt",
+        libc::SYS_modify_ldt,
+        "16-bit segments: kernel attack surface",
+    ),
+    (
+        "memfd_secret",
+        libc::SYS_memfd_secret,
+        "memory hidden from the kernel's own checks",
+    ),
+    ("io_setup", libc::SYS_io_setup, "AIO: kernel attack surface"),
+    (
+        "io_submit",
+        libc::SYS_io_submit,
+        "AIO: kernel attack surface",
+    ),
+    (
         "userfaultfd",
         libc::SYS_userfaultfd,
         "widens kernel race windows",
@@ -190,6 +224,19 @@ const NAMESPACE_FLAGS: &[u64] = &[
     libc::CLONE_NEWCGROUP as u64,
 ];
 
+/// Socket families a sandbox may create: unix, IPv4, IPv6 and netlink (whose protocol
+/// must be [`libc::NETLINK_ROUTE`]); the rest are refused with EAFNOSUPPORT.
+pub const ALLOWED_FAMILIES: &[libc::c_int] = &[
+    libc::AF_UNIX,
+    libc::AF_INET,
+    libc::AF_INET6,
+    libc::AF_NETLINK,
+];
+
+/// Terminal ioctls refused: TIOCSTI pushes bytes into a terminal's input as if typed,
+/// TIOCLINUX does the same (and more) on a virtual console.
+const DENIED_IOCTLS: &[u64] = &[libc::TIOCSTI, libc::TIOCLINUX];
+
 /// `personality(0xffffffff)` reads the persona without changing it.
 const PERSONALITY_QUERY: u64 = 0xffff_ffff;
 
@@ -234,6 +281,17 @@ impl SeccompProgram {
             .and_then(SeccompRule::new)
             .map_err(SeccompError::Build)?;
         rules.insert(libc::SYS_personality, vec![personality]);
+        // The request is an `unsigned int` to the kernel: only its low 32 bits count,
+        // so only they are compared (high bits set cannot slip past).
+        let ioctls = DENIED_IOCTLS
+            .iter()
+            .map(|req| {
+                SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, *req)
+                    .and_then(|c| SeccompRule::new(vec![c]))
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(SeccompError::Build)?;
+        rules.insert(libc::SYS_ioctl, ioctls);
         let deny: BpfProgram = SeccompFilter::new(
             rules,
             SeccompAction::Allow,
@@ -242,6 +300,7 @@ impl SeccompProgram {
         )
         .and_then(TryInto::try_into)
         .map_err(SeccompError::Build)?;
+        let families = family_filter(arch)?;
         let clone3: BpfProgram = SeccompFilter::new(
             [(libc::SYS_clone3, Vec::new())].into_iter().collect(),
             SeccompAction::Allow,
@@ -272,7 +331,11 @@ impl SeccompProgram {
         ];
         x32_guard.extend(deny.iter().map(convert));
         Ok(SeccompProgram {
-            filters: vec![x32_guard, clone3.iter().map(convert).collect()],
+            filters: vec![
+                x32_guard,
+                clone3.iter().map(convert).collect(),
+                families.iter().map(convert).collect(),
+            ],
         })
     }
 
@@ -310,6 +373,40 @@ impl SeccompProgram {
         }
         Ok(())
     }
+}
+
+/// The socket filter: `socket` of a family outside [`ALLOWED_FAMILIES`], or of netlink
+/// with a protocol other than routing, and `socketpair` of anything but unix, fail with
+/// EAFNOSUPPORT. The family and protocol are ints: their low 32 bits are compared.
+fn family_filter(arch: TargetArch) -> Result<BpfProgram, SeccompError> {
+    let dword = |arg: u8, op: SeccompCmpOp, value: libc::c_int| {
+        SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value as u32 as u64)
+    };
+    let build = || -> Result<BpfProgram, seccompiler::BackendError> {
+        let other_family = ALLOWED_FAMILIES
+            .iter()
+            .map(|f| dword(0, SeccompCmpOp::Ne, *f))
+            .collect::<Result<Vec<_>, _>>()
+            .and_then(SeccompRule::new)?;
+        let other_netlink = SeccompRule::new(vec![
+            dword(0, SeccompCmpOp::Eq, libc::AF_NETLINK)?,
+            dword(2, SeccompCmpOp::Ne, libc::NETLINK_ROUTE)?,
+        ])?;
+        let pair_not_unix = SeccompRule::new(vec![dword(0, SeccompCmpOp::Ne, libc::AF_UNIX)?])?;
+        SeccompFilter::new(
+            [
+                (libc::SYS_socket, vec![other_family, other_netlink]),
+                (libc::SYS_socketpair, vec![pair_not_unix]),
+            ]
+            .into_iter()
+            .collect(),
+            SeccompAction::Allow,
+            SeccompAction::Errno(libc::EAFNOSUPPORT as u32),
+            arch,
+        )?
+        .try_into()
+    };
+    build().map_err(SeccompError::Build)
 }
 
 fn stmt(code: u16, k: u32) -> libc::sock_filter {
@@ -350,6 +447,12 @@ mod tests {
             );
         }
         assert!(p.filters[1].iter().any(|i| i.k == libc::SYS_clone3 as u32));
+        for req in DENIED_IOCTLS {
+            assert!(p.filters[0].iter().any(|i| u64::from(i.k) == *req));
+        }
+        for family in ALLOWED_FAMILIES {
+            assert!(p.filters[2].iter().any(|i| i.k == *family as u32));
+        }
     }
 
     #[test]

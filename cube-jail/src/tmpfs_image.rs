@@ -83,10 +83,10 @@ pub(crate) struct TmpfsMount {
     pub read_only: bool,
 }
 
-/// How the copies are made: one filesystem, sockets left out, copying expected.
+/// How the copies are made: one filesystem, copying expected (sockets are always
+/// left out).
 const COPY: TreeOptions = TreeOptions {
     one_file_system: true,
-    skip_sockets: true,
     expect_copies: true,
 };
 

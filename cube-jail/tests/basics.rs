@@ -22,7 +22,13 @@ fn runs_a_program_as_an_unprivileged_isolated_pid_1() {
     assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
     let o = &out.stdout;
     assert!(o.contains("pid=1\n"), "{o}");
-    assert!(o.contains("\n65534\n65534\njailbox\n/home/user\n"), "{o}");
+    // A uid (and gid) of the sandbox's own, never root or the host's nobody.
+    let lines: Vec<&str> = o.lines().collect();
+    let uid: u32 = lines[1].parse().unwrap();
+    let gid: u32 = lines[2].parse().unwrap();
+    assert!(cube_jail::sandbox_uid::RANGE.contains(&uid), "{o}");
+    assert_eq!(uid, gid, "{o}");
+    assert_eq!(&lines[3..5], ["jailbox", "/home/user"], "{o}");
     for set in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
         assert!(
             o.contains(&format!("{set}:\t0000000000000000")),

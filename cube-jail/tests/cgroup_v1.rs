@@ -30,6 +30,7 @@ fn v1_freezer_limits_and_kill() {
         memory_bytes: Some(256 << 20),
         cpu_quota: Some(0.5),
         pids_max: Some(16),
+        disk_bytes: None,
     };
     if ["memory", "cpu", "pids"]
         .iter()

@@ -200,7 +200,12 @@ fn rollback_brings_back_variables_files_and_isolation() {
     // before the dump.
     assert_eq!(repl.eval(MOUNT_FLAGS), mounts_before);
     assert_eq!(repl.eval("os.getpid()"), "1");
-    assert_eq!(repl.eval("os.getuid(), os.getgid()"), "(65534, 65534)");
+    let id = jail.identity();
+    assert!(cube_jail::sandbox_uid::RANGE.contains(&id.uid));
+    assert_eq!(
+        repl.eval("os.getuid(), os.getgid()"),
+        format!("({}, {})", id.uid, id.gid)
+    );
     let status = repl.eval("open('/proc/self/status').read()");
     assert!(status.contains("NoNewPrivs:\\t1"), "{status}");
     assert!(status.contains("Seccomp:\\t2"), "{status}");
@@ -236,6 +241,43 @@ fn rollback_brings_back_variables_files_and_isolation() {
         "the cgroup namespace is rooted at the sandbox cgroup"
     );
     destroy_and_check(jail);
+}
+
+/// The options of the sandbox's `/` mount, as its own mountinfo shows them.
+fn root_mount_options(repl: &mut Repl) -> String {
+    repl.eval("[l.split()[5] for l in open('/proc/self/mountinfo') if l.split()[4] == '/'][0]")
+}
+
+#[test]
+fn a_restored_root_keeps_nosuid_and_nodev_and_a_socket_file_does_not_stop_a_dump() {
+    let Some(criu) = criu() else { return };
+    let tmp = tempfile::tempdir().unwrap();
+    let c = config(tmp.path(), "mountflags");
+    let (source, mut repl) = spawn_repl(&c);
+    let spawned = root_mount_options(&mut repl);
+    for flag in ["nosuid", "nodev"] {
+        assert!(spawned.contains(flag), "spawned root: {spawned}");
+    }
+    // A socket file left in the writable layer (bound, then closed): nothing a copy of
+    // the layer can hold, and no reason to refuse the snapshot.
+    assert_eq!(
+        repl.eval(
+            "__import__('socket').socket(1).bind('/home/user/stale.sock') or \
+             __import__('os').path.exists('/home/user/stale.sock')"
+        ),
+        "True"
+    );
+    let image = tmp.path().join("image");
+    checkpoint::dump(&criu, &source, &image, &dump_options(true))
+        .unwrap_or_else(|e| panic!("dump failed: {e}"));
+    let clone_config = config(tmp.path(), "mountflags-clone");
+    let (clone, mut b) = restore_repl(&criu, &image, &clone_config);
+    let restored = root_mount_options(&mut b);
+    for flag in ["nosuid", "nodev"] {
+        assert!(restored.contains(flag), "restored root: {restored}");
+    }
+    destroy_and_check(clone);
+    destroy_and_check(source);
 }
 
 #[test]

@@ -10,8 +10,9 @@
 //                 flows and connections to exposed ports are rewritten and redirected
 //                 into their sandbox; all other traffic passes untouched.
 //
-// Only IPv4 TCP, UDP and ICMP echo without IP options or fragments leave a sandbox;
-// ARP for the gateway is answered here; everything else from a sandbox is dropped.
+// Only IPv4 TCP, UDP and ICMP echo without IP options or fragments leave a sandbox,
+// and never to a broadcast, multicast or reserved address; ARP for the gateway is
+// answered here; everything else from a sandbox is dropped.
 //
 // The structs below are mirrored in src/datapath.rs (#[repr(C)], same padding).
 
@@ -485,6 +486,14 @@ static __always_inline int is_host_addr(__u32 addr)
 	       bpf_map_lookup_elem(&cube_host_addrs, &addr) != 0;
 }
 
+// Multicast (224/4), reserved (240/4) and the limited broadcast 255.255.255.255: no
+// sandbox sends there, whatever its policy. (A subnet's broadcast address is caught by
+// the route lookup: the host's stack would take it, see nat_source.)
+static __always_inline int is_group_or_reserved(__u32 addr)
+{
+	return (addr & bpf_htonl(0xe0000000)) == bpf_htonl(0xe0000000);
+}
+
 // Egress policy: the longer of the matching allow and deny prefixes decides; the
 // host's own addresses need an allow entry for exactly that address; otherwise the
 // sandbox's internet flag decides.
@@ -551,7 +560,10 @@ static __always_inline int route_out(struct __sk_buff *skb, const struct config 
 	}
 	if (rc == BPF_FIB_LKUP_RET_NO_NEIGH)
 		return bpf_redirect_neigh(fib.ifindex, 0, 0, 0);
-	if (rc == BPF_FIB_LKUP_RET_NOT_FWDED)
+	// Not forwarded: local to the host. Only its known unicast addresses are handed
+	// to its stack (a broadcast address, or an address the host gained since the pool
+	// last read them, is not).
+	if (rc == BPF_FIB_LKUP_RET_NOT_FWDED && is_host_addr(daddr))
 		return into_host(skb, cfg);
 	return TC_ACT_SHOT;
 }
@@ -566,8 +578,12 @@ static __always_inline __u32 nat_source(struct __sk_buff *skb, __u32 daddr)
 		.ifindex = skb->ifindex,
 	};
 	int rc = bpf_fib_lookup(skb, &fib, sizeof(fib), BPF_FIB_LOOKUP_SRC | BPF_FIB_LOOKUP_SKIP_NEIGH);
+	// The route lookup says "not forwarded" for every destination the host's stack
+	// takes itself: its addresses, and the broadcast addresses of its subnets, which
+	// reach every socket bound to 0.0.0.0. Only the addresses the pool knows as the
+	// host's (where the policy's exact allow was checked) pass; the rest is dropped.
 	if (rc == BPF_FIB_LKUP_RET_NOT_FWDED)
-		return daddr;
+		return is_host_addr(daddr) ? daddr : 0;
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
 		return 0;
 	return fib.ipv4_src;
@@ -722,12 +738,15 @@ int from_sandbox(struct __sk_buff *skb)
 		return route_out(skb, cfg, pkt.daddr);
 	}
 
-	if (!allowed(ifindex, flags, pkt.daddr)) {
+	if (is_group_or_reserved(pkt.daddr) || !allowed(ifindex, flags, pkt.daddr)) {
 		if (c)
 			c->dropped += 1;
 		return TC_ACT_SHOT;
 	}
-	return snat(skb, cfg, &pkt, ifindex, now);
+	int verdict = snat(skb, cfg, &pkt, ifindex, now);
+	if (verdict == TC_ACT_SHOT && c)
+		c->dropped += 1;
+	return verdict;
 }
 
 SEC("classifier")

@@ -33,7 +33,7 @@ use crate::datapath::{
 };
 use crate::netlink::{Link, NetlinkError, Rtnl};
 use crate::netns::{Netns, NetnsError, NetnsRef};
-use crate::policy::EgressPolicy;
+use crate::policy::{EgressPolicy, Ipv4Cidr};
 use crate::tap::{self, TapError};
 
 /// Errors of the pool.
@@ -576,6 +576,19 @@ impl Pool {
         Ok(())
     }
 
+    /// Re-reads the host's addresses into the datapath: done before every policy is
+    /// put in force, so that an exact allow of an address the host gained since the
+    /// pool opened works. (Until then such an address is refused like a broadcast
+    /// address: the datapath hands the host's stack only the addresses it knows.)
+    fn refresh_host_addrs(&self) -> Result<()> {
+        self.in_host(|| {
+            let addresses = Rtnl::open()?.ipv4_addresses()?;
+            let host_addrs: Vec<Ipv4Addr> = addresses.iter().map(|(_, addr, _)| *addr).collect();
+            self.lock()?.datapath.set_host_addrs(&host_addrs)?;
+            Ok(())
+        })
+    }
+
     fn used_numbers(state: &State) -> BTreeSet<u32> {
         state
             .free_veths
@@ -980,6 +993,7 @@ impl Pool {
     /// Registers the device in the datapath and attaches the program to it.
     fn enable(&self, attachment: &Attachment, policy: &EgressPolicy) -> Result<()> {
         let ifindex = attachment.host_ifindex();
+        self.refresh_host_addrs()?;
         let mut state = self.lock()?;
         // A slot's entries went with its last release (or with the rebuild).
         state.datapath.reset_counters(ifindex)?;
@@ -1018,6 +1032,7 @@ impl Pool {
     /// Replaces a live sandbox's egress policy; new flows see it at once.
     pub fn set_policy(&self, attachment: &Attachment, policy: &EgressPolicy) -> Result<()> {
         let ifindex = attachment.host_ifindex();
+        self.refresh_host_addrs()?;
         let mut state = self.lock()?;
         if !state.attached.contains_key(attachment.host_ifname()) {
             return Err(PoolError::NotAttached(attachment.host_ifname().to_string()));
@@ -1080,6 +1095,27 @@ impl Pool {
             .datapath
             .unexpose(key, attachment.host_ifindex())?;
         Ok(())
+    }
+
+    /// The allow and deny lists the datapath holds for the sandbox now (what is in
+    /// force, the default deny ranges included), each sorted.
+    pub fn policy_in_force(
+        &self,
+        attachment: &Attachment,
+    ) -> Result<(Vec<Ipv4Cidr>, Vec<Ipv4Cidr>)> {
+        let (allow, deny) = self
+            .lock()?
+            .datapath
+            .policy_entries(attachment.host_ifindex())?;
+        let cidrs = |list: Vec<datapath::Cidr>| {
+            let mut cidrs: Vec<Ipv4Cidr> = list
+                .into_iter()
+                .filter_map(|(addr, prefix)| Ipv4Cidr::new(addr, prefix).ok())
+                .collect();
+            cidrs.sort();
+            cidrs
+        };
+        Ok((cidrs(allow), cidrs(deny)))
     }
 
     /// The sandbox's traffic counters.

@@ -692,3 +692,108 @@ fn attaches_into_a_process_namespace_by_pid() {
         .ip_output("host", &["-o", "link"])
         .contains(&format!(": {name}@")));
 }
+
+/// A UDP socket bound to 0.0.0.0:`port` in namespace `which`, as a host service
+/// listening on every address would be.
+fn udp_listener(lab: &Lab, which: &str, port: u16) -> std::net::UdpSocket {
+    let socket = lab
+        .netns(which)
+        .run(move || std::net::UdpSocket::bind(("0.0.0.0", port)))
+        .unwrap()
+        .unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_millis(400)))
+        .unwrap();
+    socket
+}
+
+/// Sends `payload` to `to` from namespace `which` (broadcast allowed on the socket).
+fn udp_send(lab: &Lab, which: &str, to: SocketAddr, payload: &'static [u8]) {
+    lab.netns(which)
+        .run(move || {
+            let socket = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+            socket.set_broadcast(true).unwrap();
+            // A refused packet is dropped silently; only local errors count here.
+            let _ = socket.send_to(payload, to);
+        })
+        .unwrap();
+}
+
+/// Every payload `socket` receives until it stays quiet.
+fn received(socket: &std::net::UdpSocket) -> Vec<String> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 64];
+    while let Ok((n, _)) = socket.recv_from(&mut buf) {
+        got.push(String::from_utf8_lossy(&buf[..n]).into_owned());
+    }
+    got
+}
+
+#[test]
+fn broadcast_multicast_and_host_addresses_added_later_stay_out_of_reach() {
+    let (mut lab, guard) = lab_and_pool!("bc", 1, 0);
+    let pool = guard.pool();
+    lab.add_namespace("sb").unwrap();
+    let port = 9999;
+    let on_host = udp_listener(&lab, "host", port);
+    let outside = udp_listener(&lab, "out", port);
+    let net = pool
+        .attach_veth(&lab.netns_ref("sb"), &EgressPolicy::default())
+        .unwrap();
+    let at = |addr: Ipv4Addr| SocketAddr::from((addr, port));
+
+    // The host's subnet broadcast (198.51.100.0/24 is in no default deny range): the
+    // host's stack would deliver it to every socket bound to 0.0.0.0.
+    udp_send(
+        &lab,
+        "sb",
+        at(Ipv4Addr::new(198, 51, 100, 255)),
+        b"subnet-broadcast",
+    );
+    // A control that must arrive: plain unicast to the outside.
+    udp_send(&lab, "sb", at(OUT_ADDR), b"unicast");
+    assert_eq!(received(&on_host), Vec::<String>::new());
+    assert_eq!(received(&outside), vec!["unicast".to_string()]);
+
+    // Broadcast and multicast stay dropped even where a policy allows their ranges.
+    let allow_all = EgressPolicy::default()
+        .allow(cidr("224.0.0.0/4"))
+        .allow(cidr("240.0.0.0/4"))
+        .allow(cidr("198.51.100.0/24"));
+    pool.set_policy(&net, &allow_all).unwrap();
+    udp_send(&lab, "sb", at(Ipv4Addr::BROADCAST), b"limited-broadcast");
+    udp_send(&lab, "sb", at(Ipv4Addr::new(224, 0, 0, 1)), b"all-hosts");
+    udp_send(
+        &lab,
+        "sb",
+        at(Ipv4Addr::new(198, 51, 100, 255)),
+        b"subnet-again",
+    );
+    assert_eq!(received(&on_host), Vec::<String>::new());
+    assert_eq!(received(&outside), Vec::<String>::new());
+
+    // An address the host gains after the pool opened is the host's too: refused to
+    // a policy that allows its range, reachable with an exact allow.
+    lab.serve_http("host", 82, "host");
+    ip_in(
+        &lab,
+        "host",
+        &["addr", "add", "198.51.100.77/24", "dev", "up0"],
+    );
+    let added = Ipv4Addr::new(198, 51, 100, 77);
+    assert!(
+        lab.http_get("sb", added, 82).is_err(),
+        "a host address added later was reached"
+    );
+    pool.set_policy(&net, &EgressPolicy::default().allow(Ipv4Cidr::host(added)))
+        .unwrap();
+    assert!(lab.http_get("sb", added, 82).unwrap().starts_with("host "));
+    pool.release(net).unwrap();
+}
+
+fn ip_in(lab: &Lab, which: &str, args: &[&str]) {
+    let name = lab.name(which);
+    let mut full = vec!["-n", name.as_str()];
+    full.extend_from_slice(args);
+    lab::ip(&full).unwrap();
+}

@@ -61,6 +61,8 @@ pub struct CreateRequest {
     pub cpu_millis: Option<u32>,
     /// Most processes and threads of a jail sandbox; None: the engine's default.
     pub pids_max: Option<u32>,
+    /// Disk limit of a jail sandbox's files, MiB; None: the engine's default.
+    pub disk_mib: Option<u64>,
 }
 
 /// An engine as named from Python.
@@ -105,6 +107,7 @@ pub fn create(
         memory_mib: request.memory_mib,
         cpu_millis: request.cpu_millis,
         pids_max: request.pids_max,
+        disk_mib: request.disk_mib,
         ..CreateOptions::default()
     };
     runtime.create(template, options)

@@ -46,7 +46,7 @@ mod _native {
 
     /// Creates a sandbox.
     #[pyfunction]
-    #[pyo3(signature = (template, engine="auto", envs=None, metadata=None, lifetime=None, store=None, network=false, internet=true, allow_out=None, deny_out=None, expose=None, memory_mib=None, cpu_millis=None, pids_max=None))]
+    #[pyo3(signature = (template, engine="auto", envs=None, metadata=None, lifetime=None, store=None, network=false, internet=true, allow_out=None, deny_out=None, expose=None, memory_mib=None, cpu_millis=None, pids_max=None, disk_mib=None))]
     #[allow(clippy::too_many_arguments)]
     fn create(
         py: Python<'_>,
@@ -64,6 +64,7 @@ mod _native {
         memory_mib: Option<u64>,
         cpu_millis: Option<u32>,
         pids_max: Option<u32>,
+        disk_mib: Option<u64>,
     ) -> PyResult<NativeSandbox> {
         let engine_name = EngineName::parse(engine).ok_or_else(|| {
             raise(
@@ -80,6 +81,7 @@ mod _native {
             memory_mib,
             cpu_millis,
             pids_max,
+            disk_mib,
         };
         let template = template.to_string();
         let (runtime, sandbox) = py

@@ -66,7 +66,7 @@ def test_a_bad_timeout_is_rejected() -> None:
         Sandbox.create(timeout=-3)
 
 
-@pytest.mark.parametrize("limit", ["memory_mib", "cpu_millis", "pids_max"])
+@pytest.mark.parametrize("limit", ["memory_mib", "cpu_millis", "pids_max", "disk_mib"])
 def test_a_limit_that_is_not_a_positive_integer_is_rejected(limit: str) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(cubesandbox.InvalidArgument, match=limit):

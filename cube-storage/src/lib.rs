@@ -12,6 +12,7 @@
 //!   without it.
 //! - [`loop_store`]: a reflink-capable XFS filesystem on a loop device, for hosts
 //!   whose root filesystem (ext4) cannot reflink.
+//! - [`project_quota`]: XFS project quotas, the disk limits of directories.
 //!
 //! This crate knows nothing about KVM or engines: it moves bytes and directories
 //! safely and cheaply, and names the files the engines keep in them.
@@ -21,6 +22,7 @@ pub mod durable_marker;
 pub mod layout;
 pub mod loop_store;
 pub mod metadata;
+pub mod project_quota;
 pub mod reflink;
 pub mod store;
 
@@ -39,4 +41,6 @@ pub use reflink::{
     clone_file, clone_tree, clone_tree_into, clone_tree_with, filesystem_name, supports_reflink,
     CloneError, CloneMethod, TreeCloneStats, TreeOptions,
 };
-pub use store::{is_valid_name, scratch_entry_name, StagingDir, Store, StoreError};
+pub use store::{
+    is_valid_name, remove_dead_scratch, scratch_entry_name, StagingDir, Store, StoreError,
+};

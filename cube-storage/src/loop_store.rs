@@ -8,6 +8,11 @@
 //! The mount is meant to outlive the process that made it (it is the store), so
 //! [`LoopStore`] does not unmount on drop; [`LoopStore::unmount_and_detach`] does.
 //! While it is being set up, every step is undone if a later one fails.
+//!
+//! It is mounted with project quotas (`prjquota`), which per-sandbox disk limits use
+//! (see [`crate::project_quota`]), where the kernel's XFS has quota support. XFS takes
+//! quota options only at mount time: a store mounted without them keeps working,
+//! without disk limits, until it is mounted again.
 
 use std::ffi::OsString;
 use std::fs::{self, File, OpenOptions};
@@ -43,6 +48,8 @@ const RELEASE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The filesystem type the image is formatted with.
 const FILESYSTEM: &str = "xfs";
+/// Mount options: project quota accounting and enforcement.
+const MOUNT_OPTIONS: &str = "prjquota";
 /// What the image format says at offset 0.
 const XFS_SUPERBLOCK_MAGIC: &[u8; 4] = b"XFSB";
 
@@ -331,18 +338,33 @@ pub fn prepare_xfs_loop_store(
             source,
         })?;
     let device = AttachedLoop::attach(&image_file, &image)?;
-    mount(
-        Some(device.path()),
-        &mountpoint,
-        Some(FILESYSTEM),
-        MsFlags::empty(),
-        None::<&str>,
-    )
-    .map_err(|e| LoopStoreError::Mount {
-        device: device.path().to_owned(),
-        mountpoint: mountpoint.clone(),
-        source: e.into(),
-    })?;
+    // Project quotas: the per-sandbox disk limits (see `project_quota`). A kernel
+    // built without XFS quota support (CONFIG_XFS_QUOTA) refuses the option with
+    // EINVAL: the store is then mounted without it, and has no disk limits.
+    let mount_store = |options: Option<&str>| {
+        mount(
+            Some(device.path()),
+            &mountpoint,
+            Some(FILESYSTEM),
+            MsFlags::empty(),
+            options,
+        )
+    };
+    mount_store(Some(MOUNT_OPTIONS))
+        .or_else(|e| match e {
+            nix::errno::Errno::EINVAL => {
+                tracing::warn!(
+                    "this kernel's XFS has no quota support: the store gets no disk limits"
+                );
+                mount_store(None)
+            }
+            e => Err(e),
+        })
+        .map_err(|e| LoopStoreError::Mount {
+            device: device.path().to_owned(),
+            mountpoint: mountpoint.clone(),
+            source: e.into(),
+        })?;
     let mounted = MountGuard {
         mountpoint: &mountpoint,
         armed: true,
@@ -820,6 +842,53 @@ mod tests {
         let teardown = Teardown(Some(store));
         assert!(teardown.0.as_ref().unwrap().newly_mounted());
         assert_eq!(fs::read(&src).unwrap(), content);
+    }
+
+    #[test]
+    fn project_quotas_limit_a_tagged_directory_and_nothing_else() {
+        if let Some(reason) = missing_capability() {
+            println!("skipped: {reason}");
+            return;
+        }
+        use crate::project_quota;
+        use std::io::Write;
+        let dir = tempfile::tempdir().unwrap();
+        let mnt = dir.path().join("mnt");
+        let store = prepare_xfs_loop_store(&dir.path().join("store.img"), 512 * MIB, &mnt).unwrap();
+        let _teardown = Teardown(Some(store));
+        if !project_quota::enforced(&mnt) {
+            println!("skipped: this kernel's XFS enforces no project quotas (CONFIG_XFS_QUOTA)");
+            return;
+        }
+
+        let limited = mnt.join("sandbox");
+        fs::create_dir(&limited).unwrap();
+        let project = 0x7000_1234;
+        project_quota::tag_tree(&limited, project).unwrap();
+        project_quota::set_limit(&mnt, project, 4 * MIB).unwrap();
+        let write = |path: &Path, len: u64| -> io::Result<()> {
+            let mut f = File::create(path)?;
+            let chunk = vec![7u8; MIB as usize];
+            for _ in 0..len / MIB {
+                f.write_all(&chunk)?;
+            }
+            f.sync_all()
+        };
+        // Past the limit: ENOSPC, as for a full disk.
+        let full = write(&limited.join("big"), 8 * MIB).unwrap_err();
+        assert_eq!(full.raw_os_error(), Some(libc::ENOSPC), "{full}");
+        // A directory made inside inherits the project, and the limit.
+        fs::create_dir(limited.join("sub")).unwrap();
+        assert!(write(&limited.join("sub/more"), 2 * MIB).is_err());
+        // The rest of the filesystem is not limited.
+        write(&mnt.join("free"), 8 * MIB).unwrap();
+        let usage = project_quota::usage(&mnt, project).unwrap();
+        assert!(usage.bytes <= 4 * MIB, "{usage:?}");
+        assert_eq!(usage.limit_bytes, 4 * MIB);
+        assert!(usage.files >= 3, "{usage:?}");
+        // Lifted, the directory takes more.
+        project_quota::set_limit(&mnt, project, 0).unwrap();
+        write(&limited.join("sub/more"), 2 * MIB).unwrap();
     }
 
     #[test]

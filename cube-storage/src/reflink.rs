@@ -52,6 +52,10 @@ pub struct TreeCloneStats {
     pub directories: u64,
     /// FIFOs and device nodes recreated with `mknod`.
     pub special_files: u64,
+    /// Unix socket files left out: a socket file is only a name for a socket some
+    /// process bound, meaningless once copied (a process restored with its socket
+    /// binds the name anew).
+    pub skipped_sockets: u64,
 }
 
 /// How [`clone_tree_with`] and [`clone_tree_into`] walk the source.
@@ -61,9 +65,6 @@ pub struct TreeOptions {
     /// filesystem is mounted becomes an empty one (with the mounted root's permission
     /// bits, owner and times), a mount point again for whoever mounts there.
     pub one_file_system: bool,
-    /// Leave sockets out instead of refusing them: a socket is its bound name only,
-    /// and whoever binds it again makes it anew.
-    pub skip_sockets: bool,
     /// Copying between filesystems is the point (a tmpfs saved to disk and back): no
     /// warning that files are copied rather than reflinked.
     pub expect_copies: bool,
@@ -187,12 +188,6 @@ pub enum CloneError {
         #[source]
         source: io::Error,
     },
-    /// The tree holds a socket, which means nothing once copied.
-    #[error("Cannot clone socket {path}")]
-    Socket {
-        /// The socket path.
-        path: PathBuf,
-    },
     /// The destination of [`clone_tree`] lies inside its source, so the walk would
     /// never end.
     #[error("Clone destination {dst} is inside source {src}")]
@@ -212,15 +207,35 @@ pub enum CloneError {
 /// first fallback to a sparse copy on a filesystem logs one warning for the whole
 /// process. On any error the partial `dst` is removed.
 pub fn clone_file(src: &Path, dst: &Path) -> Result<CloneMethod, CloneError> {
-    clone_file_warning(src, dst, true)
-}
-
-/// [`clone_file`], warning of a sparse copy only when `warn`.
-fn clone_file_warning(src: &Path, dst: &Path, warn: bool) -> Result<CloneMethod, CloneError> {
     let src_file = File::open(src).map_err(|source| CloneError::OpenSource {
         path: src.to_owned(),
         source,
     })?;
+    clone_open_file(src_file, src, dst, true)
+}
+
+/// Like [`clone_file`] for an entry of a tree walk, which may belong to a sandbox: a
+/// symlink put in the file's place is not followed (the copy could otherwise read any
+/// host file into the sandbox's snapshot) and a FIFO put there does not block the open.
+/// A fallback to a sparse copy is warned of only when `warn`.
+fn clone_tree_file(src: &Path, dst: &Path, warn: bool) -> Result<CloneMethod, CloneError> {
+    let src_file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(src)
+        .map_err(|source| CloneError::OpenSource {
+            path: src.to_owned(),
+            source,
+        })?;
+    clone_open_file(src_file, src, dst, warn)
+}
+
+fn clone_open_file(
+    src_file: File,
+    src: &Path,
+    dst: &Path,
+    warn: bool,
+) -> Result<CloneMethod, CloneError> {
     let src_meta = src_file
         .metadata()
         .map_err(|source| CloneError::OpenSource {
@@ -321,7 +336,9 @@ pub fn filesystem_name(path: &Path) -> Result<String, CloneError> {
 /// names of a hard-linked file become hard links again, FIFOs and device nodes are
 /// recreated with `mknod`. Permission bits, access and modification times are kept;
 /// owners are kept when running as root (otherwise everything belongs to the
-/// caller). Extended attributes are not copied. Sockets are refused.
+/// caller). Extended attributes are not copied. Socket files are left out (see
+/// [`TreeCloneStats::skipped_sockets`]): a sandbox's layer may hold one, and its
+/// snapshot must not fail for it.
 ///
 /// `dst_dir` must not exist and must not lie inside `src_dir`. On any error the
 /// partial `dst_dir` is removed.
@@ -476,7 +493,7 @@ impl TreeWalk {
                     self.first_names
                         .insert((meta.dev(), meta.ino()), dst.clone());
                 }
-                match clone_file_warning(&src, &dst, !self.options.expect_copies)? {
+                match clone_tree_file(&src, &dst, !self.options.expect_copies)? {
                     CloneMethod::Reflink => self.stats.reflinked_files += 1,
                     CloneMethod::SparseCopy => self.stats.copied_files += 1,
                 }
@@ -504,8 +521,13 @@ impl TreeWalk {
                 })?;
                 self.stats.special_files += 1;
                 self.apply_attributes(&dst, &meta)?;
-            } else if !self.options.skip_sockets {
-                return Err(CloneError::Socket { path: src });
+            } else if file_type.is_socket() {
+                self.stats.skipped_sockets += 1;
+            } else {
+                return Err(CloneError::OpenSource {
+                    path: src,
+                    source: io::ErrorKind::Unsupported.into(),
+                });
             }
         }
         Ok(())
@@ -1011,7 +1033,7 @@ mod tests {
     }
 
     #[test]
-    fn failed_tree_clone_removes_partial_destination() {
+    fn socket_files_are_left_out_of_a_tree_clone() {
         let dir = tempfile::tempdir().unwrap();
         let src = dir.path().join("src");
         let dst = dir.path().join("dst");
@@ -1019,14 +1041,41 @@ mod tests {
         fs::write(src.join("a"), b"a").unwrap();
         let _listener = std::os::unix::net::UnixListener::bind(src.join("sock")).unwrap();
 
-        let err = clone_tree(&src, &dst).unwrap_err();
+        let stats = clone_tree(&src, &dst).unwrap();
 
-        assert!(matches!(err, CloneError::Socket { .. }), "{err}");
+        assert_eq!(stats.skipped_sockets, 1);
+        assert_eq!(fs::read(dst.join("a")).unwrap(), b"a");
+        assert!(fs::symlink_metadata(dst.join("sock")).is_err());
+    }
+
+    #[test]
+    fn failed_tree_clone_removes_partial_destination() {
+        // A sparse file larger than the destination's filesystem allows (tmpfs takes
+        // 17 TiB, ext4 stops at 16): its copy fails after the first file went in.
+        let Ok(shm) = tempfile::tempdir_in("/dev/shm") else {
+            println!("skipped: no /dev/shm");
+            return;
+        };
+        let dir = tempfile::tempdir().unwrap();
+        if filesystem_name(dir.path()).unwrap() != "ext4" {
+            println!("skipped: the temporary directory is not on ext4");
+            return;
+        }
+        let src = shm.path().join("src");
+        let dst = dir.path().join("dst");
+        fs::create_dir(&src).unwrap();
+        fs::write(src.join("a"), b"a").unwrap();
+        File::create(src.join("huge"))
+            .unwrap()
+            .set_len(17 << 40)
+            .unwrap();
+
+        assert!(clone_tree(&src, &dst).is_err());
         assert!(!dst.exists());
     }
 
     #[test]
-    fn sockets_can_be_left_out_and_a_tree_cloned_into_an_existing_directory() {
+    fn a_tree_is_cloned_into_an_existing_directory_without_its_sockets() {
         let dir = tempfile::tempdir().unwrap();
         let src = dir.path().join("src");
         let dst = dir.path().join("dst");
@@ -1036,15 +1085,11 @@ mod tests {
         let _listener = std::os::unix::net::UnixListener::bind(src.join("sock")).unwrap();
         fs::set_permissions(&src, Permissions::from_mode(0o1777)).unwrap();
         fs::create_dir(&dst).unwrap();
-        let options = TreeOptions {
-            skip_sockets: true,
-            ..TreeOptions::default()
-        };
-
-        let stats = clone_tree_into(&src, &dst, options).unwrap();
+        let stats = clone_tree_into(&src, &dst, TreeOptions::default()).unwrap();
 
         assert_eq!(fs::read(dst.join("sub/a")).unwrap(), b"a");
         assert!(!dst.join("sock").exists());
+        assert_eq!(stats.skipped_sockets, 1);
         assert_eq!(stats.directories, 2);
         // The existing root takes the source root's mode.
         assert_eq!(fs::metadata(&dst).unwrap().mode() & 0o7777, 0o1777);
@@ -1088,7 +1133,6 @@ mod tests {
             let options = TreeOptions {
                 one_file_system: true,
                 expect_copies: true,
-                ..TreeOptions::default()
             };
             clone_tree_with(&src, &dst, options).unwrap();
             let everything = src.with_file_name("all");

@@ -397,17 +397,35 @@ impl JailNetwork {
         Ok(())
     }
 
-    /// Device, policy, ports and counters now.
+    /// Device, policy (as asked and as the datapath holds it), ports and counters now.
     pub fn report(&self) -> Result<NetworkReport> {
-        let (host_ifname, counters) = match &self.attachment {
-            Some(a) => (a.host_ifname().to_string(), self.pool.counters(a)?.into()),
-            None => (String::new(), Default::default()),
+        let (host_ifname, counters, (allow, deny)) = match &self.attachment {
+            Some(a) => (
+                a.host_ifname().to_string(),
+                self.pool.counters(a)?.into(),
+                self.pool.policy_in_force(a)?,
+            ),
+            // Hibernated: what a wake will put in force.
+            None => {
+                let egress = self.policy.to_egress()?;
+                (
+                    String::new(),
+                    Default::default(),
+                    (egress.allow, egress.deny),
+                )
+            }
+        };
+        let text = |mut list: Vec<cube_net::Ipv4Cidr>| {
+            list.sort();
+            list.iter().map(ToString::to_string).collect()
         };
         Ok(NetworkReport {
             host_ifname,
             guest_addr: cube_net::addressing::GUEST_ADDR,
             gateway: cube_net::addressing::GATEWAY_ADDR,
             policy: self.policy.clone(),
+            allow_in_force: text(allow),
+            deny_in_force: text(deny),
             exposed: self.exposed.clone(),
             counters,
         })

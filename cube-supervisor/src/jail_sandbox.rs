@@ -31,7 +31,7 @@ use cube_vmm::persist::SnapshotStats;
 
 use crate::error_report::chain as error_chain;
 use crate::jail_network::{network_failure, JailNetwork, JailNetworkError};
-use crate::jail_spec::{locate_agent, JailSpec, AGENT_PATH, DEFAULT_PIDS_MAX};
+use crate::jail_spec::{locate_agent, JailSpec, AGENT_PATH};
 use crate::protocol::{
     ErrorKind, Failure, JailStatus, MachineStatus, Request, Response, Settings, StatusReport,
 };
@@ -160,8 +160,8 @@ impl JailSandbox {
         crate::priority::normal_priority(jail.pid() as u32);
         publish_socket(&dir, jail.pid())?;
         // The pool started the jail with the default settings' limits.
-        let limits = limits(&settings)?;
-        if limits != self::limits(&Settings::default())? {
+        let limits = limits(&settings, dir.path())?;
+        if limits != self::limits(&Settings::default(), dir.path())? {
             jail.set_limits(&limits).map_err(|e| error_chain(&e))?;
         }
         if !settings.env.is_empty() {
@@ -825,7 +825,6 @@ impl JailSandbox {
 /// one on the host (to any host socket). Here it stays inside the sandbox.
 pub fn connect_agent(link: &Path) -> std::io::Result<std::os::unix::net::UnixStream> {
     use std::io::{Error, ErrorKind};
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let target = std::fs::read_link(link)?;
     let bad = || {
         Error::new(
@@ -839,10 +838,20 @@ pub fn connect_agent(link: &Path) -> std::io::Result<std::os::unix::net::UnixStr
         .strip_prefix("/proc/")
         .and_then(|r| r.strip_suffix("/root"))
         .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|p| p.parse::<i32>().ok())
         .ok_or_else(bad)?;
+    connect_inner(pid)
+}
+
+/// Connects to the agent socket of the jail whose PID 1 is `pid`, resolving
+/// [`AGENT_INNER_SOCKET`] inside the jail's root (see [`connect_agent`]): every path
+/// the host side follows inside a sandbox stays inside it.
+fn connect_inner(pid: i32) -> std::io::Result<std::os::unix::net::UnixStream> {
+    use std::io::{Error, ErrorKind};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let root = std::fs::File::open(format!("/proc/{pid}/root"))?;
-    let inner =
-        std::ffi::CString::new(AGENT_INNER_SOCKET.trim_start_matches('/')).map_err(|_| bad())?;
+    let inner = std::ffi::CString::new(AGENT_INNER_SOCKET.trim_start_matches('/'))
+        .map_err(|_| Error::from(ErrorKind::InvalidInput))?;
     // SAFETY: open_how is plain data; all-zero is valid and the fields are set below.
     let mut how: libc::open_how = unsafe { std::mem::zeroed() };
     how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
@@ -1037,11 +1046,18 @@ impl PrespawnedJail {
 /// Waits until the agent of PID 1 `pid` listens. (The probe connection is closed at
 /// once; the agent sees it end.)
 fn wait_listening(pid: i32) -> Result<(), String> {
+    wait_listening_for(pid, AGENT_READY_TIMEOUT)
+}
+
+/// [`wait_listening`] for at most `timeout`. The probe resolves the socket inside the
+/// jail's root: the sandbox's code can put a symlink in its place, which a plain
+/// connect through `/proc/<pid>/root` would follow on the host, to any host socket.
+fn wait_listening_for(pid: i32, timeout: Duration) -> Result<(), String> {
     let inner = inner_socket(pid);
-    let deadline = Instant::now() + AGENT_READY_TIMEOUT;
+    let deadline = Instant::now() + timeout;
     let mut pause = Duration::from_micros(50);
     loop {
-        match std::os::unix::net::UnixStream::connect(&inner) {
+        match connect_inner(pid) {
             Ok(_) => return Ok(()),
             Err(e) if Instant::now() >= deadline => {
                 return Err(format!(
@@ -1057,27 +1073,28 @@ fn wait_listening(pid: i32) -> Result<(), String> {
     }
 }
 
-fn limits(settings: &Settings) -> Result<Limits, String> {
-    let limits = Limits {
-        memory_bytes: settings
-            .memory_mib
-            .map(|m| m.checked_mul(1 << 20).ok_or("memory limit too large"))
-            .transpose()?,
+/// The limits `settings` ask for, every one they leave unset at its default where the
+/// host can enforce it (see [`Limits::with_defaults`]); `dir` is where the jail's
+/// directory will be (its filesystem decides the disk default).
+fn limits(settings: &Settings, dir: &Path) -> Result<Limits, String> {
+    let mib = |m: u64, what: &str| {
+        m.checked_mul(1 << 20)
+            .ok_or(format!("{what} limit too large"))
+    };
+    let asked = Limits {
+        memory_bytes: settings.memory_mib.map(|m| mib(m, "memory")).transpose()?,
         cpu_quota: settings.cpu_millis.map(|m| f64::from(m) / 1000.0),
-        pids_max: settings.pids_max.or_else(default_pids_max).map(u64::from),
+        pids_max: settings.pids_max.map(u64::from),
+        disk_bytes: settings.disk_mib.map(|m| mib(m, "disk")).transpose()?,
+    };
+    // Looked up once per supervisor.
+    static LAYOUT: OnceLock<Option<cube_jail::CgroupLayout>> = OnceLock::new();
+    let limits = match LAYOUT.get_or_init(|| cube_jail::CgroupLayout::detect().ok()) {
+        Some(layout) => asked.with_defaults(layout, dir),
+        None => asked,
     };
     limits.validate().map_err(|e| error_chain(&e))?;
     Ok(limits)
-}
-
-/// [`DEFAULT_PIDS_MAX`] where the host has a pids controller (looked up once per
-/// supervisor); None elsewhere, where asking for it would fail every create.
-fn default_pids_max() -> Option<u32> {
-    static HAS_PIDS: OnceLock<bool> = OnceLock::new();
-    let has = *HAS_PIDS.get_or_init(|| {
-        cube_jail::CgroupLayout::detect().is_ok_and(|l| l.provider("pids").is_some())
-    });
-    has.then_some(DEFAULT_PIDS_MAX)
 }
 
 /// Whether this process's standard error is `/dev/null`.
@@ -1112,7 +1129,7 @@ fn jail_config(
         tree,
         seed,
         env,
-        limits: limits(settings)?,
+        limits: limits(settings, state_dir.parent().unwrap_or(state_dir))?,
     }
     .config();
     // The agent's own diagnostics go where the supervisor's do. Where that is
@@ -1153,5 +1170,47 @@ mod tests {
         child.kill().unwrap();
         child.wait().unwrap();
         assert!(signal_pending(-1, Signal::SIGUSR2).is_err());
+    }
+
+    #[test]
+    fn the_readiness_probe_does_not_follow_a_planted_symlink_to_a_host_socket() {
+        // SAFETY: geteuid has no failure mode.
+        if unsafe { libc::geteuid() } != 0 || cube_jail::CgroupLayout::detect().is_err() {
+            println!("skipped: jails need root and a cgroup hierarchy");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        // A host socket the sandbox must never make the supervisor connect to.
+        let host_socket = tmp.path().join("host.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&host_socket).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let mut config = JailConfig::new(
+            format!("t{}-probe", std::process::id()),
+            tmp.path().join("jail"),
+        );
+        config.pausable = false;
+        // What code in a sandbox can do: replace the agent's socket with a symlink.
+        let script = format!(
+            "ln -sf {} {AGENT_INNER_SOCKET} && touch /tmp/.planted && sleep 30",
+            host_socket.display()
+        );
+        let jail = Jail::spawn(&config, &["/bin/sh", "-c", &script]).unwrap();
+        let pid = jail.pid();
+        let root_tmp = PathBuf::from(format!("/proc/{pid}/root/tmp/.planted"));
+        for _ in 0..500 {
+            if root_tmp.exists() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(root_tmp.exists(), "the symlink was never planted");
+        let probed = wait_listening_for(pid, Duration::from_millis(300));
+        let reached = listener.accept().is_ok();
+        jail.destroy().unwrap();
+        assert!(!reached, "the probe connected to the host socket");
+        assert!(
+            probed.is_err(),
+            "the probe found an agent that does not exist"
+        );
     }
 }

@@ -18,7 +18,16 @@ pub const AGENT_BIN: &str = "cube-agent";
 /// limit, on hosts with a pids cgroup controller: a fork bomb stops here instead of
 /// filling the host's PID space, and interpreters, builds and test runners stay far
 /// below it.
-pub const DEFAULT_PIDS_MAX: u32 = 4096;
+pub const DEFAULT_PIDS_MAX: u32 = cube_jail::DEFAULT_PIDS_MAX as u32;
+/// Memory of a jail sandbox whose creator names no limit, MiB, on hosts with a memory
+/// cgroup controller; its tmpfs count, and each is this big at most.
+pub const DEFAULT_MEMORY_MIB: u64 = cube_jail::DEFAULT_MEMORY_BYTES >> 20;
+/// CPU of a jail sandbox whose creator names no limit, in thousandths of a core, on
+/// hosts with a cpu cgroup controller.
+pub const DEFAULT_CPU_MILLIS: u32 = (cube_jail::DEFAULT_CPU_QUOTA * 1000.0) as u32;
+/// What a jail sandbox's writable root may hold when its creator names no limit, MiB,
+/// on a store with project quotas.
+pub const DEFAULT_DISK_MIB: u64 = cube_jail::DEFAULT_DISK_BYTES >> 20;
 
 /// Finds the agent binary: `$CUBE_AGENT`, else next to the running executable or one
 /// directory up (where cargo puts binaries for test executables).

@@ -45,18 +45,27 @@ impl Default for NetworkPolicy {
 }
 
 impl NetworkPolicy {
-    /// The datapath's form; rejects malformed CIDRs.
+    /// The datapath's form; rejects malformed CIDRs. The deny list is
+    /// [`cube_net::policy::DEFAULT_DENY`] plus `deny_out`; an `allow_out` entry for
+    /// exactly a default range lifts that range (a longer allow prefix inside one
+    /// wins anyway), and a network named in both lists is refused.
     pub fn to_egress(&self) -> Result<cube_net::EgressPolicy, NetworkError> {
         let parse = |list: &[String]| -> Result<Vec<Ipv4Cidr>, NetworkError> {
             list.iter()
                 .map(|c| c.trim().parse::<Ipv4Cidr>().map_err(NetworkError::from))
                 .collect()
         };
-        Ok(cube_net::EgressPolicy {
+        let mut egress = cube_net::EgressPolicy {
             internet: self.internet,
-            allow: parse(&self.allow_out)?,
-            deny: parse(&self.deny_out)?,
-        })
+            ..cube_net::EgressPolicy::default()
+        };
+        for cidr in parse(&self.allow_out)? {
+            egress = egress.allow(cidr);
+        }
+        for cidr in parse(&self.deny_out)? {
+            egress = egress.deny(cidr);
+        }
+        Ok(egress)
     }
 }
 
@@ -156,8 +165,16 @@ pub struct NetworkReport {
     pub guest_addr: Ipv4Addr,
     /// Its gateway inside the sandbox.
     pub gateway: Ipv4Addr,
-    /// The policy in force.
+    /// The policy as asked for.
     pub policy: NetworkPolicy,
+    /// The allow list the datapath holds now.
+    #[serde(default)]
+    pub allow_in_force: Vec<String>,
+    /// The deny list the datapath holds now: the default ranges (private, shared,
+    /// loopback, link-local, multicast, reserved) and `policy.deny_out`. The host's
+    /// own addresses are refused besides, unless allowed as an exact /32.
+    #[serde(default)]
+    pub deny_in_force: Vec<String>,
     /// Exposed ports.
     pub exposed: Vec<PortMapping>,
     /// Traffic so far.
@@ -177,6 +194,36 @@ mod tests {
         for bad in ["", "0", "70000", "a:1", "1:", "1:2:3"] {
             assert!(bad.parse::<PortMapping>().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_default_deny_list_is_in_every_policy() {
+        let defaults: Vec<Ipv4Cidr> = cube_net::policy::DEFAULT_DENY
+            .iter()
+            .map(|&(addr, prefix)| Ipv4Cidr::new(addr, prefix).unwrap())
+            .collect();
+        let plain = NetworkPolicy::default().to_egress().unwrap();
+        for cidr in &defaults {
+            assert!(plain.deny.contains(cidr), "{cidr} missing");
+        }
+        let mut policy = NetworkPolicy {
+            internet: false,
+            allow_out: vec!["10.0.0.0/8".into(), "192.168.1.0/24".into()],
+            deny_out: vec!["203.0.113.0/24".into()],
+        };
+        let egress = policy.to_egress().unwrap();
+        assert!(!egress.internet);
+        // Exactly a default range: lifted; inside one: the longer prefix decides.
+        assert!(!egress.deny.contains(&"10.0.0.0/8".parse().unwrap()));
+        assert!(egress.deny.contains(&"192.168.0.0/16".parse().unwrap()));
+        assert!(egress.deny.contains(&"203.0.113.0/24".parse().unwrap()));
+        assert!(egress.deny.contains(&"169.254.0.0/16".parse().unwrap()));
+        assert_eq!(egress.deny.len(), defaults.len() - 1 + 1);
+        // Named in both lists: refused.
+        policy.deny_out.push("10.0.0.0/8".into());
+        let egress = policy.to_egress().unwrap();
+        assert!(egress.deny.contains(&"10.0.0.0/8".parse().unwrap()));
+        assert!(!egress.allow.contains(&"10.0.0.0/8".parse().unwrap()));
     }
 
     #[test]

@@ -21,7 +21,8 @@ pub const MAX_FRAME: u32 = 1 << 20;
 /// Protocol version; a supervisor refuses clients of another version. (4: failures
 /// carry an [`ErrorKind`]; 5: snapshot stats carry the time the sandbox was stopped,
 /// `SnapshotStats::paused_us`, and a supervisor can be warmed for a jail restored
-/// from an image, `--warm jail-from-image`.)
+/// from an image, `--warm jail-from-image`;
+/// settings carry a disk limit.)
 pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Why a frame could not be exchanged.
@@ -185,6 +186,8 @@ pub struct Settings {
     pub cpu_millis: Option<u32>,
     /// Most processes and threads (jail).
     pub pids_max: Option<u32>,
+    /// Disk limit of the writable root, MiB (jail).
+    pub disk_mib: Option<u64>,
     /// Destroy the sandbox this many milliseconds after it was adopted.
     pub lifetime_ms: Option<u64>,
     /// A network from the host's pool (jail); None: loopback only.
@@ -206,8 +209,8 @@ pub enum Request {
         source: Source,
         /// Exit (and release everything) when this connection closes.
         ephemeral: bool,
-        /// Environment, limits, lifetime.
-        settings: Settings,
+        /// Environment, limits, lifetime (boxed: the other requests are small).
+        settings: Box<Settings>,
     },
     /// Report state.
     Status,

@@ -219,7 +219,7 @@ pub fn run(
         return Err(ServerError::NotAdopted);
     }
     let lifetime = settings.lifetime_ms.map(std::time::Duration::from_millis);
-    let held = match adopt(warm, &id, &dir, source, settings) {
+    let held = match adopt(warm, &id, &dir, source, *settings) {
         Ok(h) => h,
         Err(failure) => {
             reply(&mut writer, &Response::Error(failure))?;

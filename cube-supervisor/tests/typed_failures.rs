@@ -33,7 +33,7 @@ fn refused(
         dir: dir.to_path_buf(),
         source,
         ephemeral: true,
-        settings,
+        settings: Box::new(settings),
     });
     match answer {
         Err(ClientError::Remote(failure)) => failure,

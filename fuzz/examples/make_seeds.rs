@@ -136,14 +136,14 @@ fn main() -> Result<(), Error> {
             dir: "/var/lib/cube/sandboxes/sb-0123456789abcdee".into(),
             source: Source::Jail { layer: None },
             ephemeral: false,
-            settings: cube_supervisor::protocol::Settings {
+            settings: Box::new(cube_supervisor::protocol::Settings {
                 env: vec![("A".into(), "1".into())],
                 memory_mib: Some(256),
                 cpu_millis: Some(500),
                 pids_max: Some(64),
                 lifetime_ms: Some(60_000),
-                network: None,
-            },
+                ..Default::default()
+            }),
         },
         Request::Adopt {
             version: cube_supervisor::protocol::PROTOCOL_VERSION,

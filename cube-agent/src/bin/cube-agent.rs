@@ -132,6 +132,10 @@ fn parse_args() -> Result<Args, String> {
 }
 
 fn main() -> ExitCode {
+    // First, before anything of the host's reaches this process's memory.
+    if let Err(e) = init::forbid_inspection() {
+        return fail(&e);
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(msg) => {

@@ -337,6 +337,7 @@ class Sandbox:
         memory_mib: Optional[int] = None,
         cpu_millis: Optional[int] = None,
         pids_max: Optional[int] = None,
+        disk_mib: Optional[int] = None,
     ) -> "Sandbox":
         """Starts a sandbox from ``template`` (default: the built-in ``host``
         template, the host's userland read-only with Python 3).
@@ -352,15 +353,19 @@ class Sandbox:
         only. ``internet``, ``allow_out``, ``deny_out`` (CIDRs) and ``expose`` (ports:
         ``8080``, ``"8080:80"`` or ``(8080, 80)``) imply it.
 
-        Limits of a jail sandbox: ``memory_mib`` (its whole memory, MiB),
-        ``cpu_millis`` (thousandths of a core) and ``pids_max`` (processes and threads
-        at once; ``None``: 4096 where the host has a pids cgroup controller, so a fork
-        bomb stops inside the sandbox). ``None`` memory or CPU: unlimited.
+        Limits of a jail sandbox, each ``None`` for the default the host can enforce:
+        ``memory_mib`` (its whole memory, MiB, its /tmp and /dev/shm included;
+        default 2048), ``cpu_millis`` (thousandths of a core; default 1000),
+        ``pids_max`` (processes and threads at once; default 4096, so a fork bomb
+        stops inside the sandbox) and ``disk_mib`` (what its files may take on disk,
+        MiB, ENOSPC inside past it; default 4096 on a store with project quotas, where
+        alone it can be asked for).
         """
         for name, value in (
             ("memory_mib", memory_mib),
             ("cpu_millis", cpu_millis),
             ("pids_max", pids_max),
+            ("disk_mib", disk_mib),
         ):
             positive = isinstance(value, int) and not isinstance(value, bool) and value > 0
             if value is not None and not positive:
@@ -380,6 +385,7 @@ class Sandbox:
             memory_mib,
             cpu_millis,
             pids_max,
+            disk_mib,
         )
         return cls(_native_sandbox=native, _store=_store(store))
 

@@ -1,0 +1,259 @@
+//! A terminal of the sandbox's own for `cube run`: when one of this process's standard
+//! streams is a terminal, the sandbox gets the far end of a new pseudo-terminal in its
+//! place, never the host's terminal itself, and this process copies bytes between the
+//! two.
+//!
+//! Why: a process holding a terminal can make it its controlling terminal (when it is
+//! nobody's) and push keystrokes into it with TIOCSTI, which the host's shell then
+//! reads as typed; and it can change the terminal's settings (echo off, raw mode),
+//! which outlive it. On a pseudo-terminal of its own the sandbox can do both to itself
+//! only. While the sandbox runs, the host terminal is in raw mode (so that Ctrl-C, line
+//! editing and echo are the sandbox terminal's business, as in `ssh` or `docker run
+//! -t`); its settings are put back when the run ends, interrupted or not.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::thread::JoinHandle;
+
+use crate::cli_error::CliError;
+
+/// The host terminal a window size is read from and settings are restored to.
+#[derive(Clone, Copy)]
+struct HostTerminal {
+    /// The first of this process's standard streams that is a terminal.
+    fd: RawFd,
+    /// Its settings before the run, when it is stdin (which goes raw meanwhile).
+    saved: Option<libc::termios>,
+}
+
+/// The sandbox's terminal and the copying between it and the host's.
+pub struct SandboxTerminal {
+    master: OwnedFd,
+    /// The sandbox's end, kept until the sandbox holds its own copies.
+    slave: Option<OwnedFd>,
+    /// Which of stdin, stdout and stderr are terminals (and become the slave).
+    streams: [bool; 3],
+    host: HostTerminal,
+    output: Option<JoinHandle<()>>,
+}
+
+fn is_terminal(fd: RawFd) -> bool {
+    // SAFETY: isatty only inspects the descriptor.
+    unsafe { libc::isatty(fd) == 1 }
+}
+
+fn os_error(what: &str) -> CliError {
+    CliError::failed(format!("{what}: {}", std::io::Error::last_os_error()))
+}
+
+impl SandboxTerminal {
+    /// A new pseudo-terminal with the host terminal's settings and window size when
+    /// one of this process's standard streams is a terminal; None otherwise (nothing
+    /// to protect, nothing copied).
+    pub fn open() -> Result<Option<SandboxTerminal>, CliError> {
+        let streams = [0, 1, 2].map(is_terminal);
+        let Some(host_fd) = (0..3).find(|fd| streams[*fd as usize]) else {
+            return Ok(None);
+        };
+        // SAFETY: posix_openpt returns a new descriptor or -1; it is owned right away.
+        let master = unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
+        if master < 0 {
+            return Err(os_error("opening a terminal for the sandbox"));
+        }
+        // SAFETY: `master` was just opened and nothing else owns it.
+        let master = unsafe { OwnedFd::from_raw_fd(master) };
+        let mut name = [0 as libc::c_char; 64];
+        // SAFETY: grantpt/unlockpt take the master; ptsname_r writes at most
+        // `name.len()` bytes, NUL included, into `name`.
+        let ready = unsafe {
+            libc::grantpt(master.as_raw_fd()) == 0
+                && libc::unlockpt(master.as_raw_fd()) == 0
+                && libc::ptsname_r(master.as_raw_fd(), name.as_mut_ptr(), name.len()) == 0
+        };
+        if !ready {
+            return Err(os_error("preparing the sandbox's terminal"));
+        }
+        // SAFETY: `name` is NUL-terminated by ptsname_r; the descriptor is owned at once.
+        let slave = unsafe {
+            libc::open(
+                name.as_ptr(),
+                libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
+            )
+        };
+        if slave < 0 {
+            return Err(os_error("opening the sandbox's terminal"));
+        }
+        // SAFETY: `slave` was just opened and nothing else owns it.
+        let slave = unsafe { OwnedFd::from_raw_fd(slave) };
+        // SAFETY: `termios` and `winsize` are plain data the calls fill in or read.
+        unsafe {
+            let mut settings: libc::termios = std::mem::zeroed();
+            if libc::tcgetattr(host_fd, &mut settings) == 0 {
+                libc::tcsetattr(slave.as_raw_fd(), libc::TCSANOW, &settings);
+            }
+            let mut size: libc::winsize = std::mem::zeroed();
+            if libc::ioctl(host_fd, libc::TIOCGWINSZ, &mut size) == 0 {
+                libc::ioctl(slave.as_raw_fd(), libc::TIOCSWINSZ, &size);
+            }
+        }
+        Ok(Some(SandboxTerminal {
+            master,
+            slave: Some(slave),
+            streams,
+            host: HostTerminal {
+                fd: host_fd,
+                saved: None,
+            },
+            output: None,
+        }))
+    }
+
+    /// What the sandbox gets as standard stream `n` (0-2): its terminal where this
+    /// process's stream is a terminal, None (this process's own stream) otherwise.
+    pub fn stream(&self, n: usize) -> Option<RawFd> {
+        match (&self.slave, self.streams.get(n)) {
+            (Some(slave), Some(true)) => Some(slave.as_raw_fd()),
+            _ => None,
+        }
+    }
+
+    /// Once the sandbox holds its own copies of the terminal: closes this process's
+    /// (so the copying ends when the sandbox's last one goes), puts a host terminal
+    /// on stdin into raw mode and starts copying in both directions.
+    pub fn start(&mut self) -> Result<(), CliError> {
+        self.slave = None;
+        if self.streams[0] {
+            // SAFETY: `termios` is plain data tcgetattr fills in; cfmakeraw edits a copy.
+            unsafe {
+                let mut saved: libc::termios = std::mem::zeroed();
+                if libc::tcgetattr(0, &mut saved) == 0 {
+                    let mut raw = saved;
+                    libc::cfmakeraw(&mut raw);
+                    if libc::tcsetattr(0, libc::TCSANOW, &raw) == 0 {
+                        self.host.saved = Some(saved);
+                    }
+                }
+            }
+            let to_sandbox = self.master_file()?;
+            // Ends with this process: a read of the host terminal cannot be called off.
+            std::thread::Builder::new()
+                .name("terminal-in".into())
+                .spawn(move || copy(&mut std::io::stdin().lock(), to_sandbox))
+                .map_err(|e| CliError::failed(format!("starting the terminal copy: {e}")))?;
+        }
+        let from_sandbox = self.master_file()?;
+        // The sandbox's output goes to the host terminal among stdout and stderr.
+        let out = [1, 2].into_iter().find(|fd| self.streams[*fd as usize]);
+        self.output = Some(
+            std::thread::Builder::new()
+                .name("terminal-out".into())
+                .spawn(move || match out {
+                    Some(1) => copy_to(from_sandbox, std::io::stdout()),
+                    Some(_) => copy_to(from_sandbox, std::io::stderr()),
+                    // Only stdin is a terminal: its echo has nowhere to go.
+                    None => copy_to(from_sandbox, std::io::sink()),
+                })
+                .map_err(|e| CliError::failed(format!("starting the terminal copy: {e}")))?,
+        );
+        Ok(())
+    }
+
+    fn master_file(&self) -> Result<File, CliError> {
+        self.master
+            .try_clone()
+            .map(File::from)
+            .map_err(|e| CliError::failed(format!("duplicating the sandbox's terminal: {e}")))
+    }
+
+    /// What gives the sandbox's terminal the host terminal's window size, for the
+    /// thread that takes SIGWINCH.
+    pub fn resizer(&self) -> Result<Resizer, CliError> {
+        Ok(Resizer {
+            host: self.host.fd,
+            master: self.master.try_clone().map_err(|e| {
+                CliError::failed(format!("duplicating the sandbox's terminal: {e}"))
+            })?,
+        })
+    }
+
+    /// Once the sandbox has ended: copies what it wrote last, then restores the host
+    /// terminal's settings.
+    pub fn finish(mut self) {
+        if let Some(output) = self.output.take() {
+            let _ = output.join();
+        }
+        self.restore();
+    }
+
+    fn restore(&mut self) {
+        if let Some(saved) = self.host.saved.take() {
+            // SAFETY: `saved` is the termios tcgetattr returned for this descriptor.
+            unsafe { libc::tcsetattr(0, libc::TCSANOW, &saved) };
+        }
+    }
+}
+
+impl Drop for SandboxTerminal {
+    /// Every path out of a run, panics and errors included, gives the host terminal
+    /// its settings back.
+    fn drop(&mut self) {
+        self.restore();
+    }
+}
+
+/// Copies the host terminal's window size onto the sandbox's terminal.
+pub struct Resizer {
+    host: RawFd,
+    master: OwnedFd,
+}
+
+impl Resizer {
+    /// Copies the size now (the sandbox's foreground processes get SIGWINCH).
+    pub fn resize(&self) {
+        // SAFETY: `winsize` is plain data TIOCGWINSZ fills in and TIOCSWINSZ reads.
+        unsafe {
+            let mut size: libc::winsize = std::mem::zeroed();
+            if libc::ioctl(self.host, libc::TIOCGWINSZ, &mut size) == 0 {
+                libc::ioctl(self.master.as_raw_fd(), libc::TIOCSWINSZ, &size);
+            }
+        }
+    }
+}
+
+/// Copies `from` into `to` until either ends.
+fn copy(from: &mut impl Read, mut to: File) {
+    let mut buf = [0u8; 4096];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// Copies the sandbox's terminal output to `to` until the terminal's last sandbox
+/// copy closes (the read then fails with EIO). Once `to` fails, the output is still
+/// read and dropped: a sandbox writing into a full terminal would wait for ever.
+fn copy_to(mut from: File, mut to: impl Write) {
+    let mut buf = [0u8; 4096];
+    let mut writable = true;
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => {
+                if writable && to.write_all(&buf[..n]).and_then(|()| to.flush()).is_err() {
+                    writable = false;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return,
+        }
+    }
+}

@@ -1,0 +1,311 @@
+//! A host uid of each sandbox's own.
+//!
+//! The kernel keeps some limits per user: inotify instances and watches, POSIX message
+//! queue bytes, user namespaces, locked memory. Sandboxes that all ran as the host's
+//! `nobody` shared them with each other and with every host process running as
+//! `nobody`: 128 `inotify_init` calls in one sandbox made them fail in every other.
+//! Each sandbox therefore runs as a uid (and gid) no other live sandbox and no host
+//! account uses, leased here from [`RANGE`].
+//!
+//! A lease is a lock file `/run/cube/uids/<uid>` held with `flock` by the process that
+//! holds the sandbox (a supervisor, `cube run`): the kernel drops the lock when that
+//! process dies, however it dies, so a killed holder leaks nothing; `/run` is a tmpfs,
+//! so nothing outlives a reboot either. Leasing picks random uids of the range (16 M of
+//! them) until one is free.
+//!
+//! Files a sandbox writes are owned by its uid. A layer that moves to a sandbox with
+//! another uid (a rollback or clone of the files alone, a wake) is given to the new uid
+//! first ([`give_tree`]). A sandbox restored with its processes by CRIU keeps the uid
+//! they were dumped with (CRIU restores credentials): a clone of a running sandbox
+//! shares its source's uid, and so its per-user limits.
+
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::ops::Range;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::capabilities::Identity;
+
+/// Host uids (and gids) sandboxes run as: below 2^31 (some tools read ids as signed),
+/// far above any account's and the usual subordinate-id ranges (100000 up).
+pub const RANGE: Range<u32> = 0x7000_0000..0x7100_0000;
+
+/// The uid every sandbox used before leases, still found in older layers.
+pub const LEGACY_UID: u32 = 65534;
+
+/// Where the lease lock files live.
+pub const LEASE_DIR: &str = "/run/cube/uids";
+
+/// How many random uids a lease tries before giving up (a nearly full range).
+const ATTEMPTS: usize = 64;
+
+/// Errors of leasing a uid and handing a tree to it.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxUidError {
+    /// The lease directory or a lock file could not be made or locked.
+    #[error("cannot lease a uid at {path}")]
+    Lease {
+        /// The file or directory.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+    /// Every uid tried was taken.
+    #[error("no free sandbox uid after {ATTEMPTS} tries")]
+    Exhausted,
+    /// The kernel gave no random bytes.
+    #[error("cannot pick a random uid")]
+    Random(#[source] io::Error),
+    /// A file of a tree could not be given to the sandbox's uid.
+    #[error("cannot give {path} to the sandbox's uid")]
+    Give {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+type Result<T> = std::result::Result<T, SandboxUidError>;
+
+/// A uid this process holds for one sandbox; released on drop (or when the process
+/// dies).
+#[derive(Debug)]
+pub struct UidLease {
+    uid: u32,
+    path: PathBuf,
+    file: File,
+}
+
+impl UidLease {
+    /// Leases a free uid of [`RANGE`].
+    pub fn acquire() -> Result<UidLease> {
+        ensure_dir()?;
+        for _ in 0..ATTEMPTS {
+            let uid = RANGE.start + random_u32()? % (RANGE.end - RANGE.start);
+            if let Some(lease) = Self::try_lock(uid)? {
+                return Ok(lease);
+            }
+        }
+        Err(SandboxUidError::Exhausted)
+    }
+
+    /// Leases `uid` itself (the uid a restored sandbox's processes run as), or None
+    /// where another process holds it or it is outside [`RANGE`].
+    pub fn claim(uid: u32) -> Result<Option<UidLease>> {
+        if !RANGE.contains(&uid) {
+            return Ok(None);
+        }
+        ensure_dir()?;
+        Self::try_lock(uid)
+    }
+
+    fn try_lock(uid: u32) -> Result<Option<UidLease>> {
+        let path = Path::new(LEASE_DIR).join(uid.to_string());
+        let err = |source| SandboxUidError::Lease {
+            path: path.clone(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .open(&path)
+            .map_err(err)?;
+        // SAFETY: flock on a descriptor this function owns; no memory is involved.
+        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                return Ok(None);
+            }
+            return Err(err(e));
+        }
+        // A holder that released (and unlinked) the file between our open and our
+        // lock leaves us locking a file no one else will find: try again elsewhere.
+        let same = match (file.metadata(), fs::symlink_metadata(&path)) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        };
+        if !same {
+            return Ok(None);
+        }
+        Ok(Some(UidLease { uid, path, file }))
+    }
+
+    /// The leased uid.
+    pub fn uid(&self) -> u32 {
+        self.uid
+    }
+
+    /// The sandbox identity: the leased uid, and a gid of the same number.
+    pub fn identity(&self) -> Identity {
+        Identity {
+            uid: self.uid,
+            gid: self.uid,
+        }
+    }
+}
+
+impl Drop for UidLease {
+    fn drop(&mut self) {
+        // Unlinked while still locked: whoever opens the name next makes a new file.
+        let _ = fs::remove_file(&self.path);
+        // SAFETY: unlocks a descriptor this lease owns (closing it would too).
+        unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// Whether `uid` is one sandboxes run as (leased, or the legacy `nobody`).
+pub fn is_sandbox_uid(uid: u32) -> bool {
+    RANGE.contains(&uid) || uid == LEGACY_UID
+}
+
+fn ensure_dir() -> Result<()> {
+    let dir = Path::new(LEASE_DIR);
+    if dir.is_dir() {
+        return Ok(());
+    }
+    use std::os::unix::fs::DirBuilderExt;
+    match fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+    {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(source) => Err(SandboxUidError::Lease {
+            path: dir.to_path_buf(),
+            source,
+        }),
+    }
+}
+
+fn random_u32() -> Result<u32> {
+    let mut bytes = [0u8; 4];
+    // SAFETY: getrandom writes at most `bytes.len()` bytes into the live buffer.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    if n != bytes.len() as isize {
+        return Err(SandboxUidError::Random(io::Error::last_os_error()));
+    }
+    Ok(u32::from_ne_bytes(bytes))
+}
+
+/// Gives every entry of the tree `root` (itself included) that a sandbox owns (see
+/// [`is_sandbox_uid`]) to `identity`, without following symlinks: a layer that moves
+/// to a sandbox with another uid. Entries of other owners (root's mount points) keep
+/// theirs. The tree must not be in use by a running sandbox. Returns how many entries
+/// changed owner.
+pub fn give_tree(root: &Path, identity: Identity) -> Result<u64> {
+    let mut changed = 0;
+    let mut pending = vec![root.to_path_buf()];
+    while let Some(path) = pending.pop() {
+        let give_err = |source| SandboxUidError::Give {
+            path: path.clone(),
+            source,
+        };
+        let meta = fs::symlink_metadata(&path).map_err(give_err)?;
+        if meta.is_dir() {
+            for entry in fs::read_dir(&path).map_err(give_err)? {
+                pending.push(entry.map_err(give_err)?.path());
+            }
+        }
+        let owned = is_sandbox_uid(meta.uid()) && meta.uid() != identity.uid;
+        if owned {
+            // A group of the sandbox's own goes along; any other group stays.
+            let gid = if is_sandbox_uid(meta.gid()) {
+                identity.gid
+            } else {
+                meta.gid()
+            };
+            std::os::unix::fs::lchown(&path, Some(identity.uid), Some(gid)).map_err(give_err)?;
+            // chown clears the setuid and setgid bits; a sandbox cannot set them
+            // meaningfully (nosuid) but gets its mode back as it was otherwise.
+            if !meta.file_type().is_symlink() && meta.mode() & 0o6000 != 0 {
+                use std::os::unix::fs::PermissionsExt;
+                fs::set_permissions(&path, fs::Permissions::from_mode(meta.mode() & 0o7777))
+                    .map_err(give_err)?;
+            }
+            changed += 1;
+        }
+    }
+    Ok(changed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn root() -> bool {
+        // SAFETY: geteuid has no failure mode.
+        let root = unsafe { libc::geteuid() } == 0;
+        if !root {
+            println!("skipped: leases live under /run and chown needs root");
+        }
+        root
+    }
+
+    #[test]
+    fn leases_are_exclusive_and_released_on_drop() {
+        if !root() {
+            return;
+        }
+        let a = UidLease::acquire().unwrap();
+        assert!(RANGE.contains(&a.uid()));
+        assert_eq!(a.identity().gid, a.uid());
+        let b = UidLease::acquire().unwrap();
+        assert_ne!(a.uid(), b.uid());
+        // Held by `a` (flock is per open file, so even this process is refused).
+        assert!(UidLease::claim(a.uid()).unwrap().is_none());
+        let uid = a.uid();
+        drop(a);
+        assert!(!Path::new(LEASE_DIR).join(uid.to_string()).exists());
+        let again = UidLease::claim(uid).unwrap().unwrap();
+        assert_eq!(again.uid(), uid);
+        assert!(UidLease::claim(LEGACY_UID).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_tree_goes_to_the_new_uid_except_what_others_own() {
+        if !root() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let tree = tmp.path().join("layer");
+        fs::create_dir_all(tree.join("home/user/sub")).unwrap();
+        fs::write(tree.join("home/user/sub/f"), b"x").unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", tree.join("home/user/link")).unwrap();
+        let old = RANGE.start + 5;
+        for p in [
+            "home/user",
+            "home/user/sub",
+            "home/user/sub/f",
+            "home/user/link",
+        ] {
+            std::os::unix::fs::lchown(tree.join(p), Some(old), Some(old)).unwrap();
+        }
+        let new = Identity {
+            uid: RANGE.start + 6,
+            gid: RANGE.start + 6,
+        };
+        assert_eq!(give_tree(&tree, new).unwrap(), 4);
+        for p in [
+            "home/user",
+            "home/user/sub",
+            "home/user/sub/f",
+            "home/user/link",
+        ] {
+            let m = fs::symlink_metadata(tree.join(p)).unwrap();
+            assert_eq!((m.uid(), m.gid()), (new.uid, new.gid), "{p}");
+        }
+        // root's directories stay root's; the link's target was not touched.
+        assert_eq!(fs::metadata(tree.join("home")).unwrap().uid(), 0);
+        assert_eq!(fs::metadata("/etc/passwd").unwrap().uid(), 0);
+    }
+}
