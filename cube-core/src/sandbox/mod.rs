@@ -55,12 +55,14 @@
 
 pub mod metadata;
 pub mod network;
+mod portable;
 mod runtime;
 
 use std::path::{Path, PathBuf};
 
 pub use metadata::{Engine, EngineChoice, SandboxMeta, SnapshotKind, SnapshotMeta, TemplateMeta};
 pub use network::{NetworkCounters, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
+pub use portable::{ExportReport, ImportReport, PortableError};
 pub use runtime::{CreateOptions, Runtime, RuntimeConfig};
 
 /// The built-in jail template: the host's own userland (with its python3), read-only,
@@ -199,6 +201,9 @@ pub enum SandboxError {
     /// The sandbox's agent could not be reached.
     #[error("Sandbox {0}'s agent")]
     Agent(String, #[source] cube_agent::client::ClientError),
+    /// A snapshot could not be exported or imported.
+    #[error("Snapshot archive")]
+    Portable(#[from] PortableError),
 }
 
 /// A snapshot a sandbox took.

@@ -409,20 +409,9 @@ impl Runtime {
             if !layer.is_dir() {
                 return Err(SandboxError::UnknownSnapshot(snapshot.to_string()));
             }
-            // A snapshot lives no longer than its sandbox, whose record names the
-            // template tree its layer was written over.
-            let template = self
-                .store
-                .sandbox_dir(&meta.sandbox)
-                .ok()
-                .and_then(|d| {
-                    cube_storage::read_verified::<SandboxMeta>(
-                        &d.join(SANDBOX_META),
-                        SANDBOX_META_KIND,
-                    )
-                    .ok()
-                })
-                .and_then(|m| m.template);
+            // The template tree its layer was written over: named by its sandbox's
+            // record, or by the snapshot itself when imported.
+            let template = self.snapshot_template(&meta).filter(|t| t != HOST_TEMPLATE);
             if let Some(template) = template {
                 let tree = self.jail_template_tree(&template)?;
                 return self.start_on_template(

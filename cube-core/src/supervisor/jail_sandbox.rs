@@ -590,6 +590,7 @@ impl JailSandbox {
                 kind,
                 engine: Engine::Jail,
                 fallback,
+                template: None,
             };
             let bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
             cube_storage::write_atomic_bytes_with(
