@@ -81,6 +81,10 @@ pub enum SandboxCommand {
         /// Template name.
         #[arg(long, conflicts_with = "positional")]
         template: Option<String>,
+        /// Create from this snapshot (any in the store: taken here, or imported)
+        /// instead of a template.
+        #[arg(long, value_name = "ID", conflicts_with_all = ["positional", "template"])]
+        snapshot: Option<String>,
         /// Engine: auto (the template's), vm or jail.
         #[arg(long, value_enum, default_value_t = run_cmd::Engine::Auto)]
         engine: run_cmd::Engine,
@@ -311,7 +315,7 @@ pub enum SandboxCommand {
     },
 }
 
-fn runtime(store: Option<&Path>, pool_size: usize) -> Result<Runtime, CliError> {
+pub fn runtime(store: Option<&Path>, pool_size: usize) -> Result<Runtime, CliError> {
     Runtime::open(RuntimeConfig {
         store_root: store_root(store)?,
         pool_size,
@@ -387,6 +391,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
         SandboxCommand::Create {
             positional,
             template,
+            snapshot,
             engine,
             env,
             labels,
@@ -420,7 +425,10 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                 pids_max,
                 network: network.options()?,
             };
-            let sb = rt.create(&template, options)?;
+            let sb = match snapshot {
+                Some(snapshot) => rt.create_from_snapshot(&snapshot, options)?,
+                None => rt.create(&template, options)?,
+            };
             println!("{}", sb.id());
         }
         SandboxCommand::Exec {
