@@ -424,6 +424,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                 cpu_millis,
                 pids_max,
                 network: network.options()?,
+                ..CreateOptions::new(false)
             };
             let sb = match snapshot {
                 Some(snapshot) => rt.create_from_snapshot(&snapshot, options)?,

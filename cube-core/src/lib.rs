@@ -15,6 +15,6 @@ pub mod vmm;
 pub mod vstate;
 
 pub use sandbox::{
-    CreateOptions, Engine, EngineChoice, Runtime, RuntimeConfig, Sandbox, SandboxError, Snapshot,
-    SnapshotKind, DEFAULT_PIDS_MAX, HOST_TEMPLATE,
+    CreateOptions, Engine, EngineChoice, NetnsChoice, Runtime, RuntimeConfig, Sandbox,
+    SandboxError, Snapshot, SnapshotKind, DEFAULT_PIDS_MAX, HOST_TEMPLATE,
 };

@@ -166,6 +166,7 @@ fn main() -> Result<(), Error> {
                 cpu_millis: Some(500),
                 pids_max: Some(64),
                 lifetime_ms: Some(60_000),
+                ..Default::default()
             },
         },
         Request::Adopt {

@@ -61,7 +61,9 @@ mod runtime;
 use std::path::{Path, PathBuf};
 
 pub use metadata::{Engine, EngineChoice, SandboxMeta, SnapshotKind, SnapshotMeta, TemplateMeta};
-pub use network::{NetworkCounters, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
+pub use network::{
+    NetnsChoice, NetworkCounters, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping,
+};
 pub use portable::{ExportReport, ImportReport, PortableError};
 pub use runtime::{CreateOptions, Runtime, RuntimeConfig};
 

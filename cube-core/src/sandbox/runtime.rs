@@ -8,6 +8,7 @@ use super::metadata::{
     self, Engine, EngineChoice, SandboxMeta, SnapshotMeta, TemplateMeta, SANDBOX_META,
     SANDBOX_META_KIND, SNAPSHOT_META, SNAPSHOT_META_KIND, TEMPLATE_META, TEMPLATE_META_KIND,
 };
+use super::network::NetnsChoice;
 use super::{remove_sandbox_files, Sandbox, SandboxError, HOST_TEMPLATE};
 use crate::snapshot::format::ROOTFS_FILE;
 use crate::snapshot::MachineConfig;
@@ -89,6 +90,14 @@ pub struct CreateOptions {
     /// A network from the host's pool: a veth for a jail, a TAP behind a Linux VM's
     /// NIC; None: loopback only (a VM's NIC, if its template has one, stays unplugged).
     pub network: Option<super::network::NetworkOptions>,
+    /// The network namespace a jail sandbox lives in (see [`NetnsChoice`]): its own by
+    /// default; the host's or an existing one for a Kubernetes pod.
+    pub netns: NetnsChoice,
+    /// A directory to run a jail sandbox on instead of its template's (or snapshot's)
+    /// tree: read-only under the sandbox's writable layer, the host's userland left
+    /// out. A container's root filesystem as containerd's snapshotter mounts it. A
+    /// snapshot of such a sandbox is created from with the same tree again (this set).
+    pub rootfs: Option<PathBuf>,
 }
 
 impl CreateOptions {
@@ -110,6 +119,8 @@ impl CreateOptions {
             cpu_millis: None,
             pids_max: None,
             network: None,
+            netns: NetnsChoice::Own,
+            rootfs: None,
         }
     }
 
@@ -123,6 +134,7 @@ impl CreateOptions {
                 .lifetime
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             network: self.network.clone(),
+            netns: self.netns.clone(),
         }
     }
 
@@ -365,6 +377,19 @@ impl Runtime {
     /// # }
     /// ```
     pub fn create(&self, template: &str, options: CreateOptions) -> Result<Sandbox, SandboxError> {
+        if let Some(tree) = options.rootfs.clone() {
+            options.check_engine("a root filesystem directory", Engine::Jail)?;
+            if template != HOST_TEMPLATE {
+                self.template_checked(template)?;
+            }
+            return self.start(
+                Source::JailOverlay { tree, layer: None },
+                Engine::Jail,
+                template,
+                options,
+                |_| Ok(()),
+            );
+        }
         if template == HOST_TEMPLATE {
             options.check_engine(&format!("template {template}"), Engine::Jail)?;
             return self.start(

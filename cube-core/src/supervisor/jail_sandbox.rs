@@ -34,6 +34,7 @@ use crate::error_report::chain as error_chain;
 use crate::sandbox::metadata::{
     now_unix, Engine, SnapshotKind, SnapshotMeta, SNAPSHOT_META, SNAPSHOT_META_KIND,
 };
+use crate::sandbox::network::NetnsChoice;
 use crate::vmm::machine::SnapshotStats;
 
 /// The agent's socket inside a jail sandbox's directory: a symlink to
@@ -1072,6 +1073,14 @@ fn jail_config(
     } else {
         Stdio::Inherit
     };
+    match &settings.netns {
+        NetnsChoice::Own => {}
+        NetnsChoice::Host => config.namespaces.net = false,
+        NetnsChoice::Join(path) => {
+            config.namespaces.net = false;
+            config.netns = Some(path.clone());
+        }
+    }
     config.env.push(("RUST_LOG".into(), "warn".into()));
     config.env.extend(settings.env.iter().cloned());
     config.limits = limits(settings)?;

@@ -11,7 +11,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::sandbox::metadata::{Engine, SnapshotKind};
-use crate::sandbox::network::{NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
+use crate::sandbox::network::{
+    NetnsChoice, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping,
+};
 use crate::snapshot::MachineConfig;
 use crate::test_guest::WorkingSet;
 use crate::vmm::machine::SnapshotStats;
@@ -20,7 +22,7 @@ use crate::vmm::machine::SnapshotStats;
 pub const MAX_FRAME: u32 = 1 << 20;
 
 /// Protocol version; a supervisor refuses clients of another version.
-pub const PROTOCOL_VERSION: u32 = 3;
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// Why a frame could not be exchanged.
 #[derive(Debug, thiserror::Error)]
@@ -82,6 +84,9 @@ pub struct Settings {
     pub lifetime_ms: Option<u64>,
     /// A network from the host's pool (jail); None: loopback only.
     pub network: Option<NetworkOptions>,
+    /// The network namespace (jail).
+    #[serde(default)]
+    pub netns: NetnsChoice,
 }
 
 /// A request to a supervisor.

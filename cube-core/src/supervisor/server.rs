@@ -366,7 +366,10 @@ fn adopt(
         retire(warm.kvm.and_then(Result::ok).and_then(|(_, shell)| shell));
         // The jail started ahead is on the host template, with an empty layer and no
         // CPU controller.
-        let fits = tree.is_none() && layer.is_none() && settings.cpu_millis.is_none();
+        let fits = tree.is_none()
+            && layer.is_none()
+            && settings.cpu_millis.is_none()
+            && settings.netns == crate::sandbox::network::NetnsChoice::Own;
         let sandbox = match warm.jail {
             Some(ready) if fits => JailSandbox::adopt(id, dir, ready, settings)?,
             other => {
