@@ -70,7 +70,7 @@ async fn start_pod(
     client: &mut RuntimeServiceClient<Channel>,
     name: &str,
     handler: &str,
-) -> (String, String) {
+) -> Result<(String, String), String> {
     let config = pod_config(name);
     let pod = client
         .run_pod_sandbox(RunPodSandboxRequest {
@@ -78,7 +78,7 @@ async fn start_pod(
             runtime_handler: handler.into(),
         })
         .await
-        .unwrap()
+        .map_err(|e| format!("RunPodSandbox ({handler}): {}", e.message()))?
         .into_inner()
         .pod_sandbox_id;
     let container = client
@@ -106,7 +106,7 @@ async fn start_pod(
             sandbox_config: Some(config),
         })
         .await
-        .unwrap()
+        .map_err(|e| format!("CreateContainer ({handler}): {}", e.message()))?
         .into_inner()
         .container_id;
     client
@@ -114,8 +114,8 @@ async fn start_pod(
             container_id: container.clone(),
         })
         .await
-        .unwrap();
-    (pod, container)
+        .map_err(|e| format!("StartContainer ({handler}): {}", e.message()))?;
+    Ok((pod, container))
 }
 
 async fn remove_pod(client: &mut RuntimeServiceClient<Channel>, pod: &str) {
@@ -164,7 +164,9 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
                 Ok(r) => {
                     let pod = r.into_inner().pod_sandbox_id;
                     remove_pod(&mut client, &pod).await;
-                    break start_pod(&mut client, "first", "cube").await;
+                    break start_pod(&mut client, "first", "cube")
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
                 }
                 Err(e) if Instant::now() < deadline => {
                     eprintln!("waiting for the CRI plugin: {}", e.message());
@@ -222,12 +224,22 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
         let rounds = 8;
         let mut times: Vec<(&str, Vec<Duration>)> =
             vec![("cube", Vec::new()), ("runc", Vec::new())];
+        let mut runc_failure = None;
         for round in 0..rounds {
             for (handler, samples) in &mut times {
+                if *handler == "runc" && runc_failure.is_some() {
+                    continue;
+                }
                 let start = Instant::now();
-                let (pod, _) = start_pod(&mut client, &format!("{handler}-{round}"), handler).await;
-                samples.push(start.elapsed());
-                remove_pod(&mut client, &pod).await;
+                match start_pod(&mut client, &format!("{handler}-{round}"), handler).await {
+                    Ok((pod, _)) => {
+                        samples.push(start.elapsed());
+                        remove_pod(&mut client, &pod).await;
+                    }
+                    // The peer is measured where it works; Cube must.
+                    Err(e) if *handler == "runc" => runc_failure = Some(e),
+                    Err(e) => panic!("{e}\n{}", c.log()),
+                }
             }
         }
         let mut line = String::from(
@@ -235,14 +247,26 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
         );
         let mut p50s = Vec::new();
         for (handler, samples) in &mut times {
+            if samples.is_empty() {
+                continue;
+            }
             samples.sort();
             let (p50, p95) = (percentile(samples, 0.5), percentile(samples, 0.95));
             p50s.push(p50);
-            line += &format!(" {handler} p50 {p50:.1} ms p95 {p95:.1} ms;");
+            line += &format!(
+                " {handler} p50 {p50:.1} ms p95 {p95:.1} ms (n={});",
+                samples.len()
+            );
         }
-        println!(
-            "{line} cube/runc p50 {:.2}x (n={rounds})",
-            p50s[0] / p50s[1]
-        );
+        match (&runc_failure, p50s.as_slice()) {
+            (None, [cube, runc]) => println!("{line} cube/runc p50 {:.2}x", cube / runc),
+            (Some(why), _) => println!("{line} runc pods fail on this host, no ratio: {why}"),
+            _ => println!("{line}"),
+        }
+        // Every Cube sandbox of the measured pods is gone.
+        assert!(common::wait_until(Duration::from_secs(10), || cube
+            .list()
+            .unwrap()
+            .is_empty()));
     });
 }
