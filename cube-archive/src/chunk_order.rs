@@ -1,8 +1,8 @@
 //! The rule both sides of the format keep: a chunk belongs to a file entry, is 1 to
 //! [`MAX_CHUNK`] bytes, ends inside its file, and starts after the previous chunk.
 
+use crate::format::MAX_CHUNK;
 use crate::manifest::{EntryKind, Manifest};
-use crate::MAX_CHUNK;
 
 /// Admits chunks in archive order.
 pub(crate) struct ChunkOrder {

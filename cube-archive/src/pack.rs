@@ -10,9 +10,9 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
+use crate::format::MAX_CHUNK;
 use crate::manifest::{Entry, EntryKind, Manifest, Xattr, XATTR_ALLOWED, XATTR_USER_PREFIX};
 use crate::writer::{ArchiveWriter, WriteError};
-use crate::MAX_CHUNK;
 
 /// Why a tree could not be packed.
 #[derive(Debug, thiserror::Error)]

@@ -5,8 +5,8 @@ use std::io::Read;
 use sha2::{Digest, Sha256};
 
 use crate::chunk_order::ChunkOrder;
+use crate::format::{Codec, MAGIC, MAX_MANIFEST, TAG_CHUNK, TAG_END, VERSION};
 use crate::manifest::{Manifest, ManifestError};
-use crate::{Codec, MAGIC, MAX_MANIFEST, TAG_CHUNK, TAG_END, VERSION};
 
 /// Why an archive was refused.
 #[derive(Debug, thiserror::Error)]
@@ -17,7 +17,7 @@ pub enum ReadError {
     /// The source ended early: the archive is truncated.
     #[error("The archive is truncated")]
     Truncated,
-    /// The first bytes are not [`crate::MAGIC`].
+    /// The first bytes are not [`crate::format::MAGIC`].
     #[error("Not a Cube snapshot archive")]
     Magic,
     /// The archive is of a format version this build does not read.

@@ -5,8 +5,8 @@ use std::io::Write;
 use sha2::{Digest, Sha256};
 
 use crate::chunk_order::ChunkOrder;
+use crate::format::{Codec, MAGIC, MAX_MANIFEST, TAG_CHUNK, TAG_END, VERSION};
 use crate::manifest::{Manifest, ManifestError};
-use crate::{Codec, MAGIC, MAX_MANIFEST, TAG_CHUNK, TAG_END, VERSION};
 
 /// Why an archive could not be written.
 #[derive(Debug, thiserror::Error)]

@@ -6,17 +6,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Subcommand;
-use cube_core::devices::virtio::block::{Block, BlockOptions};
-use cube_core::devices::virtio::device::VirtioDevice;
-use cube_core::devices::virtio::rng::Rng;
-use cube_core::devices::virtio::vsock::Vsock;
-use cube_core::vmm::linux_boot::{self, LinuxBootConfig};
-use cube_core::vstate::KvmContext;
+use cube_core::debug::{self, BootOptions, DebugError, LinuxBootConfig};
 
-/// The guest context id of `cube debug boot --vsock-dir`.
-const DEBUG_GUEST_CID: u64 = 3;
-
-use crate::{chain, CliError};
+use crate::cli_error::{chain, CliError};
 
 #[derive(Subcommand)]
 pub enum DebugCommand {
@@ -122,7 +114,6 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         rng,
         cmdline_devices,
     } = command;
-    let devices = debug_devices(disk, vsock_dir, rng)?;
     let pattern = until
         .as_deref()
         .map(regex::Regex::new)
@@ -132,29 +123,32 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         .map(std::fs::File::create)
         .transpose()
         .map_err(|e| CliError::failed(format!("creating the log: {e}")))?;
-    let ctx = Arc::new(KvmContext::open().map_err(|e| {
-        CliError::unsupported(chain(&e)).hint("`cube doctor` shows what this host can run")
-    })?);
     let console = Arc::new(Console {
         text: Mutex::new(String::new()),
         changed: Condvar::new(),
         log: Mutex::new(log),
     });
-    let config = LinuxBootConfig {
-        kernel,
-        initrd,
-        cmdline,
-        memory_bytes: memory_mib << 20,
-        vcpus,
-        cmdline_devices,
+    let options = BootOptions {
+        config: LinuxBootConfig {
+            kernel,
+            initrd,
+            cmdline,
+            memory_bytes: memory_mib << 20,
+            vcpus,
+            cmdline_devices,
+        },
+        disk,
+        vsock_dir,
+        rng,
     };
-    let vm = linux_boot::boot_with_devices(
-        &ctx,
-        &config,
-        Box::new(ConsoleWriter(Arc::clone(&console))),
-        devices,
-    )
-    .map_err(|e| CliError::failed(chain(&e)))?;
+    let vm =
+        debug::boot(&options, Box::new(ConsoleWriter(Arc::clone(&console)))).map_err(
+            |e| match e {
+                DebugError::NoKvm(_) => CliError::of_kind(e.kind(), chain(&e))
+                    .hint("`cube doctor` shows what this host can run"),
+                _ => CliError::of_kind(e.kind(), chain(&e)),
+            },
+        )?;
     let deadline = Instant::now() + Duration::from_secs(timeout);
     let mut text = console.text.lock().unwrap_or_else(|e| e.into_inner());
     loop {
@@ -186,32 +180,4 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }
-}
-
-/// The virtio devices `cube debug boot` was asked for, in a fixed order (disk, vsock,
-/// rng).
-fn debug_devices(
-    disk: Option<PathBuf>,
-    vsock_dir: Option<PathBuf>,
-    rng: bool,
-) -> Result<Vec<Box<dyn VirtioDevice>>, CliError> {
-    let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
-    if let Some(image) = disk {
-        let options = BlockOptions {
-            read_only: false,
-            id: "cube-debug".into(),
-        };
-        devices.push(Box::new(
-            Block::open(&image, options).map_err(|e| CliError::failed(chain(&e)))?,
-        ));
-    }
-    if let Some(dir) = vsock_dir {
-        devices.push(Box::new(
-            Vsock::new(DEBUG_GUEST_CID, &dir).map_err(|e| CliError::failed(chain(&e)))?,
-        ));
-    }
-    if rng {
-        devices.push(Box::new(Rng::new()));
-    }
-    Ok(devices)
 }

@@ -4,8 +4,11 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::{chain, store_root, CliError};
-use cube_core::host_caps::{HostCapabilities, KvmKind};
+use crate::cli_error::{chain, CliError};
+use crate::store_cmd::store_root;
+use cube_core::host::{probe_dirty_tracking, probe_jail, HostCapabilities, KvmKind};
+use cube_core::store::{filesystem_name, supports_reflink};
+use cube_core::templates::PVM_STOCK_KERNEL;
 
 /// The doctor's report.
 #[derive(Serialize)]
@@ -30,26 +33,6 @@ struct Report {
     notes: Vec<String>,
 }
 
-/// Starts a jail running `/bin/true` and destroys it: the engine works only if that does.
-fn probe_jail() -> Result<(), String> {
-    let name = format!("doctor-{}", std::process::id());
-    let dir = std::env::temp_dir().join(&name);
-    let config = cube_jail::JailConfig::new(&name, &dir);
-    let result = cube_jail::Jail::spawn(&config, &["/bin/true"])
-        .map_err(|e| chain(&e))
-        .and_then(|mut jail| {
-            let exit = jail.wait().map_err(|e| chain(&e));
-            let destroyed = jail.destroy().map_err(|e| chain(&e));
-            match (exit, destroyed) {
-                (Ok(exit), Ok(())) if exit.success() => Ok(()),
-                (Ok(exit), Ok(())) => Err(format!("a jailed /bin/true ended with {exit:?}")),
-                (Err(e), _) | (_, Err(e)) => Err(e),
-            }
-        });
-    let _ = std::fs::remove_dir_all(&dir);
-    result
-}
-
 pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
     let host = HostCapabilities::probe();
     let root = store_root(store)?;
@@ -58,9 +41,9 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
     } else {
         std::env::temp_dir()
     };
-    let reflink = cube_storage::supports_reflink(&probe_dir).unwrap_or(false);
-    let store_filesystem = cube_storage::filesystem_name(&probe_dir).ok();
-    let tracking = cube_mem::dirty::probe();
+    let reflink = supports_reflink(&probe_dir).unwrap_or(false);
+    let store_filesystem = filesystem_name(&probe_dir).ok();
+    let tracking = probe_dirty_tracking();
     let mut notes = Vec::new();
     let mut engines = Vec::new();
     match host.kvm {
@@ -73,7 +56,7 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
                  (CONFIG_PVM_GUEST) kernel"
                     .to_string(),
             );
-            notes.push(cube_core::vm_template::PVM_STOCK_KERNEL.to_string());
+            notes.push(PVM_STOCK_KERNEL.to_string());
         }
         KvmKind::None => notes.push("no usable /dev/kvm: the vm engine is unavailable".to_string()),
     }

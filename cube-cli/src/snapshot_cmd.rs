@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use clap::Subcommand;
 
-use crate::CliError;
+use crate::cli_error::CliError;
 
 #[derive(Subcommand)]
 pub enum SnapshotCommand {

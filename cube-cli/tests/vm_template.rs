@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use cube_core::host_caps::{HostCapabilities, KvmKind};
+use cube_core::host::{HostCapabilities, KvmKind};
 
 const CUBE: &str = env!("CARGO_BIN_EXE_cube");
 

@@ -5,19 +5,18 @@
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cube_agent::client::Client;
 use cube_agent::protocol::ExecRequest;
-use cube_core::sandbox::SnapshotKind;
-use cube_core::supervisor::protocol::MachineStatus;
+use cube_core::MachineStatus;
+use cube_core::SnapshotKind;
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
 
-mod common;
 use common::{py, skip_full_jail};
-
-const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
 
 struct Env {
     _dir: tempfile::TempDir,
@@ -31,7 +30,7 @@ impl Env {
             store_root: dir.path().canonicalize().unwrap(),
             pool_size: 0,
             network_pool_size: 0,
-            supervisor: Some(PathBuf::from(SUPERVISOR)),
+            supervisor: Some(common::supervisor()),
         })
         .unwrap();
         Env { _dir: dir, rt }

@@ -7,23 +7,22 @@
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cube_core::sandbox::SnapshotKind;
-use cube_core::{CreateOptions, Runtime, RuntimeConfig, SandboxError, HOST_TEMPLATE};
+use cube_core::{
+    CreateOptions, PortableError, Runtime, RuntimeConfig, SandboxError, SnapshotKind, HOST_TEMPLATE,
+};
 
 mod common;
 use common::{py, skip_full_jail};
-
-const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
 
 fn runtime(root: &Path) -> Runtime {
     Runtime::open(RuntimeConfig {
         store_root: root.to_path_buf(),
         pool_size: 0,
         network_pool_size: 0,
-        supervisor: Some(PathBuf::from(SUPERVISOR)),
+        supervisor: Some(common::supervisor()),
     })
     .unwrap()
 }
@@ -135,9 +134,7 @@ fn a_snapshot_travels_to_a_fresh_store_and_bad_archives_are_refused() {
     assert_eq!(imported.kind, SnapshotKind::Full);
     assert!(matches!(
         target.import_snapshot(&archive),
-        Err(SandboxError::Portable(
-            cube_core::sandbox::PortableError::Exists(_)
-        ))
+        Err(SandboxError::Portable(PortableError::Exists(_)))
     ));
 
     // The source goes first: the clone must stand on the imported files alone.

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use containerd_shim::protos::types::mount::Mount;
 use cube_agent::client::Client;
-use cube_core::supervisor::protocol::JailStatus;
+use cube_core::JailStatus;
 use cube_core::{CreateOptions, Runtime, Sandbox, SandboxError};
 
 use crate::process::{Process, ProcessError};
@@ -171,7 +171,7 @@ impl Container {
             let imported = match runtime.import_snapshot(&archive) {
                 Ok(r) => r.snapshot,
                 // Restored on the node it was taken on: the snapshot is here already.
-                Err(SandboxError::Portable(cube_core::sandbox::PortableError::Exists(id))) => id,
+                Err(SandboxError::Portable(cube_core::PortableError::Exists(id))) => id,
                 Err(e) => return Err(e.into()),
             };
             runtime.create_from_snapshot(&imported, options)?

@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use cube_core::{EngineChoice, NetnsChoice};
+use cube_core::network::NetnsChoice;
+use cube_core::EngineChoice;
 use serde::Deserialize;
 
 /// Annotation the CRI plugin sets on every container: `sandbox` for a pod's pause
