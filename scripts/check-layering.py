@@ -34,9 +34,11 @@ from dataclasses import dataclass, field
 
 # Which workspace crates each crate may depend on (normal and dev dependencies, and
 # paths it names). A crate missing here may depend on no workspace crate.
-LEAVES = {"cube-storage", "cube-mem", "cube-net", "cube-jail", "cube-agent"}
+LEAVES = {"cube-storage", "cube-mem", "cube-net", "cube-jail", "cube-agent", "cube-archive"}
 ALLOWED = {
     "cube-storage": set(),
+    # The portable snapshot archive format: bytes and directory trees, nothing of Cube's.
+    "cube-archive": set(),
     "cube-agent": set(),
     "cube-net": set(),
     "cube-mem": {"cube-storage"},
@@ -49,15 +51,18 @@ ALLOWED = {
     "cube-supervisor": {"cube-vmm", "cube-devices", "cube-mem", "cube-storage",
                         "cube-jail", "cube-net", "cube-agent"},
     "cube-core": {"cube-supervisor", "cube-vmm", "cube-devices", "cube-mem",
-                  "cube-storage", "cube-jail", "cube-net", "cube-agent"},
+                  "cube-storage", "cube-jail", "cube-net", "cube-agent", "cube-archive"},
     # Frontends: the public API of cube-core, plus the agent's protocol types.
     # The service: on cube-core's public API, the agent's protocol for envd's calls.
     "cube-server": {"cube-core", "cube-agent"},
     "cube-cli": {"cube-core", "cube-agent", "cube-server"},
     "cube-py": {"cube-core", "cube-agent"},
     "benches": {"cube-core", "cube-agent"},
+    # The containerd shim is a frontend too.
+    "cube-shim": {"cube-core", "cube-agent"},
     # Fuzz targets reach the parsers of untrusted bytes where they live.
-    "fuzz": {"cube-storage", "cube-devices", "cube-vmm", "cube-supervisor", "cube-agent"},
+    "fuzz": {"cube-storage", "cube-devices", "cube-vmm", "cube-supervisor", "cube-agent",
+             "cube-archive"},
 }
 
 ITEM_RE = re.compile(

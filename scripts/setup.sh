@@ -15,8 +15,11 @@ export DEBIAN_FRONTEND=noninteractive
 need=()
 # debootstrap builds template root filesystems; bubblewrap is the peer `cube bench
 # --engine jail` measures `cube run` against; chromium renders `cube bench --report`'s
-# page in its check (scripts/check-report.sh).
-for pkg in xfsprogs util-linux gcc make pkg-config python3 lz4 xz-utils zstd debootstrap bubblewrap chromium; do
+# page in its check (scripts/check-report.sh). containerd (with runc) and busybox-static
+# are what the containerd shim's tests run against (a private containerd, a busybox
+# image built by the test); protobuf-compiler builds the CRI client those tests use.
+for pkg in xfsprogs util-linux gcc make pkg-config python3 lz4 xz-utils zstd debootstrap bubblewrap \
+    chromium containerd runc busybox-static protobuf-compiler; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ]; then
@@ -52,7 +55,8 @@ echo "setup: building (release)"
 cargo build --release --workspace --bins --locked
 bash scripts/build-static.sh --musl cube-agent cube-agent --release --locked
 bash scripts/build-static.sh cube-cli cube --release --locked
-install -m 0755 target/static/release/cube target/release/cube-supervisor target/static/release/cube-agent /usr/local/bin/
+install -m 0755 target/static/release/cube target/release/cube-supervisor target/static/release/cube-agent \
+    target/release/containerd-shim-cubesandbox-v2 /usr/local/bin/
 
 echo "setup: python package tools"
 bash scripts/setup-python.sh

@@ -12,6 +12,7 @@ pub mod progress;
 mod run_cmd;
 mod sandbox_cmd;
 mod serve_cmd;
+mod snapshot_cmd;
 mod store_cmd;
 mod table;
 mod template_build_cmd;
@@ -82,6 +83,11 @@ enum Command {
     /// Example: cube sandbox create && cube sandbox ls
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCommand),
+    /// Move snapshots between hosts: export one into a file, import it elsewhere.
+    ///
+    /// Example: cube snapshot export snap-0123456789abcdef -o snap.cube
+    #[command(subcommand)]
+    Snapshot(snapshot_cmd::SnapshotCommand),
     /// Run one command in a fresh sandbox that is destroyed when it ends; exits with
     /// the command's exit code (128+N when signal N killed it, 124 on --timeout).
     ///
@@ -132,6 +138,7 @@ fn main() -> ExitCode {
         Command::Store(cmd) => store_cmd::run(store, cmd).map(|()| 0),
         Command::Template(cmd) => sandbox_cmd::run_template(store, cmd).map(|()| 0),
         Command::Sandbox(cmd) => sandbox_cmd::run_sandbox(store, cmd),
+        Command::Snapshot(cmd) => snapshot_cmd::run(store, cmd).map(|()| 0),
         Command::Run(args) => run_cmd::run(store, &args),
         Command::Code(args) => run_cmd::code(store, &args),
         Command::Debug(cmd) => debug_cmd::run(cmd).map(|()| 0),

@@ -83,6 +83,10 @@ pub enum SandboxCommand {
         /// Template name.
         #[arg(long, conflicts_with = "positional")]
         template: Option<String>,
+        /// Create from this snapshot (any in the store: taken here, or imported)
+        /// instead of a template.
+        #[arg(long, value_name = "ID", conflicts_with_all = ["positional", "template"])]
+        snapshot: Option<String>,
         /// Engine: auto (the template's), vm or jail.
         #[arg(long, value_enum, default_value_t = run_cmd::Engine::Auto)]
         engine: run_cmd::Engine,
@@ -320,7 +324,7 @@ pub enum SandboxCommand {
     },
 }
 
-fn runtime(store: Option<&Path>, pool_size: usize) -> Result<Runtime, CliError> {
+pub fn runtime(store: Option<&Path>, pool_size: usize) -> Result<Runtime, CliError> {
     Runtime::open(RuntimeConfig {
         store_root: store_root(store)?,
         pool_size,
@@ -396,6 +400,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
         SandboxCommand::Create {
             positional,
             template,
+            snapshot,
             engine,
             env,
             labels,
@@ -430,8 +435,12 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                 pids_max,
                 disk_mib,
                 network: network.options()?,
+                ..CreateOptions::new(false)
             };
-            let sb = rt.create(&template, options)?;
+            let sb = match snapshot {
+                Some(snapshot) => rt.create_from_snapshot(&snapshot, options)?,
+                None => rt.create(&template, options)?,
+            };
             println!("{}", sb.id());
         }
         SandboxCommand::Exec {

@@ -12,6 +12,7 @@ use cube_supervisor::templates::vm::VmTemplateError;
 use cube_supervisor::vm_agent::VmAgentError;
 
 use crate::engine_choice::EngineChoice;
+use crate::portable_error::PortableError;
 
 /// Why a sandbox operation failed.
 ///
@@ -137,6 +138,9 @@ pub enum SandboxError {
     /// The sandbox's agent could not be reached.
     #[error("Sandbox {0}'s agent")]
     Agent(String, #[source] cube_agent::client::ClientError),
+    /// A snapshot could not be exported or imported.
+    #[error("Snapshot archive")]
+    Portable(#[from] PortableError),
 }
 
 impl SandboxError {
@@ -180,6 +184,7 @@ impl SandboxError {
                 _ => ErrorKind::Internal,
             },
             E::Network(e) => e.kind(),
+            E::Portable(e) => e.kind(),
             E::VmAgent(_, VmAgentError::NotReady { .. }) => ErrorKind::Timeout,
             E::Agent(_, cube_agent::client::ClientError::Timeout) => ErrorKind::Timeout,
             E::VmAgent(..)

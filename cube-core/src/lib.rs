@@ -66,6 +66,7 @@
 //! - [`templates`]: what templates are built from (trees, Debian, VM specs).
 //! - [`host`]: what this host can do (`cube doctor`).
 //! - [`store`]: the store on disk and its filesystem.
+//! - [`portable`]: snapshots as archive files that travel between stores and hosts.
 //! - [`oneshot`]: one command in a fresh jail in this process, no supervisor (`cube
 //!   run`, `cube code`).
 //! - [`debug`]: booting a kernel in Cube's VMM by hand (`cube debug boot`).
@@ -73,6 +74,7 @@
 
 mod engine_choice;
 mod error;
+mod portable_error;
 mod runtime;
 mod sandbox;
 mod usage;
@@ -81,6 +83,7 @@ pub mod debug;
 pub mod host;
 pub mod network;
 pub mod oneshot;
+pub mod portable;
 pub mod store;
 pub mod templates;
 #[doc(hidden)]
@@ -101,6 +104,8 @@ pub use cube_supervisor::records::{
 pub use cube_vmm::persist::SnapshotStats;
 pub use engine_choice::EngineChoice;
 pub use error::SandboxError;
+pub use portable::{ExportReport, ImportReport};
+pub use portable_error::PortableError;
 pub use runtime::{CreateOptions, Runtime, RuntimeConfig};
 pub use sandbox::{Sandbox, Snapshot};
 pub use usage::ResourceUsage;

@@ -3,6 +3,6 @@
 //! the ones the supervisor protocol carries.
 
 pub use cube_supervisor::network::{
-    Ipv4Cidr, NetworkCounters, NetworkError, NetworkOptions, NetworkPolicy, NetworkReport,
-    PortMapping, Protocol,
+    Ipv4Cidr, NetnsChoice, NetworkCounters, NetworkError, NetworkOptions, NetworkPolicy,
+    NetworkReport, PortMapping, Protocol,
 };

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use cube_storage::{SandboxDir, SnapshotDir, Store, TemplateDir};
 use cube_supervisor::client::SupervisorClient;
-use cube_supervisor::network::NetworkOptions;
+use cube_supervisor::network::{NetnsChoice, NetworkOptions};
 use cube_supervisor::pool::{locate_supervisor, SupervisorPool};
 use cube_supervisor::protocol::{Request, Settings, Source, PROTOCOL_VERSION};
 use cube_supervisor::records::{
@@ -17,6 +17,7 @@ use cube_vmm::persist::{MachineConfig, WorkingSet};
 
 use crate::engine_choice::EngineChoice;
 use crate::error::SandboxError;
+use crate::portable::{self, ExportReport, ImportReport};
 use crate::sandbox::Sandbox;
 
 /// How a [`Runtime`] is set up.
@@ -99,6 +100,14 @@ pub struct CreateOptions {
     /// A network from the host's pool: a veth for a jail, a TAP behind a Linux VM's
     /// NIC; None: loopback only (a VM's NIC, if its template has one, stays unplugged).
     pub network: Option<NetworkOptions>,
+    /// The network namespace a jail sandbox lives in (see [`NetnsChoice`]): its own by
+    /// default; the host's or an existing one for a Kubernetes pod.
+    pub netns: NetnsChoice,
+    /// A directory to run a jail sandbox on instead of its template's (or snapshot's)
+    /// tree: read-only under the sandbox's writable layer, the host's userland left
+    /// out. A container's root filesystem as containerd's snapshotter mounts it. A
+    /// snapshot of such a sandbox is created from with the same tree again (this set).
+    pub rootfs: Option<PathBuf>,
 }
 
 impl CreateOptions {
@@ -121,6 +130,8 @@ impl CreateOptions {
             pids_max: None,
             disk_mib: None,
             network: None,
+            netns: NetnsChoice::Own,
+            rootfs: None,
         }
     }
 
@@ -135,6 +146,7 @@ impl CreateOptions {
                 .lifetime
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             network: self.network.clone(),
+            netns: self.netns.clone(),
         }
     }
 
@@ -398,6 +410,19 @@ impl Runtime {
     /// # }
     /// ```
     pub fn create(&self, template: &str, options: CreateOptions) -> Result<Sandbox, SandboxError> {
+        if let Some(tree) = options.rootfs.clone() {
+            options.check_engine("a root filesystem directory", Engine::Jail)?;
+            if template != HOST_TEMPLATE {
+                self.template_checked(template)?;
+            }
+            return self.start(
+                Source::JailOverlay { tree, layer: None },
+                Engine::Jail,
+                template,
+                options,
+                |_| Ok(()),
+            );
+        }
         if template == HOST_TEMPLATE {
             options.check_engine(&format!("template {template}"), Engine::Jail)?;
             return self.start(
@@ -442,17 +467,10 @@ impl Runtime {
             if !layer.is_dir() {
                 return Err(SandboxError::UnknownSnapshot(snapshot.to_string()));
             }
-            // A snapshot lives no longer than its sandbox, whose record names the
-            // template tree its layer was written over.
-            let template = self
-                .store
-                .sandbox(&meta.sandbox)
-                .ok()
-                .and_then(|d| {
-                    cube_storage::read_verified::<SandboxMeta>(&d.record(), SandboxDir::RECORD_KIND)
-                        .ok()
-                })
-                .and_then(|m| m.template);
+            // The template tree its layer was written over: named by its sandbox's
+            // record, or by the snapshot itself when imported.
+            let template =
+                portable::snapshot_template(&self.store, &meta).filter(|t| t != HOST_TEMPLATE);
             if let Some(template) = template {
                 let tree = self.jail_template_tree(&template)?;
                 return self.start_on_template(
@@ -764,6 +782,50 @@ impl Runtime {
         let dir = self.store.sandbox_dir(id)?;
         cube_supervisor::jail_network::release_recorded(&dir).map_err(SandboxError::Network)?;
         Ok(self.store.remove_sandbox_files(id)?)
+    }
+
+    /// Writes snapshot `snapshot` into the archive file `dest` (replaced if it exists,
+    /// written beside it first so that a failed export leaves no half file); see
+    /// [`crate::portable`] for what travels and how.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let rt = cube_core::Runtime::open(cube_core::RuntimeConfig::new()?)?;
+    /// let report = rt.export_snapshot("snap-0123456789abcdef", "/tmp/snap.cube".as_ref())?;
+    /// println!("{} bytes", report.archive_bytes);
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn export_snapshot(
+        &self,
+        snapshot: &str,
+        dest: &Path,
+    ) -> Result<ExportReport, SandboxError> {
+        portable::export(&self.store, snapshot, dest)
+    }
+
+    /// Adds the snapshot in archive `source` to this store under its own id, after
+    /// checking every byte of it; the store is unchanged when anything is wrong.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let rt = cube_core::Runtime::open(cube_core::RuntimeConfig::new()?)?;
+    /// let imported = rt.import_snapshot("/tmp/snap.cube".as_ref())?;
+    /// let sb = rt.create_from_snapshot(&imported.snapshot, cube_core::CreateOptions::new(false))?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn import_snapshot(&self, source: &Path) -> Result<ImportReport, SandboxError> {
+        portable::import(&self.store, source)
+    }
+
+    /// Writes nothing; checks that archive `source` is whole and intact (every chunk
+    /// and the file's checksum) and returns its properties.
+    pub fn verify_snapshot_archive(
+        &self,
+        source: &Path,
+    ) -> Result<std::collections::BTreeMap<String, String>, SandboxError> {
+        portable::verify(source)
     }
 
     /// Builds jail template `name` from `source`, calling `progress` with each line the

@@ -11,32 +11,12 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cube_agent::client::Client;
-use cube_agent::protocol::{ExecRequest, Language};
+use cube_agent::protocol::ExecRequest;
 use cube_core::MachineStatus;
 use cube_core::SnapshotKind;
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
 
-/// True (after saying why) where these tests cannot run.
-fn skip() -> bool {
-    // SAFETY: geteuid has no failure mode.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: jails need root (namespaces, mounts, cgroups)");
-        return true;
-    }
-    if cube_jail::CgroupLayout::detect().is_err() {
-        eprintln!("skipping: no cgroup hierarchy is readable");
-        return true;
-    }
-    if let Err(e) = cube_jail::Criu::probe() {
-        eprintln!("skipping: no working CRIU: {e}");
-        return true;
-    }
-    if !Path::new("/usr/bin/python3").exists() {
-        eprintln!("skipping: no /usr/bin/python3 on the host template");
-        return true;
-    }
-    false
-}
+use common::{py, skip_full_jail};
 
 struct Env {
     _dir: tempfile::TempDir,
@@ -61,23 +41,6 @@ impl Env {
             .create(HOST_TEMPLATE, CreateOptions::new(false))
             .unwrap()
     }
-}
-
-/// The value of the last expression of `code` in context "py" (made on first use).
-fn py(client: &Client, code: &str) -> String {
-    if !client
-        .list_contexts()
-        .unwrap()
-        .iter()
-        .any(|c| c.name == "py")
-    {
-        client.create_context("py", Language::Python, None).unwrap();
-    }
-    let r = client
-        .run_code("py", code, Some(Duration::from_secs(30)))
-        .unwrap();
-    assert!(r.error.is_none(), "{code}: {:?}", r.error);
-    r.value.unwrap_or_default()
 }
 
 fn sh(client: &Client, script: &str) -> String {
@@ -131,7 +94,7 @@ fn destroy_and_check(mut sb: Sandbox) {
 
 #[test]
 fn rollback_brings_back_a_python_variable() {
-    if skip() {
+    if skip_full_jail() {
         return;
     }
     let env = Env::new();
@@ -160,7 +123,7 @@ fn rollback_brings_back_a_python_variable() {
 
 #[test]
 fn a_clone_sees_the_variable_and_diverges_from_its_source() {
-    if skip() {
+    if skip_full_jail() {
         return;
     }
     let env = Env::new();
@@ -186,7 +149,7 @@ fn a_clone_sees_the_variable_and_diverges_from_its_source() {
 
 #[test]
 fn hibernate_and_wake_keep_the_variable() {
-    if skip() {
+    if skip_full_jail() {
         return;
     }
     let env = Env::new();

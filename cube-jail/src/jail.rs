@@ -128,6 +128,9 @@ pub enum JailError {
     /// The disk limit could not be set.
     #[error(transparent)]
     Disk(#[from] DiskLimitError),
+    /// A network namespace to join was given together with a new one to create.
+    #[error("a jail joins a network namespace or creates one, not both")]
+    NetnsConflict,
 }
 
 type Result<T> = std::result::Result<T, JailError>;
@@ -168,10 +171,12 @@ pub enum SetupStage {
     PassFd,
     /// Executing the program.
     Exec,
+    /// Joining the network namespace named by [`JailConfig::netns`].
+    JoinNetns,
 }
 
 impl SetupStage {
-    const ALL: [SetupStage; 16] = [
+    const ALL: [SetupStage; 17] = [
         SetupStage::JoinCgroup,
         SetupStage::CgroupNamespace,
         SetupStage::Mount,
@@ -188,6 +193,7 @@ impl SetupStage {
         SetupStage::Seccomp,
         SetupStage::PassFd,
         SetupStage::Exec,
+        SetupStage::JoinNetns,
     ];
 
     fn from_wire(v: u32) -> Option<Self> {
@@ -214,6 +220,7 @@ impl fmt::Display for SetupStage {
             SetupStage::Seccomp => "installing the seccomp filter",
             SetupStage::PassFd => "installing a passed descriptor",
             SetupStage::Exec => "executing the program",
+            SetupStage::JoinNetns => "joining the network namespace",
         };
         f.write_str(s)
     }
@@ -287,6 +294,11 @@ pub struct JailConfig {
     /// sandbox should (the main thread). A checkpoint's restore does not carry it over.
     /// Default false.
     pub die_with_parent: bool,
+    /// A network namespace to join (a file such as `/var/run/netns/NAME` or
+    /// `/proc/PID/ns/net`) instead of creating one: how a pod's sandbox gets the
+    /// network its CNI plugins set up. Needs [`NamespaceSet::net`] off; the namespace's
+    /// devices are used as they are (loopback included). Default None.
+    pub netns: Option<PathBuf>,
 }
 
 impl JailConfig {
@@ -311,6 +323,7 @@ impl JailConfig {
             seed_layer: None,
             pausable: true,
             die_with_parent: false,
+            netns: None,
         }
     }
 
@@ -340,6 +353,9 @@ impl JailConfig {
         }
         if !self.namespaces.pid {
             return Err(JailError::RequiredNamespace("pid"));
+        }
+        if self.netns.is_some() && self.namespaces.net {
+            return Err(JailError::NetnsConflict);
         }
         Ok(())
     }
@@ -385,6 +401,8 @@ struct ChildPlan<'a> {
     mounts: &'a MountPlan,
     hostname: Option<CString>,
     loopback: bool,
+    /// A network namespace to join first.
+    join_netns: Option<RawFd>,
     stdio: [Option<RawFd>; 3],
     cwd: CString,
     last_cap: u32,
@@ -441,6 +459,12 @@ fn child_setup(p: &ChildPlan<'_>, in_v2_cgroup: bool) -> std::result::Result<Nev
     // process group.
     // SAFETY: integer-only system call.
     unsafe { libc::setsid() };
+    if let Some(fd) = p.join_netns {
+        // SAFETY: setns on a descriptor the parent opened; no memory effects.
+        if unsafe { libc::setns(fd, libc::CLONE_NEWNET) } != 0 {
+            return Err((SetupStage::JoinNetns, 0, Errno::last()));
+        }
+    }
     let v2 = if in_v2_cgroup { None } else { p.v2_procs };
     for (i, fd) in v2.iter().chain(&p.v1_tasks).enumerate() {
         // SAFETY: writes one byte from a static string to an open descriptor.
@@ -756,6 +780,12 @@ impl Jail {
         } else {
             None
         };
+        let netns_file = config
+            .netns
+            .as_ref()
+            .map(File::open)
+            .transpose()
+            .map_err(io("open the network namespace to join"))?;
         let (report_read, report_write) = pipe()?;
         let report_write = if fds.is_empty() {
             report_write
@@ -777,6 +807,7 @@ impl Jail {
             mounts: &mounts,
             hostname,
             loopback: config.namespaces.net,
+            join_netns: netns_file.as_ref().map(AsRawFd::as_raw_fd),
             stdio: stdio_fds,
             cwd,
             last_cap,
@@ -809,6 +840,7 @@ impl Jail {
         drop(child_ends);
         drop(v2_files);
         drop(tasks_files);
+        drop(netns_file);
 
         let mut jail = Jail {
             name: config.name.clone(),

@@ -32,6 +32,7 @@ use cube_vmm::persist::SnapshotStats;
 use crate::error_report::chain as error_chain;
 use crate::jail_network::{network_failure, JailNetwork, JailNetworkError};
 use crate::jail_spec::{locate_agent, JailSpec, AGENT_PATH};
+use crate::network::NetnsChoice;
 use crate::protocol::{
     ErrorKind, Failure, JailStatus, MachineStatus, Request, Response, Settings, StatusReport,
 };
@@ -589,6 +590,7 @@ impl JailSandbox {
                 kind,
                 engine: Engine::Jail,
                 fallback,
+                template: None,
             };
             let bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
             cube_storage::write_atomic_bytes_with(
@@ -1140,6 +1142,14 @@ fn jail_config(
     } else {
         Stdio::Inherit
     };
+    match &settings.netns {
+        NetnsChoice::Own => {}
+        NetnsChoice::Host => config.namespaces.net = false,
+        NetnsChoice::Join(path) => {
+            config.namespaces.net = false;
+            config.netns = Some(path.clone());
+        }
+    }
     Ok(config)
 }
 

@@ -181,6 +181,21 @@ pub struct NetworkReport {
     pub counters: NetworkCounters,
 }
 
+/// Which network namespace a jail sandbox's processes live in.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NetnsChoice {
+    /// A new one with loopback only (and the sandbox's network device when it asks
+    /// for one).
+    #[default]
+    Own,
+    /// The host's: a Kubernetes pod with `hostNetwork`. The sandbox sees and can bind
+    /// the host's interfaces.
+    Host,
+    /// An existing one, by path (`/var/run/netns/NAME`, `/proc/PID/ns/net`): a pod's
+    /// namespace as its CNI plugins set it up.
+    Join(std::path::PathBuf),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

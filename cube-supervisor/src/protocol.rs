@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 
 use cube_vmm::persist::{MachineConfig, SnapshotStats, WorkingSet};
 
-use crate::network::{NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
+use crate::network::{NetnsChoice, NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
 use crate::records::{Engine, SnapshotKind};
 
 /// Largest frame either side accepts.
@@ -22,7 +22,7 @@ pub const MAX_FRAME: u32 = 1 << 20;
 /// carry an [`ErrorKind`]; 5: snapshot stats carry the time the sandbox was stopped,
 /// `SnapshotStats::paused_us`, and a supervisor can be warmed for a jail restored
 /// from an image, `--warm jail-from-image`;
-/// settings carry a disk limit.)
+/// settings carry a disk limit and [`Settings::netns`].)
 pub const PROTOCOL_VERSION: u32 = 5;
 
 /// Why a frame could not be exchanged.
@@ -192,9 +192,15 @@ pub struct Settings {
     pub lifetime_ms: Option<u64>,
     /// A network from the host's pool (jail); None: loopback only.
     pub network: Option<NetworkOptions>,
+    /// The network namespace (jail).
+    #[serde(default)]
+    pub netns: NetnsChoice,
 }
 
 /// A request to a supervisor.
+// Adopt, the large one, is sent once per sandbox; boxing it would cost every caller a
+// heap allocation to save bytes on a message that lives for one call.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub enum Request {
     /// First message of a pooled supervisor: become sandbox `id` in `dir`.

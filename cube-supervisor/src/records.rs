@@ -105,6 +105,11 @@ pub struct SnapshotMeta {
     /// working CRIU, or a failed dump).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<String>,
+    /// The template the snapshot's files lie over, where its sandbox's record cannot
+    /// say (an imported snapshot, whose sandbox lived on another host). None: ask the
+    /// sandbox's record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<String>,
 }
 
 /// A template's record in the store.

@@ -22,6 +22,7 @@ use cube_vmm::vstate::KvmContext;
 use crate::error_report::chain as error_chain;
 use crate::jail_sandbox::{JailSandbox, PrespawnedJail};
 use crate::linux_sandbox::LinuxSandbox;
+use crate::network::NetnsChoice;
 use crate::protocol::{
     read_frame, write_frame, ErrorKind, Failure, ProtocolError, Request, Response, Settings,
     Source, PROTOCOL_VERSION,
@@ -347,9 +348,12 @@ fn adopt(
     };
     if let Some((tree, layer)) = jail_source {
         retire(warm.kvm.and_then(Result::ok).and_then(|(_, shell)| shell));
-        // The jail started ahead is on the host template, with an empty layer and no
-        // CPU controller.
-        let fits = tree.is_none() && layer.is_none() && settings.cpu_millis.is_none();
+        // The jail started ahead is on the host template, with an empty layer, no
+        // CPU controller, and its own network namespace.
+        let fits = tree.is_none()
+            && layer.is_none()
+            && settings.cpu_millis.is_none()
+            && settings.netns == NetnsChoice::Own;
         let sandbox = match warm.jail {
             Some(ready) if fits => JailSandbox::adopt(id, dir, ready, settings)?,
             other => {

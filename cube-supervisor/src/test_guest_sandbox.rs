@@ -390,6 +390,7 @@ fn write_snapshot(
             kind: SnapshotKind::Full,
             engine: Engine::Vm,
             fallback: None,
+            template: None,
         };
         let meta_bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
         cube_storage::write_atomic_bytes_with(

@@ -1,8 +1,8 @@
 //! Writes the seed corpora under `seeds/<target>/` from real encodings: a snapshot
 //! state taken from the test guest booted under KVM (1 vCPU, 128 MiB, with and without
 //! in-kernel irqchip; and re-labelled as a Linux guest with a virtio-rng record; the
-//! `-v2` files are the previous format, kept to seed its upgrade path), supervisor frames of each message shape, and a metadata
-//! envelope. Regenerate after a format change, from this directory:
+//! `-v2` files are the previous format, kept to seed its upgrade path), supervisor frames of each message shape, a metadata
+//! envelope, and a small snapshot archive. Regenerate after a format change, from this directory:
 //!
 //! ```text
 //! cargo run --example make_seeds
@@ -82,8 +82,32 @@ fn frames<T: serde::Serialize>(messages: &[T]) -> Result<Vec<u8>, Error> {
     Ok(out)
 }
 
+/// A small snapshot archive: a directory, a file with a data chunk past a hole, a
+/// symlink, an opaque-directory marker.
+fn archive_seed() -> Result<Vec<u8>, Error> {
+    use std::os::unix::fs::FileExt;
+    let tree = tempfile::tempdir()?;
+    std::fs::create_dir(tree.path().join("layer"))?;
+    let memory = std::fs::File::create(tree.path().join("layer/pages.img"))?;
+    memory.set_len(3 << 20)?;
+    memory.write_all_at(b"x = 41 and some page bytes", 2 << 20)?;
+    std::fs::write(tree.path().join("snapshot.meta"), b"{\"id\":\"snap-1\"}")?;
+    std::os::unix::fs::symlink("/tmp", tree.path().join("layer/tmp"))?;
+    let mut out = Vec::new();
+    cube_archive::pack(
+        tree.path(),
+        &mut out,
+        &cube_archive::PackOptions {
+            properties: [("snapshot".to_string(), "snap-1".to_string())].into(),
+            base: &|_| None,
+        },
+    )?;
+    Ok(out)
+}
+
 fn main() -> Result<(), Error> {
     let seeds = Path::new(env!("CARGO_MANIFEST_DIR")).join("seeds");
+    write(&seeds.join("snapshot_archive"), "small-tree.bin", &archive_seed()?)?;
 
     let snapshot_seeds = seeds.join("snapshot_state");
     if Path::new("/dev/kvm").exists() {

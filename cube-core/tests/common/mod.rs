@@ -455,3 +455,46 @@ pub fn differing_pages(a: &[u8], b: &[u8]) -> Vec<u64> {
         .map(|(i, _)| i as u64)
         .collect()
 }
+
+/// True (after saying why) where full-state jail tests cannot run: not root, no
+/// readable cgroup hierarchy, no working CRIU, or no python3 on the host template.
+pub fn skip_full_jail() -> bool {
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: jails need root (namespaces, mounts, cgroups)");
+        return true;
+    }
+    if cube_jail::CgroupLayout::detect().is_err() {
+        eprintln!("skipped: no cgroup hierarchy is readable");
+        return true;
+    }
+    if let Err(e) = cube_jail::Criu::probe() {
+        eprintln!("skipped: no working CRIU: {e}");
+        return true;
+    }
+    if !Path::new("/usr/bin/python3").exists() {
+        eprintln!("skipped: no /usr/bin/python3 on the host template");
+        return true;
+    }
+    false
+}
+
+/// The value of the last expression of `code` in the agent's Python context "py"
+/// (made on first use).
+pub fn py(client: &cube_agent::client::Client, code: &str) -> String {
+    if !client
+        .list_contexts()
+        .unwrap()
+        .iter()
+        .any(|c| c.name == "py")
+    {
+        client
+            .create_context("py", cube_agent::protocol::Language::Python, None)
+            .unwrap();
+    }
+    let r = client
+        .run_code("py", code, Some(Duration::from_secs(30)))
+        .unwrap();
+    assert!(r.error.is_none(), "{code}: {:?}", r.error);
+    r.value.unwrap_or_default()
+}

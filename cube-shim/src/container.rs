@@ -1,0 +1,345 @@
+//! One container as the shim holds it: its root filesystem mounted from containerd's
+//! snapshot, the Cube sandbox running on it (none for a pod's pause container, which
+//! Cube absorbs), its main process and its execs.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use containerd_shim::protos::types::mount::Mount;
+use cube_agent::client::Client;
+use cube_core::JailStatus;
+use cube_core::{CreateOptions, Runtime, Sandbox, SandboxError};
+
+use crate::process::{Process, ProcessError};
+use crate::spec::{Spec, SpecError};
+
+/// The bundle directory containerd's snapshot is mounted on.
+pub const ROOTFS: &str = "rootfs";
+/// Where a checkpoint's Cube snapshot archive goes inside containerd's checkpoint
+/// directory.
+pub const CHECKPOINT_ARCHIVE: &str = "cube-snapshot.cube";
+
+/// Why a container operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerError {
+    /// The bundle's spec is unusable.
+    #[error("Bundle spec")]
+    Spec(#[from] SpecError),
+    /// The root filesystem could not be mounted.
+    #[error("Mounting the root filesystem on {0}")]
+    Mount(PathBuf, #[source] containerd_shim::Error),
+    /// The mount point could not be made.
+    #[error("Creating {0}")]
+    MountPoint(PathBuf, #[source] std::io::Error),
+    /// Cube refused or failed.
+    #[error("Cube")]
+    Cube(#[from] SandboxError),
+    /// A process could not be started or signalled.
+    #[error("Process")]
+    Process(#[from] ProcessError),
+    /// An exec id is unknown.
+    #[error("No exec {0}")]
+    NoExec(String),
+    /// An exec id is in use.
+    #[error("Exec {0} exists already")]
+    ExecExists(String),
+    /// The container's sandbox is gone.
+    #[error("The container's sandbox was deleted")]
+    Gone,
+    /// The operation needs a sandbox, and a pause container has none.
+    #[error("A pod's pause container runs nothing in Cube")]
+    Placeholder,
+}
+
+/// containerd's snapshot mounted on the bundle's rootfs; unmounted on drop.
+struct RootfsMount(PathBuf);
+
+impl RootfsMount {
+    fn mount(mounts: &[Mount], target: &Path) -> Result<Option<RootfsMount>, ContainerError> {
+        if mounts.is_empty() {
+            // The bundle's rootfs is ready as it is (`ctr run --rootfs`).
+            return Ok(None);
+        }
+        std::fs::create_dir_all(target)
+            .map_err(|e| ContainerError::MountPoint(target.to_path_buf(), e))?;
+        let guard = RootfsMount(target.to_path_buf());
+        for m in mounts {
+            let fs_type = (!m.type_.is_empty()).then_some(m.type_.as_str());
+            let source = (!m.source.is_empty()).then_some(m.source.as_str());
+            containerd_shim::mount::mount_rootfs(fs_type, source, &m.options, target)
+                .map_err(|e| ContainerError::Mount(target.to_path_buf(), e))?;
+        }
+        Ok(Some(guard))
+    }
+}
+
+impl Drop for RootfsMount {
+    fn drop(&mut self) {
+        if let Some(path) = self.0.to_str() {
+            if let Err(e) = containerd_shim::mount::umount_recursive(Some(path), libc::MNT_DETACH) {
+                log::warn!("unmounting {path}: {e}");
+            }
+        }
+    }
+}
+
+/// One container.
+pub struct Container {
+    /// Its id.
+    pub id: String,
+    /// Its bundle.
+    pub bundle: PathBuf,
+    /// Its main process.
+    pub init: Arc<Process>,
+    execs: Mutex<HashMap<String, Arc<Process>>>,
+    /// None for a pause container, and after delete.
+    sandbox: Mutex<Option<Sandbox>>,
+    agent: Mutex<Option<Arc<Client>>>,
+    /// The jail's PID 1 on the host (0 for a pause container).
+    jail_pid: u32,
+    /// Declared after `sandbox`: the sandbox (its overlay on the rootfs) goes first.
+    rootfs: Mutex<Option<RootfsMount>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What [`Container::create`] needs besides the runtime.
+pub struct CreateRequest<'a> {
+    /// Container id.
+    pub id: &'a str,
+    /// Bundle directory.
+    pub bundle: &'a Path,
+    /// containerd's snapshot mounts.
+    pub rootfs: &'a [Mount],
+    /// The main process's FIFOs.
+    pub stdio: crate::process::StdioPaths,
+    /// A checkpoint directory to restore from (`ctr c restore --live`); empty: none.
+    pub checkpoint: &'a str,
+    /// The containerd namespace (a label on the sandbox).
+    pub namespace: &'a str,
+}
+
+impl Container {
+    /// A pod's pause container: nothing runs, its "process" is the shim itself.
+    pub fn pause(id: &str, bundle: &Path) -> Container {
+        Container {
+            id: id.to_string(),
+            bundle: bundle.to_path_buf(),
+            init: Arc::new(Process::placeholder(std::process::id())),
+            execs: Mutex::new(HashMap::new()),
+            sandbox: Mutex::new(None),
+            agent: Mutex::new(None),
+            jail_pid: 0,
+            rootfs: Mutex::new(None),
+        }
+    }
+
+    /// Mounts the rootfs and starts the container's Cube sandbox on it (from a
+    /// checkpoint or a named snapshot where asked); the main process waits for
+    /// [`Container::start`].
+    pub fn create(
+        runtime: &Runtime,
+        spec: &Spec,
+        request: CreateRequest<'_>,
+    ) -> Result<Container, ContainerError> {
+        let process = spec.process()?.clone();
+        let init = Process::new("", request.stdio, process)?;
+        let target = request.bundle.join(ROOTFS);
+        let mount = RootfsMount::mount(request.rootfs, &target)?;
+        let mut labels = std::collections::BTreeMap::new();
+        labels.insert("containerd.id".to_string(), request.id.to_string());
+        labels.insert(
+            "containerd.namespace".to_string(),
+            request.namespace.to_string(),
+        );
+        if let Some(pod) = spec.pod() {
+            labels.insert("kubernetes.pod".to_string(), pod.to_string());
+        }
+        let options = CreateOptions {
+            ephemeral: true,
+            engine: spec.engine()?,
+            metadata: labels,
+            netns: spec.netns(),
+            rootfs: Some(target),
+            ..CreateOptions::new(true)
+        };
+        let sandbox = if !request.checkpoint.is_empty() {
+            let archive = Path::new(request.checkpoint).join(CHECKPOINT_ARCHIVE);
+            let imported = match runtime.import_snapshot(&archive) {
+                Ok(r) => r.snapshot,
+                // Restored on the node it was taken on: the snapshot is here already.
+                Err(SandboxError::Portable(cube_core::PortableError::Exists(id))) => id,
+                Err(e) => return Err(e.into()),
+            };
+            runtime.create_from_snapshot(&imported, options)?
+        } else if let Some(snapshot) = spec.snapshot() {
+            runtime.create_from_snapshot(snapshot, options)?
+        } else {
+            runtime.create(cube_core::HOST_TEMPLATE, options)?
+        };
+        let mut sandbox = sandbox;
+        let jail_pid = sandbox.status()?.jail.and_then(|j| j.pid).unwrap_or(0);
+        Ok(Container {
+            id: request.id.to_string(),
+            bundle: request.bundle.to_path_buf(),
+            init: Arc::new(init),
+            execs: Mutex::new(HashMap::new()),
+            sandbox: Mutex::new(Some(sandbox)),
+            agent: Mutex::new(None),
+            jail_pid,
+            rootfs: Mutex::new(mount),
+        })
+    }
+
+    /// Whether this is a pod's pause container.
+    pub fn is_placeholder(&self) -> bool {
+        self.jail_pid == 0
+    }
+
+    /// The pid containerd knows the container by before its process starts.
+    pub fn created_pid(&self) -> u32 {
+        if self.is_placeholder() {
+            std::process::id()
+        } else {
+            self.jail_pid
+        }
+    }
+
+    /// The process `exec_id` names ("" for the main one).
+    pub fn process(&self, exec_id: &str) -> Result<Arc<Process>, ContainerError> {
+        if exec_id.is_empty() {
+            return Ok(Arc::clone(&self.init));
+        }
+        lock(&self.execs)
+            .get(exec_id)
+            .cloned()
+            .ok_or_else(|| ContainerError::NoExec(exec_id.to_string()))
+    }
+
+    /// Adds an exec, not started.
+    pub fn add_exec(&self, process: Process) -> Result<(), ContainerError> {
+        if self.is_placeholder() {
+            return Err(ContainerError::Placeholder);
+        }
+        let mut execs = lock(&self.execs);
+        if execs.contains_key(&process.exec_id) {
+            return Err(ContainerError::ExecExists(process.exec_id.clone()));
+        }
+        execs.insert(process.exec_id.clone(), Arc::new(process));
+        Ok(())
+    }
+
+    /// Removes an exec.
+    pub fn remove_exec(&self, exec_id: &str) -> Option<Arc<Process>> {
+        lock(&self.execs).remove(exec_id)
+    }
+
+    /// An agent connection (one per container, shared by its processes: signals
+    /// reach only the execs of the connection they come on).
+    fn agent(&self) -> Result<Arc<Client>, ContainerError> {
+        let mut cached = lock(&self.agent);
+        if let Some(c) = cached.as_ref() {
+            return Ok(Arc::clone(c));
+        }
+        let sandbox = lock(&self.sandbox);
+        let client = Arc::new(sandbox.as_ref().ok_or(ContainerError::Gone)?.agent()?);
+        *cached = Some(Arc::clone(&client));
+        Ok(client)
+    }
+
+    /// Starts process `exec_id`; `on_exit` runs when it ends. Returns its host pid.
+    pub fn start(
+        &self,
+        exec_id: &str,
+        on_exit: impl FnOnce(&Process, crate::process::Exit) + Send + 'static,
+    ) -> Result<u32, ContainerError> {
+        let process = self.process(exec_id)?;
+        if self.is_placeholder() {
+            return Ok(process.start_placeholder());
+        }
+        let agent = self.agent()?;
+        let jail_pid = self.jail_pid;
+        Ok(process.start(agent, |inner| host_pid(jail_pid, inner), on_exit)?)
+    }
+
+    /// The sandbox's host-side facts (cgroups, PID 1).
+    pub fn jail(&self) -> Result<Option<JailStatus>, ContainerError> {
+        let mut sandbox = lock(&self.sandbox);
+        match sandbox.as_mut() {
+            Some(sb) => Ok(sb.status()?.jail),
+            None => Ok(None),
+        }
+    }
+
+    /// Runs `f` on the sandbox.
+    pub fn with_sandbox<T>(
+        &self,
+        f: impl FnOnce(&mut Sandbox) -> Result<T, SandboxError>,
+    ) -> Result<T, ContainerError> {
+        let mut sandbox = lock(&self.sandbox);
+        match sandbox.as_mut() {
+            Some(sb) => Ok(f(sb)?),
+            None if self.is_placeholder() => Err(ContainerError::Placeholder),
+            None => Err(ContainerError::Gone),
+        }
+    }
+
+    /// Ends the sandbox (every process in it) and unmounts the rootfs. Idempotent.
+    pub fn destroy(&self) -> Result<(), ContainerError> {
+        lock(&self.agent).take();
+        let sandbox = lock(&self.sandbox).take();
+        let result = match sandbox {
+            Some(sb) => sb.destroy().map_err(ContainerError::from),
+            None => Ok(()),
+        };
+        // Whatever ran in it has ended with it.
+        for process in lock(&self.execs)
+            .values()
+            .chain(std::iter::once(&self.init))
+        {
+            process.finish(crate::process::Exit {
+                status: 128 + libc::SIGKILL as u32,
+                at: std::time::SystemTime::now(),
+            });
+        }
+        lock(&self.rootfs).take();
+        result
+    }
+}
+
+/// The host pid of the process that is `inner` in the PID namespace of `jail_pid`:
+/// the process on the host whose `NSpid` ends in `inner` and that shares the jail's PID
+/// namespace. 0 where none is found (it ended already).
+pub fn host_pid(jail_pid: u32, inner: u32) -> u32 {
+    let ns = |pid: &str| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+    let Some(jail_ns) = ns(&jail_pid.to_string()) else {
+        return 0;
+    };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        else {
+            continue;
+        };
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            continue;
+        };
+        let last = status
+            .lines()
+            .find_map(|l| l.strip_prefix("NSpid:"))
+            .and_then(|ids| ids.split_whitespace().last())
+            .and_then(|id| id.parse::<u32>().ok());
+        if last == Some(inner) && ns(pid).as_ref() == Some(&jail_ns) {
+            return pid.parse().unwrap_or(0);
+        }
+    }
+    0
+}

@@ -1,0 +1,31 @@
+//! `containerd-shim-cubesandbox-v2`: a containerd shim v2 (runtime type
+//! `io.containerd.cubesandbox.v2`) that runs containers as Cube sandboxes, so that
+//! containerd, `ctr` and the kubelet's CRI drive Cube like any other runtime.
+//!
+//! - One shim process per pod (containers of a pod share it: `start` groups them by
+//!   the CRI's sandbox id); a pod's pause container is absorbed: nothing runs for it.
+//! - Each container is a Cube sandbox (jail engine) whose root is the container's root
+//!   filesystem as containerd's snapshotter mounts it, read-only under the sandbox's
+//!   own writable layer, in the pod's network namespace (joined by path; the host's
+//!   for `hostNetwork` pods; its own for `ctr run`). Its processes (the main one and
+//!   every exec) run through the sandbox's agent, their output relayed to the FIFOs
+//!   containerd hands over.
+//! - Task events (create, start, exit, delete, exec added/started, paused, resumed,
+//!   checkpointed) go to containerd; Stats reads the sandbox's cgroups.
+//! - A checkpoint is a Cube snapshot exported as a portable archive into containerd's
+//!   checkpoint directory; a restore imports it and creates the sandbox from it.
+//!
+//! Configuration comes from the environment containerd passes on: `CUBE_HOME` (the
+//! store), `CUBE_SUPERVISOR` and `CUBE_AGENT` (binaries, else next to the shim). The
+//! engine is chosen by the `io.cubesandbox.engine` annotation (`auto` by default), the
+//! snapshot a container starts from by `io.cubesandbox.snapshot`.
+
+pub mod container;
+pub mod process;
+pub mod service;
+pub mod shim;
+pub mod spec;
+pub mod stats;
+
+/// The runtime type containerd names this shim by.
+pub const RUNTIME_ID: &str = "io.containerd.cubesandbox.v2";

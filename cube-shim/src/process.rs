@@ -1,0 +1,291 @@
+//! One process of a container (its main process or an exec), run inside the Cube
+//! sandbox by the sandbox's agent. Its output is relayed from the agent's stream to the
+//! FIFOs containerd handed over; its exit is recorded once and wakes every waiter.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::Path;
+use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::time::SystemTime;
+
+use cube_agent::client::{Call, Client, ClientError};
+use cube_agent::protocol::{ExecRequest, RequestBody, ResponseBody};
+
+use crate::spec::ProcessSpec;
+
+/// Why a process could not be started or signalled.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// A FIFO containerd named could not be opened.
+    #[error("Opening {0}")]
+    Fifo(String, #[source] std::io::Error),
+    /// The agent refused or lost the request.
+    #[error("The sandbox's agent")]
+    Agent(#[from] ClientError),
+    /// The agent answered something else than a started process.
+    #[error("The agent did not start the process: {0}")]
+    NotStarted(String),
+    /// The process was started already.
+    #[error("The process was started already")]
+    AlreadyStarted,
+    /// A terminal was asked for; the shim relays plain streams only.
+    #[error("Terminals are not supported by the Cube shim yet (run without -t)")]
+    Terminal,
+}
+
+/// Where a process is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Made, not started.
+    Created,
+    /// Running.
+    Running,
+    /// Ended.
+    Stopped,
+}
+
+/// How a process ended, as containerd reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Exit {
+    /// The exit code, or 128 + the signal that killed it.
+    pub status: u32,
+    /// When.
+    pub at: SystemTime,
+}
+
+/// The FIFO paths containerd hands over (empty: none).
+#[derive(Clone, Debug, Default)]
+pub struct StdioPaths {
+    /// Standard input (not relayed: the agent takes input at start only).
+    pub stdin: String,
+    /// Standard output.
+    pub stdout: String,
+    /// Standard error.
+    pub stderr: String,
+    /// Whether a terminal was asked for.
+    pub terminal: bool,
+}
+
+struct State {
+    phase: Phase,
+    /// The host pid (0 until started).
+    pid: u32,
+    exit: Option<Exit>,
+    /// The agent connection and the exec's request id on it (for signals).
+    agent: Option<(Arc<Client>, u64)>,
+}
+
+/// One process.
+pub struct Process {
+    /// The exec id ("" for a container's main process).
+    pub exec_id: String,
+    /// Its stdio.
+    pub stdio: StdioPaths,
+    spec: ProcessSpec,
+    state: Mutex<State>,
+    ended: Condvar,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Opens where a stream goes: a `file://` log URI (`ctr run --log-uri`) appended to,
+/// or a FIFO opened for writing without waiting for a reader (read-write never blocks
+/// on a FIFO; closing it is what tells the reader the stream ended).
+fn open_output(path: &str) -> Result<Option<File>, ProcessError> {
+    if path.is_empty() {
+        return Ok(None);
+    }
+    if let Some(file) = path.strip_prefix("file://") {
+        return OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(file)
+            .map(Some)
+            .map_err(|e| ProcessError::Fifo(path.to_string(), e));
+    }
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(Path::new(path))
+        .map(Some)
+        .map_err(|e| ProcessError::Fifo(path.to_string(), e))
+}
+
+impl Process {
+    /// A process to start later.
+    pub fn new(
+        exec_id: &str,
+        stdio: StdioPaths,
+        spec: ProcessSpec,
+    ) -> Result<Process, ProcessError> {
+        if stdio.terminal || spec.terminal {
+            return Err(ProcessError::Terminal);
+        }
+        Ok(Process {
+            exec_id: exec_id.to_string(),
+            stdio,
+            spec,
+            state: Mutex::new(State {
+                phase: Phase::Created,
+                pid: 0,
+                exit: None,
+                agent: None,
+            }),
+            ended: Condvar::new(),
+        })
+    }
+
+    /// A process that is no process: a pod's pause container, absorbed by Cube. It
+    /// runs as `pid` (the shim's own) from the start and ends when it is killed.
+    pub fn placeholder(pid: u32) -> Process {
+        Process {
+            exec_id: String::new(),
+            stdio: StdioPaths::default(),
+            spec: ProcessSpec::default(),
+            state: Mutex::new(State {
+                phase: Phase::Created,
+                pid,
+                exit: None,
+                agent: None,
+            }),
+            ended: Condvar::new(),
+        }
+    }
+
+    /// Marks a placeholder started.
+    pub fn start_placeholder(&self) -> u32 {
+        let mut s = lock(&self.state);
+        if s.phase == Phase::Created {
+            s.phase = Phase::Running;
+        }
+        s.pid
+    }
+
+    /// Its phase, host pid and exit.
+    pub fn status(&self) -> (Phase, u32, Option<Exit>) {
+        let s = lock(&self.state);
+        (s.phase, s.pid, s.exit)
+    }
+
+    /// Starts the process through `agent`; `host_pid` turns the sandbox's pid into the
+    /// host's; `on_exit` runs once when it ends. Returns the host pid.
+    pub fn start(
+        self: &Arc<Self>,
+        agent: Arc<Client>,
+        host_pid: impl FnOnce(u32) -> u32,
+        on_exit: impl FnOnce(&Process, Exit) + Send + 'static,
+    ) -> Result<u32, ProcessError> {
+        if lock(&self.state).phase != Phase::Created {
+            return Err(ProcessError::AlreadyStarted);
+        }
+        let stdout = open_output(&self.stdio.stdout)?;
+        let stderr = open_output(&self.stdio.stderr)?;
+        let request = ExecRequest {
+            argv: self.spec.args.clone(),
+            env: self.spec.env_pairs(),
+            cwd: (!self.spec.cwd.is_empty()).then(|| self.spec.cwd.clone()),
+            ..ExecRequest::default()
+        };
+        let mut call = agent.start(RequestBody::Exec(request))?;
+        let inner = match call.recv()? {
+            Some(ResponseBody::Started { pid }) => pid,
+            Some(ResponseBody::Error(e)) => return Err(ProcessError::NotStarted(e.message)),
+            other => return Err(ProcessError::NotStarted(format!("{other:?}"))),
+        };
+        let pid = host_pid(inner);
+        {
+            let mut s = lock(&self.state);
+            s.phase = Phase::Running;
+            s.pid = pid;
+            s.agent = Some((Arc::clone(&agent), call.id));
+        }
+        let me = Arc::clone(self);
+        std::thread::Builder::new()
+            .name(format!("relay-{}", self.exec_id))
+            .spawn(move || {
+                let status = relay(&mut call, stdout, stderr);
+                let exit = Exit {
+                    status,
+                    at: SystemTime::now(),
+                };
+                me.finish(exit);
+                on_exit(&me, exit);
+            })
+            .map_err(|e| ProcessError::Fifo("a relay thread".into(), e))?;
+        Ok(pid)
+    }
+
+    /// Records the end and wakes the waiters (the first end counts).
+    pub fn finish(&self, exit: Exit) {
+        let mut s = lock(&self.state);
+        if s.exit.is_none() {
+            s.exit = Some(exit);
+            s.phase = Phase::Stopped;
+            s.agent = None;
+        }
+        self.ended.notify_all();
+    }
+
+    /// Blocks until the process ended.
+    pub fn wait(&self) -> Exit {
+        let mut s = lock(&self.state);
+        loop {
+            if let Some(exit) = s.exit {
+                return exit;
+            }
+            s = self.ended.wait(s).unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// Sends `signal` to the process's group. Nothing to do once it ended; a
+    /// placeholder ends on any signal.
+    pub fn kill(&self, signal: u32) -> Result<(), ProcessError> {
+        let agent = {
+            let s = lock(&self.state);
+            if s.exit.is_some() {
+                return Ok(());
+            }
+            s.agent.clone()
+        };
+        match agent {
+            Some((client, id)) => Ok(client.kill(id, signal as i32)?),
+            None => {
+                self.finish(Exit {
+                    status: 128 + signal,
+                    at: SystemTime::now(),
+                });
+                Ok(())
+            }
+        }
+    }
+}
+
+/// Copies the exec's output to the FIFOs until it ends; returns its status. A lost
+/// agent reads as SIGKILL: the sandbox is gone.
+fn relay(call: &mut Call, mut stdout: Option<File>, mut stderr: Option<File>) -> u32 {
+    let write = |f: &mut Option<File>, bytes: &[u8]| {
+        // A reader that went away (`ctr` killed) must not stop the process.
+        if let Some(file) = f {
+            if file.write_all(bytes).is_err() {
+                *f = None;
+            }
+        }
+    };
+    loop {
+        match call.recv() {
+            Ok(Some(ResponseBody::Stdout(b))) => write(&mut stdout, &b),
+            Ok(Some(ResponseBody::Stderr(b))) => write(&mut stderr, &b),
+            Ok(Some(ResponseBody::Exited(exit))) => {
+                return match (exit.code, exit.signal) {
+                    (Some(code), _) => code as u32,
+                    (None, Some(signal)) => 128 + signal as u32,
+                    (None, None) => 255,
+                };
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => return 128 + libc::SIGKILL as u32,
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! The shim's life: `start` (spawn or reuse the pod's shim process), serving the task
+//! service, and `delete` (clean up after a shim that died).
+
+use std::path::Path;
+use std::sync::Arc;
+
+use containerd_shim::api::DeleteResponse;
+use containerd_shim::publisher::RemotePublisher;
+use containerd_shim::{Config, ExitSignal, Flags, Shim, StartOpts};
+use cube_core::{Runtime, RuntimeConfig};
+
+use crate::container::ROOTFS;
+use crate::service::{Events, Service};
+use crate::spec::Spec;
+
+/// The shim.
+pub struct CubeShim {
+    exit: Arc<ExitSignal>,
+    namespace: String,
+    bundle: String,
+}
+
+impl Shim for CubeShim {
+    type T = Service;
+
+    fn new(_runtime_id: &str, args: &Flags, _config: &mut Config) -> Self {
+        CubeShim {
+            exit: Arc::new(ExitSignal::default()),
+            namespace: args.namespace.clone(),
+            bundle: args.bundle.clone(),
+        }
+    }
+
+    fn start_shim(&mut self, opts: StartOpts) -> containerd_shim::Result<String> {
+        // containerd runs `start` in the bundle: the containers of one pod share the
+        // shim of its sandbox id.
+        let grouping = Spec::read(Path::new("."))
+            .ok()
+            .and_then(|s| s.pod().map(str::to_string))
+            .unwrap_or_else(|| opts.id.clone());
+        let (_, address) = containerd_shim::spawn(opts, &grouping, Vec::new())?;
+        containerd_shim::util::write_address(&address)?;
+        Ok(address)
+    }
+
+    fn delete_shim(&mut self) -> containerd_shim::Result<DeleteResponse> {
+        // The shim that held this container is gone, and its ephemeral sandbox with
+        // it; what may be left is the rootfs mount.
+        let bundle = if self.bundle.is_empty() {
+            std::env::current_dir().unwrap_or_default()
+        } else {
+            self.bundle.clone().into()
+        };
+        if let Some(rootfs) = bundle.join(ROOTFS).to_str() {
+            let _ = containerd_shim::mount::umount_recursive(Some(rootfs), libc::MNT_DETACH);
+        }
+        let now = containerd_shim::util::timestamp()?;
+        Ok(DeleteResponse {
+            exit_status: 128 + libc::SIGKILL as u32,
+            exited_at: Some(now).into(),
+            ..Default::default()
+        })
+    }
+
+    fn wait(&mut self) {
+        self.exit.wait();
+    }
+
+    fn create_task_service(&self, publisher: RemotePublisher) -> Service {
+        let runtime = match open_runtime() {
+            Ok(rt) => rt,
+            Err(e) => {
+                log::error!(
+                    "opening Cube's store: {}",
+                    cube_core::error_report::chain(&e)
+                );
+                std::process::exit(1);
+            }
+        };
+        Service::new(
+            Arc::new(runtime),
+            Events::new(publisher, &self.namespace),
+            &self.namespace,
+            Arc::clone(&self.exit),
+        )
+    }
+}
+
+/// Cube's runtime on the store `CUBE_HOME` names (the default store otherwise); no
+/// supervisor pool: one shim holds one pod.
+fn open_runtime() -> Result<Runtime, cube_core::SandboxError> {
+    let mut config = RuntimeConfig::new()?;
+    if let Some(home) = std::env::var_os("CUBE_HOME") {
+        config.store_root = home.into();
+    }
+    config.pool_size = 0;
+    config.network_pool_size = 0;
+    Runtime::open(config)
+}

@@ -1,0 +1,355 @@
+//! What the shim's tests share: a private containerd (Debian's package, its own root,
+//! state, sockets and config, the shim on its PATH), and a busybox image built here
+//! from `busybox-static` and imported as an OCI layout tarball the test writes.
+
+#![allow(dead_code, clippy::expect_used, clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+
+/// The app image: busybox, `sh` by default.
+pub const IMAGE: &str = "docker.io/cube/busybox:1";
+/// The pod sandbox (pause) image: the same layer, sleeping.
+pub const PAUSE_IMAGE: &str = "docker.io/cube/pause:1";
+/// The containerd namespace `ctr` tests use.
+pub const NAMESPACE: &str = "cube-test";
+/// The CRI plugin's namespace.
+pub const CRI_NAMESPACE: &str = "k8s.io";
+/// The runtime type of the shim under test.
+pub const RUNTIME: &str = "io.containerd.cubesandbox.v2";
+const SHIM: &str = env!("CARGO_BIN_EXE_containerd-shim-cubesandbox-v2");
+
+/// True (after saying why) where these tests cannot run.
+pub fn skip() -> bool {
+    // SAFETY: geteuid has no failure mode.
+    if unsafe { libc::geteuid() } != 0 {
+        println!("skipped: containerd and jails need root");
+        return true;
+    }
+    for tool in ["/usr/bin/containerd", "/usr/bin/ctr", "/bin/busybox"] {
+        if !Path::new(tool).exists() {
+            println!("skipped: {tool} is missing (scripts/setup.sh installs containerd and busybox-static)");
+            return true;
+        }
+    }
+    let bins = Path::new(SHIM).parent().unwrap();
+    if !bins.join("cube-supervisor").exists() {
+        println!(
+            "skipped: {} is not built (cargo build --workspace)",
+            bins.join("cube-supervisor").display()
+        );
+        return true;
+    }
+    if static_agent().is_none() {
+        println!("skipped: no statically linked cube-agent (scripts/build-static.sh --musl cube-agent cube-agent --release)");
+        return true;
+    }
+    false
+}
+
+/// The agent bound into container roots, which carry no C library of the host's: the
+/// statically linked build (`scripts/build-static.sh`, run by the set-up).
+pub fn static_agent() -> Option<PathBuf> {
+    let bins = Path::new(SHIM).parent()?;
+    let profile = bins.file_name()?;
+    let built = bins
+        .parent()?
+        .join("static")
+        .join(profile)
+        .join("cube-agent");
+    built.exists().then_some(built)
+}
+
+/// A containerd of the test's own; stopped and its directory removed on drop.
+pub struct Containerd {
+    pub dir: tempfile::TempDir,
+    pub store: PathBuf,
+    child: Child,
+}
+
+impl Containerd {
+    pub fn socket(&self) -> PathBuf {
+        self.dir.path().join("containerd.sock")
+    }
+
+    /// Starts containerd with a CRI runtime handler `cube` for the shim and `runc`.
+    pub fn start() -> Containerd {
+        let dir = tempfile::Builder::new()
+            .prefix("cube-containerd-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let d = dir.path();
+        let store = d.join("cube-store");
+        for sub in ["root", "state", "cni-bin", "cni-conf", "opt", "cube-store"] {
+            std::fs::create_dir_all(d.join(sub)).unwrap();
+        }
+        let config = format!(
+            r#"version = 2
+root = "{d}/root"
+state = "{d}/state"
+[grpc]
+  address = "{d}/containerd.sock"
+[ttrpc]
+  address = "{d}/containerd.sock.ttrpc"
+[debug]
+  level = "info"
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{d}/opt"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{d}/cni-bin"
+    conf_dir = "{d}/cni-conf"
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.cube]
+      runtime_type = "{RUNTIME}"
+      pod_annotations = ["io.cubesandbox.*"]
+"#,
+            d = d.display()
+        );
+        std::fs::write(d.join("config.toml"), config).unwrap();
+        let bins = Path::new(SHIM).parent().unwrap().to_path_buf();
+        let path = format!(
+            "{}:{}",
+            bins.display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let log = std::fs::File::create(d.join("containerd.log")).unwrap();
+        let child = Command::new("/usr/bin/containerd")
+            .arg("--config")
+            .arg(d.join("config.toml"))
+            .env("PATH", path)
+            .env("CUBE_HOME", &store)
+            .env("CUBE_AGENT", static_agent().unwrap())
+            .env("CUBE_SUPERVISOR", bins.join("cube-supervisor"))
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let c = Containerd { dir, store, child };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !c.ctr(&["version"]).status.success() {
+            assert!(
+                Instant::now() < deadline,
+                "containerd did not start:\n{}",
+                c.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        c
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("containerd.log")).unwrap_or_default()
+    }
+
+    /// `ctr` against this containerd, in the test namespace.
+    pub fn ctr(&self, args: &[&str]) -> Output {
+        self.ctr_in(NAMESPACE, args)
+    }
+
+    pub fn ctr_in(&self, namespace: &str, args: &[&str]) -> Output {
+        Command::new("/usr/bin/ctr")
+            .arg("--address")
+            .arg(self.socket())
+            .arg("--namespace")
+            .arg(namespace)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    }
+
+    /// `ctr`, which must succeed; its standard output.
+    pub fn ctr_ok(&self, args: &[&str]) -> String {
+        let out = self.ctr(args);
+        assert!(
+            out.status.success(),
+            "ctr {args:?}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Builds the busybox images and imports them into `namespace`.
+    pub fn import_images(&self, namespace: &str) {
+        let archive = self.dir.path().join("images.tar");
+        if !archive.exists() {
+            write_images(&archive);
+        }
+        let out = self.ctr_in(namespace, &["image", "import", archive.to_str().unwrap()]);
+        assert!(
+            out.status.success(),
+            "ctr image import: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        // SAFETY: kill on a child we own.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let _ = self.child.wait();
+        // Snapshot mounts containerd left under its root.
+        let root = self.dir.path().display().to_string();
+        if let Ok(mounts) = std::fs::read_to_string("/proc/self/mountinfo") {
+            let mut points: Vec<&str> = mounts
+                .lines()
+                .filter_map(|l| l.split(' ').nth(4))
+                .filter(|p| p.starts_with(&root))
+                .collect();
+            points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+            for p in points {
+                let c = std::ffi::CString::new(p).unwrap();
+                // SAFETY: a live C string.
+                unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+            }
+        }
+    }
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// A layer tar: /bin/busybox with a link per applet, and the usual directories.
+pub fn busybox_layer() -> Vec<u8> {
+    let mut builder = tar::Builder::new(Vec::new());
+    let dir = |b: &mut tar::Builder<Vec<u8>>, path: &str| {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Directory);
+        h.set_mode(0o755);
+        h.set_size(0);
+        b.append_data(&mut h, path, std::io::empty()).unwrap();
+    };
+    for d in [
+        "bin", "etc", "tmp", "proc", "dev", "sys", "root", "home", "var",
+    ] {
+        dir(&mut builder, d);
+    }
+    let busybox = std::fs::read("/bin/busybox").unwrap();
+    let mut h = tar::Header::new_gnu();
+    h.set_mode(0o755);
+    h.set_size(busybox.len() as u64);
+    builder
+        .append_data(&mut h, "bin/busybox", busybox.as_slice())
+        .unwrap();
+    let list = Command::new("/bin/busybox").arg("--list").output().unwrap();
+    for applet in String::from_utf8_lossy(&list.stdout).lines() {
+        if applet == "busybox" || applet.contains('/') || applet.is_empty() {
+            continue;
+        }
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_mode(0o777);
+        h.set_size(0);
+        builder
+            .append_link(&mut h, format!("bin/{applet}"), "busybox")
+            .unwrap();
+    }
+    let mut h = tar::Header::new_gnu();
+    let passwd = b"root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/home:/bin/sh\n";
+    h.set_mode(0o644);
+    h.set_size(passwd.len() as u64);
+    builder
+        .append_data(&mut h, "etc/passwd", &passwd[..])
+        .unwrap();
+    builder.into_inner().unwrap()
+}
+
+/// Writes an OCI image layout tarball holding [`IMAGE`] and [`PAUSE_IMAGE`].
+pub fn write_images(path: &Path) {
+    let layer = busybox_layer();
+    let layer_digest = format!("sha256:{}", sha256_hex(&layer));
+    let mut blobs: Vec<(String, Vec<u8>)> = vec![(layer_digest.clone(), layer.clone())];
+    let mut manifests = Vec::new();
+    for (name, cmd) in [
+        (IMAGE, serde_json::json!(["sh"])),
+        (PAUSE_IMAGE, serde_json::json!(["sleep", "86400"])),
+    ] {
+        let config = serde_json::to_vec(&serde_json::json!({
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": ["PATH=/bin"], "Cmd": cmd, "WorkingDir": "/"},
+            "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+        }))
+        .unwrap();
+        let config_digest = format!("sha256:{}", sha256_hex(&config));
+        let manifest = serde_json::to_vec(&serde_json::json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config_digest, "size": config.len()},
+            "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer_digest, "size": layer.len()}],
+        }))
+        .unwrap();
+        let manifest_digest = format!("sha256:{}", sha256_hex(&manifest));
+        manifests.push(serde_json::json!({
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "digest": manifest_digest,
+            "size": manifest.len(),
+            "platform": {"architecture": "amd64", "os": "linux"},
+            "annotations": {
+                "io.containerd.image.name": name,
+                "org.opencontainers.image.ref.name": name.rsplit(':').next().unwrap(),
+            },
+        }));
+        blobs.push((config_digest, config));
+        blobs.push((manifest_digest, manifest));
+    }
+    let index =
+        serde_json::to_vec(&serde_json::json!({"schemaVersion": 2, "manifests": manifests}))
+            .unwrap();
+    let mut out = tar::Builder::new(std::fs::File::create(path).unwrap());
+    let mut add = |name: &str, data: &[u8]| {
+        let mut h = tar::Header::new_gnu();
+        h.set_mode(0o644);
+        h.set_size(data.len() as u64);
+        out.append_data(&mut h, name, data).unwrap();
+    };
+    add("oci-layout", br#"{"imageLayoutVersion":"1.0.0"}"#);
+    add("index.json", &index);
+    for (digest, data) in &blobs {
+        add(
+            &format!("blobs/sha256/{}", digest.trim_start_matches("sha256:")),
+            data,
+        );
+    }
+    out.into_inner().unwrap();
+}
+
+/// Every mount point under `prefix`.
+pub fn mounts_under(prefix: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|p| p.starts_with(prefix))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Waits until `f` holds, for up to `timeout`.
+pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    f()
+}

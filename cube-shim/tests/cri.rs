@@ -1,0 +1,272 @@
+//! The kubelet's path: a CRI client (k8s-cri's gRPC stubs) against the test's own
+//! containerd, runtime handler `cube`: RunPodSandbox -> CreateContainer ->
+//! StartContainer -> ExecSync -> StopPodSandbox -> RemovePodSandbox, the pod's process
+//! inside a Cube sandbox (PID 1 is Cube's agent). Host-network pods: no CNI, no
+//! traffic anywhere. Then pod start (RunPodSandbox + CreateContainer + StartContainer)
+//! timed for `cube` against `runc` on the same containerd, p50/p95, printed.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{skip, Containerd, CRI_NAMESPACE, IMAGE};
+use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
+use k8s_cri::v1::{
+    ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec,
+    LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
+    LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption, PodSandboxConfig,
+    PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest,
+    StopPodSandboxRequest,
+};
+use tonic::transport::{Channel, Endpoint, Uri};
+
+async fn connect(socket: PathBuf) -> RuntimeServiceClient<Channel> {
+    let channel = Endpoint::try_from("http://[::]:50051")
+        .unwrap()
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = socket.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(path).await?,
+                ))
+            }
+        }))
+        .await
+        .unwrap();
+    RuntimeServiceClient::new(channel)
+}
+
+fn host_network() -> Option<NamespaceOption> {
+    Some(NamespaceOption {
+        network: NamespaceMode::Node as i32,
+        ..Default::default()
+    })
+}
+
+fn pod_config(name: &str) -> PodSandboxConfig {
+    PodSandboxConfig {
+        metadata: Some(PodSandboxMetadata {
+            name: name.into(),
+            uid: format!("uid-{name}"),
+            namespace: "default".into(),
+            attempt: 0,
+        }),
+        linux: Some(LinuxPodSandboxConfig {
+            security_context: Some(LinuxSandboxSecurityContext {
+                namespace_options: host_network(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Runs a pod with one `sleep` container; returns (pod id, container id).
+async fn start_pod(
+    client: &mut RuntimeServiceClient<Channel>,
+    name: &str,
+    handler: &str,
+) -> Result<(String, String), String> {
+    let config = pod_config(name);
+    let pod = client
+        .run_pod_sandbox(RunPodSandboxRequest {
+            config: Some(config.clone()),
+            runtime_handler: handler.into(),
+        })
+        .await
+        .map_err(|e| format!("RunPodSandbox ({handler}): {}", e.message()))?
+        .into_inner()
+        .pod_sandbox_id;
+    let container = client
+        .create_container(CreateContainerRequest {
+            pod_sandbox_id: pod.clone(),
+            config: Some(ContainerConfig {
+                metadata: Some(ContainerMetadata {
+                    name: "main".into(),
+                    attempt: 0,
+                }),
+                image: Some(ImageSpec {
+                    image: IMAGE.into(),
+                    ..Default::default()
+                }),
+                command: vec!["sleep".into(), "1000".into()],
+                linux: Some(LinuxContainerConfig {
+                    security_context: Some(LinuxContainerSecurityContext {
+                        namespace_options: host_network(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            sandbox_config: Some(config),
+        })
+        .await
+        .map_err(|e| format!("CreateContainer ({handler}): {}", e.message()))?
+        .into_inner()
+        .container_id;
+    client
+        .start_container(StartContainerRequest {
+            container_id: container.clone(),
+        })
+        .await
+        .map_err(|e| format!("StartContainer ({handler}): {}", e.message()))?;
+    Ok((pod, container))
+}
+
+async fn remove_pod(client: &mut RuntimeServiceClient<Channel>, pod: &str) {
+    client
+        .stop_pod_sandbox(StopPodSandboxRequest {
+            pod_sandbox_id: pod.into(),
+        })
+        .await
+        .unwrap();
+    client
+        .remove_pod_sandbox(RemovePodSandboxRequest {
+            pod_sandbox_id: pod.into(),
+        })
+        .await
+        .unwrap();
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e3
+}
+
+#[test]
+fn a_cri_pod_runs_in_a_cube_sandbox() {
+    if skip() {
+        return;
+    }
+    let c = Containerd::start();
+    c.import_images(CRI_NAMESPACE);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut client = connect(c.socket()).await;
+        // The CRI plugin learns of imported images through events: wait for them.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let (pod, container) = loop {
+            let attempt = client
+                .run_pod_sandbox(RunPodSandboxRequest {
+                    config: Some(pod_config("probe")),
+                    runtime_handler: "cube".into(),
+                })
+                .await;
+            match attempt {
+                Ok(r) => {
+                    let pod = r.into_inner().pod_sandbox_id;
+                    remove_pod(&mut client, &pod).await;
+                    break start_pod(&mut client, "first", "cube")
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
+                }
+                Err(e) if Instant::now() < deadline => {
+                    eprintln!("waiting for the CRI plugin: {}", e.message());
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                }
+                Err(e) => panic!("RunPodSandbox: {e}\n{}", c.log()),
+            }
+        };
+        let exec = client
+            .exec_sync(ExecSyncRequest {
+                container_id: container.clone(),
+                cmd: vec![
+                    "sh".into(),
+                    "-c".into(),
+                    "tr '\\0' ' ' < /proc/1/cmdline; echo; echo exec-sync-ok; exit 5".into(),
+                ],
+                timeout: 30,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let out = String::from_utf8_lossy(&exec.stdout);
+        assert_eq!(
+            exec.exit_code,
+            5,
+            "{out}{}",
+            String::from_utf8_lossy(&exec.stderr)
+        );
+        assert!(out.contains("exec-sync-ok"), "{out}");
+        assert!(
+            out.contains("cube-agent"),
+            "PID 1 is not Cube's agent: {out}"
+        );
+        let cube = cube_core::Runtime::open(cube_core::RuntimeConfig {
+            store_root: c.store.clone(),
+            pool_size: 0,
+            network_pool_size: 0,
+            supervisor: Some("/nonexistent".into()),
+        })
+        .unwrap();
+        let sandboxes = cube.list().unwrap();
+        assert_eq!(
+            sandboxes.len(),
+            1,
+            "one Cube sandbox for the pod: {sandboxes:?}"
+        );
+        assert_eq!(sandboxes[0].metadata.get("kubernetes.pod"), Some(&pod));
+        remove_pod(&mut client, &pod).await;
+        assert!(
+            common::wait_until(Duration::from_secs(10), || cube.list().unwrap().is_empty()),
+            "the pod's Cube sandbox outlived RemovePodSandbox"
+        );
+
+        // Pod start, cube against runc on the same containerd.
+        let rounds = 8;
+        let mut times: Vec<(&str, Vec<Duration>)> =
+            vec![("cube", Vec::new()), ("runc", Vec::new())];
+        let mut runc_failure = None;
+        for round in 0..rounds {
+            for (handler, samples) in &mut times {
+                if *handler == "runc" && runc_failure.is_some() {
+                    continue;
+                }
+                let start = Instant::now();
+                match start_pod(&mut client, &format!("{handler}-{round}"), handler).await {
+                    Ok((pod, _)) => {
+                        samples.push(start.elapsed());
+                        remove_pod(&mut client, &pod).await;
+                    }
+                    // The peer is measured where it works; Cube must.
+                    Err(e) if *handler == "runc" => runc_failure = Some(e),
+                    Err(e) => panic!("{e}\n{}", c.log()),
+                }
+            }
+        }
+        let mut line = String::from(
+            "CRI pod start (RunPodSandbox + CreateContainer + StartContainer), host network:",
+        );
+        let mut p50s = Vec::new();
+        for (handler, samples) in &mut times {
+            if samples.is_empty() {
+                continue;
+            }
+            samples.sort();
+            let (p50, p95) = (percentile(samples, 0.5), percentile(samples, 0.95));
+            p50s.push(p50);
+            line += &format!(
+                " {handler} p50 {p50:.1} ms p95 {p95:.1} ms (n={});",
+                samples.len()
+            );
+        }
+        match (&runc_failure, p50s.as_slice()) {
+            (None, [cube, runc]) => println!("{line} cube/runc p50 {:.2}x", cube / runc),
+            (Some(why), _) => println!("{line} runc pods fail on this host, no ratio: {why}"),
+            _ => println!("{line}"),
+        }
+        // Every Cube sandbox of the measured pods is gone.
+        assert!(common::wait_until(Duration::from_secs(10), || cube
+            .list()
+            .unwrap()
+            .is_empty()));
+    });
+}
