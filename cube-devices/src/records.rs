@@ -64,6 +64,28 @@ impl DeviceKind {
         .find(|k| k.device_type() == device_type)
     }
 
+    /// The device's usual name (virtio-blk, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Block => "virtio-blk",
+            DeviceKind::Vsock => "virtio-vsock",
+            DeviceKind::Net => "virtio-net",
+            DeviceKind::Rng => "virtio-rng",
+        }
+    }
+
+    /// The layout version of this kind's device state this build reads and writes
+    /// ([`crate::virtio::device_state::Persist::VERSION`]).
+    pub fn state_version(self) -> u16 {
+        use crate::virtio::device_state::Persist;
+        match self {
+            DeviceKind::Block => <crate::virtio::block::Block as Persist>::VERSION,
+            DeviceKind::Vsock => <crate::virtio::vsock::Vsock as Persist>::VERSION,
+            DeviceKind::Net => <crate::virtio::net::Net as Persist>::VERSION,
+            DeviceKind::Rng => <crate::virtio::rng::Rng as Persist>::VERSION,
+        }
+    }
+
     /// The virtio device type id of this kind.
     pub fn device_type(self) -> u32 {
         match self {
@@ -72,6 +94,12 @@ impl DeviceKind {
             DeviceKind::Net => crate::virtio::net::VIRTIO_ID_NET,
             DeviceKind::Rng => crate::virtio::VIRTIO_ID_RNG,
         }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

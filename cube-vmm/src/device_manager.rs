@@ -78,6 +78,15 @@ pub enum VirtioDevicesError {
         #[source]
         source: PersistError,
     },
+    /// A device's own state could not be saved.
+    #[error("Saving virtio device {index} failed")]
+    Save {
+        /// Position of the device.
+        index: usize,
+        /// Why.
+        #[source]
+        source: cube_devices::virtio::device_state::DeviceStateError,
+    },
     /// A device of a type snapshots cannot record.
     #[error("Virtio device type {0} cannot be saved")]
     UnknownDevice(u32),
@@ -280,8 +289,11 @@ impl Quiesced<'_> {
     pub fn save(&self) -> Result<Vec<DeviceRecord>, VirtioDevicesError> {
         self.transports
             .iter()
-            .map(|transport| {
-                let state = transport.save();
+            .enumerate()
+            .map(|(index, transport)| {
+                let state = transport
+                    .save()
+                    .map_err(|source| VirtioDevicesError::Save { index, source })?;
                 let kind = DeviceKind::from_device_type(state.device_type)
                     .ok_or(VirtioDevicesError::UnknownDevice(state.device_type))?;
                 Ok(DeviceRecord { kind, state })

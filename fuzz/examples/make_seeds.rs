@@ -70,7 +70,7 @@ fn rng_record() -> Result<cube_devices::records::DeviceRecord, Error> {
     );
     Ok(cube_devices::records::DeviceRecord {
         kind: cube_devices::records::DeviceKind::Rng,
-        state: transport.save(),
+        state: transport.save()?,
     })
 }
 

@@ -16,9 +16,11 @@ use serde::{Deserialize, Serialize};
 
 use super::chain_io::Segments;
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
+use super::device_state::{DeviceStateError, Persist};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{Chain, ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1};
+use crate::records::DeviceKind;
 
 /// Virtio device type of a block device.
 pub const VIRTIO_ID_BLOCK: u32 = 2;
@@ -89,10 +91,12 @@ pub struct BlockOptions {
 }
 
 /// Device state in a snapshot: what the restored device must match.
-#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct BlockState {
-    capacity_sectors: u64,
-    read_only: bool,
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockState {
+    /// Size of the disk in 512-byte sectors.
+    pub capacity_sectors: u64,
+    /// Whether the device refused writes.
+    pub read_only: bool,
 }
 
 /// The virtio block device.
@@ -330,28 +334,35 @@ impl VirtioDevice for Block {
     fn reset(&mut self) {
         self.active = None;
     }
+}
 
-    fn save_state(&self) -> Vec<u8> {
-        let state = BlockState {
+impl Persist for Block {
+    type State = BlockState;
+    const KIND: DeviceKind = DeviceKind::Block;
+    const VERSION: u16 = 1;
+
+    fn save(&self) -> Result<BlockState, DeviceStateError> {
+        Ok(BlockState {
             capacity_sectors: self.capacity_sectors,
             read_only: self.options.read_only,
-        };
-        // A two-field struct always encodes.
-        postcard::to_allocvec(&state).unwrap_or_default()
+        })
     }
 
-    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError> {
-        let saved: BlockState = postcard::from_bytes(state)
-            .map_err(|e| DeviceError::BadState(format!("virtio-blk state does not decode: {e}")))?;
+    fn restore(&mut self, saved: BlockState) -> Result<(), DeviceStateError> {
         if saved.capacity_sectors != self.capacity_sectors {
-            return Err(DeviceError::BadState(format!(
-                "virtio-blk disk was {} sectors when saved, the image now has {}",
-                saved.capacity_sectors, self.capacity_sectors
-            )));
+            return Err(DeviceStateError::mismatch(
+                Self::KIND,
+                "capacity in sectors",
+                saved.capacity_sectors,
+                self.capacity_sectors,
+            ));
         }
         if saved.read_only != self.options.read_only {
-            return Err(DeviceError::BadState(
-                "virtio-blk read-only setting differs from the saved device".into(),
+            return Err(DeviceStateError::mismatch(
+                Self::KIND,
+                "read-only setting",
+                saved.read_only,
+                self.options.read_only,
             ));
         }
         Ok(())
@@ -659,7 +670,7 @@ mod tests {
             .write_slice(&[0x5a; 512], GuestAddress(DATA))
             .unwrap();
         request(&mut ring, VIRTIO_BLK_T_OUT, 6, 512, 4);
-        let state = d.transport.save();
+        let state = d.transport.save().unwrap();
         let bytes = postcard::to_allocvec(&state).unwrap();
         drop(d);
         let state: VirtioMmioState = postcard::from_bytes(&bytes).unwrap();
@@ -694,7 +705,7 @@ mod tests {
         .unwrap();
         assert!(format!("{:?}", err).contains("sectors"), "{err:?}");
         let mut garbage = state.clone();
-        garbage.device_state = vec![0xff; 3];
+        garbage.device_state.bytes = vec![0xff; 3];
         let blk = Block::open(img.path(), BlockOptions::default()).unwrap();
         assert!(MmioTransport::restore(
             Box::new(blk),

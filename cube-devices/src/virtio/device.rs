@@ -6,6 +6,7 @@
 
 use std::sync::Arc;
 
+use super::device_state::PersistDevice;
 use super::interrupt::{InterruptError, VirtioInterrupt};
 use super::queue::{Queue, QueueError};
 use super::VirtioMemory;
@@ -54,9 +55,6 @@ pub enum DeviceError {
         #[source]
         source: vm_memory::GuestMemoryError,
     },
-    /// Saved device state does not belong to this device.
-    #[error("Device state is malformed: {0}")]
-    BadState(String),
     /// The device's host side failed (a file, socket or TAP device).
     #[error("Device backend failed: {what}")]
     Backend {
@@ -68,8 +66,9 @@ pub enum DeviceError {
     },
 }
 
-/// A virtio device, driven by a transport such as [`super::mmio::MmioTransport`].
-pub trait VirtioDevice: Send {
+/// A virtio device, driven by a transport such as [`super::mmio::MmioTransport`]; its
+/// own snapshot state comes from its [`super::device_state::Persist`] implementation.
+pub trait VirtioDevice: PersistDevice + Send {
     /// The virtio device type (virtio spec 5), e.g. [`super::VIRTIO_ID_RNG`].
     fn device_type(&self) -> u32;
 
@@ -108,12 +107,6 @@ pub trait VirtioDevice: Send {
     /// Drops the queues, memory and interrupt and returns to the state before
     /// activation.
     fn reset(&mut self);
-
-    /// Device-specific state for a snapshot, in the device's own encoding.
-    fn save_state(&self) -> Vec<u8>;
-
-    /// Takes back what [`VirtioDevice::save_state`] produced, before activation.
-    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError>;
 
     /// A file descriptor the device loop polls for the device's host side (a TAP
     /// device, an epoll set of sockets), if the device has one; when it is readable

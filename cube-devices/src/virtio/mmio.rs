@@ -10,6 +10,7 @@
 use std::sync::Arc;
 
 use super::device::VirtioDevice;
+use super::device_state::DeviceStateError;
 use super::interrupt::{InterruptLine, VirtioInterrupt};
 use super::persist::{PersistError, QueueState, VirtioMmioState};
 use super::queue::{Queue, QueueLayout, MAX_QUEUE_SIZE};
@@ -466,8 +467,8 @@ impl MmioTransport {
     }
 
     /// The transport's and device's state, for a snapshot taken while the guest is
-    /// stopped.
-    pub fn save(&self) -> VirtioMmioState {
+    /// stopped; fails only when the device's state does not encode.
+    pub fn save(&self) -> Result<VirtioMmioState, DeviceStateError> {
         let running = self.device.queues();
         let queues = self
             .queues
@@ -486,7 +487,7 @@ impl MmioTransport {
                 }
             })
             .collect();
-        VirtioMmioState {
+        Ok(VirtioMmioState {
             device_type: self.device.device_type(),
             status: self.status,
             driver_features: self.driver_features,
@@ -496,8 +497,8 @@ impl MmioTransport {
             queues,
             interrupt_status: self.interrupt.status(),
             config_generation: self.config_generation,
-            device_state: self.device.save_state(),
-        }
+            device_state: self.device.save_state()?,
+        })
     }
 
     /// A transport for a fresh `device` in the state `state`, after checking it
@@ -512,7 +513,7 @@ impl MmioTransport {
         state.validate(device.as_ref(), &memory)?;
         device
             .restore_state(&state.device_state)
-            .map_err(PersistError::Device)?;
+            .map_err(PersistError::DeviceState)?;
         let mut transport = MmioTransport::new(device, memory, line);
         transport.status = state.status;
         transport.driver_features = state.driver_features;
@@ -633,10 +634,10 @@ mod tests {
         // So is one that accepts a feature the device does not offer.
         assert!(!d.negotiate(VERSION_1 | 1 << 28));
         assert!(d.negotiate(VERSION_1));
-        assert_eq!(d.transport.save().driver_features, VERSION_1);
+        assert_eq!(d.transport.save().unwrap().driver_features, VERSION_1);
         // Once FEATURES_OK is set the features are frozen.
         d.write_driver_features(0);
-        assert_eq!(d.transport.save().driver_features, VERSION_1);
+        assert_eq!(d.transport.save().unwrap().driver_features, VERSION_1);
     }
 
     #[test]
@@ -687,7 +688,11 @@ mod tests {
         d.write32(regs::QUEUE_SEL, 0);
         for size in [0u32, 3, 512, 0x1_0010] {
             d.write32(regs::QUEUE_NUM, size);
-            assert_eq!(d.transport.save().queues[0].size, 256, "size {size}");
+            assert_eq!(
+                d.transport.save().unwrap().queues[0].size,
+                256,
+                "size {size}"
+            );
         }
         let outside = QueueLayout {
             used_ring: REGION_SIZE - 0x10,
@@ -703,7 +708,7 @@ mod tests {
         // A ready queue cannot be moved.
         d.write32(regs::QUEUE_DESC_LOW, 0x8000);
         assert_eq!(
-            d.transport.save().queues[0].desc_table,
+            d.transport.save().unwrap().queues[0].desc_table,
             ring.layout.desc_table
         );
     }
@@ -735,7 +740,7 @@ mod tests {
         assert!(!d.line.asserted());
         assert!(!d.transport.is_activated());
         assert!(d.transport.device().queues().is_empty());
-        let state = d.transport.save();
+        let state = d.transport.save().unwrap();
         assert_eq!(state.driver_features, 0);
         assert!(state.queues.iter().all(|q| !q.ready && q.size == 256));
         // Notifications after a reset are ignored.
@@ -775,7 +780,7 @@ mod tests {
             .unwrap();
         ring.set_desc(5, BUF + 0x100, 64, W, 0);
         ring.publish(5);
-        let state = through_file(&d.transport.save());
+        let state = through_file(&d.transport.save().unwrap());
         assert_eq!(state.queues[0].next_avail, 1);
         assert_eq!(state.queues[0].next_used, 1);
         drop(d);
@@ -785,7 +790,7 @@ mod tests {
             MmioTransport::restore(Box::new(Rng::new()), ring.mem.clone(), line.clone(), &state)
                 .unwrap();
         assert!(restored.is_activated());
-        assert_eq!(restored.save(), state);
+        assert_eq!(restored.save().unwrap(), state);
         restored.write(regs::QUEUE_NOTIFY, &0u32.to_le_bytes());
         assert_eq!(ring.used_idx(), 2);
         assert_eq!(ring.used(1), (5, 64));
@@ -801,7 +806,7 @@ mod tests {
         ring.publish(0);
         d.notify(0);
         d.add_status(STATUS_FAILED);
-        let state = through_file(&d.transport.save());
+        let state = through_file(&d.transport.save().unwrap());
         let restored = MmioTransport::restore(
             Box::new(Rng::new()),
             ring.mem.clone(),
@@ -809,7 +814,7 @@ mod tests {
             &state,
         )
         .unwrap();
-        assert_eq!(restored.save(), state);
+        assert_eq!(restored.save().unwrap(), state);
     }
 
     #[test]
@@ -819,7 +824,7 @@ mod tests {
         d.add_status(STATUS_DRIVER);
         // Not yet accepted: the register just holds what the driver wrote.
         d.write_driver_features(1 | VERSION_1);
-        let state = through_file(&d.transport.save());
+        let state = through_file(&d.transport.save().unwrap());
         let mem = d.transport_memory();
         let mut restored = Driver::new(Box::new(Rng::new()), &mem);
         restored.transport =
@@ -843,7 +848,7 @@ mod tests {
         ring.set_desc(0, BUF, 8, W, 0);
         ring.publish(0);
         d.notify(0);
-        let state = d.transport.save();
+        let state = d.transport.save().unwrap();
         assert_eq!(state.interrupt_status, INTERRUPT_USED_BUFFER);
         let line = Arc::new(RecordingLine::default());
         let restored =
@@ -859,7 +864,7 @@ mod tests {
     fn a_device_saved_mid_negotiation_can_finish_after_restore() {
         let (mut d, ring) = rng_driver();
         assert!(d.negotiate(VERSION_1));
-        let state = through_file(&d.transport.save());
+        let state = through_file(&d.transport.save().unwrap());
         let mut restored = Driver::new(Box::new(Rng::new()), &ring.mem);
         restored.transport = MmioTransport::restore(
             Box::new(Rng::new()),

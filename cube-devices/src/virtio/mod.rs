@@ -8,6 +8,7 @@
 pub mod block;
 pub mod chain_io;
 pub mod device;
+pub mod device_state;
 pub mod interrupt;
 pub mod mmio;
 pub mod net;

@@ -18,10 +18,12 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::chain_io::Segments;
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
+use super::device_state::{DeviceStateError, Persist};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{ChainError, Queue};
 use super::tap::{Tap, VNET_HDR_LEN};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1};
+use crate::records::DeviceKind;
 
 /// Virtio device type of a network device.
 pub const VIRTIO_ID_NET: u32 = 1;
@@ -42,9 +44,10 @@ pub enum NetError {
 }
 
 /// Device state in a snapshot: the MAC the guest knows.
-#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct NetState {
-    mac: [u8; 6],
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetState {
+    /// The device's MAC address.
+    pub mac: [u8; 6],
 }
 
 /// The virtio network device.
@@ -282,21 +285,6 @@ impl VirtioDevice for Net {
         self.active = None;
     }
 
-    fn save_state(&self) -> Vec<u8> {
-        postcard::to_allocvec(&NetState { mac: self.mac }).unwrap_or_default()
-    }
-
-    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError> {
-        let saved: NetState = postcard::from_bytes(state)
-            .map_err(|e| DeviceError::BadState(format!("virtio-net state does not decode: {e}")))?;
-        if saved.mac != self.mac {
-            return Err(DeviceError::BadState(
-                "virtio-net MAC differs from the saved device's".into(),
-            ));
-        }
-        Ok(())
-    }
-
     fn backend_fd(&self) -> Option<RawFd> {
         Some(self.epoll.as_raw_fd())
     }
@@ -319,6 +307,36 @@ impl VirtioDevice for Net {
         }
         Ok(())
     }
+}
+
+impl Persist for Net {
+    type State = NetState;
+    const KIND: DeviceKind = DeviceKind::Net;
+    const VERSION: u16 = 1;
+
+    fn save(&self) -> Result<NetState, DeviceStateError> {
+        Ok(NetState { mac: self.mac })
+    }
+
+    fn restore(&mut self, saved: NetState) -> Result<(), DeviceStateError> {
+        if saved.mac != self.mac {
+            return Err(DeviceStateError::mismatch(
+                Self::KIND,
+                "MAC",
+                format_mac(&saved.mac),
+                format_mac(&self.mac),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `mac` as the usual colon-separated hex.
+fn format_mac(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
 }
 
 #[cfg(test)]

@@ -229,7 +229,7 @@ fn state_round_trips_and_a_foreign_mac_is_refused() {
     let rx = Ring::at(&mem, 64, RX_RING);
     let tx = Ring::at(&mem, 64, TX_RING);
     driver.bring_up_queues(1 << VIRTIO_F_VERSION_1, &[&rx, &tx]);
-    let state = driver.transport.save();
+    let state = driver.transport.save().unwrap();
     drop(driver);
     let same = Net::new(ns.enter(|| Tap::open("cubetap1").unwrap()), MAC).unwrap();
     let restored = MmioTransport::restore(
@@ -277,7 +277,7 @@ fn a_frame_queued_before_a_snapshot_is_sent_after_restore() {
     mem.write_slice(&frame, GuestAddress(TX_BUF)).unwrap();
     tx.set_desc(0, TX_BUF, frame.len() as u32, 0, 0);
     tx.publish(0);
-    let state = driver.transport.save();
+    let state = driver.transport.save().unwrap();
     drop(driver);
 
     // The clone gets its own TAP (the old one went away with its descriptor).
@@ -343,7 +343,7 @@ fn a_disconnected_nic_drops_what_the_guest_sends_and_restores_onto_a_tap() {
     assert!(line.raises() > 0);
     guest.slot.lock().process_backend();
     assert_eq!(guest.rx.used_idx(), 0);
-    let state = guest.slot.lock().save();
+    let state = guest.slot.lock().save().unwrap();
 
     // The same guest NIC continues on a TAP (a sandbox whose clone has a network).
     let Some(ns) = NetNs::new("disc") else { return };

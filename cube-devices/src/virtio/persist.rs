@@ -7,6 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::device::{DeviceError, VirtioDevice};
+use super::device_state::{DeviceStateError, SavedDeviceState};
 use super::interrupt::{INTERRUPT_CONFIG_CHANGE, INTERRUPT_USED_BUFFER};
 use super::queue::{QueueError, QueueLayout, MAX_QUEUE_SIZE};
 use super::{
@@ -81,9 +82,12 @@ pub enum PersistError {
     /// The interrupt status has unknown bits.
     #[error("Interrupt status {0:#x} has unknown bits")]
     InterruptStatus(u32),
-    /// The device refused its state or could not start.
+    /// The device could not start.
     #[error("Device could not be restored")]
     Device(#[source] DeviceError),
+    /// The device refused its own state.
+    #[error("Device state was refused")]
+    DeviceState(#[source] DeviceStateError),
 }
 
 /// Saved state of one queue: what the driver programmed and how far the device got.
@@ -138,9 +142,9 @@ pub struct VirtioMmioState {
     pub interrupt_status: u32,
     /// ConfigGeneration.
     pub config_generation: u32,
-    /// The device's own state ([`VirtioDevice::save_state`]).
-    #[serde(with = "serde_bytes")]
-    pub device_state: Vec<u8>,
+    /// The device's own state ([`super::device_state::Persist`]), checked by the
+    /// device on restore.
+    pub device_state: SavedDeviceState,
 }
 
 /// The status bits a driver may have set, in the order it must set them.
@@ -258,7 +262,7 @@ mod tests {
         let mem = memory();
         let mut d = Driver::new(Box::new(Rng::new()), &mem);
         d.bring_up(&Ring::new(&mem, 16));
-        (d.transport.save(), mem)
+        (d.transport.save().unwrap(), mem)
     }
 
     fn restore(state: &VirtioMmioState, mem: &VirtioMemory) -> Result<MmioTransport, PersistError> {
@@ -274,7 +278,7 @@ mod tests {
     fn a_valid_state_restores() {
         let (state, mem) = running_state();
         assert!(state.is_activated());
-        assert_eq!(restore(&state, &mem).unwrap().save(), state);
+        assert_eq!(restore(&state, &mem).unwrap().save().unwrap(), state);
     }
 
     #[test]
@@ -306,10 +310,20 @@ mod tests {
             assert!(restore(&state, &mem).is_err(), "{what} was accepted");
         }
         let mut state = good.clone();
-        state.device_state = vec![1, 2, 3];
+        state.device_state.bytes = vec![1, 2, 3];
         assert!(matches!(
             restore(&state, &mem),
-            Err(PersistError::Device(_))
+            Err(PersistError::DeviceState(
+                DeviceStateError::TrailingBytes { .. }
+            ))
+        ));
+        let mut state = good.clone();
+        state.device_state.kind = crate::records::DeviceKind::Net;
+        assert!(matches!(
+            restore(&state, &mem),
+            Err(PersistError::DeviceState(
+                DeviceStateError::WrongKind { .. }
+            ))
         ));
     }
 
@@ -317,7 +331,7 @@ mod tests {
     fn an_idle_queue_has_no_ring_positions() {
         let mem = memory();
         let d = Driver::new(Box::new(Rng::new()), &mem);
-        let mut state = d.transport.save();
+        let mut state = d.transport.save().unwrap();
         restore(&state, &mem).unwrap();
         state.queues[0].next_avail = 3;
         assert!(matches!(

@@ -14,12 +14,15 @@
 
 use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use vm_memory::Bytes;
 
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
+use super::device_state::{DeviceStateError, Persist};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{Chain, ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1, VIRTIO_ID_RNG};
+use crate::records::DeviceKind;
 
 /// Size of the one request queue.
 pub const RNG_QUEUE_SIZE: u16 = 256;
@@ -115,38 +118,36 @@ impl VirtioDevice for Rng {
         self.active = None;
     }
 
-    fn save_state(&self) -> Vec<u8> {
-        if self.generation == 0 {
-            // Exactly what builds without the generation counter wrote.
-            Vec::new()
-        } else {
-            self.generation.to_le_bytes().to_vec()
-        }
-    }
-
-    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError> {
-        self.generation = match state.len() {
-            0 => 0,
-            8 => {
-                let mut b = [0u8; 8];
-                b.copy_from_slice(state);
-                u64::from_le_bytes(b)
-            }
-            n => {
-                return Err(DeviceError::BadState(format!(
-                    "virtio-rng state is its 8-byte generation, got {n} bytes"
-                )))
-            }
-        };
-        Ok(())
-    }
-
     fn on_clone(&mut self) -> Result<(), DeviceError> {
         // A random step (never 0): clones of one snapshot get different generations,
         // so none can mistake another's for its own.
         let mut step = [0u8; 8];
         getrandom(&mut step).map_err(DeviceError::Entropy)?;
         self.generation = self.generation.wrapping_add(u64::from_le_bytes(step) | 1);
+        Ok(())
+    }
+}
+
+/// Device state in a snapshot: the VM generation counter the guest knows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RngState {
+    /// See [`Rng::generation`].
+    pub generation: u64,
+}
+
+impl Persist for Rng {
+    type State = RngState;
+    const KIND: DeviceKind = DeviceKind::Rng;
+    const VERSION: u16 = 1;
+
+    fn save(&self) -> Result<RngState, DeviceStateError> {
+        Ok(RngState {
+            generation: self.generation,
+        })
+    }
+
+    fn restore(&mut self, saved: RngState) -> Result<(), DeviceStateError> {
+        self.generation = saved.generation;
         Ok(())
     }
 }
@@ -451,11 +452,14 @@ mod tests {
 
     #[test]
     fn foreign_state_is_refused() {
+        use crate::virtio::device_state::{DeviceStateError, PersistDevice};
         let mut rng = Rng::new();
-        rng.restore_state(&[]).unwrap();
+        let mut saved = rng.save_state().unwrap();
+        rng.restore_state(&saved).unwrap();
+        saved.bytes.clear();
         assert!(matches!(
-            rng.restore_state(&[1]),
-            Err(DeviceError::BadState(_))
+            rng.restore_state(&saved),
+            Err(DeviceStateError::Decode { .. })
         ));
         assert!(matches!(
             rng.process_queue(0),
@@ -471,8 +475,8 @@ mod tests {
         use std::sync::Arc;
         let (d, ring) = running();
         assert_eq!(d.read32(regs::CONFIG), 0);
-        let state = d.transport.save();
-        assert!(state.device_state.is_empty());
+        let state = d.transport.save().unwrap();
+        assert_eq!(state.device_state.bytes, [0]);
         let mut generations = Vec::new();
         for _ in 0..2 {
             let line = Arc::new(RecordingLine::default());
@@ -495,8 +499,9 @@ mod tests {
             assert_eq!(u32::from_le_bytes(word), INTERRUPT_CONFIG_CHANGE);
             assert!(line.asserted());
             // The generation survives the clone's own snapshot.
-            let again = clone.save();
-            assert_eq!(again.device_state, generation.to_le_bytes());
+            let again = clone.save().unwrap();
+            let saved: RngState = postcard::from_bytes(&again.device_state.bytes).unwrap();
+            assert_eq!(saved.generation, generation);
             let restored = MmioTransport::restore(
                 Box::new(Rng::new()),
                 ring.mem.clone(),

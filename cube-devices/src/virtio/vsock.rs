@@ -26,9 +26,11 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::chain_io::Segments;
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
+use super::device_state::{DeviceStateError, Persist};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1};
+use crate::records::DeviceKind;
 
 /// Virtio device type of a socket device.
 pub const VIRTIO_ID_VSOCK: u32 = 19;
@@ -234,10 +236,11 @@ struct Outbound {
     payload: Vec<u8>,
 }
 
-/// Device state in a snapshot.
-#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-struct VsockState {
-    guest_cid: u64,
+/// Device state in a snapshot: the CID the guest knows.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VsockState {
+    /// The guest's context id.
+    pub guest_cid: u64,
 }
 
 /// The virtio socket device.
@@ -1002,26 +1005,6 @@ impl VirtioDevice for Vsock {
         self.outbound.clear();
     }
 
-    fn save_state(&self) -> Vec<u8> {
-        postcard::to_allocvec(&VsockState {
-            guest_cid: self.guest_cid,
-        })
-        .unwrap_or_default()
-    }
-
-    fn restore_state(&mut self, state: &[u8]) -> Result<(), DeviceError> {
-        let saved: VsockState = postcard::from_bytes(state)
-            .map_err(|e| DeviceError::BadState(format!("vsock state does not decode: {e}")))?;
-        if saved.guest_cid != self.guest_cid {
-            return Err(DeviceError::BadState(format!(
-                "vsock guest CID was {} when saved, the device has {}",
-                saved.guest_cid, self.guest_cid
-            )));
-        }
-        self.reset_event_pending = true;
-        Ok(())
-    }
-
     fn backend_fd(&self) -> Option<RawFd> {
         Some(self.epoll.as_raw_fd())
     }
@@ -1031,6 +1014,32 @@ impl VirtioDevice for Vsock {
         if self.active.is_some() {
             self.with_active(|dev, active| dev.run(active, false))?;
         }
+        Ok(())
+    }
+}
+
+impl Persist for Vsock {
+    type State = VsockState;
+    const KIND: DeviceKind = DeviceKind::Vsock;
+    const VERSION: u16 = 1;
+
+    fn save(&self) -> Result<VsockState, DeviceStateError> {
+        Ok(VsockState {
+            guest_cid: self.guest_cid,
+        })
+    }
+
+    fn restore(&mut self, saved: VsockState) -> Result<(), DeviceStateError> {
+        if saved.guest_cid != self.guest_cid {
+            return Err(DeviceStateError::mismatch(
+                Self::KIND,
+                "guest CID",
+                saved.guest_cid,
+                self.guest_cid,
+            ));
+        }
+        // The guest's connections did not survive: tell it so once it runs again.
+        self.reset_event_pending = true;
         Ok(())
     }
 }

@@ -574,7 +574,7 @@ fn restore_resets_connections_serves_pending_packets_and_checks_state() {
     .unwrap();
     tx.set_desc(0, TX_BUF, VSOCK_HEADER_LEN as u32, 0, 0);
     tx.publish(0);
-    let state = driver.transport.save();
+    let state = driver.transport.save().unwrap();
     let bytes = postcard::to_allocvec(&state).unwrap();
     drop(driver);
 
@@ -608,7 +608,7 @@ fn restore_resets_connections_serves_pending_packets_and_checks_state() {
     .unwrap();
     assert!(format!("{err:?}").contains("CID"));
     let mut garbage = state.clone();
-    garbage.device_state = vec![0xff; 20];
+    garbage.device_state.bytes = vec![0xff; 20];
     let dev = Vsock::new(CID, &other.path().join(SOCKET)).unwrap();
     assert!(MmioTransport::restore(
         Box::new(dev),

@@ -21,11 +21,13 @@ use crate::vstate::vm::VmState;
 /// Envelope kind of the state file.
 pub const STATE_KIND: &str = "cube-vm-state";
 /// Version of the state layout this build writes (it reads this one and
-/// [`FORMAT_VERSION_NO_DEVICES`]).
-pub const FORMAT_VERSION: u32 = 3;
+/// [`FORMAT_VERSION_NO_DEVICES`]). Version 3 kept each device's state as bare bytes
+/// without its kind and version; those files are refused, as their device states
+/// cannot be checked.
+pub const FORMAT_VERSION: u32 = 4;
 /// The previous layout: the same state without virtio devices.
 pub const FORMAT_VERSION_NO_DEVICES: u32 = 2;
-/// Largest device-specific state accepted for one virtio device.
+/// Largest encoded device-specific state accepted for one virtio device.
 pub const MAX_DEVICE_STATE_BYTES: usize = 64 << 10;
 /// Largest state file accepted (a few KiB per vCPU in practice).
 pub const MAX_STATE_BYTES: u64 = 8 << 20;
@@ -307,10 +309,14 @@ fn validate_devices(devices: &[DeviceRecord]) -> Result<(), FormatError> {
                 d.state.queues.len()
             ));
         }
-        if d.state.device_state.len() > MAX_DEVICE_STATE_BYTES {
+        let saved = &d.state.device_state;
+        saved
+            .check_header(d.kind, d.kind.state_version())
+            .map_err(|e| FormatError::Invalid(format!("virtio device {i}: {e}")))?;
+        if saved.bytes.len() > MAX_DEVICE_STATE_BYTES {
             return invalid(format!(
                 "virtio device {i} state is {} bytes (at most {MAX_DEVICE_STATE_BYTES})",
-                d.state.device_state.len()
+                saved.bytes.len()
             ));
         }
     }
@@ -401,7 +407,7 @@ mod tests {
         d.bring_up(&Ring::new(&mem, 16));
         DeviceRecord {
             kind: DeviceKind::Rng,
-            state: d.transport.save(),
+            state: d.transport.save().unwrap(),
         }
     }
 
@@ -428,6 +434,14 @@ mod tests {
             decode(&future),
             Err(FormatError::Version { found: 9 })
         ));
+        // Version 3 kept device states without kind and version: refused, by name.
+        future[0] = 3;
+        let err = decode(&future).unwrap_err();
+        assert!(matches!(err, FormatError::Version { found: 3 }), "{err}");
+        assert!(
+            err.to_string().contains("version 3 is not supported"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -449,8 +463,14 @@ mod tests {
         wrong_kind.devices[0].kind = DeviceKind::Block;
         refused(&wrong_kind, "device type 4");
         let mut huge = state.clone();
-        huge.devices[0].state.device_state = vec![0; MAX_DEVICE_STATE_BYTES + 1];
+        huge.devices[0].state.device_state.bytes = vec![0; MAX_DEVICE_STATE_BYTES + 1];
         refused(&huge, "bytes");
+        let mut foreign = state.clone();
+        foreign.devices[0].state.device_state.kind = DeviceKind::Net;
+        refused(&foreign, "is for a virtio-net device");
+        let mut future = state.clone();
+        future.devices[0].state.device_state.version += 1;
+        refused(&future, "is not supported");
         let mut many = state.clone();
         many.devices = vec![rng_record(); MAX_VIRTIO_DEVICES + 1];
         refused(&many, "virtio devices");
