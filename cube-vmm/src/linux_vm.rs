@@ -206,7 +206,7 @@ impl LinuxVm {
 
     /// Writes a snapshot of the paused guest into the empty directory `dir`: memory
     /// file, vCPU and VM state, COM1's registers and every virtio device's state
-    /// (format v3); with `disk`, a copy of that file (the root disk) as
+    /// (format v4); with `disk`, a copy of that file (the root disk) as
     /// [`SnapshotDir::rootfs`]. The vCPUs must be
     /// paused ([`LinuxVm::pause`]); they stay so.
     ///
