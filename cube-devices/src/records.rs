@@ -7,6 +7,7 @@
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::virtio::device_state::DeviceKind;
 use crate::virtio::persist::VirtioMmioState;
 
 /// Most bytes a 16550's receive FIFO holds.
@@ -38,19 +39,8 @@ pub struct SerialRecord {
     pub in_buffer: Vec<u8>,
 }
 
-/// Which virtio device a saved state belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub enum DeviceKind {
-    /// virtio-blk.
-    Block,
-    /// virtio-vsock.
-    Vsock,
-    /// virtio-net.
-    Net,
-    /// virtio-rng.
-    Rng,
-}
-
+// The kinds' device types and state versions: here, where every device is known
+// (the kind itself is in `device_state`, which the devices use).
 impl DeviceKind {
     /// The kind of device type `device_type`, if Cube has such a device.
     pub fn from_device_type(device_type: u32) -> Option<Self> {
@@ -62,16 +52,6 @@ impl DeviceKind {
         ]
         .into_iter()
         .find(|k| k.device_type() == device_type)
-    }
-
-    /// The device's usual name (virtio-blk, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            DeviceKind::Block => "virtio-blk",
-            DeviceKind::Vsock => "virtio-vsock",
-            DeviceKind::Net => "virtio-net",
-            DeviceKind::Rng => "virtio-rng",
-        }
     }
 
     /// The layout version of this kind's device state this build reads and writes
@@ -94,12 +74,6 @@ impl DeviceKind {
             DeviceKind::Net => crate::virtio::net::VIRTIO_ID_NET,
             DeviceKind::Rng => crate::virtio::VIRTIO_ID_RNG,
         }
-    }
-}
-
-impl std::fmt::Display for DeviceKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
     }
 }
 

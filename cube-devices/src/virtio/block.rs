@@ -16,11 +16,10 @@ use serde::{Deserialize, Serialize};
 
 use super::chain_io::Segments;
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
-use super::device_state::{DeviceStateError, Persist};
+use super::device_state::{DeviceKind, DeviceStateError, Persist};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{Chain, ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1};
-use crate::records::DeviceKind;
 
 /// Virtio device type of a block device.
 pub const VIRTIO_ID_BLOCK: u32 = 2;

@@ -11,7 +11,36 @@
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::records::DeviceKind;
+/// Which virtio device a saved state belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceKind {
+    /// virtio-blk.
+    Block,
+    /// virtio-vsock.
+    Vsock,
+    /// virtio-net.
+    Net,
+    /// virtio-rng.
+    Rng,
+}
+
+impl DeviceKind {
+    /// The device's usual name (virtio-blk, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Block => "virtio-blk",
+            DeviceKind::Vsock => "virtio-vsock",
+            DeviceKind::Net => "virtio-net",
+            DeviceKind::Rng => "virtio-rng",
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Why a device's state could not be saved or restored.
 #[derive(Debug, thiserror::Error)]

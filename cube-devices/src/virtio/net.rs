@@ -18,12 +18,11 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::chain_io::Segments;
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
-use super::device_state::{DeviceStateError, Persist};
+use super::device_state::{DeviceKind, DeviceStateError, Persist};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{ChainError, Queue};
 use super::tap::{Tap, VNET_HDR_LEN};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1};
-use crate::records::DeviceKind;
 
 /// Virtio device type of a network device.
 pub const VIRTIO_ID_NET: u32 = 1;

@@ -318,7 +318,7 @@ mod tests {
             ))
         ));
         let mut state = good.clone();
-        state.device_state.kind = crate::records::DeviceKind::Net;
+        state.device_state.kind = crate::virtio::device_state::DeviceKind::Net;
         assert!(matches!(
             restore(&state, &mem),
             Err(PersistError::DeviceState(

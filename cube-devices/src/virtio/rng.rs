@@ -18,11 +18,10 @@ use serde::{Deserialize, Serialize};
 use vm_memory::Bytes;
 
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
-use super::device_state::{DeviceStateError, Persist};
+use super::device_state::{DeviceKind, DeviceStateError, Persist};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{Chain, ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1, VIRTIO_ID_RNG};
-use crate::records::DeviceKind;
 
 /// Size of the one request queue.
 pub const RNG_QUEUE_SIZE: u16 = 256;

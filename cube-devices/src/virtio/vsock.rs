@@ -26,11 +26,10 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use super::chain_io::Segments;
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
-use super::device_state::{DeviceStateError, Persist};
+use super::device_state::{DeviceKind, DeviceStateError, Persist};
 use super::interrupt::VirtioInterrupt;
 use super::queue::{ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1};
-use crate::records::DeviceKind;
 
 /// Virtio device type of a socket device.
 pub const VIRTIO_ID_VSOCK: u32 = 19;
