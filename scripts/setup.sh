@@ -39,13 +39,25 @@ echo "setup: jail engine peers"
 bash scripts/setup-jail.sh
 
 if ! command -v cargo >/dev/null 2>&1; then
-    echo "setup: cargo not found: install a Rust toolchain (rustup, Rust >= 1.85) first" >&2
+    echo "setup: cargo not found: install rustup first (it then installs the toolchain rust-toolchain.toml pins)" >&2
     exit 1
+fi
+
+# rust-toolchain.toml pins the toolchain (with rustfmt, clippy and the musl target);
+# install it here, once, rather than on the first cargo call of the build below.
+if command -v rustup >/dev/null 2>&1; then
+    pinned=$(rustup show active-toolchain | cut -d' ' -f1)
+    if ! rustup toolchain list | grep -q "^$pinned"; then
+        echo "setup: Rust toolchain $pinned (rust-toolchain.toml)"
+        timeout 900 rustup toolchain install --no-self-update
+    fi
 fi
 
 # The agent starts once per sandbox; linked with musl it starts in ~0.43 ms instead of
 # ~0.74 with static glibc, whose start-up CPUID probes these hosts emulate
-# (scripts/build-static.sh). Best effort: without the target it links static glibc.
+# (scripts/build-static.sh). rust-toolchain.toml lists the target; this adds it where the
+# pinned toolchain was installed without it. Best effort: without it the agent links
+# static glibc.
 if command -v rustup >/dev/null 2>&1 && [ "$(uname -m)" = x86_64 ]; then
     timeout 300 rustup target add x86_64-unknown-linux-musl ||
         echo "setup: note: the musl Rust target could not be added: the agent is linked with static glibc" >&2
@@ -60,6 +72,9 @@ install -m 0755 target/static/release/cube target/release/cube-supervisor target
 
 echo "setup: python package tools"
 bash scripts/setup-python.sh
+
+echo "setup: cargo-deny (licences, bans, duplicate versions)"
+bash scripts/setup-deny.sh
 
 echo "setup: cube serve's SDK suite (openssl, *.localhost names, chromium)"
 bash scripts/setup-serve.sh
