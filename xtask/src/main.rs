@@ -11,7 +11,8 @@
 //! cargo xtask wheel              the `cubesandbox` Python wheel (target/wheels/)
 //! ```
 //!
-//! ARGS go to `cargo test` (e.g. `-p cube-storage`) or to `cube bench`. The alias lives
+//! ARGS go to `cargo test` (e.g. `-p cube-storage`, which narrows it from the whole
+//! workspace to that package) or to `cube bench`. The alias lives
 //! in `.cargo/config.toml`.
 
 use std::env;
@@ -161,9 +162,19 @@ fn deny(root: &Path) -> Result<(), TaskError> {
     ]))
 }
 
+/// `cargo test` as CI runs it, over the workspace unless ARGS name packages.
 fn cargo_test(root: &Path, targets: &[&str], rest: &[OsString]) -> Result<(), TaskError> {
-    run(cargo(root)
-        .args(["test", "--workspace", "--release", "--locked"])
+    let names_package = rest.iter().any(|arg| {
+        let arg = arg.to_string_lossy();
+        arg == "-p" || arg.starts_with("-p") || arg.starts_with("--package")
+    });
+    let mut command = cargo(root);
+    command.arg("test");
+    if !names_package {
+        command.arg("--workspace");
+    }
+    run(command
+        .args(["--release", "--locked"])
         .args(targets)
         .args(rest))
 }
