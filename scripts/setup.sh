@@ -44,12 +44,21 @@ if ! command -v cargo >/dev/null 2>&1; then
 fi
 
 # rust-toolchain.toml pins the toolchain (with rustfmt, clippy and the musl target);
-# install it here, once, rather than on the first cargo call of the build below.
-if command -v rustup >/dev/null 2>&1; then
-    pinned=$(rustup show active-toolchain | cut -d' ' -f1)
-    if ! rustup toolchain list | grep -q "^$pinned"; then
-        echo "setup: Rust toolchain $pinned (rust-toolchain.toml)"
-        timeout 900 rustup toolchain install --no-self-update
+# install it here, once, rather than on the first cargo call of the build below. A host
+# that cannot download toolchains but whose stable toolchain is that very release
+# (these hosts: 1.95.0) gets it under the pinned name, as rustup would have named it.
+if command -v rustup >/dev/null 2>&1 && ! rustup show active-toolchain >/dev/null 2>&1; then
+    pinned=$(sed -n 's/^channel = "\(.*\)"$/\1/p' rust-toolchain.toml)
+    echo "setup: Rust $pinned (rust-toolchain.toml)"
+    if ! timeout 900 rustup toolchain install --no-self-update; then
+        stable=$(rustc +stable --version 2>/dev/null | cut -d' ' -f2 || true)
+        if [ "$stable" != "$pinned" ]; then
+            echo "setup: Rust $pinned could not be installed, and the stable toolchain is ${stable:-missing}" >&2
+            exit 1
+        fi
+        host=$(rustc +stable -vV | sed -n 's/^host: //p')
+        ln -sfn "$(rustc +stable --print sysroot)" "${RUSTUP_HOME:-$HOME/.rustup}/toolchains/$pinned-$host"
+        echo "setup: Rust $pinned is this host's stable toolchain; linked under the pinned name"
     fi
 fi
 
