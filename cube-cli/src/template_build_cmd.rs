@@ -46,15 +46,21 @@ pub struct BuildArgs {
     /// Same as --packages (the VM engine's spelling).
     #[arg(long, value_name = "PKGS", value_delimiter = ',')]
     pub debian: Vec<String>,
-    /// Guest kernel for --engine vm (default: the store's kernels/debian-cloud).
+    /// Guest kernel for --engine vm (default: the store's kernels/cube-guest, else
+    /// kernels/debian-cloud).
     #[arg(long, value_name = "PATH")]
     pub kernel: Option<PathBuf>,
-    /// Guest initramfs for --engine vm (default: the store's kernels/debian-cloud).
+    /// Guest initramfs for --engine vm (default: none for Cube's kernel, Cube's
+    /// initramfs for Debian's).
     #[arg(long, value_name = "PATH")]
     pub initrd: Option<PathBuf>,
-    /// Seconds to wait for the guest's agent (--engine vm).
-    #[arg(long, value_name = "S", default_value_t = 120)]
-    pub boot_timeout: u64,
+    /// Seconds to wait for the guest's agent (--engine vm; default 120, or 900 where
+    /// the guest kernel runs emulated).
+    #[arg(long, value_name = "S")]
+    pub boot_timeout: Option<u64>,
+    /// Guest memory in MiB (--engine vm); every sandbox of the template has it.
+    #[arg(long, value_name = "MIB", default_value_t = 512)]
+    pub memory_mib: u64,
 }
 
 impl BuildArgs {

@@ -7,9 +7,16 @@ use cube_core::snapshot::MachineConfig;
 use cube_core::vm_template::VmTemplateSpec;
 use cube_core::{Runtime, SandboxError};
 
+use cube_core::vstate::emulation::KernelMode;
+
 use crate::build_progress::BuildProgress;
 use crate::template_build_cmd::BuildArgs;
 use crate::{chain, CliError};
+
+/// Default `--boot-timeout` where the guest kernel runs natively.
+const NATIVE_BOOT_TIMEOUT_S: u64 = 120;
+/// Default `--boot-timeout` where the guest kernel runs emulated (PVM hosts).
+const EMULATED_BOOT_TIMEOUT_S: u64 = 900;
 
 /// Builds a VM template; on a host where it cannot finish, says why at once.
 pub fn build_vm(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
@@ -20,10 +27,17 @@ pub fn build_vm(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
         initrd: args.initrd.clone(),
         machine: MachineConfig {
             vcpus: 1,
-            memory_bytes: 512 << 20,
+            memory_bytes: args.memory_mib << 20,
             irqchip: true,
         },
-        boot_timeout: Duration::from_secs(args.boot_timeout),
+        boot_timeout: Duration::from_secs(args.boot_timeout.unwrap_or(
+            // An emulated kernel takes a minute or two to boot here; a native one,
+            // about a second.
+            match cube_core::host_caps::linux_kernel_mode() {
+                Some(KernelMode::Emulated) => EMULATED_BOOT_TIMEOUT_S,
+                _ => NATIVE_BOOT_TIMEOUT_S,
+            },
+        )),
         agent,
     };
     let progress = BuildProgress::start(&format!("building VM template {}", args.name));

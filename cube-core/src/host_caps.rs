@@ -10,13 +10,22 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use kvm_bindings::{KVM_API_VERSION, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2};
+use kvm_bindings::{kvm_msr_entry, Msrs, KVM_API_VERSION, KVM_CAP_MANUAL_DIRTY_LOG_PROTECT2};
 use kvm_ioctls::{Cap, Kvm};
 use nix::sys::statfs::{statfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
 use serde::{Deserialize, Serialize};
 
+use crate::vstate::emulation::KernelMode;
+
 /// Present when the PVM hypervisor module (kvm_pvm) is loaded.
 const PVM_MODULE: &str = "/sys/module/kvm_pvm";
+/// The first of the public virt-pvm ABI's MSRs (`MSR_PVM_LINEAR_ADDRESS_RANGE`): its
+/// KVM lists it among the MSRs to save.
+const VIRT_PVM_MSR: u32 = 0x4b56_4df0;
+/// An MSR of the private PVM variant some hosts run: it reads as "PVM".
+const PRIVATE_PVM_ID_MSR: u32 = 0x4b56_4d11;
+/// What [`PRIVATE_PVM_ID_MSR`] reads on that variant: "PVM" in little-endian ASCII.
+const PRIVATE_PVM_ID: u64 = 0x004d_5650;
 /// Where cgroup hierarchies are mounted.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
@@ -31,6 +40,21 @@ pub enum KvmKind {
     Pvm,
     /// No usable KVM: `/dev/kvm` is missing, inaccessible, or speaks another API.
     None,
+}
+
+/// Which PVM a PVM host runs: a guest kernel runs natively only if it speaks that
+/// PVM's ABI (`CONFIG_PVM_GUEST` of the same flavour).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PvmFlavour {
+    /// The public virt-pvm ABI (its MSRs from 0x4b564df0 in KVM's MSR list): its
+    /// published guest kernels run natively.
+    VirtPvm,
+    /// A private variant (MSR 0x4b564d11 reads "PVM"): no public guest kernel speaks
+    /// its ABI, so Linux guests run with their kernel emulated.
+    Private,
+    /// A PVM neither probe recognises.
+    Unknown,
 }
 
 /// How the host's cgroup hierarchies are mounted.
@@ -51,6 +75,10 @@ pub enum CgroupMode {
 pub struct HostCapabilities {
     /// Which KVM the host has.
     pub kvm: KvmKind,
+    /// Which PVM, where `kvm` is PVM.
+    pub pvm_flavour: Option<PvmFlavour>,
+    /// How Cube's guest kernel (not PVM-enabled) runs here; `None` without KVM.
+    pub linux_kernel: Option<KernelMode>,
     /// `KVM_GET_API_VERSION`, when `/dev/kvm` opens.
     pub kvm_api_version: Option<i32>,
     /// Whether KVM offers a dirty ring (`KVM_CAP_DIRTY_LOG_RING`).
@@ -82,10 +110,13 @@ impl HostCapabilities {
     /// is installed; nothing it tries can fail the probe, a failure just means "no".
     pub fn probe() -> Self {
         let (kvm, kvm_api_version, dirty_ring, manual_dirty_log_protect) = probe_kvm();
+        let pvm_flavour = (kvm == KvmKind::Pvm).then(probe_pvm_flavour);
         let criu = criu_version();
         let criu_works = criu.is_some() && criu_check();
         Self {
             kvm,
+            pvm_flavour,
+            linux_kernel: kernel_mode(kvm),
             kvm_api_version,
             dirty_ring,
             manual_dirty_log_protect,
@@ -99,6 +130,63 @@ impl HostCapabilities {
                 .map(|r| r.trim().to_string())
                 .unwrap_or_default(),
         }
+    }
+}
+
+/// How a Linux guest kernel that is not PVM-enabled (Cube's own, Debian's) runs on a
+/// host with `kvm`: natively with VMX/SVM, emulated on PVM; `None` without KVM.
+pub fn kernel_mode(kvm: KvmKind) -> Option<KernelMode> {
+    match kvm {
+        KvmKind::Hardware => Some(KernelMode::Native),
+        KvmKind::Pvm => Some(KernelMode::Emulated),
+        KvmKind::None => None,
+    }
+}
+
+/// How a Linux guest kernel that is not PVM-enabled runs on this host (see
+/// [`kernel_mode`]), found without the rest of [`HostCapabilities::probe`]: it opens
+/// `/dev/kvm` and reads the CPU flags only.
+pub fn linux_kernel_mode() -> Option<KernelMode> {
+    kernel_mode(probe_kvm().0)
+}
+
+/// Tells the PVM flavours apart by their MSRs: virt-pvm's are in KVM's MSR index list;
+/// the private variant's identification MSR reads "PVM" (through `KVM_GET_MSRS` on a
+/// throwaway vCPU, as the guest's `rdmsr` would).
+fn probe_pvm_flavour() -> PvmFlavour {
+    let Ok(kvm) = Kvm::new() else {
+        return PvmFlavour::Unknown;
+    };
+    if kvm
+        .get_msr_index_list()
+        .is_ok_and(|list| list.as_slice().contains(&VIRT_PVM_MSR))
+    {
+        return PvmFlavour::VirtPvm;
+    }
+    let id = kvm
+        .create_vm()
+        .and_then(|vm| vm.create_vcpu(0))
+        .ok()
+        .and_then(|vcpu| {
+            let mut msrs = Msrs::from_entries(&[kvm_msr_entry {
+                index: PRIVATE_PVM_ID_MSR,
+                ..Default::default()
+            }])
+            .ok()?;
+            (vcpu.get_msrs(&mut msrs).ok()? == 1).then(|| msrs.as_slice()[0].data)
+        });
+    pvm_flavour_of(false, id)
+}
+
+/// The flavour from what the probes found: virt-pvm's MSR listed, the private
+/// identification MSR's value.
+fn pvm_flavour_of(virt_pvm_listed: bool, private_id: Option<u64>) -> PvmFlavour {
+    if virt_pvm_listed {
+        PvmFlavour::VirtPvm
+    } else if private_id == Some(PRIVATE_PVM_ID) {
+        PvmFlavour::Private
+    } else {
+        PvmFlavour::Unknown
     }
 }
 
@@ -291,6 +379,8 @@ mod tests {
         if Path::new(PVM_MODULE).exists() && caps.kvm_api_version.is_some() {
             assert_eq!(caps.kvm, KvmKind::Pvm);
         }
+        assert_eq!(caps.pvm_flavour.is_some(), caps.kvm == KvmKind::Pvm);
+        assert_eq!(caps.linux_kernel, kernel_mode(caps.kvm));
         if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
             assert_eq!(caps.cgroup, Some(CgroupMode::V2));
         }
@@ -302,6 +392,19 @@ mod tests {
                 "root could not load a two-instruction socket filter"
             );
         }
+    }
+
+    #[test]
+    fn pvm_flavours_are_told_apart_by_their_msrs() {
+        assert_eq!(pvm_flavour_of(true, None), PvmFlavour::VirtPvm);
+        assert_eq!(pvm_flavour_of(false, Some(0x004d_5650)), PvmFlavour::Private);
+        assert_eq!(pvm_flavour_of(false, Some(0)), PvmFlavour::Unknown);
+        assert_eq!(pvm_flavour_of(false, None), PvmFlavour::Unknown);
+        assert_eq!(kernel_mode(KvmKind::Pvm), Some(KernelMode::Emulated));
+        assert_eq!(kernel_mode(KvmKind::Hardware), Some(KernelMode::Native));
+        assert_eq!(kernel_mode(KvmKind::None), None);
+        let json = serde_json::to_string(&[PvmFlavour::VirtPvm, PvmFlavour::Private]).unwrap();
+        assert_eq!(json, r#"["virt-pvm","private"]"#);
     }
 
     #[test]

@@ -98,6 +98,7 @@ fn runtime_with_template(kernel: PathBuf, root: &Path) -> Runtime {
             memory_bytes: machine.memory_bytes,
             vcpus: machine.vcpus,
             cmdline_devices: false,
+            kernel_mode: cube_core::vstate::emulation::KernelMode::Native,
         },
         Box::new(console.clone()),
         template_devices(&disk, &build).unwrap(),

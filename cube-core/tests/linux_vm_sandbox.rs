@@ -91,6 +91,7 @@ fn a_linux_template_snapshot_restores_as_a_sandbox_whose_agent_is_not_ready() {
             memory_bytes: machine.memory_bytes,
             vcpus: machine.vcpus,
             cmdline_devices: false,
+            kernel_mode: cube_core::vstate::emulation::KernelMode::Native,
         },
         Box::new(console.clone()),
         template_devices(&disk, &build).unwrap(),

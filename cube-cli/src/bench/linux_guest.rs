@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use cube_core::host_caps::{HostCapabilities, KvmKind};
 use cube_core::snapshot::MachineConfig;
 use cube_core::template_build::TreeSource;
-use cube_core::vm_template::{VmTemplateSpec, PVM_STOCK_KERNEL};
+use cube_core::vm_template::{cube_guest_kernel, VmTemplateSpec, PVM_STOCK_KERNEL};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig};
 use serde::Serialize;
 
@@ -54,7 +54,9 @@ pub fn run(root: &Path, repeats: usize, json: bool, kernel: Option<&Path>) -> Re
     let kvm = HostCapabilities::probe().kvm;
     let skip = match (kvm, kernel) {
         (KvmKind::None, _) => Some("no usable /dev/kvm".to_string()),
-        (KvmKind::Pvm, None) => Some(PVM_STOCK_KERNEL.to_string()),
+        (KvmKind::Pvm, None) if cube_guest_kernel(root).is_none() => {
+            Some(PVM_STOCK_KERNEL.to_string())
+        }
         _ => None,
     };
     let mut report = LinuxReport {

@@ -13,6 +13,12 @@ pub const MMIO_HOLE_END: u64 = 0x1_0000_0000;
 pub const CONTROL_DEVICE_ADDR: u64 = 0xD000_0000;
 /// Size of the control device's MMIO window.
 pub const CONTROL_DEVICE_SIZE: u64 = 0x1000;
+/// First I/O port of COM1, the console UART.
+pub const COM1_BASE: u16 = 0x3f8;
+/// I/O ports COM1 decodes.
+pub const COM1_PORTS: u16 = 8;
+/// COM1's interrupt line (ISA IRQ 4, the same GSI on the IO-APIC).
+pub const COM1_IRQ: u32 = 4;
 /// Smallest guest RAM Cube accepts.
 pub const MIN_MEMORY_BYTES: u64 = 128 << 20;
 /// Largest guest RAM Cube accepts.

@@ -29,11 +29,12 @@ use super::layout::{ram_ranges, RamRange};
 use super::machine::{memory_layout, register_guest_memory, SnapshotStats};
 use super::mmio_bus::MmioBus;
 use super::serial::LegacyPorts;
-use super::vcpu_runner::{PortIo, VcpuHandle, VcpuRunnerError};
+use super::vcpu_runner::{AssistCounts, PortIo, VcpuHandle, VcpuRunnerError};
 use super::virtio_devices::{VirtioDevices, VirtioDevicesError};
 use crate::devices::virtio::device::VirtioDevice;
 use crate::snapshot::durability;
 use crate::snapshot::format::{self, GuestKind, MachineConfig, MachineState, MEMORY_FILE};
+use crate::vstate::emulation::KernelMode;
 use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::{Vm, VmConfig};
 use crate::vstate::KvmContext;
@@ -161,6 +162,10 @@ pub struct LinuxBootConfig {
     /// without ACPI. Off by default: a kernel that has both would find every device
     /// twice (once per table) and fail the second probe.
     pub cmdline_devices: bool,
+    /// How the kernel's own code runs: [`KernelMode::Emulated`] (a kernel that is not
+    /// PVM-enabled on a PVM host) adds CPUID masks and command-line switches (see
+    /// [`crate::vstate::emulation`]); `HostCapabilities::kernel_mode` chooses.
+    pub kernel_mode: KernelMode,
 }
 
 /// A booting (or booted) Linux guest. Field order is drop order: vCPU threads and
@@ -208,6 +213,18 @@ impl LinuxVm {
     /// Why the guest stopped for good, if it did (triple fault, power-off, KVM error).
     pub fn fatal(&self) -> Option<String> {
         self.vcpus.iter().find_map(|v| v.fatal())
+    }
+
+    /// The instructions the VMM finished for the guest's kernel, all vCPUs together
+    /// (see [`crate::vstate::emulation`]).
+    pub fn assists(&self) -> AssistCounts {
+        self.vcpus
+            .iter()
+            .map(VcpuHandle::assists)
+            .fold(AssistCounts::default(), |a, b| AssistCounts {
+                breakpoints: a.breakpoints + b.breakpoints,
+                fwaits: a.fwaits + b.fwaits,
+            })
     }
 
     /// Guest memory.
@@ -353,7 +370,12 @@ impl LinuxVm {
         let handles = vcpus
             .into_iter()
             .map(|v| {
-                VcpuHandle::spawn_with_buses(v, Some(Arc::clone(&ports)), Some(Arc::clone(&bus)))
+                VcpuHandle::spawn_with_memory(
+                    v,
+                    Some(Arc::clone(&ports)),
+                    Some(Arc::clone(&bus)),
+                    Some(memory.inner().clone()),
+                )
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(LinuxVm {
@@ -486,10 +508,11 @@ pub fn boot_with_devices(
         .map_err(|e| BootError::OpenKernel(config.kernel.clone(), e))?;
     let mut bus = MmioBus::new();
     let devices = VirtioDevices::attach(vm.fd(), memory.inner(), &mut bus, devices)?;
+    let cmdline = with_switches(&config.cmdline, config.kernel_mode.cmdline_switches());
     let cmdline = if config.cmdline_devices {
-        with_device_entries(&config.cmdline, &devices)
+        with_device_entries(&cmdline, &devices)
     } else {
-        config.cmdline.clone()
+        cmdline
     };
     let device_info: Vec<acpi::MmioDeviceInfo> = devices
         .devices()
@@ -529,7 +552,7 @@ pub fn boot_with_devices(
     };
 
     let vcpu = Vcpu::new(&vm, 0)?;
-    vcpu.configure_cpuid()?;
+    vcpu.configure_cpuid_for(config.kernel_mode)?;
     // Keep KVM's reset APIC base (enabled, BSP): the kernel needs its local APIC.
     sregs.apic_base = vcpu
         .fd()
@@ -540,20 +563,22 @@ pub fn boot_with_devices(
     let legacy = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
     let ports: Arc<dyn PortIo> = legacy.clone();
     let bus = Arc::new(bus);
-    let mut handles = vec![VcpuHandle::spawn_with_buses(
+    let mut handles = vec![VcpuHandle::spawn_with_memory(
         vcpu,
         Some(Arc::clone(&ports)),
         Some(Arc::clone(&bus)),
+        Some(memory.inner().clone()),
     )?];
     // Application processors start halted in the in-kernel LAPIC (waiting for the
     // INIT/SIPI the kernel sends when it brings them up).
     for index in 1..config.vcpus {
         let ap = Vcpu::new(&vm, index)?;
-        ap.configure_cpuid()?;
-        handles.push(VcpuHandle::spawn_with_buses(
+        ap.configure_cpuid_for(config.kernel_mode)?;
+        handles.push(VcpuHandle::spawn_with_memory(
             ap,
             Some(Arc::clone(&ports)),
             Some(Arc::clone(&bus)),
+            Some(memory.inner().clone()),
         )?);
     }
     for handle in &handles {
@@ -570,6 +595,23 @@ pub fn boot_with_devices(
         parent: None,
         carry: None,
     })
+}
+
+/// `cmdline` followed by those of `switches` it does not already have (a switch the
+/// user set, with any value, is left as the user set it).
+fn with_switches(cmdline: &str, switches: &str) -> String {
+    let name = |word: &str| word.split('=').next().unwrap_or(word).to_string();
+    let present: Vec<String> = cmdline.split_whitespace().map(name).collect();
+    let mut out = cmdline.trim_end().to_string();
+    for switch in switches.split_whitespace() {
+        if !present.contains(&name(switch)) {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+            out.push_str(switch);
+        }
+    }
+    out
 }
 
 /// The user's command line followed by one `virtio_mmio.device=` entry per device.
@@ -729,4 +771,28 @@ fn pvh_registers(entry: GuestAddress) -> (kvm_regs, kvm_sregs) {
         ..Default::default()
     };
     (regs, sregs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn switches_are_appended_unless_the_user_set_them() {
+        assert_eq!(
+            with_switches("console=ttyS0 ", "noxsave clearcpuid=popcnt"),
+            "console=ttyS0 noxsave clearcpuid=popcnt"
+        );
+        // The user's own value wins; only the missing switch is added.
+        assert_eq!(
+            with_switches("clearcpuid=popcnt,pku quiet", "noxsave clearcpuid=popcnt"),
+            "clearcpuid=popcnt,pku quiet noxsave"
+        );
+        assert_eq!(with_switches("", "noxsave"), "noxsave");
+        assert_eq!(with_switches("a b", ""), "a b");
+        assert_eq!(
+            with_switches("console=ttyS0", KernelMode::Native.cmdline_switches()),
+            "console=ttyS0"
+        );
+    }
 }

@@ -21,12 +21,8 @@ use vm_superio::{Serial, Trigger};
 use super::acpi::{S5_SLEEP_TYPE, SLEEP_CONTROL_PORT, SLEEP_STATUS_PORT};
 use super::vcpu_runner::PortIo;
 
-/// First port of COM1.
-pub const COM1_BASE: u16 = 0x3f8;
-/// Ports COM1 decodes.
-const COM1_PORTS: u16 = 8;
-/// The ISA interrupt line of COM1.
-const COM1_IRQ: u32 = 4;
+pub use super::layout::COM1_BASE;
+use super::layout::{COM1_IRQ, COM1_PORTS};
 
 /// Raises COM1's interrupt line on the in-kernel interrupt controller.
 pub struct IrqLine {

@@ -6,6 +6,7 @@
 //! the XSAVE area size).
 
 pub mod cpuid;
+pub mod emulation;
 pub mod vcpu;
 pub mod vm;
 
