@@ -23,7 +23,7 @@ locked=()
 [ -n "${CI:-}" ] && locked=(--locked)
 
 echo "build-wheel: helper binaries ($profile)"
-cargo build "${cargo_flags[@]}" "${locked[@]}" -p cube-core --bin cube-supervisor
+cargo build "${cargo_flags[@]}" "${locked[@]}" -p cube-supervisor --bin cube-supervisor
 bash scripts/build-static.sh --musl cube-agent cube-agent "${cargo_flags[@]}" "${locked[@]}"
 pkg_bin=cube-py/python/cubesandbox/bin
 mkdir -p "$pkg_bin"

@@ -5,13 +5,13 @@
 //! Run (the supervisor binary is not built by `cargo bench` of this package):
 //!
 //! ```text
-//! cargo build --release -p cube-core --bins
+//! cargo build --release -p cube-supervisor --bins
 //! cargo bench -p cube-benches                 # full run
 //! cargo bench -p cube-benches -- --quick      # about a minute on 2 cores
 //! ```
 //!
 //! The supervisor is `$CUBE_SUPERVISOR`, else `target/release/cube-supervisor`, which
-//! `cube_core::supervisor::locate_supervisor` finds one directory above the bench
+//! `cube_core::testing::supervisor_binary` finds one directory above the bench
 //! executable (`target/release/deps/`). The store is a fresh temporary directory under
 //! `$CUBE_BENCH_STORE` (CI points it at a reflink-capable XFS mount), else under the
 //! system temporary directory; it is removed at the end.
@@ -21,23 +21,17 @@
 //! sandboxes and removing snapshots all happen off the clock.
 
 use std::collections::HashSet;
-use std::fs::File;
-use std::hint::black_box;
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, SamplingMode};
-use kvm_bindings::{kvm_userspace_memory_region, KVM_MEM_LOG_DIRTY_PAGES};
-use kvm_ioctls::Kvm;
 
-use cube_core::snapshot::durability::DURABLE_FILE;
-use cube_core::snapshot::format::MEMORY_FILE;
-use cube_core::snapshot::MachineConfig;
-use cube_core::supervisor::locate_supervisor;
-use cube_core::supervisor::server::HIBERNATE_DIR;
-use cube_core::test_guest::WorkingSet;
+use cube_core::error_report::chain;
+use cube_core::store::{filesystem_name, SandboxDir, SnapshotDir};
+use cube_core::templates::{MachineConfig, WorkingSet};
+use cube_core::testing::floor::BareVm;
+use cube_core::testing::{supervisor_binary, TestGuestControl};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox};
 
 /// Directory the store's temporary directory is created in, when set.
@@ -48,18 +42,6 @@ const DIRTY_MIB: u64 = 16;
 const DURABLE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Every sandbox here ends with its handle, even if the bench panics.
 const EPHEMERAL: CreateOptions = CreateOptions::new(true);
-
-/// The error and its sources, one line.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}
 
 /// A bench cannot go on after a failed operation: stop with the whole error chain.
 fn check<T, E: std::error::Error>(what: &str, result: Result<T, E>) -> T {
@@ -133,7 +115,7 @@ impl Fixture {
         eprintln!(
             "store: {} ({}, reflink: {})",
             store.path().display(),
-            cube_storage::filesystem_name(store.path()).unwrap_or_default(),
+            filesystem_name(store.path()).unwrap_or_default(),
             rt.store().supports_reflink().unwrap_or(false)
         );
         Fixture {
@@ -158,7 +140,9 @@ impl Fixture {
     }
 
     fn template_memory(&self) -> PathBuf {
-        check("template dir", self.rt.store().template_dir(&self.template)).join(MEMORY_FILE)
+        check("template dir", self.rt.store().template(&self.template))
+            .image()
+            .memory()
     }
 
     /// Removes a snapshot once its background flush is done.
@@ -183,105 +167,11 @@ impl Drop for Fixture {
     }
 }
 
-/// A private, writable mapping of a whole file, unmapped on drop.
-struct PrivateMapping {
-    addr: *mut libc::c_void,
-    len: usize,
-}
-
-impl PrivateMapping {
-    fn of(file: &File, len: usize) -> std::io::Result<PrivateMapping> {
-        // SAFETY: asks the kernel for a new mapping; no existing memory is touched.
-        let addr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_NORESERVE,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if addr == libc::MAP_FAILED {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(PrivateMapping { addr, len })
-    }
-}
-
-impl Drop for PrivateMapping {
-    fn drop(&mut self) {
-        // SAFETY: `addr`/`len` are exactly the mapping made in `of`, which nothing
-        // else unmaps; every VM using it was closed before this guard drops.
-        unsafe { libc::munmap(self.addr, self.len) };
-    }
-}
-
-/// The floor of a create: what KVM itself charges for a VM of Cube's shape, with no
-/// Cube code on the path. `/dev/kvm` stays open across iterations, as in a pre-started
-/// supervisor.
-struct BareVm {
-    kvm: Kvm,
-    memory: File,
-    len: usize,
-    vcpus: u8,
-    irqchip: bool,
-}
-
-impl BareVm {
-    fn new(memory: &Path, machine: MachineConfig) -> BareVm {
-        let kvm = check("opening /dev/kvm", Kvm::new());
-        let memory = check("opening the template memory", File::open(memory));
-        let len = check("sizing the template memory", memory.metadata()).len();
-        BareVm {
-            kvm,
-            memory,
-            len: check("memory size", usize::try_from(len)),
-            vcpus: machine.vcpus,
-            irqchip: machine.irqchip,
-        }
-    }
-
-    /// Creates the VM, maps the memory file MAP_PRIVATE as one dirty-logged memslot,
-    /// creates the vCPUs, and closes everything.
-    fn cycle(&self) -> Result<(), String> {
-        let vm = self
-            .kvm
-            .create_vm()
-            .map_err(|e| format!("KVM_CREATE_VM: {e}"))?;
-        if self.irqchip {
-            vm.create_irq_chip()
-                .map_err(|e| format!("KVM_CREATE_IRQCHIP: {e}"))?;
-        }
-        let mapping =
-            PrivateMapping::of(&self.memory, self.len).map_err(|e| format!("mmap: {e}"))?;
-        let region = kvm_userspace_memory_region {
-            slot: 0,
-            flags: KVM_MEM_LOG_DIRTY_PAGES,
-            guest_phys_addr: 0,
-            memory_size: self.len as u64,
-            userspace_addr: mapping.addr as u64,
-        };
-        // SAFETY: the mapping outlives the VM: `vm` is dropped (closed) at the end of
-        // this block, before `mapping`, which was declared earlier.
-        unsafe { vm.set_user_memory_region(region) }
-            .map_err(|e| format!("KVM_SET_USER_MEMORY_REGION: {e}"))?;
-        let vcpus = (0..self.vcpus)
-            .map(|i| vm.create_vcpu(u64::from(i)))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("KVM_CREATE_VCPU: {e}"))?;
-        drop(black_box(vcpus));
-        drop(vm);
-        drop(mapping);
-        Ok(())
-    }
-}
-
 /// Waits until the background flush of the snapshot (or hibernation image) in `dir`
 /// has finished, so it neither competes with the next timed operation for the disk nor
 /// races the removal of the directory.
 fn wait_durable(dir: &Path) {
-    let marker = dir.join(DURABLE_FILE);
+    let marker = SnapshotDir::new(dir).durable_marker();
     let start = Instant::now();
     while !marker.exists() {
         if start.elapsed() > DURABLE_TIMEOUT {
@@ -302,7 +192,8 @@ fn timed<T>(op: impl FnOnce() -> T) -> (Duration, T) {
 }
 
 fn bench_floor(group: &mut BenchmarkGroup<'_, WallTime>, fx: &Fixture) {
-    let floor = BareVm::new(&fx.template_memory(), fx.machine);
+    let floor = BareVm::open(&fx.template_memory(), fx.machine.vcpus, fx.machine.irqchip)
+        .unwrap_or_else(|e| panic!("the bare VM floor: {e}"));
     group.bench_function("floor_bare_kvm_vm", |b| {
         b.iter(|| {
             if let Err(e) = floor.cycle() {
@@ -434,7 +325,7 @@ fn bench_hibernate_wake(group: &mut BenchmarkGroup<'_, WallTime>, fx: &Fixture) 
                 let (took, done) = timed(|| sb.hibernate().and_then(|()| sb.wake()));
                 total += took;
                 check("hibernate and wake", done);
-                wait_durable(&sb.dir().join(HIBERNATE_DIR));
+                wait_durable(&SandboxDir::new(sb.dir()).hibernation());
                 check("waiting for the working set", sb.guest_wait_working_set());
             }
             total
@@ -447,7 +338,7 @@ fn main() {
         println!("skipped: /dev/kvm not present");
         return;
     }
-    let supervisor = match locate_supervisor() {
+    let supervisor = match supervisor_binary() {
         Ok(path) => path,
         Err(e) => {
             eprintln!(

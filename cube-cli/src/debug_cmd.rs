@@ -6,18 +6,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Subcommand;
-use cube_core::devices::virtio::block::{Block, BlockOptions};
-use cube_core::devices::virtio::device::VirtioDevice;
-use cube_core::devices::virtio::rng::Rng;
-use cube_core::devices::virtio::vsock::Vsock;
-use cube_core::vmm::linux_boot::{self, LinuxBootConfig};
-use cube_core::vstate::emulation::KernelMode;
-use cube_core::vstate::KvmContext;
+use cube_core::debug::{self, BootOptions, DebugError, LinuxBootConfig};
+use cube_core::host::KernelMode;
 
-/// The guest context id of `cube debug boot --vsock-dir`.
-const DEBUG_GUEST_CID: u64 = 3;
-
-use crate::{chain, CliError};
+use crate::cli_error::{chain, CliError};
 
 #[derive(Subcommand)]
 pub enum DebugCommand {
@@ -176,7 +168,7 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
     let kernel_mode = match kernel_mode {
         ModeArg::Native => KernelMode::Native,
         ModeArg::Emulated => KernelMode::Emulated,
-        ModeArg::Auto => cube_core::host_caps::linux_kernel_mode().ok_or_else(|| {
+        ModeArg::Auto => KernelMode::of_this_host().ok_or_else(|| {
             CliError::unsupported("no usable /dev/kvm")
                 .hint("`cube doctor` shows what this host can run")
         })?,
@@ -187,7 +179,6 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
              PVM-enabled): every kernel instruction costs about a microsecond"
         );
     }
-    let devices = debug_devices(disk, vsock_dir, rng)?;
     let pattern = until
         .as_deref()
         .map(regex::Regex::new)
@@ -197,34 +188,35 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         .map(std::fs::File::create)
         .transpose()
         .map_err(|e| CliError::failed(format!("creating the log: {e}")))?;
-    let ctx = Arc::new(KvmContext::open().map_err(|e| {
-        CliError::unsupported(chain(&e)).hint("`cube doctor` shows what this host can run")
-    })?);
     let console = Arc::new(Console {
         text: Mutex::new(String::new()),
         changed: Condvar::new(),
         log: Mutex::new(log),
         started: timestamps.then(Instant::now),
     });
-    let config = LinuxBootConfig {
-        kernel,
-        initrd,
-        cmdline,
-        memory_bytes: memory_mib << 20,
-        vcpus,
-        cmdline_devices,
-        kernel_mode,
+    let options = BootOptions {
+        config: LinuxBootConfig {
+            kernel,
+            initrd,
+            cmdline,
+            memory_bytes: memory_mib << 20,
+            vcpus,
+            cmdline_devices,
+            kernel_mode,
+        },
+        disk,
+        vsock_dir,
+        rng,
     };
-    let vm = linux_boot::boot_with_devices(
-        &ctx,
-        &config,
-        Box::new(ConsoleWriter {
-            console: Arc::clone(&console),
-            at_line_start: true,
-        }),
-        devices,
-    )
-    .map_err(|e| CliError::failed(chain(&e)))?;
+    let writer = ConsoleWriter {
+        console: Arc::clone(&console),
+        at_line_start: true,
+    };
+    let vm = debug::boot(&options, Box::new(writer)).map_err(|e| match e {
+        DebugError::NoKvm(_) => CliError::of_kind(e.kind(), chain(&e))
+            .hint("`cube doctor` shows what this host can run"),
+        _ => CliError::of_kind(e.kind(), chain(&e)),
+    })?;
     let booted = Instant::now();
     let deadline = booted + Duration::from_secs(timeout);
     let mut text = console.text.lock().unwrap_or_else(|e| e.into_inner());
@@ -264,32 +256,4 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
             .unwrap_or_else(|e| e.into_inner())
             .0;
     }
-}
-
-/// The virtio devices `cube debug boot` was asked for, in a fixed order (disk, vsock,
-/// rng).
-fn debug_devices(
-    disk: Option<PathBuf>,
-    vsock_dir: Option<PathBuf>,
-    rng: bool,
-) -> Result<Vec<Box<dyn VirtioDevice>>, CliError> {
-    let mut devices: Vec<Box<dyn VirtioDevice>> = Vec::new();
-    if let Some(image) = disk {
-        let options = BlockOptions {
-            read_only: false,
-            id: "cube-debug".into(),
-        };
-        devices.push(Box::new(
-            Block::open(&image, options).map_err(|e| CliError::failed(chain(&e)))?,
-        ));
-    }
-    if let Some(dir) = vsock_dir {
-        devices.push(Box::new(
-            Vsock::new(DEBUG_GUEST_CID, &dir).map_err(|e| CliError::failed(chain(&e)))?,
-        ));
-    }
-    if rng {
-        devices.push(Box::new(Rng::new()));
-    }
-    Ok(devices)
 }

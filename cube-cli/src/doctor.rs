@@ -4,8 +4,11 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::{chain, store_root, CliError};
-use cube_core::host_caps::{HostCapabilities, KvmKind, PvmFlavour};
+use crate::cli_error::{chain, CliError};
+use crate::store_cmd::store_root;
+use cube_core::host::{probe_dirty_tracking, probe_jail, HostCapabilities, KvmKind, PvmFlavour};
+use cube_core::store::{filesystem_name, supports_reflink};
+use cube_core::templates::{cube_guest_kernel, PVM_STOCK_KERNEL};
 
 /// The doctor's report.
 #[derive(Serialize)]
@@ -28,26 +31,6 @@ struct Report {
     engines: Vec<&'static str>,
     /// Plain-language notes on what does not work and why.
     notes: Vec<String>,
-}
-
-/// Starts a jail running `/bin/true` and destroys it: the engine works only if that does.
-fn probe_jail() -> Result<(), String> {
-    let name = format!("doctor-{}", std::process::id());
-    let dir = std::env::temp_dir().join(&name);
-    let config = cube_jail::JailConfig::new(&name, &dir);
-    let result = cube_jail::Jail::spawn(&config, &["/bin/true"])
-        .map_err(|e| chain(&e))
-        .and_then(|mut jail| {
-            let exit = jail.wait().map_err(|e| chain(&e));
-            let destroyed = jail.destroy().map_err(|e| chain(&e));
-            match (exit, destroyed) {
-                (Ok(exit), Ok(())) if exit.success() => Ok(()),
-                (Ok(exit), Ok(())) => Err(format!("a jailed /bin/true ended with {exit:?}")),
-                (Err(e), _) | (_, Err(e)) => Err(e),
-            }
-        });
-    let _ = std::fs::remove_dir_all(&dir);
-    result
 }
 
 /// What a PVM host means for Linux guests, by flavour.
@@ -78,9 +61,9 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
     } else {
         std::env::temp_dir()
     };
-    let reflink = cube_storage::supports_reflink(&probe_dir).unwrap_or(false);
-    let store_filesystem = cube_storage::filesystem_name(&probe_dir).ok();
-    let tracking = cube_mem::dirty::probe();
+    let reflink = supports_reflink(&probe_dir).unwrap_or(false);
+    let store_filesystem = filesystem_name(&probe_dir).ok();
+    let tracking = probe_dirty_tracking();
     let mut notes = Vec::new();
     let mut engines = Vec::new();
     match host.kvm {
@@ -88,8 +71,8 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
         KvmKind::Pvm => {
             engines.push("vm");
             notes.push(pvm_note(host.pvm_flavour));
-            if cube_core::vm_template::cube_guest_kernel(&root).is_none() {
-                notes.push(cube_core::vm_template::PVM_STOCK_KERNEL.to_string());
+            if cube_guest_kernel(&root).is_none() {
+                notes.push(PVM_STOCK_KERNEL.to_string());
             }
         }
         KvmKind::None => notes.push("no usable /dev/kvm: the vm engine is unavailable".to_string()),

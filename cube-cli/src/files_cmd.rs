@@ -10,8 +10,9 @@ use cube_agent::client::{Client, ClientError};
 use cube_agent::protocol::{ErrorCode, FileInfo, FileKind};
 use cube_core::Runtime;
 
+use crate::cli_error::{chain, CliError};
+use crate::progress;
 use crate::table::{human_bytes, Table};
-use crate::{chain, progress, CliError};
 
 /// One side of a copy: a local path, standard input/output (`-`), or `ID:/path`.
 #[derive(Debug, PartialEq, Eq)]
@@ -248,7 +249,7 @@ pub fn list(rt: &Runtime, id: &str, path: &str, depth: u32, json: bool) -> Resul
                 })
             })
             .collect();
-        crate::print_json(&v)?;
+        crate::table::print_json(&v)?;
         return Ok(());
     }
     let mut table = Table::new(&["MODE", "KIND", "SIZE", "MODIFIED", "PATH"]);

@@ -4,7 +4,7 @@
 
 use nix::sys::signal::{SigSet, Signal};
 
-use crate::CliError;
+use crate::cli_error::CliError;
 
 /// Blocks SIGINT and SIGTERM in the calling thread and every thread it starts
 /// afterwards; returns the set, for the watcher to wait on. Call before any other

@@ -2,6 +2,7 @@
 
 mod bench;
 mod build_progress;
+mod cli_error;
 mod debug_cmd;
 mod doctor;
 mod files_cmd;
@@ -13,7 +14,6 @@ mod sandbox_cmd;
 mod store_cmd;
 mod table;
 mod template_build_cmd;
-mod vm_template_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -146,164 +146,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// A failed command: what went wrong, what to do, and the exit code.
-pub struct CliError {
-    message: String,
-    hint: Option<String>,
-    code: u8,
-}
-
-impl CliError {
-    /// A failure of the operation itself (exit code 1).
-    pub fn failed(message: impl Into<String>) -> Self {
-        CliError {
-            message: message.into(),
-            hint: None,
-            code: 1,
-        }
-    }
-
-    /// The command line asks for something impossible (exit code 2, as clap's own
-    /// usage errors).
-    pub fn usage(message: impl Into<String>) -> Self {
-        CliError {
-            message: message.into(),
-            hint: None,
-            code: 2,
-        }
-    }
-
-    /// The same error with another exit code.
-    pub fn with_code(mut self, code: u8) -> Self {
-        self.code = code;
-        self
-    }
-
-    /// Something the user asked for does not exist (exit code 3).
-    pub fn not_found(message: impl Into<String>) -> Self {
-        CliError {
-            message: message.into(),
-            hint: None,
-            code: 3,
-        }
-    }
-
-    /// The host lacks what the command needs (exit code 4).
-    pub fn unsupported(message: impl Into<String>) -> Self {
-        CliError {
-            message: message.into(),
-            hint: None,
-            code: 4,
-        }
-    }
-
-    /// Adds advice.
-    pub fn hint(mut self, hint: impl Into<String>) -> Self {
-        self.hint = Some(hint.into());
-        self
-    }
-}
-
-pub use cube_core::error_report::chain;
-
-impl From<cube_core::SandboxError> for CliError {
-    fn from(e: cube_core::SandboxError) -> Self {
-        use cube_core::SandboxError as E;
-        let message = chain(&e);
-        let (code, hint) = match &e {
-            E::UnknownSandbox(_) => (3, Some("list sandboxes with `cube sandbox ls`".to_string())),
-            // Its message already names `cube template ls`.
-            E::UnknownTemplate(_) => (3, None),
-            E::EngineMismatch { .. } => (2, None),
-            E::UnknownSnapshot(_) => (
-                3,
-                Some("list snapshots with `cube sandbox snapshots [ID]`".to_string()),
-            ),
-            // A malformed name can name nothing: a usage error.
-            E::Store(cube_storage::StoreError::InvalidName { what, .. }) => (
-                2,
-                Some(match *what {
-                    "sandbox" => {
-                        "sandbox ids look like sb-0123456789abcdef: `cube sandbox ls` lists them"
-                            .to_string()
-                    }
-                    "template" => "`cube template ls` lists the templates".to_string(),
-                    _ => "`cube sandbox snapshots` lists the snapshots".to_string(),
-                }),
-            ),
-            E::Hibernated(id) => (1, Some(format!("wake it with `cube sandbox wake {id}`"))),
-            E::NoAgent(_) => (
-                4,
-                Some("the jail engine runs commands and code: --engine jail".to_string()),
-            ),
-            _ => host_hint(&message),
-        };
-        CliError {
-            message,
-            hint,
-            code,
-        }
-    }
-}
-
-/// The exit code and advice for a failure whose cause is the host, read off the
-/// error chain: no KVM points at the jail engine, no reflink at `cube store setup`.
-fn host_hint(message: &str) -> (u8, Option<String>) {
-    let lower = message.to_lowercase();
-    if lower.contains("/dev/kvm") || lower.contains("kvm") && lower.contains("no such file") {
-        (
-            4,
-            Some(
-                "this host has no usable KVM: the jail engine works here (--engine jail, \
-                 or the built-in `host` template); `cube doctor` lists what this host can do"
-                    .to_string(),
-            ),
-        )
-    } else if lower.contains("reflink") {
-        (
-            4,
-            Some(
-                "put the store on a reflink-capable filesystem with `cube store setup`".to_string(),
-            ),
-        )
-    } else {
-        (1, None)
-    }
-}
-
-/// The KVM device the vm engine opens.
-pub const KVM_DEVICE: &str = "/dev/kvm";
-
-/// Refuses vm-engine work on a host without `device`, naming the engine that works.
-pub fn require_kvm(device: &std::path::Path) -> Result<(), CliError> {
-    if device.exists() {
-        return Ok(());
-    }
-    Err(CliError::unsupported(format!(
-        "the vm engine needs KVM and {} does not exist on this host",
-        device.display()
-    ))
-    .hint(
-        "the jail engine works here: --engine jail, or the built-in `host` template \
-         (`cube sandbox create`); `cube doctor` lists what this host can do",
-    ))
-}
-
-/// Prints a value as pretty JSON on standard output.
-pub fn print_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<(), CliError> {
-    let text = serde_json::to_string_pretty(value).map_err(|e| CliError::failed(chain(&e)))?;
-    println!("{text}");
-    Ok(())
-}
-
-/// The store root chosen on the command line or by default.
-pub fn store_root(store: Option<&std::path::Path>) -> Result<PathBuf, CliError> {
-    match store {
-        Some(p) => Ok(p.to_path_buf()),
-        None => cube_storage::Store::default_root().map_err(|e| CliError::failed(chain(&e))),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -342,25 +184,5 @@ mod tests {
     #[test]
     fn the_command_line_definition_is_consistent() {
         Cli::command().debug_assert();
-    }
-
-    #[test]
-    fn no_kvm_points_at_the_jail_engine() {
-        let missing = require_kvm(std::path::Path::new("/nonexistent/kvm")).err();
-        let e = missing.expect("a missing device is refused");
-        assert_eq!(e.code, 4);
-        assert!(e.hint.unwrap_or_default().contains("--engine jail"));
-        assert!(require_kvm(std::path::Path::new("/")).is_ok());
-    }
-
-    #[test]
-    fn host_failures_point_at_what_works() {
-        let (code, hint) = host_hint("Sandbox sb-1: opening /dev/kvm: No such file or directory");
-        assert_eq!(code, 4);
-        assert!(hint.unwrap_or_default().contains("--engine jail"));
-        let (code, hint) = host_hint("Cannot probe the store for reflink support");
-        assert_eq!(code, 4);
-        assert!(hint.unwrap_or_default().contains("cube store setup"));
-        assert_eq!(host_hint("something else").0, 1);
     }
 }

@@ -3,9 +3,9 @@
 //! `cube sandbox net | policy | expose` on a live sandbox.
 
 use clap::Args;
-use cube_core::sandbox::{NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
+use cube_core::network::{NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
 
-use crate::{chain, CliError};
+use crate::cli_error::{chain, CliError};
 
 /// The egress policy flags (create and `cube sandbox policy`).
 #[derive(Args, Debug, Clone, Default)]

@@ -2,8 +2,8 @@
 //! PID 1 is Cube's agent; the sandbox is destroyed when the command ends, fails or is
 //! interrupted, so nothing (process, mount, cgroup, file) outlives the invocation.
 //!
-//! The jail gets the agent binary bound read-only at [`AGENT_PATH`]. For `cube run` the
-//! agent is started as `cube-agent --exec -- CMD...`: init of the sandbox, it runs the
+//! The jail gets the agent binary bound read-only inside. For `cube run` the agent is
+//! started as `cube-agent --exec -- CMD...`: init of the sandbox, it runs the
 //! command on the standard streams this process was given (so output arrives as it is
 //! written, stdin of any size or a terminal works, and nothing is copied on the way) and
 //! exits with the command's status, which ends the sandbox. For `cube code` it gets one
@@ -11,52 +11,37 @@
 //! over the other end. Each invocation is a new sandbox: nothing, not even a `cube
 //! code` variable, carries over to the next one.
 //!
-//! They drive cube-jail directly rather than through the Sandbox API: an ephemeral API
-//! sandbox measured 1.4 times slower end to end on the CI hosts (the supervisor start
-//! and its round trips; `cube bench --engine jail` reports both paths in `run_true`),
-//! and a one-shot command gains nothing from a supervisor. `cube sandbox exec` and
-//! `cube sandbox code` are the API's way to run a command or a cell.
+//! They start their jail in this process ([`cube_core::oneshot`]) rather than through
+//! the Sandbox API: an ephemeral API sandbox measured 1.4 times slower end to end on
+//! the CI hosts (the supervisor start and its round trips; `cube bench --engine jail`
+//! reports both paths in `run_true`), and a one-shot command gains nothing from a
+//! supervisor. The jail is the one a jail sandbox gets (the same spec, agent and
+//! limits). `cube sandbox exec` and `cube sandbox code` are the API's way to run a
+//! command or a cell.
 //!
 //! With `--network` (or any policy flag, or `cube run --expose`) the jail gets a
 //! device from the host's `cube-net` pool, as an API sandbox does, attached once its
 //! agent answers and released when it is destroyed, on Ctrl-C too.
 
 use std::io::{Read, Write};
-use std::os::fd::AsFd;
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use clap::{Args, ValueEnum};
 use cube_agent::client::{Client, ClientError};
 use cube_agent::protocol::{ErrorCode, ExecRequest, ExitInfo, Language, RequestBody, ResponseBody};
-use cube_core::sandbox::NetworkOptions;
-use cube_core::supervisor::jail_network::JailNetwork;
+use cube_core::network::{NetworkOptions, PortMapping};
+use cube_core::oneshot::{Exit, OneShotError, OneShotJail, OneShotOptions};
 use cube_core::EngineChoice;
-use cube_jail::{Jail, JailConfig, JailExit, ReadOnlyBind, Stdio};
 
+use crate::cli_error::{chain, CliError, EXIT_INTERRUPTED, EXIT_TIMEOUT};
 use crate::net_cmd::{NetworkArgs, PolicyArgs};
-use crate::{chain, store_root, CliError};
-
-/// Where the agent binary appears inside the sandbox.
-const AGENT_PATH: &str = "/.cube/cube-agent";
-
-/// The descriptor number the agent's socket gets inside the sandbox.
-const AGENT_FD: i32 = 3;
-
-/// Environment variable naming the agent binary, when it is not next to `cube`.
-const AGENT_ENV: &str = "CUBE_AGENT";
+use crate::store_cmd::store_root;
 
 /// How long past `--timeout` this process waits for the agent's own timeout report
 /// before giving up on it (the sandbox is destroyed either way).
 const TIMEOUT_GRACE: Duration = Duration::from_secs(5);
-
-/// Exit code for a command that ran out of time, as coreutils `timeout` uses.
-pub const EXIT_TIMEOUT: u8 = 124;
-
-/// Exit code after Ctrl-C or SIGTERM.
-const EXIT_INTERRUPTED: i32 = 130;
 
 /// Largest standard input `cube sandbox exec` forwards to a command (it travels in one
 /// agent message).
@@ -117,7 +102,7 @@ pub struct RunArgs {
     /// Serve a sandbox port on the host's addresses (not 127.0.0.1) while the
     /// command runs; repeatable. Implies --network.
     #[arg(long = "expose", value_name = "PORT[:SANDBOX_PORT]", value_parser = crate::net_cmd::parse_port)]
-    expose: Vec<cube_core::sandbox::PortMapping>,
+    expose: Vec<PortMapping>,
     /// The command and its arguments (after `--`); looked up in the sandbox's PATH.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     command: Vec<String>,
@@ -164,18 +149,7 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
         // does.
         return run_networked(store, args, timeout, network);
     }
-    let mut argv = vec![AGENT_PATH.to_string(), "--exec".into(), "--".into()];
-    argv.extend(args.command.iter().cloned());
-    let mut config = jail_config(store, &args.sandbox)?;
-    // Nothing of a `cube run` sandbox is kept: its root needs no disk.
-    config.root = cube_jail::RootSpec::HostUserlandInMemory;
-    // Nor is it paused or checkpointed: without limits it needs no cgroup either.
-    config.pausable = false;
-    // The command writes straight to our streams; a terminal among them stays out of
-    // reach of TIOCSTI, as the jail gives the sandbox a session of its own.
-    config.stdin = Stdio::Inherit;
-    config.stdout = Stdio::Inherit;
-    config.stderr = Stdio::Inherit;
+    let options = oneshot_options(store, &args.sandbox)?;
     // A closed stderr must not kill this process (SIGPIPE) before it destroys the
     // sandbox; what it writes there is best effort.
     // SAFETY: installs no handler; no memory effects.
@@ -184,8 +158,10 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
     {
         // Held across the spawn: an interrupt meanwhile waits, then kills the jail.
         let mut slot = watch.lock();
-        let jail = Jail::spawn(&config, &argv)
-            .map_err(|e| CliError::failed(format!("creating the sandbox: {}", chain(&e))))?;
+        // Nothing of a `cube run` sandbox is kept (its root needs no disk, and without
+        // limits no cgroup), and the command writes straight to our streams.
+        let jail = OneShotJail::exec(&options, &args.command)
+            .map_err(|e| oneshot_error("creating the sandbox", e))?;
         slot.jail = Some(jail);
         if slot.outcome.is_some() {
             slot.kill();
@@ -212,7 +188,7 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
                 std::io::stderr(),
                 "cube: interrupted, the sandbox was destroyed"
             );
-            Ok(EXIT_INTERRUPTED as u8)
+            Ok(EXIT_INTERRUPTED)
         }
         Some(Outcome::TimedOut) => {
             let _ = writeln!(
@@ -224,8 +200,8 @@ pub fn run(store: Option<&Path>, args: &RunArgs) -> Result<u8, CliError> {
         None => match exit
             .map_err(|e| CliError::failed(format!("waiting for the sandbox: {}", chain(&e))))?
         {
-            JailExit::Exited(code) => Ok((code & 0xff) as u8),
-            JailExit::Signaled(sig) => Ok((128 + (sig & 0x7f)) as u8),
+            Exit::Exited(code) => Ok((code & 0xff) as u8),
+            Exit::Signaled(sig) => Ok((128 + (sig & 0x7f)) as u8),
         },
     }
 }
@@ -243,7 +219,7 @@ enum Outcome {
 /// interrupt or at the deadline.
 #[derive(Default)]
 struct Slot {
-    jail: Option<Jail>,
+    jail: Option<OneShotJail>,
     outcome: Option<Outcome>,
 }
 
@@ -300,7 +276,7 @@ impl Watch {
     /// reaped (under the lock) its pid cannot be reused, so a kill from the watcher
     /// meanwhile can only reach it.
     fn wait_for_init(&self) -> Result<(), CliError> {
-        let Some(pid) = self.lock().jail.as_ref().map(Jail::pid) else {
+        let Some(pid) = self.lock().jail.as_ref().map(OneShotJail::pid) else {
             return Ok(());
         };
         loop {
@@ -418,7 +394,7 @@ fn check_engine(engine: Engine) -> Result<(), CliError> {
 /// starts.
 fn network_options(
     args: &SandboxArgs,
-    expose: &[cube_core::sandbox::PortMapping],
+    expose: &[PortMapping],
 ) -> Result<Option<NetworkOptions>, CliError> {
     NetworkArgs {
         network: args.network,
@@ -468,76 +444,29 @@ pub fn forwarded_stdin() -> Result<Vec<u8>, CliError> {
     Ok(data)
 }
 
-/// The agent binary: `$CUBE_AGENT`, else `cube-agent` next to this executable.
-fn agent_binary() -> Result<PathBuf, CliError> {
-    let path = match std::env::var_os(AGENT_ENV) {
-        Some(p) => PathBuf::from(p),
-        None => std::env::current_exe()
-            .map_err(|e| CliError::failed(format!("locating the cube executable: {e}")))?
-            .with_file_name("cube-agent"),
-    };
-    if !path.is_file() {
-        return Err(CliError::not_found(format!(
-            "the agent binary {} does not exist",
-            path.display()
-        ))
-        .hint(format!(
-            "build it (cargo build -p cube-agent) or set {AGENT_ENV} to its path"
-        )));
-    }
-    Ok(path)
+/// Where the jail of one invocation lives (the store's `tmp`) and the limits asked
+/// for.
+fn oneshot_options(store: Option<&Path>, args: &SandboxArgs) -> Result<OneShotOptions, CliError> {
+    Ok(OneShotOptions {
+        memory_mib: args.memory_mib,
+        pids_max: args.pids_max,
+        ..OneShotOptions::new(store_root(store)?)
+    })
 }
 
-/// The jail of one invocation: the host's userland, the agent bound in, the limits
-/// asked for, its directory under the store's `tmp`.
-fn jail_config(store: Option<&Path>, args: &SandboxArgs) -> Result<JailConfig, CliError> {
-    // SAFETY: geteuid has no failure mode.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err(CliError::unsupported(
-            "the jail engine needs root (namespaces, mounts and cgroups)",
-        )
-        .hint("run cube as root"));
-    }
-    let agent = agent_binary()?;
-    let tmp = store_root(store)?.join("tmp");
-    std::fs::create_dir_all(&tmp)
-        .map_err(|e| CliError::failed(format!("creating {}: {e}", tmp.display())))?;
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    let name = format!("run-{}-{nanos}", std::process::id());
-    let mut config = JailConfig::new(&name, tmp.join(&name));
-    config.binds.push(ReadOnlyBind {
-        source: agent,
-        target: PathBuf::from(AGENT_PATH),
-    });
-    config.limits.memory_bytes = args.memory_mib.map(|m| m << 20);
-    config.limits.pids_max = args.pids_max;
-    Ok(config)
-}
-
-/// A running sandbox: the jail and, when it has one, its network.
-struct Running {
-    jail: Jail,
-    network: Option<JailNetwork>,
-}
-
-impl Running {
-    /// Ends the jail, then releases its device and datapath state.
-    fn destroy(self) -> Result<(), CliError> {
-        let Running { jail, network } = self;
-        let destroyed = jail
-            .destroy()
-            .map_err(|e| CliError::failed(format!("destroying the sandbox: {}", chain(&e))));
-        // Released on drop; a failure is logged there (the device goes with the
-        // jail's namespace regardless).
-        drop(network);
-        destroyed
+/// A one-shot jail that could not be started or ended, with the advice its kind gets.
+fn oneshot_error(doing: &str, e: OneShotError) -> CliError {
+    let message = format!("{doing}: {}", chain(&e));
+    match e {
+        OneShotError::NotRoot => CliError::of_kind(e.kind(), message).hint("run cube as root"),
+        OneShotError::NoAgent(_) => CliError::of_kind(e.kind(), message)
+            .hint("build it (cargo build -p cube-agent) or set CUBE_AGENT to its path"),
+        _ => CliError::of_kind(e.kind(), message),
     }
 }
 
 /// The running sandbox: shared with the interrupt watcher, which destroys it on Ctrl-C.
-type SharedJail = Arc<Mutex<Option<Running>>>;
+type SharedJail = Arc<Mutex<Option<OneShotJail>>>;
 
 /// One sandbox with its agent connected. Dropping it destroys the sandbox.
 struct Session {
@@ -558,31 +487,18 @@ impl Session {
         // death by SIGPIPE.
         // SAFETY: installs no handler; no memory effects.
         unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
-        let mut config = jail_config(store, args)?;
-        let state_dir = config.state_dir.clone();
-        config.env.push(("RUST_LOG".into(), "warn".into()));
-        config.stderr = Stdio::Pipe;
-
-        let (ours, theirs) = UnixStream::pair()
-            .map_err(|e| CliError::failed(format!("creating the agent socket: {e}")))?;
-        {
+        let options = oneshot_options(store, args)?;
+        let ours = {
             // Held across the spawn: an interrupt meanwhile waits, then destroys it.
             let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
-            let mut spawned = Jail::spawn_with_fds(
-                &config,
-                &[AGENT_PATH, "--fd", "3"],
-                &[(theirs.as_fd(), AGENT_FD)],
-            )
-            .map_err(|e| CliError::failed(format!("creating the sandbox: {}", chain(&e))))?;
-            if let Some(log) = spawned.take_stderr() {
+            let (spawned, ours, log) = OneShotJail::serve(&options, true)
+                .map_err(|e| oneshot_error("creating the sandbox", e))?;
+            if let Some(log) = log {
                 forward_agent_log(log);
             }
-            *slot = Some(Running {
-                jail: spawned,
-                network: None,
-            });
-        }
-        drop(theirs);
+            *slot = Some(spawned);
+            ours
+        };
         let client = match Client::new(ours) {
             Ok(c) => c,
             Err(e) => {
@@ -596,9 +512,9 @@ impl Session {
         if let Some(options) = network {
             let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
             let attached = match slot.as_mut() {
-                Some(running) => JailNetwork::attach(running.jail.pid(), &options, &state_dir)
-                    .map(|n| running.network = Some(n))
-                    .map_err(|e| CliError::failed(format!("attaching the network: {}", chain(&e)))),
+                Some(running) => running
+                    .attach_network(&options)
+                    .map_err(|e| oneshot_error("attaching the network", e)),
                 None => Ok(()),
             };
             drop(slot);
@@ -742,7 +658,9 @@ pub fn run_cell(
 fn destroy(jail: &SharedJail) -> Result<(), CliError> {
     let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
     match slot.take() {
-        Some(running) => running.destroy(),
+        Some(running) => running
+            .destroy()
+            .map_err(|e| oneshot_error("destroying the sandbox", e)),
         None => Ok(()),
     }
 }
@@ -765,10 +683,10 @@ fn destroy_on_interrupt(jail: SharedJail) -> Result<(), CliError> {
             let mut slot = jail.lock().unwrap_or_else(PoisonError::into_inner);
             if let Some(running) = slot.take() {
                 if let Err(e) = running.destroy() {
-                    eprintln!("cube: {}", e.message);
+                    eprintln!("cube: destroying the sandbox: {}", chain(&e));
                 }
             }
-            std::process::exit(EXIT_INTERRUPTED);
+            std::process::exit(i32::from(EXIT_INTERRUPTED));
         })
         .map_err(|e| CliError::failed(format!("starting the interrupt watcher: {e}")))?;
     Ok(())

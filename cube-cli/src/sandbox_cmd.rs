@@ -4,16 +4,18 @@
 use std::path::Path;
 
 use clap::Subcommand;
-use cube_core::snapshot::MachineConfig;
-use cube_core::test_guest::WorkingSet;
+use cube_core::templates::{MachineConfig, WorkingSet};
+use cube_core::testing::TestGuestControl;
 use cube_core::{CreateOptions, Engine, Runtime, RuntimeConfig, SnapshotKind, HOST_TEMPLATE};
 
-use cube_core::sandbox::PortMapping;
+use cube_core::network::PortMapping;
 
+use crate::cli_error::{chain, CliError};
+use crate::files_cmd;
 use crate::net_cmd::{self, NetworkArgs, PolicyArgs};
 use crate::run_cmd::{self, CodeLanguage};
+use crate::store_cmd::store_root;
 use crate::table::{self, Table};
-use crate::{chain, files_cmd, store_root, CliError};
 
 /// What a filesystem snapshot means for the user, said wherever one is taken or used.
 const FILESYSTEM_NOTE: &str = "filesystem snapshot: files only; a rollback or clone \
@@ -407,7 +409,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                 .find(|t| t.name == template)
                 .map(|t| t.engine);
             if engine == cube_core::EngineChoice::Vm || template_engine == Some(Engine::Vm) {
-                crate::require_kvm(std::path::Path::new(crate::KVM_DEVICE))?;
+                crate::cli_error::require_kvm(std::path::Path::new(crate::cli_error::KVM_DEVICE))?;
             }
             let options = CreateOptions {
                 ephemeral: false,
@@ -455,7 +457,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
             }
             let snaps = rt.snapshots(id.as_deref())?;
             if json {
-                crate::print_json(&snaps)?;
+                crate::table::print_json(&snaps)?;
             } else {
                 let mut t = Table::new(&["ID", "SANDBOX", "ENGINE", "KIND", "CREATED"]);
                 for s in snaps {
@@ -479,7 +481,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
         SandboxCommand::Ls { id: None, json, .. } => {
             let list = rt.list()?;
             if json {
-                crate::print_json(&list)?;
+                crate::table::print_json(&list)?;
             } else {
                 let mut t = Table::new(&["ID", "ENGINE", "STATE", "CREATED", "ORIGIN", "LABELS"]);
                 for meta in list {
@@ -522,7 +524,7 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                 );
             }
             if json {
-                crate::print_json(&value)?;
+                crate::table::print_json(&value)?;
             } else {
                 let status_text = format!("{:?}", status.status).to_lowercase();
                 let mut t = Table::new(&["FIELD", "VALUE"]);

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Subcommand;
 
-use crate::{chain, store_root, CliError};
+use crate::cli_error::{chain, CliError};
 
 #[derive(Subcommand)]
 pub enum StoreCommand {
@@ -59,16 +59,16 @@ pub fn run(store: Option<&Path>, command: StoreCommand) -> Result<(), CliError> 
             let size = parse_size(&size)?;
             std::fs::create_dir_all(&root)
                 .map_err(|e| CliError::failed(format!("creating {}: {e}", root.display())))?;
-            if cube_storage::supports_reflink(&root).unwrap_or(false) {
+            if cube_core::store::supports_reflink(&root).unwrap_or(false) {
                 println!(
                     "store {} already reflinks ({})",
                     root.display(),
-                    cube_storage::filesystem_name(&root).unwrap_or_default()
+                    cube_core::store::filesystem_name(&root).unwrap_or_default()
                 );
                 return Ok(());
             }
             let mounted =
-                cube_storage::prepare_xfs_loop_store(&image, size, &root).map_err(|e| {
+                cube_core::store::prepare_xfs_loop_store(&image, size, &root).map_err(|e| {
                     CliError::failed(chain(&e))
                         .hint("run as root with xfsprogs installed (apt-get install xfsprogs)")
                 })?;
@@ -90,11 +90,11 @@ pub fn run(store: Option<&Path>, command: StoreCommand) -> Result<(), CliError> 
                 ))
                 .hint("create one with `cube store setup`, or pass --store"));
             }
-            let fs =
-                cube_storage::filesystem_name(&root).map_err(|e| CliError::failed(chain(&e)))?;
-            let reflink = cube_storage::supports_reflink(&root).unwrap_or(false);
+            let fs = cube_core::store::filesystem_name(&root)
+                .map_err(|e| CliError::failed(chain(&e)))?;
+            let reflink = cube_core::store::supports_reflink(&root).unwrap_or(false);
             if json {
-                return crate::print_json(&serde_json::json!({
+                return crate::table::print_json(&serde_json::json!({
                     "store": root,
                     "filesystem": fs,
                     "reflink": reflink,
@@ -108,5 +108,13 @@ pub fn run(store: Option<&Path>, command: StoreCommand) -> Result<(), CliError> 
             }
             Ok(())
         }
+    }
+}
+
+/// The store root chosen on the command line or by default.
+pub fn store_root(store: Option<&std::path::Path>) -> Result<std::path::PathBuf, CliError> {
+    match store {
+        Some(p) => Ok(p.to_path_buf()),
+        None => cube_core::store::Store::default_root().map_err(|e| CliError::failed(chain(&e))),
     }
 }

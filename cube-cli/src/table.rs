@@ -1,6 +1,9 @@
-//! Output for people: aligned columns, human sizes and ages. Scripts use `--json`.
+//! Output for people: aligned columns, human sizes and ages; and for scripts, the
+//! `--json` form.
 
 use std::time::{SystemTime, UNIX_EPOCH};
+
+use crate::cli_error::{chain, CliError};
 
 /// A table printed with each column as wide as its widest cell.
 pub struct Table {
@@ -104,6 +107,13 @@ pub fn labels(map: &std::collections::BTreeMap<String, String>) -> String {
         .map(|(k, v)| format!("{k}={v}"))
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// Prints a value as pretty JSON on standard output.
+pub fn print_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<(), CliError> {
+    let text = serde_json::to_string_pretty(value).map_err(|e| CliError::failed(chain(&e)))?;
+    println!("{text}");
+    Ok(())
 }
 
 #[cfg(test)]

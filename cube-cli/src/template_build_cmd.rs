@@ -4,13 +4,23 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use std::time::Duration;
+
 use clap::{Args, ValueEnum};
-use cube_core::template_build::TreeSource;
-use cube_core::template_rootfs::{DebianRootfs, BASE_PACKAGES, DEFAULT_MIRROR, DEFAULT_SUITE};
-use cube_core::Runtime;
+use cube_core::host::KernelMode;
+use cube_core::templates::{
+    locate_agent, DebianRootfs, MachineConfig, TreeSource, VmTemplateSpec, BASE_PACKAGES,
+    DEFAULT_MIRROR, DEFAULT_SUITE,
+};
+use cube_core::{ErrorKind, Runtime};
 
 use crate::build_progress::BuildProgress;
-use crate::{chain, CliError};
+use crate::cli_error::CliError;
+
+/// Default `--boot-timeout` where the guest kernel runs natively.
+const NATIVE_BOOT_TIMEOUT_S: u64 = 120;
+/// Default `--boot-timeout` where the guest kernel runs emulated (PVM hosts).
+const EMULATED_BOOT_TIMEOUT_S: u64 = 900;
 
 /// The engine a template is built for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
@@ -122,7 +132,7 @@ pub fn run(rt: &Runtime, args: &BuildArgs, store: Option<&Path>) -> Result<(), C
     let _ = store;
     match args.engine {
         BuildEngine::Jail => build_jail(rt, args),
-        BuildEngine::Vm => crate::vm_template_cmd::build_vm(rt, args),
+        BuildEngine::Vm => build_vm(rt, args),
     }
 }
 
@@ -143,7 +153,7 @@ fn build_jail(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
             args.name
         ))),
         Err(e) => {
-            let mut err = CliError::failed(chain(&e));
+            let mut err = CliError::from(e);
             if matches!(source, TreeSource::Debian(_)) {
                 err = err.hint(
                     "needs debootstrap and the Debian mirror; --from DIR uses a directory instead",
@@ -151,5 +161,44 @@ fn build_jail(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
             }
             Err(err)
         }
+    }
+}
+
+/// `cube template build --engine vm`: a Linux guest booted on an ext4 image of the
+/// tree, snapshotted once its agent answers; on a host where that cannot finish, says
+/// why at once.
+fn build_vm(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
+    let agent = locate_agent().map_err(CliError::failed)?;
+    let spec = VmTemplateSpec {
+        tree: args.tree_source(),
+        kernel: args.kernel.clone(),
+        initrd: args.initrd.clone(),
+        machine: MachineConfig {
+            vcpus: 1,
+            memory_bytes: args.memory_mib << 20,
+            irqchip: true,
+        },
+        boot_timeout: Duration::from_secs(args.boot_timeout.unwrap_or(
+            // An emulated kernel takes a minute or two to boot here; a native one,
+            // about a second.
+            match KernelMode::of_this_host() {
+                Some(KernelMode::Emulated) => EMULATED_BOOT_TIMEOUT_S,
+                _ => NATIVE_BOOT_TIMEOUT_S,
+            },
+        )),
+        agent,
+    };
+    let progress = BuildProgress::start(&format!("building VM template {}", args.name));
+    let result = rt.build_vm_template(&args.name, &spec, &mut |line| progress.line(line));
+    progress.finish();
+    match result {
+        Ok(meta) => {
+            println!("{}", meta.name);
+            Ok(())
+        }
+        Err(e) if e.kind() == ErrorKind::HostCannot => {
+            Err(CliError::from(e).hint(format!("cube template build {} --engine jail", args.name)))
+        }
+        Err(e) => Err(e.into()),
     }
 }

@@ -21,7 +21,7 @@ fn supervisor() -> PathBuf {
     let path = cube.with_file_name("cube-supervisor");
     assert!(
         path.is_file(),
-        "{} is missing: build cube-core's binaries too (cargo test --workspace does)",
+        "{} is missing: build cube-supervisor too (cargo test --workspace does)",
         path.display()
     );
     path

@@ -61,7 +61,7 @@ fn jail_skip() -> bool {
         println!("skipped: jails need root (namespaces, mounts, cgroups)");
         return true;
     }
-    if cube_jail::CgroupLayout::detect().is_err() {
+    if !cube_core::testing::cgroups_readable() {
         println!("skipped: no cgroup hierarchy is readable");
         return true;
     }
@@ -69,7 +69,7 @@ fn jail_skip() -> bool {
         let path: PathBuf = Path::new(CUBE).with_file_name(bin);
         assert!(
             path.is_file(),
-            "{} is missing: run the tests with -p cube-agent -p cube-core -p cube-cli",
+            "{} is missing: run the tests with -p cube-agent -p cube-supervisor -p cube-cli",
             path.display()
         );
     }
@@ -449,7 +449,7 @@ impl Drop for NetLab {
             .args(["link", "del", &self.uplink])
             .status();
         if !self.pool_existed {
-            if let Ok((pool, _lock)) = cube_core::supervisor::jail_network::open_pool() {
+            if let Ok((pool, _lock)) = cube_core::testing::open_pool() {
                 let _ = pool.destroy();
             }
         }
@@ -480,8 +480,8 @@ fn run_and_code_take_the_network_flags() {
         println!("skipped: iproute2 (`ip`) is missing");
         return;
     }
-    let pool = cube_core::supervisor::jail_network::pool_name().unwrap();
-    let pool_existed = cube_core::supervisor::jail_network::pool_config(&pool)
+    let pool = cube_core::testing::pool_name().unwrap();
+    let pool_existed = cube_core::testing::pool_config(&pool)
         .bpffs
         .join("cube-net")
         .join(&pool)

@@ -14,7 +14,7 @@ fn skip() -> bool {
     // SAFETY: geteuid has no failure mode.
     let reason = if unsafe { libc::geteuid() } != 0 {
         Some("jails need root (namespaces, mounts, cgroups)")
-    } else if cube_jail::CgroupLayout::detect().is_err() {
+    } else if !cube_core::testing::cgroups_readable() {
         Some("no cgroup hierarchy is readable")
     } else {
         None
@@ -34,9 +34,7 @@ fn skip_without_controller(controller: &str) -> bool {
     if skip() {
         return true;
     }
-    let has = cube_jail::CgroupLayout::detect()
-        .map(|l| l.provider(controller).is_some())
-        .unwrap_or(false);
+    let has = cube_core::testing::cgroup_controller(controller);
     if !has {
         println!("skipped: no {controller} cgroup controller on this host");
     }

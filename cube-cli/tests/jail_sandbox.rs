@@ -15,7 +15,7 @@ fn skip() -> bool {
         println!("skipped: jails need root (namespaces, mounts, cgroups)");
         return true;
     }
-    if cube_jail::CgroupLayout::detect().is_err() {
+    if !cube_core::testing::cgroups_readable() {
         println!("skipped: no cgroup hierarchy is readable");
         return true;
     }
@@ -23,7 +23,7 @@ fn skip() -> bool {
         let path: PathBuf = Path::new(CUBE).with_file_name(bin);
         assert!(
             path.is_file(),
-            "{} is missing: run the tests with -p cube-agent -p cube-core -p cube-cli",
+            "{} is missing: run the tests with -p cube-agent -p cube-supervisor -p cube-cli",
             path.display()
         );
     }
@@ -152,7 +152,7 @@ fn a_jail_sandbox_lives_across_invocations() {
 
     // The snapshot is a full one where CRIU works, else a filesystem one, and says so
     // everywhere.
-    let full = cube_jail::Criu::probe().is_ok();
+    let full = cube_core::testing::criu_works();
     let kind = if full { "full" } else { "filesystem" };
     let out = ok(s, &["sandbox", "snapshot", &id]);
     let snap = text(&out.stdout).trim().to_string();
@@ -234,4 +234,87 @@ fn a_jail_sandbox_lives_across_invocations() {
     for dir in ["sandboxes", "snapshots"] {
         assert_eq!(std::fs::read_dir(s.join(dir)).unwrap().count(), 0, "{dir}");
     }
+}
+
+/// The exit code of a failure follows its kind, also when the failure happened in the
+/// sandbox's supervisor, another process: a sandbox that is not hibernated cannot be
+/// woken (a bad state: 1), a snapshot of another sandbox is refused (a bad argument:
+/// 2), a sandbox that does not exist is not found (3), and a supervisor on a host
+/// without KVM cannot start a VM (the host cannot: 4, pointing at `cube doctor`).
+#[test]
+fn exit_codes_follow_the_kind_of_failure_across_the_supervisor() {
+    if skip() {
+        return;
+    }
+    let store = tempfile::tempdir().unwrap();
+    let s = store.path();
+    let id = text(&ok(s, &["sandbox", "create"]).stdout)
+        .trim()
+        .to_string();
+    let other = text(&ok(s, &["sandbox", "create"]).stdout)
+        .trim()
+        .to_string();
+
+    let woken = cube(s, &["sandbox", "wake", &id]);
+    assert_eq!(woken.status.code(), Some(1), "{}", text(&woken.stderr));
+    assert!(text(&woken.stderr).contains("not hibernated"));
+
+    let snap = text(&ok(s, &["sandbox", "snapshot", &other]).stdout)
+        .trim()
+        .to_string();
+    let foreign = cube(s, &["sandbox", "rollback", &id, &snap]);
+    assert_eq!(foreign.status.code(), Some(2), "{}", text(&foreign.stderr));
+    assert!(text(&foreign.stderr).contains("belongs to sandbox"));
+
+    ok(s, &["sandbox", "rm", &id, &other]);
+    let gone = cube(s, &["sandbox", "wake", &id]);
+    assert_eq!(gone.status.code(), Some(3), "{}", text(&gone.stderr));
+
+    // A supervisor that cannot see /dev/kvm (hidden in its own mount namespace): the
+    // CLI sees KVM, the supervisor reports that the host cannot run the VM.
+    let unshare_works = Command::new("unshare")
+        .args(["-m", "true"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !unshare_works || !Path::new("/dev/kvm").exists() {
+        println!("skipped (host-cannot part): unshare -m or /dev/kvm is missing");
+        return;
+    }
+    let supervisor = Path::new(CUBE).with_file_name("cube-supervisor");
+    let wrapper = s.join("no-kvm-supervisor");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexec unshare -m sh -c 'mount --bind /dev/null /dev/kvm || exit 1; \
+             exec \"$0\" \"$@\"' {} \"$@\"\n",
+            supervisor.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let out = Command::new(CUBE)
+        .arg("--store")
+        .arg(s)
+        .args([
+            "template",
+            "build-test",
+            "t",
+            "--memory-mib",
+            "128",
+            "--disk-mib",
+            "0",
+        ])
+        .env("CUBE_SUPERVISOR", &wrapper)
+        .env("CUBE_AGENT", supervisor.with_file_name("cube-agent"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(4), "{stderr}");
+    assert!(stderr.contains("needs KVM"), "{stderr}");
+    assert!(stderr.contains("cube doctor"), "{stderr}");
 }

@@ -14,7 +14,7 @@ fn skip_jail() -> bool {
         println!("skipped: jails need root (namespaces, mounts, cgroups)");
         return true;
     }
-    if cube_jail::CgroupLayout::detect().is_err() {
+    if !cube_core::testing::cgroups_readable() {
         println!("skipped: no cgroup hierarchy is readable");
         return true;
     }
@@ -22,7 +22,7 @@ fn skip_jail() -> bool {
         let path: PathBuf = Path::new(CUBE).with_file_name(bin);
         assert!(
             path.is_file(),
-            "{} is missing: run the tests with -p cube-agent -p cube-core -p cube-cli",
+            "{} is missing: run the tests with -p cube-agent -p cube-supervisor -p cube-cli",
             path.display()
         );
     }

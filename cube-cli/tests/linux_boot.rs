@@ -5,28 +5,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-/// The kernel `scripts/fetch-kernel.sh` unpacks into the store (or `$CUBE_KERNEL`).
-fn kernel() -> Option<PathBuf> {
-    let path = match std::env::var_os("CUBE_KERNEL") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            PathBuf::from(std::env::var_os("CUBE_HOME").unwrap_or_else(|| "/var/lib/cube".into()))
-                .join("kernels/debian-cloud/vmlinux")
-        }
-    };
-    if !std::path::Path::new("/dev/kvm").exists() {
-        eprintln!("skipped: /dev/kvm not present");
-        return None;
-    }
-    if !path.is_file() {
-        eprintln!(
-            "skipped: no guest kernel at {} (scripts/fetch-kernel.sh fetches one)",
-            path.display()
-        );
-        return None;
-    }
-    Some(path)
-}
+use cube_core::testing::linux_kernel as kernel;
 
 #[test]
 fn debian_kernel_prints_its_banner_and_our_memory_map() {

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use cube_core::host_caps::{HostCapabilities, KvmKind};
+use cube_core::host::{HostCapabilities, KvmKind};
 
 const CUBE: &str = env!("CARGO_BIN_EXE_cube");
 
@@ -50,7 +50,7 @@ fn assert_pvm_message(stderr: &str) {
 /// A store whose only guest kernel is (a stand-in for) Debian's: the build refuses
 /// it before reading it.
 fn store_with_debian_kernel(root: &Path) {
-    let kernels = root.join(cube_core::vm_template::DEBIAN_CLOUD_KERNEL);
+    let kernels = root.join(cube_core::templates::DEBIAN_CLOUD_KERNEL);
     std::fs::create_dir_all(&kernels).unwrap();
     std::fs::write(kernels.join("vmlinux"), b"not booted").unwrap();
     std::fs::write(kernels.join("initramfs-cube.cpio.gz"), b"not read").unwrap();
@@ -97,7 +97,7 @@ fn bench_guest_linux_records_the_skip_and_its_reason() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    if let Some(kernel) = cube_core::vm_template::cube_guest_kernel(dir.path()) {
+    if let Some(kernel) = cube_core::templates::cube_guest_kernel(dir.path()) {
         println!(
             "skipped: Cube's guest kernel is built ({}): the Linux bench runs here",
             kernel.display()

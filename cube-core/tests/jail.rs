@@ -4,18 +4,18 @@
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use cube_agent::client::Client;
 use cube_agent::protocol::{ExecRequest, Language, RequestBody};
-use cube_core::sandbox::{EngineChoice, SandboxError, SnapshotKind};
-use cube_core::supervisor::protocol::{JailStatus, MachineStatus};
 use cube_core::{
     CreateOptions, Engine, Runtime, RuntimeConfig, Sandbox, DEFAULT_PIDS_MAX, HOST_TEMPLATE,
 };
-
-const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
+use cube_core::{EngineChoice, SandboxError, SnapshotKind};
+use cube_core::{JailStatus, MachineStatus};
 
 /// Why this host cannot run jails, if it cannot.
 fn skip() -> bool {
@@ -28,7 +28,7 @@ fn skip() -> bool {
         eprintln!("skipped: no cgroup hierarchy is readable");
         return true;
     }
-    let agent = Path::new(SUPERVISOR).with_file_name("cube-agent");
+    let agent = common::supervisor().with_file_name("cube-agent");
     assert!(
         agent.is_file(),
         "{} is missing: build cube-agent first (cargo build -p cube-agent, or run the tests \
@@ -53,7 +53,7 @@ impl Env {
             store_root: root.clone(),
             pool_size,
             network_pool_size: 0,
-            supervisor: Some(PathBuf::from(SUPERVISOR)),
+            supervisor: Some(common::supervisor()),
         })
         .unwrap();
         if pool_size > 0 {
@@ -563,7 +563,8 @@ fn supervisors_without_kvm_serve_jails() {
     std::fs::write(
         &wrapper,
         format!(
-            "#!/bin/sh\nexec unshare -m sh -c '{hide}; exec \"$0\" \"$@\"' {SUPERVISOR} \"$@\"\n"
+            "#!/bin/sh\nexec unshare -m sh -c '{hide}; exec \"$0\" \"$@\"' {} \"$@\"\n",
+            common::supervisor().display()
         ),
     )
     .unwrap();
@@ -590,12 +591,14 @@ fn supervisors_without_kvm_serve_jails() {
     let err = rt
         .build_test_template(
             "vm",
-            cube_core::snapshot::MachineConfig::default(),
-            cube_core::test_guest::WorkingSet::default(),
+            cube_core::templates::MachineConfig::default(),
+            cube_core::templates::WorkingSet::default(),
             0,
         )
         .expect_err("a VM cannot start without KVM");
     let message = cube_core::error_report::chain(&err);
     assert!(message.contains("needs KVM"), "{message}");
+    // The supervisor's refusal crossed the process boundary with its kind.
+    assert_eq!(err.kind(), cube_core::ErrorKind::HostCannot, "{message}");
     drop(rt);
 }

@@ -6,15 +6,15 @@
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::time::Duration;
 
 use cube_agent::client::Client;
 use cube_agent::protocol::{ExecRequest, Language};
-use cube_core::sandbox::SnapshotKind;
+use cube_core::SnapshotKind;
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
-
-const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
 
 fn sh(client: &Client, script: &str) -> String {
     let out = client
@@ -43,7 +43,7 @@ fn without_criu_snapshots_hold_files_and_say_why() {
         store_root: dir.path().canonicalize().unwrap(),
         pool_size: 0,
         network_pool_size: 0,
-        supervisor: Some(PathBuf::from(SUPERVISOR)),
+        supervisor: Some(common::supervisor()),
     })
     .unwrap();
     let mut sb = rt.create(HOST_TEMPLATE, CreateOptions::new(false)).unwrap();

@@ -5,16 +5,16 @@
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cube_agent::client::Client;
 use cube_agent::protocol::{ExecRequest, Language};
-use cube_core::sandbox::SnapshotKind;
-use cube_core::supervisor::protocol::MachineStatus;
+use cube_core::MachineStatus;
+use cube_core::SnapshotKind;
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
-
-const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
 
 /// True (after saying why) where these tests cannot run.
 fn skip() -> bool {
@@ -50,7 +50,7 @@ impl Env {
             store_root: dir.path().canonicalize().unwrap(),
             pool_size: 0,
             network_pool_size: 0,
-            supervisor: Some(PathBuf::from(SUPERVISOR)),
+            supervisor: Some(common::supervisor()),
         })
         .unwrap();
         Env { _dir: dir, rt }

@@ -5,12 +5,12 @@
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use cube_core::{Runtime, RuntimeConfig};
-
-const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
 
 fn cmdline(pid: u32) -> String {
     std::fs::read(format!("/proc/{pid}/cmdline"))
@@ -39,7 +39,7 @@ fn pooled_runtime(root: &Path) -> Runtime {
         store_root: root.to_path_buf(),
         pool_size: 1,
         network_pool_size: 0,
-        supervisor: Some(PathBuf::from(SUPERVISOR)),
+        supervisor: Some(common::supervisor()),
     })
     .unwrap()
 }

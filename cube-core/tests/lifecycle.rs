@@ -11,8 +11,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use cube_core::snapshot::format::read_state;
-use cube_core::test_guest::Mode;
+use cube_core::testing::read_state;
+use cube_core::testing::GuestMode as Mode;
 
 const MIB: u64 = 1 << 20;
 const PAGES_PER_MIB: u64 = MIB / PAGE;
@@ -297,7 +297,7 @@ fn default_shape_sandboxes_load_into_prebuilt_vms() {
     let Some(mut env) = TestEnv::new() else {
         return;
     };
-    let spec = cube_core::snapshot::MachineConfig::default();
+    let spec = cube_core::templates::MachineConfig::default();
     env.rt()
         .build_test_template("default-shape", spec, SMALL_WORKING_SET, 0)
         .unwrap();

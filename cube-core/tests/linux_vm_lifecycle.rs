@@ -12,124 +12,22 @@
 
 #![allow(clippy::unwrap_used)] // helpers of this test file, not library code
 
-use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+mod common;
+
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cube_core::sandbox::metadata::{TemplateMeta, TEMPLATE_META, TEMPLATE_META_KIND};
-use cube_core::sandbox::{NetworkOptions, NetworkPolicy, PortMapping};
-use cube_core::snapshot::format::{MEMORY_FILE, ROOTFS_FILE, STATE_FILE};
-use cube_core::snapshot::MachineConfig;
-use cube_core::supervisor::linux_sandbox::{template_devices, CONSOLE_LOG};
-use cube_core::supervisor::protocol::MachineStatus;
-use cube_core::vm_agent::VmAgentError;
-use cube_core::vmm::linux_boot::{self, LinuxBootConfig};
-use cube_core::vstate::KvmContext;
-use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, SandboxError, SnapshotKind};
+use common::linux::{linux_kernel, runtime_with_midboot_template, MEMORY_BYTES, TEMPLATE};
+use cube_core::network::{NetworkOptions, NetworkPolicy, PortMapping};
+use cube_core::store::{SandboxDir, SnapshotDir};
+use cube_core::{CreateOptions, MachineStatus, Sandbox, SandboxError, SnapshotKind};
+use cube_supervisor::vm_agent::VmAgentError;
 
-const MEMORY_BYTES: u64 = 256 << 20;
 /// How long a guest may take to print its next console line here.
 const CONSOLE_WAIT: Duration = Duration::from_secs(60);
 
-fn kernel() -> Option<PathBuf> {
-    let path =
-        PathBuf::from(std::env::var_os("CUBE_HOME").unwrap_or_else(|| "/var/lib/cube".into()))
-            .join("kernels/debian-cloud/vmlinux");
-    if !Path::new("/dev/kvm").exists() {
-        eprintln!("skipping: /dev/kvm not present");
-        return None;
-    }
-    if !path.is_file() {
-        eprintln!(
-            "skipping: no guest kernel at {} (scripts/fetch-kernel.sh)",
-            path.display()
-        );
-        return None;
-    }
-    Some(path)
-}
-
-#[derive(Clone, Default)]
-struct Console(Arc<Mutex<String>>);
-
-impl Write for Console {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0
-            .lock()
-            .unwrap()
-            .push_str(&String::from_utf8_lossy(buf));
-        Ok(buf.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-/// A runtime on a fresh store holding template `midboot`: the kernel with a VM
-/// template's devices, snapshotted as soon as it printed its banner.
-fn runtime_with_template(kernel: PathBuf, root: &Path) -> Runtime {
-    let rt = Runtime::open(RuntimeConfig {
-        store_root: root.join("store"),
-        pool_size: 0,
-        network_pool_size: 0,
-        supervisor: Some(PathBuf::from(env!("CARGO_BIN_EXE_cube-supervisor"))),
-    })
-    .unwrap();
-    let build = root.join("build");
-    std::fs::create_dir(&build).unwrap();
-    let disk = build.join(ROOTFS_FILE);
-    std::fs::File::create(&disk)
-        .unwrap()
-        .set_len(16 << 20)
-        .unwrap();
-    let console = Console::default();
-    let machine = MachineConfig {
-        vcpus: 1,
-        memory_bytes: MEMORY_BYTES,
-        irqchip: true,
-    };
-    let mut vm = linux_boot::boot_with_devices(
-        &Arc::new(KvmContext::open().unwrap()),
-        &LinuxBootConfig {
-            kernel,
-            initrd: None,
-            cmdline: "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 nokaslr".into(),
-            memory_bytes: machine.memory_bytes,
-            vcpus: machine.vcpus,
-            cmdline_devices: false,
-            kernel_mode: cube_core::vstate::emulation::KernelMode::Native,
-        },
-        Box::new(console.clone()),
-        template_devices(&disk, &build).unwrap(),
-    )
-    .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !console.0.lock().unwrap().contains("Linux version") {
-        assert!(vm.fatal().is_none(), "{:?}", vm.fatal());
-        assert!(Instant::now() < deadline, "no banner in 120 s");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    vm.pause().unwrap();
-    let template = rt.store().template_dir("midboot").unwrap();
-    std::fs::create_dir(&template).unwrap();
-    vm.snapshot(&template, Some(&disk)).unwrap();
-    drop(vm);
-    let meta = TemplateMeta {
-        name: "midboot".into(),
-        engine: cube_core::Engine::Vm,
-        machine,
-        rootfs_bytes: 16 << 20,
-        created_unix: 0,
-        tree: None,
-        built_from: None,
-    };
-    cube_storage::write_atomic(&template.join(TEMPLATE_META), TEMPLATE_META_KIND, &meta).unwrap();
-    rt
-}
-
 fn console_len(sb: &Sandbox) -> usize {
-    std::fs::read(sb.dir().join(CONSOLE_LOG))
+    std::fs::read(SandboxDir::new(sb.dir()).console_log())
         .map(|c| c.len())
         .unwrap_or(0)
 }
@@ -164,25 +62,26 @@ fn pages_differing(a: &Path, b: &Path) -> u64 {
 
 #[test]
 fn a_running_linux_vm_sandbox_snapshots_diffs_rolls_back_clones_hibernates_and_wakes() {
-    let Some(kernel) = kernel() else { return };
+    let Some(kernel) = linux_kernel() else { return };
     let root = tempfile::tempdir().unwrap();
-    let rt = runtime_with_template(kernel, root.path());
-    let template = rt.store().template_dir("midboot").unwrap();
+    let rt = runtime_with_midboot_template(kernel, root.path());
+    let template = rt.store().template(TEMPLATE).unwrap().image();
 
-    let mut sb = rt.create("midboot", CreateOptions::new(true)).unwrap();
+    let mut sb = rt.create(TEMPLATE, CreateOptions::new(true)).unwrap();
     wait_console_past(&mut sb, 0, "the new sandbox");
     assert!(running(&mut sb));
 
     // The first snapshot: a diff against the template image it was restored from.
     let first = sb.snapshot().unwrap();
     assert_eq!(first.kind, SnapshotKind::Full);
-    let first_memory = first.dir.join(MEMORY_FILE);
+    let first_memory = SnapshotDir::new(&first.dir).memory();
     assert_eq!(
         std::fs::metadata(&first_memory).unwrap().len(),
         MEMORY_BYTES
     );
-    assert!(first.dir.join(ROOTFS_FILE).is_file() && first.dir.join(STATE_FILE).is_file());
-    let changed = pages_differing(&template.join(MEMORY_FILE), &first_memory);
+    let first_dir = SnapshotDir::new(&first.dir);
+    assert!(first_dir.rootfs().is_file() && first_dir.state().is_file());
+    let changed = pages_differing(&template.memory(), &first_memory);
     eprintln!(
         "first snapshot: {} dirty pages, {} bytes written of {MEMORY_BYTES} bytes of memory \
          ({} pages differ from the template); reflinked: {}",
@@ -198,7 +97,7 @@ fn a_running_linux_vm_sandbox_snapshots_diffs_rolls_back_clones_hibernates_and_w
     let before = console_len(&sb);
     wait_console_past(&mut sb, before, "after the first snapshot");
     let second = sb.snapshot().unwrap();
-    let changed = pages_differing(&first_memory, &second.dir.join(MEMORY_FILE));
+    let changed = pages_differing(&first_memory, &SnapshotDir::new(&second.dir).memory());
     eprintln!(
         "second snapshot: {} dirty pages, {} bytes written ({} pages differ from the first)",
         second.stats.dirty_pages, second.stats.bytes_written, changed
@@ -211,7 +110,7 @@ fn a_running_linux_vm_sandbox_snapshots_diffs_rolls_back_clones_hibernates_and_w
     // where the disk was; the device keeps its open file) leaves no snapshot behind,
     // the earlier ones as they were, and the sandbox running; the next one works.
     let first_image = std::fs::read(&first_memory).unwrap();
-    let disk = sb.dir().join(ROOTFS_FILE);
+    let disk = SandboxDir::new(sb.dir()).rootfs();
     let moved = sb.dir().join("rootfs.img.moved");
     std::fs::rename(&disk, &moved).unwrap();
     std::fs::create_dir(&disk).unwrap();
@@ -251,9 +150,9 @@ fn a_running_linux_vm_sandbox_snapshots_diffs_rolls_back_clones_hibernates_and_w
     // Hibernate: state on disk (memory as a diff), VM gone; wake goes on from there.
     sb.hibernate().unwrap();
     assert_eq!(sb.status().unwrap().status, MachineStatus::Hibernated);
-    let image = sb.dir().join("hibernate");
-    assert!(image.join(MEMORY_FILE).is_file() && image.join(STATE_FILE).is_file());
-    assert!(!sb.dir().join("vsock.sock").exists());
+    let image = SandboxDir::new(sb.dir()).hibernation();
+    assert!(image.memory().is_file() && image.state().is_file());
+    assert!(!SandboxDir::new(sb.dir()).vsock_socket().exists());
     let Err(err) = sb.snapshot() else {
         panic!("a hibernated sandbox took a snapshot");
     };
@@ -265,12 +164,12 @@ fn a_running_linux_vm_sandbox_snapshots_diffs_rolls_back_clones_hibernates_and_w
 
     // A rollback to a damaged snapshot fails and leaves the sandbox as it was: running,
     // its disk in place, its agent socket served by the same VM.
-    std::fs::write(second.dir.join(STATE_FILE), b"garbage").unwrap();
+    std::fs::write(SnapshotDir::new(&second.dir).state(), b"garbage").unwrap();
     let generation = sb.status().unwrap().generation;
     assert!(sb.rollback(&second.id).is_err());
     assert!(running(&mut sb));
     assert_eq!(sb.status().unwrap().generation, generation);
-    assert!(sb.dir().join(ROOTFS_FILE).is_file());
+    assert!(SandboxDir::new(sb.dir()).rootfs().is_file());
     assert!(!sb.dir().join("rootfs.img.rollback").exists());
     let Err(err) = sb.agent() else {
         panic!("an agent answered in a guest that never started one");
@@ -294,7 +193,7 @@ fn a_running_linux_vm_sandbox_snapshots_diffs_rolls_back_clones_hibernates_and_w
 
 /// What cube-net holds for the device `name`, from a handle of the test's own.
 fn residue(name: &str, index: u32) -> cube_net::Residue {
-    let (pool, _lock) = cube_core::supervisor::jail_network::open_pool().unwrap();
+    let (pool, _lock) = cube_core::testing::open_pool().unwrap();
     pool.residue(name, index).unwrap()
 }
 
@@ -317,21 +216,21 @@ fn holds_tap(pid: u32, name: &str) -> bool {
 
 #[test]
 fn a_linux_vm_sandbox_with_a_network_has_a_pool_tap_behind_its_nic_until_destroyed() {
-    let Some(kernel) = kernel() else { return };
+    let Some(kernel) = linux_kernel() else { return };
     // SAFETY: geteuid has no failure mode.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipping: sandbox networks need root (netlink, eBPF)");
         return;
     }
-    let pool_name = cube_core::supervisor::jail_network::pool_name().unwrap();
-    let pool_config = cube_core::supervisor::jail_network::pool_config(&pool_name);
+    let pool_name = cube_core::testing::pool_name().unwrap();
+    let pool_config = cube_core::testing::pool_config(&pool_name);
     let pool_existed = pool_config.bpffs.join("cube-net").join(&pool_name).exists();
-    if let Err(e) = cube_core::supervisor::jail_network::open_pool() {
+    if let Err(e) = cube_core::testing::open_pool() {
         eprintln!("skipping: the network datapath does not load here: {e}");
         return;
     }
     let root = tempfile::tempdir().unwrap();
-    let rt = runtime_with_template(kernel, root.path());
+    let rt = runtime_with_midboot_template(kernel, root.path());
     let options = CreateOptions {
         network: Some(NetworkOptions {
             policy: NetworkPolicy {
@@ -346,7 +245,7 @@ fn a_linux_vm_sandbox_with_a_network_has_a_pool_tap_behind_its_nic_until_destroy
         }),
         ..CreateOptions::new(true)
     };
-    let mut sb = rt.create("midboot", options).unwrap();
+    let mut sb = rt.create(TEMPLATE, options).unwrap();
     let report = sb.network().unwrap();
     let tap = report.host_ifname.clone();
     let index = ifindex(&tap).expect("the TAP exists while the sandbox lives");
@@ -398,7 +297,7 @@ fn a_linux_vm_sandbox_with_a_network_has_a_pool_tap_behind_its_nic_until_destroy
     // The pool is the host's: remove it only if this test brought it and nobody
     // else (another test run) attached a device meanwhile.
     if !pool_existed {
-        if let Ok((pool, _lock)) = cube_core::supervisor::jail_network::open_pool() {
+        if let Ok((pool, _lock)) = cube_core::testing::open_pool() {
             if pool.attached().unwrap().is_empty() {
                 pool.destroy().unwrap();
             }

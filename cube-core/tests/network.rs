@@ -11,6 +11,8 @@
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
@@ -19,11 +21,10 @@ use std::time::{Duration, Instant};
 
 use cube_agent::client::Client;
 use cube_agent::protocol::{ExecRequest, RequestBody};
-use cube_core::sandbox::{NetworkOptions, NetworkPolicy, PortMapping};
-use cube_core::supervisor::jail_network::{open_pool, pool_config, pool_name};
+use cube_core::network::{NetworkOptions, NetworkPolicy, PortMapping};
+use cube_core::testing::{open_pool, pool_config, pool_name};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
 
-const SUPERVISOR: &str = env!("CARGO_BIN_EXE_cube-supervisor");
 const HOST_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
 const OUT_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
 const FAR_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
@@ -38,7 +39,7 @@ fn skip() -> bool {
         eprintln!("skipping: no cgroup hierarchy is readable");
         return true;
     }
-    if !Path::new(SUPERVISOR).with_file_name("cube-agent").is_file() {
+    if !common::supervisor().with_file_name("cube-agent").is_file() {
         panic!("cube-agent is missing: cargo build -p cube-agent first");
     }
     if Command::new("ip").arg("-V").output().is_err() {
@@ -175,7 +176,7 @@ impl Lab {
             store_root: self.store_root.clone(),
             pool_size: 0,
             network_pool_size: 0,
-            supervisor: Some(PathBuf::from(SUPERVISOR)),
+            supervisor: Some(common::supervisor()),
         })
         .unwrap()
     }
@@ -546,9 +547,10 @@ fn wait_gone(name: &str) {
 
 #[test]
 fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_is_reclaimed() {
-    use cube_core::supervisor::pool::spawn_supervisor_warm;
-    use cube_core::supervisor::server::WarmFor;
-    use cube_core::supervisor::{Request, Settings, Source, SupervisorClient};
+    use cube_supervisor::client::SupervisorClient;
+    use cube_supervisor::pool::spawn_supervisor_warm;
+    use cube_supervisor::protocol::{Request, Settings, Source};
+    use cube_supervisor::server::WarmFor;
 
     if skip() {
         return;
@@ -560,7 +562,7 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
         store_root: lab.store_root.clone(),
         pool_size: 1,
         network_pool_size: 1,
-        supervisor: Some(PathBuf::from(SUPERVISOR)),
+        supervisor: Some(common::supervisor()),
     })
     .unwrap();
 
@@ -687,7 +689,7 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
     std::fs::create_dir_all(&scratch).unwrap();
     let known = pool_devices(&lab.pool);
     let idle =
-        spawn_supervisor_warm(Path::new(SUPERVISOR), Some(&scratch), WarmFor::Jail, true).unwrap();
+        spawn_supervisor_warm(&common::supervisor(), Some(&scratch), WarmFor::Jail, true).unwrap();
     let ahead = new_device(&lab.pool, &known);
     let index = ifindex(&ahead).unwrap();
     let dir = lab.store_root.join("by-hand");
@@ -695,7 +697,7 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
     let mut client = SupervisorClient::from_stream(idle.stream).unwrap();
     client
         .call_ok(&Request::Adopt {
-            version: cube_core::supervisor::protocol::PROTOCOL_VERSION,
+            version: cube_supervisor::protocol::PROTOCOL_VERSION,
             id: "sb-byhand".into(),
             dir: dir.clone(),
             source: Source::Jail { layer: None },
@@ -705,10 +707,8 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
         .unwrap();
     assert!(ifindex(&ahead).is_none(), "{ahead} still on the host");
     let agent = Client::new(
-        cube_core::supervisor::jail_sandbox::connect_agent(
-            &dir.join(cube_core::supervisor::jail_sandbox::AGENT_SOCKET),
-        )
-        .unwrap(),
+        cube_core::connect_jail_agent(&cube_core::store::SandboxDir::new(&dir).agent_socket())
+            .unwrap(),
     )
     .unwrap();
     assert_eq!(interfaces_inside(&agent), "['lo']");
@@ -725,7 +725,7 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
 #[test]
 fn networked_jails_take_full_state_snapshots_and_come_back_with_their_network() {
     use cube_agent::protocol::Language;
-    use cube_core::sandbox::SnapshotKind;
+    use cube_core::SnapshotKind;
 
     if skip() {
         return;

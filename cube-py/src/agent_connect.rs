@@ -33,7 +33,7 @@ pub fn connect(py: Python<'_>, socket: PathBuf) -> PyResult<Client> {
             let deadline = Instant::now() + RESTART_WAIT;
             loop {
                 // Resolved inside the sandbox's root: its code can replace the socket.
-                let connected = cube_core::supervisor::jail_sandbox::connect_agent(&socket)
+                let connected = cube_core::connect_jail_agent(&socket)
                     .map_err(ClientError::Connect)
                     .and_then(Client::new);
                 match connected {

@@ -7,8 +7,8 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use cube_core::sandbox::{Engine, EngineChoice, SandboxMeta, SnapshotKind, HOST_TEMPLATE};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, SandboxError};
+use cube_core::{EngineChoice, SandboxMeta, SnapshotKind, HOST_TEMPLATE};
 
 /// Supervisors a Python process keeps started and ready: one hides process start-up
 /// from the next create without leaving many idle processes per interpreter.
@@ -54,7 +54,7 @@ pub struct CreateRequest {
     /// The sandbox is destroyed after this long.
     pub lifetime: Option<Duration>,
     /// Its network; None: loopback only.
-    pub network: Option<cube_core::sandbox::NetworkOptions>,
+    pub network: Option<cube_core::network::NetworkOptions>,
     /// Memory limit of a jail sandbox, MiB.
     pub memory_mib: Option<u64>,
     /// CPU limit of a jail sandbox, thousandths of a core.
@@ -154,11 +154,8 @@ pub fn engine_of(sandbox: &Sandbox) -> String {
 /// what `Sandbox::agent` connects to. The module connects itself, on a thread it can
 /// abandon, because that handshake has no timeout (see `agent_connect`).
 pub fn agent_socket(sandbox: &Sandbox) -> Option<PathBuf> {
-    (sandbox.engine() == Engine::Jail).then(|| sandbox.dir().join(AGENT_SOCKET))
+    sandbox.agent_socket()
 }
-
-/// The agent's socket in a jail sandbox's directory.
-const AGENT_SOCKET: &str = "agent.sock";
 
 /// A snapshot as Python sees it.
 pub struct SnapshotSummary {

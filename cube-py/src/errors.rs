@@ -7,7 +7,7 @@
 use cube_agent::client::ClientError;
 use cube_agent::protocol::ErrorCode;
 use cube_core::error_report::chain;
-use cube_core::SandboxError;
+use cube_core::{ErrorKind, SandboxError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
@@ -41,20 +41,41 @@ pub fn raise_with(class: &str, message: String, attributes: &[(&str, Py<PyAny>)]
     })
 }
 
-/// The exception for a failed sandbox operation.
+/// The exception for a failed sandbox operation: its class follows the failure's kind
+/// (the same whether it failed here or in the sandbox's supervisor), never its message;
+/// the kind is also on the exception as `kind`.
 pub fn sandbox_error(err: SandboxError) -> PyErr {
     let message = chain(&err);
-    let class = match &err {
-        SandboxError::UnknownSandbox(_) => "SandboxNotFound",
-        SandboxError::UnknownTemplate(_) => "TemplateNotFound",
-        SandboxError::UnknownSnapshot(_) => "SnapshotNotFound",
-        SandboxError::NotOwner { .. }
-        | SandboxError::EngineMismatch { .. }
-        | SandboxError::BuiltInTemplate(_) => "InvalidArgument",
-        SandboxError::Pool(_) | SandboxError::NoAgent(_) => "EngineUnavailable",
-        _ => "SandboxError",
+    let kind = err.kind();
+    let class = match kind {
+        ErrorKind::NotFound => match &err {
+            SandboxError::UnknownTemplate(_) => "TemplateNotFound",
+            SandboxError::UnknownSnapshot(_) => "SnapshotNotFound",
+            // An unknown id, or a sandbox whose supervisor no longer answers.
+            SandboxError::UnknownSandbox(_) | SandboxError::Supervisor { .. } => "SandboxNotFound",
+            _ => "NotFound",
+        },
+        ErrorKind::AlreadyExists => "AlreadyExists",
+        ErrorKind::Busy => "InUse",
+        ErrorKind::BadState => "InvalidState",
+        ErrorKind::InvalidArgument => "InvalidArgument",
+        ErrorKind::Unsupported | ErrorKind::HostCannot => "EngineUnavailable",
+        ErrorKind::SnapshotFailed => "SnapshotError",
+        ErrorKind::Timeout => "TimeoutError",
+        ErrorKind::Internal => "SandboxError",
     };
-    raise(class, message)
+    raise_of_kind(class, message, kind)
+}
+
+/// An exception of class `class` with `message`, carrying `kind` as its `kind`.
+pub fn raise_of_kind(class: &str, message: String, kind: ErrorKind) -> PyErr {
+    let kind = Python::attach(|py| PyString::new(py, &kind_name(kind)).into_any().unbind());
+    raise_with(class, message, &[("kind", kind)])
+}
+
+/// The kind as Python sees it: `not_found`, `bad_state`, `host_cannot`...
+fn kind_name(kind: ErrorKind) -> String {
+    kind.to_string().replace(' ', "_")
 }
 
 /// The exception for a failed request to a sandbox's agent.

@@ -30,7 +30,7 @@ mod _native {
     use pyo3::types::PyDict;
 
     use crate::engine::{self, CreateRequest, EngineName};
-    use crate::errors::{raise, sandbox_error};
+    use crate::errors::{raise, raise_of_kind, sandbox_error};
     use crate::interrupt::seconds;
 
     #[pymodule_export]
@@ -104,9 +104,10 @@ mod _native {
             })
             .map_err(|e| match e {
                 // The record exists but nothing answers: the sandbox is gone.
-                cube_core::SandboxError::Supervisor { .. } => raise(
+                cube_core::SandboxError::Supervisor { .. } => raise_of_kind(
                     "SandboxNotFound",
                     format!("sandbox {id} is not running (its supervisor does not answer)"),
+                    cube_core::ErrorKind::NotFound,
                 ),
                 other => sandbox_error(other),
             })?;

@@ -1,7 +1,7 @@
 //! Sandbox networking from Python: the create arguments (`network`, `internet`,
 //! `allow_out`, `deny_out`, `expose`) and `sb.network`'s calls, as dicts.
 
-use cube_core::sandbox::{NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
+use cube_core::network::{NetworkOptions, NetworkPolicy, NetworkReport, PortMapping};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 

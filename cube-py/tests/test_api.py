@@ -49,6 +49,11 @@ def test_exceptions_derive_from_cube_error_and_the_matching_builtin() -> None:
     assert issubclass(cubesandbox.CommandExitError, cubesandbox.CommandError)
     assert issubclass(cubesandbox.InvalidArgument, ValueError)
     assert issubclass(cubesandbox.ConnectionLost, cubesandbox.SandboxError)
+    assert issubclass(cubesandbox.SandboxNotFound, cubesandbox.NotFound)
+    assert issubclass(cubesandbox.NotFound, LookupError)
+    assert issubclass(cubesandbox.InvalidState, cubesandbox.SandboxError)
+    assert issubclass(cubesandbox.SnapshotError, cubesandbox.SandboxError)
+    assert cubesandbox.CubeError("x").kind is None
 
 
 def test_an_unknown_engine_is_rejected_by_name() -> None:

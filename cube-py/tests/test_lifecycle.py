@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import threading
 import time
+from pathlib import Path
 from typing import List
 
 import pytest
@@ -45,12 +48,44 @@ def test_a_snapshot_of_another_sandbox_is_refused(sandbox: Sandbox) -> None:
     other = new_sandbox()
     try:
         snap = other.create_snapshot()
-        with pytest.raises(cubesandbox.CubeError):
+        with pytest.raises(cubesandbox.InvalidArgument) as refused:
             sandbox.rollback(snap)
+        assert refused.value.kind == "invalid_argument"
     finally:
         other.kill()
     with pytest.raises(cubesandbox.SnapshotNotFound):
         sandbox.rollback("snap-doesnotexist")
+
+
+def test_failures_raise_the_class_of_their_kind(sandbox: Sandbox) -> None:
+    # The supervisor refuses to wake a running sandbox: a bad state, as a class and a
+    # kind, though the refusal crossed a process boundary.
+    with pytest.raises(cubesandbox.InvalidState) as bad_state:
+        sandbox.wake()
+    assert bad_state.value.kind == "bad_state"
+    assert isinstance(bad_state.value, cubesandbox.SandboxError)
+    # Names that exist nowhere.
+    with pytest.raises(cubesandbox.SandboxNotFound) as missing:
+        Sandbox.connect("sb-0000000000000000")
+    assert missing.value.kind == "not_found"
+    assert isinstance(missing.value, cubesandbox.NotFound)
+    # A snapshot whose files are gone (only its record is left): the rollback fails
+    # in the supervisor as a snapshot failure, and the sandbox runs on.
+    store = os.environ.get("CUBE_HOME")
+    if store is None:
+        pytest.skip("skipping: the store is not named by $CUBE_HOME")
+    snap = sandbox.create_snapshot()
+    snap_dir = Path(store) / "snapshots" / snap.id
+    for entry in snap_dir.iterdir():
+        if entry.name != "snapshot.meta":
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+    with pytest.raises(cubesandbox.SnapshotError) as failed:
+        sandbox.rollback(snap)
+    assert failed.value.kind == "snapshot_failed"
+    assert sandbox.commands.run("echo still here").stdout == "still here\n"
 
 
 def test_clones_start_from_the_parent_and_diverge(sandbox: Sandbox) -> None:

@@ -5,13 +5,20 @@
 //! - [`metadata`]: small state files in a checksummed envelope, replaced atomically.
 //! - [`store`]: the on-disk layout of templates, snapshots and sandboxes, with
 //!   staging directories that appear in place atomically or not at all.
+//! - [`layout`]: every file and directory name inside a sandbox, snapshot and
+//!   template directory ([`SandboxDir`], [`SnapshotDir`], [`TemplateDir`]).
+//! - [`durable_marker`]: the boot-id marker that says a snapshot written to the page
+//!   cache reached the disk, and the check that refuses one from an earlier boot
+//!   without it.
 //! - [`loop_store`]: a reflink-capable XFS filesystem on a loop device, for hosts
 //!   whose root filesystem (ext4) cannot reflink.
 //!
-//! This crate knows nothing about KVM or sandboxes' contents: it moves bytes and
-//! directories safely and cheaply.
+//! This crate knows nothing about KVM or engines: it moves bytes and directories
+//! safely and cheaply, and names the files the engines keep in them.
 
 pub mod durability;
+pub mod durable_marker;
+pub mod layout;
 pub mod loop_store;
 pub mod metadata;
 pub mod reflink;
@@ -21,6 +28,8 @@ mod random_id;
 mod removal_guard;
 
 pub use durability::Durability;
+pub use durable_marker::DurabilityError;
+pub use layout::{SandboxDir, SnapshotDir, TemplateDir};
 pub use loop_store::{is_mountpoint, prepare_xfs_loop_store, LoopStore, LoopStoreError};
 pub use metadata::{
     decode_envelope, encode_envelope, read_verified, read_verified_bytes, write_atomic,

@@ -22,6 +22,7 @@ use std::time::{Duration, SystemTime};
 use nix::errno::Errno;
 use nix::fcntl::{renameat2, RenameFlags, AT_FDCWD};
 
+use crate::layout::{SandboxDir, SnapshotDir, TemplateDir};
 use crate::random_id::random_hex;
 use crate::reflink::{self, CloneError};
 
@@ -240,6 +241,41 @@ impl Store {
         self.entry_dir(Category::Sandbox, id)
     }
 
+    /// The layout of template `name`'s directory (which need not exist yet).
+    pub fn template(&self, name: &str) -> Result<TemplateDir, StoreError> {
+        self.template_dir(name).map(TemplateDir::new)
+    }
+
+    /// The layout of snapshot `id`'s directory (which need not exist yet).
+    pub fn snapshot(&self, id: &str) -> Result<SnapshotDir, StoreError> {
+        self.snapshot_dir(id).map(SnapshotDir::new)
+    }
+
+    /// The layout of sandbox `id`'s directory (which need not exist yet).
+    pub fn sandbox(&self, id: &str) -> Result<SandboxDir, StoreError> {
+        self.sandbox_dir(id).map(SandboxDir::new)
+    }
+
+    /// Removes sandbox `id`'s directory and every snapshot whose record names it as
+    /// owner. A directory already gone is not an error.
+    pub fn remove_sandbox_files(&self, id: &str) -> Result<(), StoreError> {
+        let dir = self.sandbox_dir(id)?;
+        for snap in self.list_snapshots()? {
+            let snapshot = self.snapshot(&snap)?;
+            if snapshot.owner().as_deref() == Some(id) {
+                fs::remove_dir_all(&snapshot).map_err(|source| StoreError::Remove {
+                    path: snapshot.into_path(),
+                    source,
+                })?;
+            }
+        }
+        match fs::remove_dir_all(&dir) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(source) => Err(StoreError::Remove { path: dir, source }),
+        }
+    }
+
     /// Creates a fresh, private directory under `tmp/` to build an entry in.
     ///
     /// It is deleted when the guard drops, unless [`StagingDir::commit`] moved it
@@ -357,8 +393,21 @@ impl Store {
             .map_err(|source| StoreError::ReflinkProbe { source })
     }
 
-    fn tmp_dir(&self) -> PathBuf {
-        self.root.join(TMP_DIR)
+    /// The scratch directory (`tmp/`), on the same filesystem as every entry: staging
+    /// and removal happen here.
+    pub fn tmp_dir(&self) -> PathBuf {
+        Self::tmp_dir_at(&self.root)
+    }
+
+    /// The scratch directory of the store rooted at `root`, for a caller that needs
+    /// scratch space on the store's filesystem without opening (or creating) the store.
+    pub fn tmp_dir_at(root: &Path) -> PathBuf {
+        root.join(TMP_DIR)
+    }
+
+    /// Where snapshot `id` is written before it is renamed into place.
+    pub fn snapshot_staging(&self, id: &str) -> PathBuf {
+        self.tmp_dir().join(format!("{id}.staging"))
     }
 
     fn entry_dir(&self, category: Category, name: &str) -> Result<PathBuf, StoreError> {

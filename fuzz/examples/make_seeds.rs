@@ -11,13 +11,15 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use cube_core::snapshot::format::{STATE_FILE, STATE_KIND};
-use cube_core::snapshot::MachineConfig;
-use cube_core::supervisor::protocol::{write_frame, MachineStatus, Source, StatusReport};
-use cube_core::supervisor::{Request, Response};
-use cube_core::test_guest::WorkingSet;
-use cube_core::vmm::machine::{Machine, SnapshotStats};
-use cube_core::vstate::KvmContext;
+use cube_storage::SnapshotDir;
+use cube_vmm::persist::state::STATE_KIND;
+use cube_vmm::persist::MachineConfig;
+use cube_supervisor::protocol::{write_frame, MachineStatus, Source, StatusReport};
+use cube_supervisor::protocol::{Request, Response};
+use cube_vmm::persist::WorkingSet;
+use cube_vmm::persist::SnapshotStats;
+use cube_vmm::test_guest::Machine;
+use cube_vmm::vstate::KvmContext;
 
 type Error = Box<dyn std::error::Error>;
 
@@ -44,12 +46,12 @@ fn state_file(ctx: &Arc<KvmContext>, irqchip: bool) -> Result<Vec<u8>, Error> {
     let dir = tempfile::tempdir()?;
     machine.snapshot(dir.path())?;
     drop(machine);
-    Ok(std::fs::read(dir.path().join(STATE_FILE))?)
+    Ok(std::fs::read(SnapshotDir::new(dir.path()).state())?)
 }
 
 /// The saved state of a fresh virtio-rng behind its transport.
-fn rng_record() -> Result<cube_core::snapshot::format::DeviceRecord, Error> {
-    use cube_core::devices::virtio::interrupt::{InterruptError, InterruptLine};
+fn rng_record() -> Result<cube_devices::records::DeviceRecord, Error> {
+    use cube_devices::virtio::interrupt::{InterruptError, InterruptLine};
     struct NoLine;
     impl InterruptLine for NoLine {
         fn raise(&self) -> Result<(), InterruptError> {
@@ -59,17 +61,17 @@ fn rng_record() -> Result<cube_core::snapshot::format::DeviceRecord, Error> {
             Ok(())
         }
     }
-    let memory = cube_core::devices::virtio::VirtioMemory::from_ranges(&[(
+    let memory = cube_devices::virtio::VirtioMemory::from_ranges(&[(
         vm_memory::GuestAddress(0),
         1 << 20,
     )])?;
-    let transport = cube_core::devices::virtio::mmio::MmioTransport::new(
-        Box::new(cube_core::devices::virtio::rng::Rng::new()),
+    let transport = cube_devices::virtio::mmio::MmioTransport::new(
+        Box::new(cube_devices::virtio::rng::Rng::new()),
         memory,
         Arc::new(NoLine),
     );
-    Ok(cube_core::snapshot::format::DeviceRecord {
-        kind: cube_core::snapshot::format::DeviceKind::Rng,
+    Ok(cube_devices::records::DeviceRecord {
+        kind: cube_devices::records::DeviceKind::Rng,
         state: transport.save(),
     })
 }
@@ -91,7 +93,7 @@ fn main() -> Result<(), Error> {
         for (irqchip, name) in [(true, "irqchip"), (false, "no-irqchip")] {
             let file = state_file(&ctx, irqchip)?;
             // A seed the decoder refuses would start the fuzzer at the first check.
-            cube_core::snapshot::format::decode_file_bytes(&file)?;
+            cube_vmm::persist::state::decode_file_bytes(&file)?;
             let payload = cube_storage::decode_envelope(&file, STATE_KIND)?;
             write(&snapshot_seeds, &format!("file-1vcpu-{name}.bin"), &file)?;
             write(
@@ -103,11 +105,11 @@ fn main() -> Result<(), Error> {
         // A Linux guest's state with a virtio device record (the shape LinuxVm writes;
         // the test guest's KVM state stands in for the kernel's).
         let file = state_file(&ctx, true)?;
-        let mut state = cube_core::snapshot::format::decode_file_bytes(&file)?;
-        state.guest = cube_core::snapshot::GuestKind::Linux;
+        let mut state = cube_vmm::persist::state::decode_file_bytes(&file)?;
+        state.guest = cube_vmm::persist::GuestKind::Linux;
         state.devices = vec![rng_record()?];
-        let payload = cube_core::snapshot::format::encode(&state)?;
-        cube_core::snapshot::format::decode(&payload)?;
+        let payload = cube_vmm::persist::state::encode(&state)?;
+        cube_vmm::persist::state::decode(&payload)?;
         write(&snapshot_seeds, "payload-linux-rng.bin", &payload)?;
         write(
             &snapshot_seeds,
@@ -123,7 +125,7 @@ fn main() -> Result<(), Error> {
     let config = MachineConfig::default();
     let requests = [
         Request::Adopt {
-            version: cube_core::supervisor::protocol::PROTOCOL_VERSION,
+            version: cube_supervisor::protocol::PROTOCOL_VERSION,
             id: "sb-0123456789abcdef".into(),
             dir: "/var/lib/cube/sandboxes/sb-0123456789abcdef".into(),
             source: Source::Snapshot("/var/lib/cube/templates/base".into()),
@@ -131,12 +133,12 @@ fn main() -> Result<(), Error> {
             settings: Default::default(),
         },
         Request::Adopt {
-            version: cube_core::supervisor::protocol::PROTOCOL_VERSION,
+            version: cube_supervisor::protocol::PROTOCOL_VERSION,
             id: "sb-0123456789abcdee".into(),
             dir: "/var/lib/cube/sandboxes/sb-0123456789abcdee".into(),
             source: Source::Jail { layer: None },
             ephemeral: false,
-            settings: cube_core::supervisor::Settings {
+            settings: cube_supervisor::protocol::Settings {
                 env: vec![("A".into(), "1".into())],
                 memory_mib: Some(256),
                 cpu_millis: Some(500),
@@ -145,7 +147,7 @@ fn main() -> Result<(), Error> {
             },
         },
         Request::Adopt {
-            version: cube_core::supervisor::protocol::PROTOCOL_VERSION,
+            version: cube_supervisor::protocol::PROTOCOL_VERSION,
             id: "sb-1".into(),
             dir: "/tmp/sb-1".into(),
             source: Source::BootTestGuest {
@@ -190,7 +192,7 @@ fn main() -> Result<(), Error> {
             guest_error: false,
             config: Some(config),
             rss_kib: 20_480,
-            engine: cube_core::sandbox::Engine::Vm,
+            engine: cube_supervisor::records::Engine::Vm,
             jail: None,
         }),
         Response::Status(StatusReport {
@@ -201,7 +203,7 @@ fn main() -> Result<(), Error> {
             guest_error: true,
             config: None,
             rss_kib: 0,
-            engine: cube_core::sandbox::Engine::Jail,
+            engine: cube_supervisor::records::Engine::Jail,
             jail: None,
         }),
         Response::Snapshot {
@@ -210,11 +212,13 @@ fn main() -> Result<(), Error> {
                 bytes_written: 16 << 20,
                 reflinked: true,
             },
-            kind: cube_core::sandbox::SnapshotKind::Full,
+            kind: cube_supervisor::records::SnapshotKind::Full,
         },
         Response::Memory(vec![0xab; 64]),
         Response::Digest(vec![0xdead_beef, 0x0123_4567]),
-        Response::Error("sandbox is not hibernated".into()),
+        Response::Error(cube_supervisor::protocol::Failure::bad_state(
+            "sandbox is not hibernated",
+        )),
     ];
     let frame_seeds = seeds.join("supervisor_frame");
     write(&frame_seeds, "requests.bin", &frames(&requests)?)?;

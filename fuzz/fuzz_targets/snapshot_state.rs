@@ -8,7 +8,7 @@
 
 #![no_main]
 
-use cube_core::snapshot::format::{decode, decode_file_bytes, encode, STATE_KIND};
+use cube_vmm::persist::state::{decode, decode_file_bytes, encode, STATE_KIND};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

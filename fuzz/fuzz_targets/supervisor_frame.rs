@@ -11,8 +11,8 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use cube_core::supervisor::protocol::{read_frame, write_frame, MAX_FRAME};
-use cube_core::supervisor::{Request, Response};
+use cube_supervisor::protocol::{read_frame, write_frame, MAX_FRAME};
+use cube_supervisor::protocol::{Request, Response};
 use libfuzzer_sys::fuzz_target;
 use serde::de::DeserializeOwned;
 use serde::Serialize;

@@ -4,7 +4,7 @@
 //! chain no longer than the queue.
 #![no_main]
 
-use cube_core::devices::virtio::queue::{parse_chain, QueueLayout};
+use cube_devices::virtio::queue::{parse_chain, QueueLayout};
 use libfuzzer_sys::fuzz_target;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 

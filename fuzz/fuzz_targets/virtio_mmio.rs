@@ -11,13 +11,13 @@
 
 use std::sync::{Arc, OnceLock};
 
-use cube_core::devices::virtio::block::{Block, BlockOptions};
-use cube_core::devices::virtio::device::VirtioDevice;
-use cube_core::devices::virtio::interrupt::{InterruptError, InterruptLine};
-use cube_core::devices::virtio::mmio::MmioTransport;
-use cube_core::devices::virtio::rng::Rng;
-use cube_core::devices::virtio::vsock::Vsock;
-use cube_core::devices::virtio::VirtioMemory;
+use cube_devices::virtio::block::{Block, BlockOptions};
+use cube_devices::virtio::device::VirtioDevice;
+use cube_devices::virtio::interrupt::{InterruptError, InterruptLine};
+use cube_devices::virtio::mmio::MmioTransport;
+use cube_devices::virtio::rng::Rng;
+use cube_devices::virtio::vsock::Vsock;
+use cube_devices::virtio::VirtioMemory;
 use libfuzzer_sys::fuzz_target;
 use vm_memory::{Bytes, GuestAddress};
 
@@ -59,7 +59,7 @@ fn device(kind: u8) -> Box<dyn VirtioDevice> {
             )
             .expect("the disk opens"),
         ),
-        _ => Box::new(Vsock::new(3, dir).expect("the vsock device starts")),
+        _ => Box::new(Vsock::new(3, &dir.join("vsock.sock")).expect("the vsock device starts")),
     }
 }
 

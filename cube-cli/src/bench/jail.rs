@@ -9,13 +9,14 @@ use std::time::{Duration, Instant};
 
 use cube_agent::client::Client;
 use cube_agent::protocol::{ExecRequest, Language};
+use cube_core::oneshot::{OneShotJail, OneShotOptions};
+use cube_core::store::{filesystem_name, supports_reflink};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
-use cube_jail::{Jail, JailConfig, ReadOnlyBind};
 use serde::Serialize;
 
+use super::report::{failed, progress, progress_done, CloneRow, CreateRow, Target};
 use super::stats::{percentiles_ms, round2};
-use super::{failed, progress, CloneRow, CreateRow, Target};
-use crate::CliError;
+use crate::cli_error::CliError;
 
 #[derive(Serialize)]
 struct SnapshotRow {
@@ -140,7 +141,7 @@ pub fn run(root: &Path, repeats: usize, json: bool) -> Result<(), CliError> {
         supervisor: None,
     })?;
     let report = measure(root, &pooled, &unpooled, repeats)?;
-    super::progress_done();
+    progress_done();
     if json {
         println!("{}", serde_json::to_string_pretty(&report).map_err(failed)?);
     } else {
@@ -416,8 +417,8 @@ fn measure(
         engine: "jail",
         vcpus: None,
         memory_mib: None,
-        store_filesystem: cube_storage::filesystem_name(root).unwrap_or_default(),
-        reflink: cube_storage::supports_reflink(root).unwrap_or(false),
+        store_filesystem: filesystem_name(root).unwrap_or_default(),
+        reflink: supports_reflink(root).unwrap_or(false),
         create_from_template: create_rows,
         create_vs_guest_size: Vec::new(),
         snapshot_vs_dirty: snapshot_rows,
@@ -571,29 +572,12 @@ fn time_command(command: &mut Command) -> Result<Duration, CliError> {
     Ok(elapsed)
 }
 
-/// The path `cube run` took before it used the Sandbox API: cube-jail in this
-/// process, the agent on one end of a socket pair, `true` through it, destroy. Returns
-/// the whole and the destroy's share.
+/// The path `cube code` takes: a one-shot jail in this process (no supervisor), the
+/// agent on one end of a socket pair, `true` through it, destroy. Returns the whole
+/// and the destroy's share.
 fn direct_true(root: &Path) -> Result<(Duration, Duration), CliError> {
-    use std::os::fd::AsFd;
-    let agent = std::env::current_exe()
-        .map_err(failed)?
-        .with_file_name("cube-agent");
     let start = Instant::now();
-    let name = format!("bench-direct-{}", std::process::id());
-    let mut config = JailConfig::new(&name, root.join("tmp").join(&name));
-    config.binds.push(ReadOnlyBind {
-        source: agent,
-        target: "/.cube/cube-agent".into(),
-    });
-    let (ours, theirs) = std::os::unix::net::UnixStream::pair().map_err(failed)?;
-    let jail = Jail::spawn_with_fds(
-        &config,
-        &["/.cube/cube-agent", "--fd", "3"],
-        &[(theirs.as_fd(), 3)],
-    )
-    .map_err(failed)?;
-    drop(theirs);
+    let (jail, ours, _) = OneShotJail::serve(&OneShotOptions::new(root), false).map_err(failed)?;
     let client = Client::new(ours).map_err(failed)?;
     exec_true(&client)?;
     drop(client);

@@ -7,15 +7,16 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use cube_core::host_caps::{HostCapabilities, KvmKind};
-use cube_core::snapshot::MachineConfig;
-use cube_core::template_build::TreeSource;
-use cube_core::vm_template::{cube_guest_kernel, VmTemplateSpec, PVM_STOCK_KERNEL};
+use cube_core::host::{HostCapabilities, KvmKind};
+use cube_core::templates::{
+    cube_guest_kernel, locate_agent, MachineConfig, TreeSource, VmTemplateSpec, PVM_STOCK_KERNEL,
+};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig};
 use serde::Serialize;
 
+use super::report::progress;
 use super::stats::{percentiles_ms, round2};
-use crate::{chain, CliError};
+use crate::cli_error::{chain, CliError};
 
 /// What `--guest linux` reports.
 #[derive(Serialize)]
@@ -88,10 +89,10 @@ fn measure(
         supervisor: None,
     })
     .map_err(CliError::from)?;
-    let agent = cube_core::supervisor::jail_sandbox::locate_agent().map_err(CliError::failed)?;
+    let agent = locate_agent().map_err(CliError::failed)?;
     let empty = tempfile_dir(root)?;
     let name = format!("bench-linux-{}", std::process::id());
-    super::progress(&format!("building Linux VM template {name}"));
+    progress(&format!("building Linux VM template {name}"));
     let spec = VmTemplateSpec {
         tree: TreeSource::Directory(empty.clone()),
         kernel: kernel.map(Path::to_path_buf),
@@ -140,8 +141,7 @@ fn measure(
 /// An empty directory in the store's scratch area: the tree of a template whose
 /// guest runs the agent from Cube's initramfs.
 fn tempfile_dir(root: &Path) -> Result<std::path::PathBuf, CliError> {
-    let dir = root
-        .join("tmp")
+    let dir = cube_core::store::Store::tmp_dir_at(root)
         .join(format!("bench-linux-tree-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| CliError::failed(chain(&e)))?;

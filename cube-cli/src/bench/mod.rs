@@ -1,10 +1,10 @@
 //! `cube bench`: CubeSandbox's benchmark tables, reproduced on this host with Cube's
 //! test guest, next to floors measured in the same run.
 
-mod floor;
 mod jail;
 mod linux_guest;
 mod network;
+mod report;
 mod stats;
 
 use std::path::Path;
@@ -12,11 +12,14 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use cube_core::snapshot::MachineConfig;
-use cube_core::test_guest::WorkingSet;
+use cube_core::store::{filesystem_name, supports_reflink, SnapshotDir};
+use cube_core::templates::{MachineConfig, WorkingSet};
+use cube_core::testing::{floor, max_dirty_mib, TestGuestControl};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox};
 
-use crate::{chain, store_root, CliError};
+use crate::cli_error::{chain, CliError};
+use crate::store_cmd::store_root;
+use report::{failed, progress, progress_done, CloneRow, CreateRow, Target};
 use stats::{percentiles_ms, round2};
 
 /// Options of `cube bench`.
@@ -58,15 +61,6 @@ struct SizeRow {
     p95_ms: f64,
 }
 
-#[derive(Serialize)]
-struct CreateRow {
-    concurrency: usize,
-    n: usize,
-    p50_ms: f64,
-    p95_ms: f64,
-    throughput_per_s: f64,
-}
-
 /// Creates timed from each snapshot of the dirty-memory series.
 const CREATES_PER_SNAPSHOT: usize = 5;
 
@@ -78,22 +72,6 @@ struct SnapshotRow {
     create_from_snapshot_ms: f64,
     create_from_snapshot_p95_ms: f64,
     dirty_pages: u64,
-}
-
-#[derive(Serialize)]
-struct CloneRow {
-    n: usize,
-    concurrency: usize,
-    wall_ms: f64,
-    per_clone_ms: f64,
-}
-
-#[derive(Serialize)]
-struct Target {
-    name: &'static str,
-    value: f64,
-    limit: f64,
-    met: bool,
 }
 
 #[derive(Serialize)]
@@ -132,26 +110,6 @@ struct Plan {
     repeats: usize,
     clones: Vec<(usize, usize)>,
     density: usize,
-}
-
-fn failed(e: impl std::error::Error) -> CliError {
-    CliError::failed(chain(&e))
-}
-
-/// The bench's phases: a spinner on a terminal, `bench: ...` lines otherwise.
-static PHASES: std::sync::OnceLock<crate::progress::Phases> = std::sync::OnceLock::new();
-
-fn progress(message: &str) {
-    PHASES
-        .get_or_init(|| crate::progress::Phases::new("bench"))
-        .phase(message);
-}
-
-/// Clears the spinner before the report is printed.
-fn progress_done() {
-    if let Some(p) = PHASES.get() {
-        p.finish();
-    }
 }
 
 pub fn run(store: Option<&Path>, args: &BenchArgs) -> Result<(), CliError> {
@@ -266,9 +224,10 @@ fn run_plan(
     let store = rt.store().root().to_path_buf();
     let template_memory = rt
         .store()
-        .template_dir(template)
+        .template(template)
         .map_err(failed)?
-        .join(cube_core::snapshot::format::MEMORY_FILE);
+        .image()
+        .memory();
 
     progress("floors");
     let mut floor_vm = Vec::new();
@@ -281,8 +240,11 @@ fn run_plan(
     let (floor_vm_p50, floor_vm_p95) = percentiles_ms(&floor_vm);
     // As much as the largest snapshot writes, so both meet the same page-cache limits.
     let floor_write_mib = plan.dirty_mib.iter().copied().max().unwrap_or(256).max(64) as usize;
-    let floor_write =
-        floor::sequential_write(&store.join("tmp"), floor_write_mib).map_err(CliError::failed)?;
+    let floor_write = floor::sequential_write(
+        &cube_core::store::Store::tmp_dir_at(&store),
+        floor_write_mib,
+    )
+    .map_err(CliError::failed)?;
 
     let mut create_rows = Vec::new();
     for &(concurrency, n) in &plan.create {
@@ -370,11 +332,7 @@ fn run_plan(
 
     // The test guest dirties pages above 64 MiB and below the MMIO hole: a small guest
     // gets its largest possible size instead of sizes it cannot hold.
-    let dirty_area_mib = (machine
-        .memory_bytes
-        .min(cube_core::vmm::layout::MMIO_HOLE_START)
-        >> 20)
-        .saturating_sub(cube_core::test_guest::mailbox::DIRTY_AREA_ADDR >> 20);
+    let dirty_area_mib = max_dirty_mib(&machine);
     let mut dirty_sizes: Vec<u64> = plan
         .dirty_mib
         .iter()
@@ -496,14 +454,14 @@ fn run_plan(
     for t in &mut targets {
         t.value = round2(t.value);
     }
-    let fs = cube_storage::filesystem_name(&store).unwrap_or_default();
+    let fs = filesystem_name(&store).unwrap_or_default();
     Ok(Report {
         guest: "synthetic",
         engine: args.engine.clone(),
         vcpus: machine.vcpus,
         memory_mib: machine.memory_bytes >> 20,
         store_filesystem: fs,
-        reflink: cube_storage::supports_reflink(&store).unwrap_or(false),
+        reflink: supports_reflink(&store).unwrap_or(false),
         create_from_template: create_rows,
         create_vs_guest_size: size_rows,
         snapshot_vs_dirty: snapshot_rows,
@@ -526,20 +484,9 @@ fn run_plan(
     })
 }
 
-impl Target {
-    fn at_most(name: &'static str, value: f64, limit: f64) -> Target {
-        Target {
-            name,
-            value,
-            limit,
-            met: value <= limit,
-        }
-    }
-}
-
 /// Waits (bounded) until the snapshot in `dir` has been flushed to disk.
 fn wait_durable(dir: &Path) -> Result<(), CliError> {
-    let marker = dir.join(cube_core::snapshot::durability::DURABLE_FILE);
+    let marker = SnapshotDir::new(dir).durable_marker();
     let start = Instant::now();
     while !marker.exists() {
         if start.elapsed() > Duration::from_secs(120) {

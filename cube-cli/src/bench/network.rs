@@ -1,18 +1,20 @@
-//! `cube bench --network`: cube-net's benchmark (`cube_net::bench`): attach times
+//! `cube bench --network`: cube-net's benchmark (`cube_net::bench`, through
+//! `cube_core::testing`): attach times
 //! from the pool, and TCP latency and throughput through Cube's eBPF NAT against a
 //! plain kernel-forwarded veth path in the same run, as ratios.
 
 use serde::Serialize;
 
-use cube_net::bench::{self, BenchConfig, BenchReport, Percentiles, LATENCY_TARGET};
-
 use std::path::Path;
 
-use cube_core::supervisor::jail_network;
+use cube_core::testing::net_bench::{
+    self as bench, BenchConfig, BenchReport, Percentiles, LATENCY_TARGET,
+};
+use cube_core::testing::{open_pool, pool_config, pool_name};
 
+use super::report::{failed, progress, Target};
 use super::stats::{percentiles_ms, round2};
-use super::{failed, progress, Target};
-use crate::CliError;
+use crate::cli_error::CliError;
 
 #[derive(Serialize)]
 struct Pair {
@@ -86,7 +88,7 @@ struct CreateRows {
 /// Creates (and destroys) `n` jail sandboxes with a network and `n` without,
 /// alternating, through a pooled runtime on `root`.
 fn sandbox_creates(root: &Path, n: usize) -> Result<CreateRows, CliError> {
-    use cube_core::sandbox::NetworkOptions;
+    use cube_core::network::NetworkOptions;
     use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
     use std::time::{Duration, Instant};
 
@@ -192,8 +194,8 @@ pub fn run(root: &Path, quick: bool, json: bool) -> Result<(), CliError> {
     progress("network: attach times, then TCP through Cube's NAT and a plain veth path");
     let measured = bench::run(&config).map_err(failed)?;
     progress("network: jail sandbox creates with and without a network");
-    let pool = jail_network::pool_name().map_err(failed)?;
-    let pool_existed = jail_network::pool_config(&pool)
+    let pool = pool_name().map_err(failed)?;
+    let pool_existed = pool_config(&pool)
         .bpffs
         .join("cube-net")
         .join(&pool)
@@ -201,7 +203,7 @@ pub fn run(root: &Path, quick: bool, json: bool) -> Result<(), CliError> {
     let creates = sandbox_creates(root, if quick { 10 } else { 30 });
     // The host's pool stays only where it was before.
     if !pool_existed {
-        if let Ok((pool, _lock)) = jail_network::open_pool() {
+        if let Ok((pool, _lock)) = open_pool() {
             let _ = pool.destroy();
         }
     }

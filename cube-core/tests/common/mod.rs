@@ -8,16 +8,19 @@
 // the spot (clippy's allow-expect-in-tests does not reach functions outside #[test]).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+pub mod linux;
+
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-pub use cube_core::sandbox::SandboxError;
-pub use cube_core::snapshot::MachineConfig;
-pub use cube_core::supervisor::protocol::{MachineStatus, StatusReport};
-pub use cube_core::test_guest::mailbox::{field, DIRTY_AREA_ADDR, MAILBOX_ADDR};
-pub use cube_core::test_guest::WorkingSet;
+pub use cube_core::templates::MachineConfig;
+pub use cube_core::templates::WorkingSet;
+pub use cube_core::testing::mailbox::{field, DIRTY_AREA_ADDR, MAILBOX_ADDR};
+pub use cube_core::testing::TestGuestControl;
+pub use cube_core::SandboxError;
 pub use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, Snapshot};
+pub use cube_core::{MachineStatus, StatusReport};
 
 /// Guest page size.
 pub const PAGE: u64 = 4096;
@@ -31,6 +34,14 @@ pub const EXIT_WAIT: Duration = Duration::from_secs(10);
 pub const PAGE_TABLES_ADDR: u64 = 0x10_0000;
 /// Guest-physical address of the page directory that maps the first GiB.
 pub const PD0_ADDR: u64 = 0x10_2000;
+
+/// The supervisor binary the runtimes under test start: the workspace's
+/// (`target/<profile>/cube-supervisor`, which `cargo test --workspace` builds), or
+/// `$CUBE_SUPERVISOR`.
+pub fn supervisor() -> PathBuf {
+    cube_core::testing::supervisor_binary()
+        .expect("the cube-supervisor binary (build it: cargo build -p cube-supervisor)")
+}
 
 /// The machine every test template uses.
 pub fn machine() -> MachineConfig {
@@ -86,7 +97,7 @@ impl TestEnv {
         }
         let dir = tempfile::TempDir::new().expect("temp dir");
         let root = dir.path().canonicalize().expect("canonical temp dir");
-        let supervisor = PathBuf::from(env!("CARGO_BIN_EXE_cube-supervisor"));
+        let supervisor = supervisor();
         let mut env = TestEnv {
             dir,
             root,

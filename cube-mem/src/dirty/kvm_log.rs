@@ -9,31 +9,8 @@ use kvm_bindings::{kvm_enable_cap, kvm_userspace_memory_region, KVM_MEM_LOG_DIRT
 use kvm_ioctls::{Cap, Kvm, VmFd};
 
 use super::scratch_page::ScratchPage;
-use super::{DirtyBitmap, DirtyError, DirtyTracker, DirtyTrackerKind};
+use super::{DirtyBitmap, DirtyError, DirtyTracker, DirtyTrackerKind, KvmDirtyLogError};
 use crate::guest_memory::{GuestMemory, PAGE_SIZE};
-
-/// Errors from KVM memslots and the dirty log.
-#[derive(Debug, thiserror::Error)]
-pub enum KvmDirtyLogError {
-    /// `KVM_SET_USER_MEMORY_REGION` failed.
-    #[error("Failed to register memslot {slot}")]
-    SetMemoryRegion {
-        /// The slot.
-        slot: u32,
-        /// What KVM said.
-        #[source]
-        source: kvm_ioctls::Error,
-    },
-    /// `KVM_GET_DIRTY_LOG` failed (ENOENT: the slot does not log dirty pages).
-    #[error("Failed to read the dirty log of memslot {slot}")]
-    GetDirtyLog {
-        /// The slot.
-        slot: u32,
-        /// What KVM said.
-        #[source]
-        source: kvm_ioctls::Error,
-    },
-}
 
 /// Registers every region of `mem` as a KVM memslot (slot number = region index),
 /// with `KVM_MEM_LOG_DIRTY_PAGES` when `log_dirty`. Registering again with a different

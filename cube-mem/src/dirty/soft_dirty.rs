@@ -15,7 +15,7 @@ use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::scratch_page::ScratchPage;
-use super::{DirtyBitmap, DirtyError, DirtyTracker, DirtyTrackerKind};
+use super::{DirtyBitmap, DirtyError, DirtyTracker, DirtyTrackerKind, SoftDirtyError};
 use crate::guest_memory::{GuestMemory, PAGE_SIZE};
 
 /// Bit of a pagemap entry that is set when the page was written since the last clear
@@ -28,38 +28,6 @@ const ENTRIES_PER_READ: usize = 16 * 1024;
 
 /// Set while a [`SoftDirty`] tracker (or the probe) owns the process's soft-dirty bits.
 static IN_USE: AtomicBool = AtomicBool::new(false);
-
-/// Errors from the soft-dirty backend.
-#[derive(Debug, thiserror::Error)]
-pub enum SoftDirtyError {
-    /// The kernel does not track soft-dirty bits (no `CONFIG_MEM_SOFT_DIRTY`).
-    #[error("Kernel lacks soft-dirty tracking (CONFIG_MEM_SOFT_DIRTY)")]
-    Unsupported,
-    /// Another soft-dirty tracker exists in this process.
-    #[error("Another soft-dirty tracker is active in this process")]
-    InUse,
-    /// A /proc file could not be opened.
-    #[error("Failed to open {path}")]
-    Open {
-        /// The file.
-        path: &'static str,
-        /// What the kernel said.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Writing `/proc/self/clear_refs` failed.
-    #[error("Failed to clear soft-dirty bits")]
-    Clear(#[source] std::io::Error),
-    /// Reading `/proc/self/pagemap` failed.
-    #[error("Failed to read pagemap of region {region}")]
-    ReadPagemap {
-        /// The region.
-        region: usize,
-        /// What the kernel said.
-        #[source]
-        source: std::io::Error,
-    },
-}
 
 /// Owns the process-wide soft-dirty state while alive.
 #[derive(Debug)]

@@ -14,7 +14,7 @@ use std::fs::File;
 use std::mem::size_of;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-use super::{DirtyBitmap, DirtyError, DirtyTracker, DirtyTrackerKind};
+use super::{DirtyBitmap, DirtyError, DirtyTracker, DirtyTrackerKind, UffdError};
 use crate::guest_memory::{GuestMemory, MemoryLayout, PAGE_SIZE};
 
 // Definitions from the kernel's uapi headers, which the libc crate lacks:
@@ -136,65 +136,6 @@ struct PmScanArg {
 
 /// Ranges fetched per `PAGEMAP_SCAN` call; more ranges just take more calls.
 const SCAN_VEC_LEN: usize = 1024;
-
-/// Errors from the userfaultfd write-protect backend.
-#[derive(Debug, thiserror::Error)]
-pub enum UffdError {
-    /// No way to create a userfaultfd worked (syscall, /dev/userfaultfd).
-    #[error("Failed to create a userfaultfd")]
-    Open(#[source] std::io::Error),
-    /// The `UFFDIO_API` handshake failed.
-    #[error("UFFDIO_API handshake failed")]
-    Api(#[source] std::io::Error),
-    /// The kernel lacks `UFFD_FEATURE_WP_ASYNC`.
-    #[error("Kernel lacks asynchronous userfaultfd write-protect (features {supported:#x})")]
-    MissingFeatures {
-        /// The feature bits the kernel offers.
-        supported: u64,
-    },
-    /// `UFFDIO_REGISTER` of a region failed.
-    #[error("Failed to register region {region} for write-protect")]
-    Register {
-        /// The region.
-        region: usize,
-        /// What the kernel said.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A registered region does not offer `UFFDIO_WRITEPROTECT`.
-    #[error("Region {region} cannot be write-protected")]
-    NoWriteProtect {
-        /// The region.
-        region: usize,
-    },
-    /// `UFFDIO_WRITEPROTECT` of a region failed.
-    #[error("Failed to write-protect region {region}")]
-    WriteProtect {
-        /// The region.
-        region: usize,
-        /// What the kernel said.
-        #[source]
-        source: std::io::Error,
-    },
-    /// /proc/self/pagemap could not be opened.
-    #[error("Failed to open /proc/self/pagemap")]
-    OpenPagemap(#[source] std::io::Error),
-    /// `PAGEMAP_SCAN` failed (ENOTTY: kernel older than 6.7).
-    #[error("PAGEMAP_SCAN of region {region} failed")]
-    Scan {
-        /// The region.
-        region: usize,
-        /// What the kernel said.
-        #[source]
-        source: std::io::Error,
-    },
-    /// `PAGEMAP_SCAN` reported a range outside the region or made no progress.
-    #[error("PAGEMAP_SCAN of region {region} returned a bad result")]
-    BadScanResult {
-        /// The region.
-        region: usize,
-    },
-}
 
 /// Dirty tracking through asynchronous userfaultfd write-protect and `PAGEMAP_SCAN`.
 ///

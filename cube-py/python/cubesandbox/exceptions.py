@@ -12,7 +12,15 @@ from typing import Optional
 
 
 class CubeError(Exception):
-    """Base class of every error Cube raises."""
+    """Base class of every error Cube raises.
+
+    A failed sandbox operation also carries ``kind``, the failure's kind as Cube
+    reports it whether it failed in this process or in the sandbox's supervisor
+    (``"not_found"``, ``"bad_state"``, ``"snapshot_failed"``, ``"host_cannot"``,
+    ``"timeout"``...); the exception's class follows it.
+    """
+
+    kind: Optional[str] = None
 
     def __init__(self, message: str = "") -> None:
         super().__init__(message)
@@ -22,16 +30,28 @@ class CubeError(Exception):
         return self.message
 
 
-class SandboxNotFound(CubeError, LookupError):
+class NotFound(CubeError, LookupError):
+    """Something the operation names does not exist."""
+
+
+class SandboxNotFound(NotFound):
     """No sandbox with this id is running (or it was killed)."""
 
 
-class TemplateNotFound(CubeError, LookupError):
+class TemplateNotFound(NotFound):
     """No template with this name exists in the store."""
 
 
-class SnapshotNotFound(CubeError, LookupError):
+class SnapshotNotFound(NotFound):
     """No snapshot with this id exists."""
+
+
+class AlreadyExists(CubeError):
+    """Something of that name exists already (a template)."""
+
+
+class InUse(CubeError):
+    """What the operation would change is in use (a template sandboxes run on)."""
 
 
 class InvalidArgument(CubeError, ValueError):
@@ -44,6 +64,15 @@ class EngineUnavailable(CubeError):
 
 class SandboxError(CubeError):
     """A sandbox operation failed in the engine."""
+
+
+class InvalidState(SandboxError):
+    """The sandbox is not in a state that allows the operation (it is hibernated, not
+    hibernated, or has no running machine)."""
+
+
+class SnapshotError(SandboxError):
+    """A snapshot could not be taken, or restored from (rollback, clone, wake)."""
 
 
 class ConnectionLost(SandboxError):
@@ -115,6 +144,7 @@ class CommandExitError(CommandError):
 
 __all__ = [
     "AgentError",
+    "AlreadyExists",
     "CommandError",
     "CommandExitError",
     "ConnectionLost",
@@ -124,12 +154,16 @@ __all__ = [
     "EngineUnavailable",
     "FileExists",
     "FileNotFound",
+    "InUse",
     "InvalidArgument",
+    "InvalidState",
     "IsADirectory",
     "NotADirectory",
+    "NotFound",
     "PermissionDenied",
     "SandboxError",
     "SandboxNotFound",
+    "SnapshotError",
     "SnapshotNotFound",
     "TemplateNotFound",
     "TimeoutError",

@@ -1,0 +1,266 @@
+//! A handle on one sandbox: the calls its supervisor carries out, and its agent.
+
+use std::path::{Path, PathBuf};
+
+use cube_storage::{SandboxDir, SnapshotDir};
+use cube_supervisor::client::{ClientError, SupervisorClient};
+use cube_supervisor::jail_sandbox::connect_agent;
+use cube_supervisor::network::{NetworkPolicy, NetworkReport, PortMapping};
+use cube_supervisor::protocol::{Request, Response, StatusReport};
+use cube_supervisor::records::{Engine, SnapshotKind, SnapshotMeta};
+use cube_supervisor::vm_agent::{agent_client, DEFAULT_CONNECT_TIMEOUT};
+use cube_vmm::persist::SnapshotStats;
+
+use crate::error::SandboxError;
+
+/// A snapshot a sandbox took.
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    /// Snapshot id.
+    pub id: String,
+    /// Its directory.
+    pub dir: PathBuf,
+    /// What writing it cost.
+    pub stats: SnapshotStats,
+    /// What it holds: the whole state, or the filesystem only.
+    pub kind: SnapshotKind,
+    /// Why a jail's snapshot holds the filesystem only (no working CRIU, or its dump
+    /// failed); None for a full one.
+    pub fallback: Option<String>,
+}
+
+/// A handle on one sandbox.
+pub struct Sandbox {
+    pub(crate) id: String,
+    pub(crate) engine: Engine,
+    pub(crate) dir: PathBuf,
+    pub(crate) client: SupervisorClient,
+    pub(crate) store: cube_storage::Store,
+}
+
+impl Sandbox {
+    /// The sandbox's id.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// The sandbox's directory in the store.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The sandbox's engine.
+    pub fn engine(&self) -> Engine {
+        self.engine
+    }
+
+    /// A new connection to the sandbox's agent (handshake done). Any number may be
+    /// open at once, from any process: the agent listens on `agent.sock` in the
+    /// sandbox's directory. While the sandbox is paused the handshake waits for
+    /// [`Sandbox::resume`] (up to [`cube_agent::client::HANDSHAKE_TIMEOUT`]); a
+    /// hibernated sandbox is an error. A full-state snapshot, rollback, clone or
+    /// hibernation ends every connection (CRIU cannot save one to the host): connect
+    /// again afterwards.
+    ///
+    /// A VM sandbox's agent is reached over the vsock device's host socket
+    /// (`vsock.sock`) with its `CONNECT` handshake; a guest whose agent does not
+    /// answer within two seconds is an error ([`SandboxError::VmAgent`], of kind
+    /// [`crate::ErrorKind::Timeout`]), never a hang.
+    ///
+    /// ```no_run
+    /// // no_run: the jail engine needs root (namespaces, mounts, cgroups).
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let rt = cube_core::Runtime::open(cube_core::RuntimeConfig::new()?)?;
+    /// let sb = rt.attach("sb-0123456789abcdef")?;
+    /// let out = sb.agent()?.exec(cube_agent::protocol::ExecRequest {
+    ///     argv: vec!["uname".into(), "-r".into()],
+    ///     ..Default::default()
+    /// })?;
+    /// print!("{}", String::from_utf8_lossy(&out.stdout));
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn agent(&self) -> Result<cube_agent::client::Client, SandboxError> {
+        let dir = SandboxDir::new(&self.dir);
+        if self.engine == Engine::Vm {
+            return agent_client(&dir.vsock_socket(), DEFAULT_CONNECT_TIMEOUT)
+                .map_err(|e| SandboxError::VmAgent(self.id.clone(), e));
+        }
+        // A clear error rather than the dangling socket link's "not found".
+        if dir.is_hibernated_jail() {
+            return Err(SandboxError::Hibernated(self.id.clone()));
+        }
+        connect_agent(&dir.agent_socket())
+            .map_err(cube_agent::client::ClientError::Connect)
+            .and_then(cube_agent::client::Client::new)
+            .map_err(|e| SandboxError::Agent(self.id.clone(), e))
+    }
+
+    /// The socket a jail sandbox's agent listens on (a link into the jail, to connect
+    /// to with [`crate::connect_jail_agent`]); None for a VM, whose agent is reached
+    /// over vsock ([`Sandbox::agent`]).
+    pub fn agent_socket(&self) -> Option<PathBuf> {
+        (self.engine == Engine::Jail).then(|| SandboxDir::new(&self.dir).agent_socket())
+    }
+
+    pub(crate) fn call(&mut self, request: &Request) -> Result<Response, SandboxError> {
+        self.client
+            .call(request)
+            .map_err(|source| SandboxError::Supervisor {
+                id: self.id.clone(),
+                source,
+            })
+    }
+
+    pub(crate) fn call_ok(&mut self, request: &Request) -> Result<(), SandboxError> {
+        self.client
+            .call_ok(request)
+            .map_err(|source| SandboxError::Supervisor {
+                id: self.id.clone(),
+                source,
+            })
+    }
+
+    pub(crate) fn unexpected(&self, response: Response) -> SandboxError {
+        SandboxError::Supervisor {
+            id: self.id.clone(),
+            source: ClientError::Unexpected(format!("{response:?}")),
+        }
+    }
+
+    /// State as the supervisor reports it.
+    pub fn status(&mut self) -> Result<StatusReport, SandboxError> {
+        match self.call(&Request::Status)? {
+            Response::Status(s) => Ok(s),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Stops the vCPUs (VM) or freezes every process (jail); memory stays.
+    ///
+    /// ```no_run
+    /// // no_run: the jail engine needs root (namespaces, mounts, cgroups).
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let rt = cube_core::Runtime::open(cube_core::RuntimeConfig::new()?)?;
+    /// let mut sb = rt.attach("sb-0123456789abcdef")?;
+    /// sb.pause()?; // frozen: no CPU used, memory kept
+    /// sb.resume()?;
+    /// sb.hibernate()?; // processes end, the files stay on disk
+    /// sb.wake()?; // started afresh on the same files
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn pause(&mut self) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Pause)
+    }
+
+    /// Continues after [`Sandbox::pause`].
+    pub fn resume(&mut self) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Resume)
+    }
+
+    /// Takes a snapshot; the sandbox keeps running. A VM's is [`SnapshotKind::Full`]
+    /// (only dirty pages are written). A jail's is [`SnapshotKind::Full`] where CRIU
+    /// works (its processes dumped, its writable layer reflinked alongside, agent
+    /// connections ended), else [`SnapshotKind::Filesystem`] with the reason in
+    /// [`Snapshot::fallback`]: the layer, cloned while its processes are frozen.
+    pub fn snapshot(&mut self) -> Result<Snapshot, SandboxError> {
+        let store = &self.store;
+        let id = cube_storage::Store::new_id("snap")?;
+        let dest = store.snapshot_dir(&id)?;
+        let staging = store.snapshot_staging(&id);
+        let (stats, kind, fallback) = match self.call(&Request::Snapshot {
+            staging,
+            dest: dest.clone(),
+        })? {
+            Response::Snapshot {
+                stats,
+                kind,
+                fallback,
+            } => (stats, kind, fallback),
+            other => return Err(self.unexpected(other)),
+        };
+        Ok(Snapshot {
+            id,
+            dir: dest,
+            stats,
+            kind,
+            fallback,
+        })
+    }
+
+    /// Puts the sandbox back to `snapshot`, which this sandbox must own; it keeps its
+    /// id. A full snapshot brings back memory, vCPUs, devices and rootfs; a filesystem
+    /// snapshot brings back the files and restarts the processes (the agent too:
+    /// open agent connections end, interpreter contexts are gone).
+    pub fn rollback(&mut self, snapshot: &str) -> Result<(), SandboxError> {
+        let store = &self.store;
+        let dir = store.snapshot(snapshot)?;
+        let meta: SnapshotMeta =
+            cube_storage::read_verified(&dir.record(), SnapshotDir::RECORD_KIND).map_err(|e| {
+                match e {
+                    cube_storage::MetadataError::Read { .. } => {
+                        SandboxError::UnknownSnapshot(snapshot.to_string())
+                    }
+                    other => other.into(),
+                }
+            })?;
+        if meta.sandbox != self.id {
+            return Err(SandboxError::NotOwner {
+                snapshot: snapshot.to_string(),
+                owner: meta.sandbox,
+                sandbox: self.id.clone(),
+            });
+        }
+        self.call_ok(&Request::Rollback {
+            snapshot: dir.into_path(),
+        })
+    }
+
+    /// Writes the state out and releases the guest's memory (CubeSandbox's "pause").
+    /// A jail's processes end and its writable layer stays; [`Sandbox::wake`] starts
+    /// them afresh on it.
+    pub fn hibernate(&mut self) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Hibernate)
+    }
+
+    /// Restores after [`Sandbox::hibernate`].
+    pub fn wake(&mut self) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Wake)
+    }
+
+    /// The sandbox's network: device, policy, exposed ports, counters.
+    pub fn network(&mut self) -> Result<NetworkReport, SandboxError> {
+        match self.call(&Request::NetworkStatus)? {
+            Response::Network(report) => Ok(report),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
+    /// Replaces the sandbox's egress policy; new connections see it at once.
+    pub fn set_policy(&mut self, policy: &NetworkPolicy) -> Result<(), SandboxError> {
+        policy
+            .to_egress()
+            .map_err(|e| SandboxError::Network(e.into()))?;
+        self.call_ok(&Request::SetPolicy(policy.clone()))
+    }
+
+    /// Serves sandbox port `port.sandbox_port` at `port.host_port` on the host's
+    /// addresses (not 127.0.0.0/8), TCP.
+    pub fn expose(&mut self, port: PortMapping) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Expose(port))
+    }
+
+    /// Withdraws exposed host port `host_port`.
+    pub fn unexpose(&mut self, host_port: u16) -> Result<(), SandboxError> {
+        self.call_ok(&Request::Unexpose { host_port })
+    }
+
+    /// Ends the sandbox: the supervisor releases the VM and exits, and the sandbox's
+    /// directory and snapshots are removed.
+    pub fn destroy(mut self) -> Result<(), SandboxError> {
+        let result = self.call_ok(&Request::Destroy);
+        self.store.remove_sandbox_files(&self.id)?;
+        result
+    }
+}

@@ -1,0 +1,105 @@
+//! Making a snapshot durable off the critical path, and refusing one that may not be.
+//!
+//! A snapshot is written to the page cache only, which is enough for every process on
+//! this host to restore it at once. A background flush then syncs its files and
+//! directory and writes a marker. After a host restart the page cache is gone: a
+//! snapshot from an earlier boot is accepted only with that marker, so a snapshot
+//! interrupted by a crash is refused instead of restored from half-written files.
+
+use std::path::Path;
+
+use crate::layout::SnapshotDir;
+use crate::metadata::MetadataError;
+
+/// Envelope kind of the marker.
+const DURABLE_KIND: &str = "cube-durable";
+
+/// Why durability could not be established or checked.
+#[derive(Debug, thiserror::Error)]
+pub enum DurabilityError {
+    /// The kernel's boot id is unreadable.
+    #[error("Reading the host boot id")]
+    BootId(#[source] std::io::Error),
+    /// Syncing a file failed.
+    #[error("Syncing {0}")]
+    Sync(String, #[source] std::io::Error),
+    /// Writing the marker failed.
+    #[error("Writing the durability marker")]
+    Marker(#[source] MetadataError),
+    /// The snapshot was written before the host restarted and never flushed.
+    #[error(
+        "Snapshot was written in an earlier boot and never flushed to disk: it may be incomplete"
+    )]
+    NotDurable,
+}
+
+/// This boot's id (`/proc/sys/kernel/random/boot_id`).
+pub fn boot_id() -> Result<String, DurabilityError> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_string())
+        .map_err(DurabilityError::BootId)
+}
+
+fn sync_path(path: &Path) -> Result<(), DurabilityError> {
+    let describe = |e| DurabilityError::Sync(path.display().to_string(), e);
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(describe)
+}
+
+/// Flushes the snapshot in `dir` and its directory entry to disk, then marks it durable.
+pub fn make_durable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityError> {
+    let snapshot = SnapshotDir::new(dir);
+    sync_path(&snapshot.memory())?;
+    for path in snapshot.flushed_files() {
+        if path.exists() {
+            sync_path(&path)?;
+        }
+    }
+    sync_path(dir)?;
+    if let Some(parent) = dir.parent() {
+        sync_path(parent)?;
+    }
+    crate::metadata::write_atomic_bytes(
+        &snapshot.durable_marker(),
+        DURABLE_KIND,
+        written_in_boot.as_bytes(),
+    )
+    .map_err(DurabilityError::Marker)
+}
+
+/// Whether the snapshot in `dir`, written during boot `written_in_boot`, can be used.
+pub fn check_usable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityError> {
+    if boot_id()? == written_in_boot {
+        // Same boot: the page cache holds everything that was written.
+        return Ok(());
+    }
+    let marker = SnapshotDir::new(dir).durable_marker();
+    match crate::metadata::read_verified_bytes(&marker, DURABLE_KIND, 64) {
+        Ok(marker) if marker == written_in_boot.as_bytes() => Ok(()),
+        _ => Err(DurabilityError::NotDurable),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn same_boot_is_usable_and_other_boots_need_the_marker() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(SnapshotDir::new(dir.path()).memory(), b"m").unwrap();
+        let now = boot_id().unwrap();
+        assert!(check_usable(dir.path(), &now).is_ok());
+        let other = "00000000-0000-0000-0000-000000000000";
+        assert!(matches!(
+            check_usable(dir.path(), other),
+            Err(DurabilityError::NotDurable)
+        ));
+        make_durable(dir.path(), other).unwrap();
+        assert!(check_usable(dir.path(), other).is_ok());
+        // A marker for another boot does not vouch for this snapshot.
+        make_durable(dir.path(), &now).unwrap();
+        assert!(check_usable(dir.path(), other).is_err());
+    }
+}

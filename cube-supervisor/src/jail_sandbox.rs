@@ -1,0 +1,1054 @@
+//! A jail sandbox as its supervisor holds it: the jail whose PID 1 is Cube's agent,
+//! the agent's socket, the writable layer and what snapshots copy of it.
+//!
+//! The agent binds its listening socket inside the sandbox ([`AGENT_INNER_SOCKET`], on
+//! the sandbox's private /tmp), so that CRIU can save and restore it with the rest of
+//! the sandbox. The public path `<sandbox dir>/agent.sock` is a symlink to it through
+//! `/proc/<PID 1>/root`, replaced whenever PID 1 changes (rollback, wake); a connect
+//! through it reaches the agent of the moment. Before every checkpoint the supervisor
+//! has the agent close its host connections ([`DISCONNECT_SIGNAL`]): CRIU cannot save a
+//! stream whose peer is outside the sandbox. Clients reconnect.
+//!
+//! Snapshots are of kind [`SnapshotKind::Full`] where a working CRIU exists (probed
+//! once per supervisor): the processes are dumped with the writable layer reflinked
+//! alongside, and rollback, clone and wake restore them, interpreter variables and all.
+//! A sandbox with a network is dumped without its device (CRIU cannot hold the host
+//! end) and gets a new one, same policy and ports, when it runs on or is restored.
+//! Where CRIU is missing or a dump fails, snapshots fall back to
+//! [`SnapshotKind::Filesystem`] with the reason in the snapshot's record and the
+//! supervisor's log: the layer is cloned while the processes are frozen, and a
+//! rollback or wake starts a new jail on a copy, so processes start afresh.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use cube_agent::init::DISCONNECT_SIGNAL;
+use cube_jail::checkpoint::{self, Checkpoint};
+use cube_jail::{Criu, Jail, JailConfig, JailExit, Limits, Stdio};
+use cube_storage::{Durability, SandboxDir, SnapshotDir};
+use cube_vmm::persist::SnapshotStats;
+
+use crate::error_report::chain as error_chain;
+use crate::jail_network::{network_failure, JailNetwork, JailNetworkError};
+use crate::jail_spec::{locate_agent, JailSpec, AGENT_PATH, DEFAULT_PIDS_MAX};
+use crate::protocol::{
+    ErrorKind, Failure, JailStatus, MachineStatus, Request, Response, Settings, StatusReport,
+};
+use crate::records::{now_unix, Engine, SnapshotKind, SnapshotMeta};
+use crate::resident_memory::own_rss_kib;
+
+/// Where the agent listens inside the sandbox: on its private /tmp, which CRIU saves.
+pub const AGENT_INNER_SOCKET: &str = "/tmp/.cube-agent.sock";
+/// How long a starting or restored agent has to listen.
+const AGENT_READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the agent has to close its host connections before a checkpoint.
+const DISCONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The host's CRIU, probed once per supervisor; the error says why full-state
+/// snapshots are unavailable.
+fn criu() -> Result<&'static Criu, &'static str> {
+    static CRIU: OnceLock<Result<Criu, String>> = OnceLock::new();
+    CRIU.get_or_init(|| {
+        let probed = Criu::probe().map_err(|e| error_chain(&e));
+        match &probed {
+            Ok(c) => tracing::debug!(criu = %c.path().display(), version = %c.version(), "full-state jail snapshots through CRIU"),
+            Err(why) => tracing::warn!("jail snapshots hold files only: {why}"),
+        }
+        probed
+    })
+    .as_ref()
+    .map_err(String::as_str)
+}
+
+/// Whether `dir` holds a CRIU checkpoint (a full-state snapshot or hibernation).
+fn is_checkpoint(dir: &Path) -> bool {
+    dir.join(checkpoint::MANIFEST).is_file()
+}
+
+/// One jail sandbox.
+pub struct JailSandbox {
+    id: String,
+    dir: SandboxDir,
+    settings: Settings,
+    /// A built template's tree under the overlay root; None: the host's userland.
+    tree: Option<PathBuf>,
+    agent: PathBuf,
+    /// None while hibernated (or after destroy).
+    jail: Option<Jail>,
+    /// The write end of the running jail's lifeline (see [`Lifeline`]).
+    lifeline: Option<std::os::fd::OwnedFd>,
+    paused: bool,
+    /// Bumped on every (re)start of the jail.
+    generation: u64,
+    /// Teardowns of replaced jails still under way; joined by destroy.
+    retiring: Vec<std::thread::JoinHandle<()>>,
+    /// The sandbox's network, when it asked for one (see [`JailNetwork`]).
+    network: Option<Box<JailNetwork>>,
+}
+
+impl JailSandbox {
+    /// Starts the jail on the template tree `tree` (the host's userland when None): on a
+    /// copy of `layer` when given, restoring its processes too when `layer` is the layer
+    /// of a full-state snapshot (a clone).
+    pub fn start(
+        id: &str,
+        dir: &Path,
+        tree: Option<PathBuf>,
+        layer: Option<&Path>,
+        settings: Settings,
+    ) -> Result<JailSandbox, Failure> {
+        let agent = locate_agent()?;
+        let mut sandbox = JailSandbox {
+            id: id.to_string(),
+            dir: SandboxDir::new(dir),
+            settings,
+            tree,
+            agent,
+            jail: None,
+            lifeline: None,
+            paused: false,
+            generation: 0,
+            retiring: Vec::new(),
+            network: None,
+        };
+        let snapshot = layer.and_then(Path::parent).filter(|s| is_checkpoint(s));
+        if let Some(snapshot) = snapshot {
+            match criu() {
+                Ok(criu) => {
+                    sandbox
+                        .restore(criu, snapshot)
+                        .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
+                    return Ok(sandbox);
+                }
+                Err(why) => tracing::warn!(
+                    sandbox = %id,
+                    "starting from the files of full-state snapshot {} only: {why}",
+                    snapshot.display()
+                ),
+            }
+        }
+        let seed = match layer {
+            Some(layer) => Some(
+                sandbox
+                    .stage_seed(layer)
+                    .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?,
+            ),
+            None => None,
+        };
+        sandbox.spawn(seed)?;
+        Ok(sandbox)
+    }
+
+    /// Adopts a jail started ahead of time (see [`PrespawnedJail`]): moves it into the
+    /// sandbox directory and applies the settings.
+    pub fn adopt(
+        id: &str,
+        dir: &Path,
+        ready: PrespawnedJail,
+        settings: Settings,
+    ) -> Result<JailSandbox, Failure> {
+        let dir = SandboxDir::new(dir);
+        let PrespawnedJail {
+            mut jail,
+            agent,
+            lifeline,
+            network: standby,
+        } = ready;
+        jail.relocate(&dir.jail()).map_err(|e| error_chain(&e))?;
+        publish_socket(&dir, jail.pid())?;
+        // The pool started the jail with the default settings' limits.
+        let limits = limits(&settings)?;
+        if limits != self::limits(&Settings::default())? {
+            jail.set_limits(&limits).map_err(|e| error_chain(&e))?;
+        }
+        if !settings.env.is_empty() {
+            let client = connect_agent(&dir.agent_socket())
+                .map_err(cube_agent::client::ClientError::Connect)
+                .and_then(cube_agent::client::Client::new)
+                .map_err(|e| format!("connecting to the agent: {}", error_chain(&e)))?;
+            client
+                .set_env(settings.env.clone(), Vec::new())
+                .map_err(|e| format!("setting the environment: {}", error_chain(&e)))?;
+        }
+        let mut sandbox = JailSandbox {
+            id: id.to_string(),
+            dir: dir.clone(),
+            settings,
+            tree: None,
+            agent,
+            jail: Some(jail),
+            lifeline: Some(lifeline),
+            paused: false,
+            generation: 0,
+            retiring: Vec::new(),
+            network: None,
+        };
+        match (standby, sandbox.settings.network.clone()) {
+            // The device attached while the jail waited: only its policy and ports
+            // are left to write.
+            (Some(standby), Some(options)) => {
+                let network = standby
+                    .activate(&options, &dir)
+                    .map_err(|e| format!("attaching the network: {}", error_chain(&e)))?;
+                sandbox.network = Some(Box::new(network));
+            }
+            // No network asked for: the device goes, leaving loopback only.
+            (Some(standby), None) => drop(standby),
+            (None, _) => sandbox.connect_network()?,
+        }
+        Ok(sandbox)
+    }
+
+    /// Gives the running jail its network (a new device after a restart), when the
+    /// sandbox has one.
+    fn connect_network(&mut self) -> Result<(), String> {
+        let Some(options) = self.settings.network.clone() else {
+            return Ok(());
+        };
+        let Some(pid) = self.jail.as_ref().map(Jail::pid) else {
+            return Ok(());
+        };
+        let fail = |e: JailNetworkError| format!("attaching the network: {}", error_chain(&e));
+        match self.network.as_mut() {
+            Some(network) => network.reconnect(pid).map_err(fail),
+            None => {
+                self.network = Some(Box::new(
+                    JailNetwork::attach(pid, &options, &self.dir).map_err(fail)?,
+                ));
+                Ok(())
+            }
+        }
+    }
+
+    fn network(&mut self) -> Result<&mut JailNetwork, Failure> {
+        self.network
+            .as_deref_mut()
+            .ok_or_else(|| Failure::bad_state("this sandbox has no network (create it with one)"))
+    }
+
+    /// The sandbox's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The name of the next jail: each start gets its own cgroups, since a replaced
+    /// jail's may still be going away.
+    fn next_name(&self) -> String {
+        format!("{}-{}", self.id, self.generation + 1)
+    }
+
+    fn spawn(&mut self, seed: Option<PathBuf>) -> Result<(), String> {
+        let config = jail_config(
+            &self.next_name(),
+            &self.dir.jail(),
+            &self.agent,
+            &self.settings,
+            self.tree.as_deref(),
+            seed.clone(),
+        )?;
+        let lifeline = Lifeline::new()?;
+        let spawned = Jail::spawn_with_fds(&config, AGENT_ARGV, &lifeline.fds());
+        match spawned {
+            Ok(jail) => {
+                self.install(jail, lifeline)?;
+                self.connect_network()
+            }
+            Err(e) => {
+                // A failed spawn gives the seed back: a copy made for this start goes,
+                // a hibernated layer stays for the next wake.
+                if let Some(seed) = seed.filter(|s| *s == self.dir.seed_layer()) {
+                    let _ = std::fs::remove_dir_all(seed);
+                }
+                Err(format!("starting the jail: {}", error_chain(&e)))
+            }
+        }
+    }
+
+    /// Restores the checkpoint in `image_dir` as this sandbox's jail.
+    fn restore(&mut self, criu: &Criu, image_dir: &Path) -> Result<(), String> {
+        let config = jail_config(
+            &self.next_name(),
+            &self.dir.jail(),
+            &self.agent,
+            &self.settings,
+            self.tree.as_deref(),
+            None,
+        )?;
+        let lifeline = Lifeline::new()?;
+        let jail = checkpoint::restore(criu, image_dir, &config, &lifeline.fds())
+            .map_err(|e| format!("restoring the jail: {}", error_chain(&e)))?;
+        self.install(jail, lifeline)?;
+        self.connect_network()
+    }
+
+    /// Makes `jail` the running one once its agent listens.
+    fn install(&mut self, mut jail: Jail, lifeline: Lifeline) -> Result<(), String> {
+        if let Err(e) = publish_socket(&self.dir, jail.pid()) {
+            let _ = jail.kill();
+            let _ = jail.wait();
+            let _ = jail.destroy();
+            return Err(e);
+        }
+        self.jail = Some(jail);
+        self.lifeline = Some(lifeline.write);
+        self.paused = false;
+        self.generation += 1;
+        Ok(())
+    }
+
+    /// Clones `layer` next to the jail, ready to be moved in as the next start's layer.
+    fn stage_seed(&self, layer: &Path) -> Result<PathBuf, String> {
+        let seed = self.dir.seed_layer();
+        let _ = std::fs::remove_dir_all(&seed);
+        cube_storage::clone_tree(layer, &seed)
+            .map_err(|e| format!("copying layer {}: {}", layer.display(), error_chain(&e)))?;
+        Ok(seed)
+    }
+
+    fn running(&mut self) -> Result<&mut Jail, Failure> {
+        self.jail
+            .as_mut()
+            .ok_or_else(|| Failure::bad_state("sandbox is hibernated: wake it first"))
+    }
+
+    /// The writable layer on the host, running or hibernated.
+    fn layer(&self) -> PathBuf {
+        match self.jail.as_ref().and_then(Jail::layer_dir) {
+            Some(l) => l.to_path_buf(),
+            None if self.dir.hibernated_checkpoint().exists() => {
+                SnapshotDir::new(self.dir.hibernated_checkpoint()).layer()
+            }
+            None => self.dir.hibernated_layer(),
+        }
+    }
+
+    /// Carries out one request.
+    pub fn handle(&mut self, request: Request) -> Result<Response, Failure> {
+        let snapshot_failed = |f: Failure| f.or_kind(ErrorKind::SnapshotFailed);
+        match request {
+            Request::Adopt { .. } => Err(Failure::invalid("already adopted")),
+            Request::Destroy => Ok(Response::Ok),
+            Request::Status => Ok(Response::Status(self.status())),
+            Request::Pause => {
+                self.running()?.pause().map_err(|e| error_chain(&e))?;
+                self.paused = true;
+                Ok(Response::Ok)
+            }
+            Request::Resume => {
+                self.running()?.resume().map_err(|e| error_chain(&e))?;
+                self.paused = false;
+                Ok(Response::Ok)
+            }
+            Request::Snapshot { staging, dest } => {
+                let meta = self.snapshot(&staging, &dest).map_err(snapshot_failed)?;
+                Ok(Response::Snapshot {
+                    stats: meta.stats,
+                    kind: meta.kind,
+                    fallback: meta.fallback,
+                })
+            }
+            Request::Rollback { snapshot } => {
+                self.rollback(&snapshot).map_err(snapshot_failed)?;
+                Ok(Response::Ok)
+            }
+            Request::Hibernate => {
+                self.hibernate().map_err(snapshot_failed)?;
+                if let Some(network) = self.network.as_mut() {
+                    network.disconnect();
+                }
+                Ok(Response::Ok)
+            }
+            Request::Wake => {
+                self.wake().map_err(snapshot_failed)?;
+                Ok(Response::Ok)
+            }
+            Request::GuestDirty { .. }
+            | Request::GuestMode { .. }
+            | Request::GuestWaitWorkingSet
+            | Request::ReadMemory { .. }
+            | Request::MemoryDigest => Err(Failure::unsupported(
+                "a jail sandbox has no guest memory (this request is for test VMs)",
+            )),
+            Request::NetworkStatus => {
+                let report = self.network()?.report();
+                Ok(Response::Network(report.map_err(network_failure)?))
+            }
+            Request::SetPolicy(policy) => {
+                let set = self.network()?.set_policy(policy);
+                set.map_err(network_failure)?;
+                Ok(Response::Ok)
+            }
+            Request::Expose(port) => {
+                let exposed = self.network()?.expose(port);
+                exposed.map_err(network_failure)?;
+                Ok(Response::Ok)
+            }
+            Request::Unexpose { host_port } => {
+                let withdrawn = self.network()?.unexpose(host_port);
+                withdrawn.map_err(network_failure)?;
+                Ok(Response::Ok)
+            }
+        }
+    }
+
+    fn status(&mut self) -> StatusReport {
+        let paused = self.paused;
+        let (status, pid, cgroups) = match self.jail.as_mut() {
+            None => (MachineStatus::Hibernated, None, Vec::new()),
+            Some(jail) => {
+                let cgroups = jail
+                    .cgroup()
+                    .map(|c| c.dirs().map(Path::to_path_buf).collect())
+                    .unwrap_or_default();
+                let pid = u32::try_from(jail.pid()).ok();
+                let status = match jail.try_wait() {
+                    Ok(None) if paused => MachineStatus::Paused,
+                    Ok(None) => MachineStatus::Running,
+                    Ok(Some(JailExit::Exited(c))) => {
+                        MachineStatus::Failed(format!("the agent exited with code {c}"))
+                    }
+                    Ok(Some(JailExit::Signaled(s))) => {
+                        MachineStatus::Failed(format!("the agent was killed by signal {s}"))
+                    }
+                    Err(e) => MachineStatus::Failed(error_chain(&e)),
+                };
+                (status, pid, cgroups)
+            }
+        };
+        StatusReport {
+            status,
+            pid: std::process::id(),
+            counter: 0,
+            generation: self.generation,
+            guest_error: false,
+            config: None,
+            rss_kib: own_rss_kib(),
+            engine: Engine::Jail,
+            jail: Some(JailStatus {
+                pid,
+                cgroups,
+                layer: self.layer(),
+                agent_socket: self.dir.agent_socket(),
+            }),
+        }
+    }
+
+    /// Dumps the running jail into `image_dir` (made here) through CRIU, leaving it
+    /// running or not. The agent first closes its host connections; a client that
+    /// connects again before the freeze makes the dump fail, so it is tried twice.
+    ///
+    /// A sandbox with a network is dumped without its device: CRIU cannot hold the
+    /// device's host end, which lives outside the sandbox. The device is released
+    /// for the dump (its guest end, eth0, goes with it, so the checkpoint's network
+    /// namespace holds loopback only) and a new one with the same policy and ports is
+    /// attached when the jail runs on, here, or when a checkpoint is restored
+    /// ([`JailSandbox::restore`]). Connections through the device end with it (CRIU
+    /// would refuse an established one); listening sockets carry over.
+    fn dump(&mut self, criu: &Criu, image_dir: &Path, leave_running: bool) -> Result<(), String> {
+        if self.jail.is_none() {
+            return Err("sandbox is hibernated: wake it first".to_string());
+        }
+        let detached = match self.network.as_mut() {
+            Some(network) => {
+                network.disconnect();
+                true
+            }
+            None => false,
+        };
+        let dumped = self.dump_processes(criu, image_dir, leave_running);
+        if detached && leave_running {
+            // Running on, dumped or not: its network comes back. (A hibernation
+            // stops the jail either way; its wake attaches anew.)
+            self.connect_network()
+                .map_err(|e| format!("after the dump: {e}"))?;
+        }
+        dumped
+    }
+
+    fn dump_processes(
+        &mut self,
+        criu: &Criu,
+        image_dir: &Path,
+        leave_running: bool,
+    ) -> Result<(), String> {
+        let was_paused = self.paused;
+        let jail = self.running().map_err(|f| f.message)?;
+        if was_paused {
+            // The agent must run to close its connections; dump freezes it again.
+            jail.resume().map_err(|e| error_chain(&e))?;
+        }
+        let options = checkpoint::DumpOptions {
+            leave_running,
+            passed_fds: vec![LIFELINE_FD],
+        };
+        let mut result = Err(String::new());
+        for _ in 0..2 {
+            result = disconnect_agent(jail.pid()).and_then(|()| {
+                checkpoint::dump(criu, jail, image_dir, &options)
+                    .map(|_| ())
+                    .map_err(|e| error_chain(&e))
+            });
+            if result.is_ok() {
+                break;
+            }
+        }
+        if was_paused && leave_running {
+            jail.pause().map_err(|e| error_chain(&e))?;
+        }
+        result
+    }
+
+    /// Writes a snapshot into `staging` with its record, then moves it to `dest`: a
+    /// full-state one through CRIU where it works, else the layer alone (the reason
+    /// recorded). The processes are frozen while the layer is copied, so the copy is
+    /// one instant of the files (and of the processes, for a full one).
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure> {
+        let snapshot_id = dest
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .ok_or_else(|| format!("{} has no snapshot id", dest.display()))?;
+        if dest.exists() {
+            return Err(Failure::new(
+                ErrorKind::AlreadyExists,
+                format!("{} already exists", dest.display()),
+            ));
+        }
+        let start = Instant::now();
+        let hibernated_full =
+            self.jail.is_none() && is_checkpoint(&self.dir.hibernated_checkpoint());
+        let full = match criu() {
+            Err(why) => Err(format!("no working CRIU: {why}")),
+            Ok(_) if hibernated_full => {
+                // The hibernation's checkpoint is the state: copy it.
+                cube_storage::clone_tree(&self.dir.hibernated_checkpoint(), staging)
+                    .map(|_| ())
+                    .map_err(|e| format!("copying the hibernated checkpoint: {}", error_chain(&e)))
+            }
+            Ok(_) if self.jail.is_none() => {
+                Err("the sandbox was hibernated without its processes".to_string())
+            }
+            Ok(criu) => self.dump(criu, staging, true),
+        };
+        let (kind, fallback, reflinked) = match full {
+            // CRIU's dump reflinks the layer where the store's filesystem can.
+            Ok(()) => (
+                SnapshotKind::Full,
+                None,
+                cube_storage::reflink::supports_reflink(staging).unwrap_or(false),
+            ),
+            Err(why) => {
+                tracing::warn!(sandbox = %self.id, "snapshot {snapshot_id} holds files only: {why}");
+                let _ = std::fs::remove_dir_all(staging);
+                let reflinked = self.snapshot_files(staging)?;
+                (SnapshotKind::Filesystem, Some(why), reflinked)
+            }
+        };
+        tracing::debug!(elapsed = ?start.elapsed(), %kind, "snapshot written");
+        let result = (|| {
+            let stats = SnapshotStats {
+                dirty_pages: 0,
+                bytes_written: 0,
+                reflinked,
+            };
+            let meta = SnapshotMeta {
+                id: snapshot_id,
+                sandbox: self.id.clone(),
+                created_unix: now_unix(),
+                stats,
+                kind,
+                engine: Engine::Jail,
+                fallback,
+            };
+            let bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
+            cube_storage::write_atomic_bytes_with(
+                &SnapshotDir::new(staging).record(),
+                SnapshotDir::RECORD_KIND,
+                &bytes,
+                Durability::Deferred,
+            )
+            .map_err(|e| error_chain(&e))?;
+            std::fs::rename(staging, dest).map_err(|e| format!("committing snapshot: {e}"))?;
+            Ok(meta)
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_dir_all(staging);
+        }
+        result
+    }
+
+    /// Clones the writable layer into `staging/layer`, the processes frozen meanwhile;
+    /// true when every file was reflinked.
+    fn snapshot_files(&mut self, staging: &Path) -> Result<bool, Failure> {
+        std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let layer = self.layer();
+        let freeze = !self.paused && self.jail.is_some();
+        if freeze {
+            self.running()?.pause().map_err(|e| error_chain(&e))?;
+        }
+        let copied = cube_storage::clone_tree(&layer, &SnapshotDir::new(staging).layer());
+        if freeze {
+            self.running()?.resume().map_err(|e| error_chain(&e))?;
+        }
+        match copied {
+            Ok(stats) => Ok(stats.copied_files == 0),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(staging);
+                Err(format!("copying the layer: {}", error_chain(&e)).into())
+            }
+        }
+    }
+
+    /// Puts the snapshot back: a full-state one restores the processes, a filesystem
+    /// one restarts them on a copy of its layer.
+    fn rollback(&mut self, snapshot: &Path) -> Result<(), Failure> {
+        let meta: SnapshotMeta = cube_storage::read_verified(
+            &SnapshotDir::new(snapshot).record(),
+            SnapshotDir::RECORD_KIND,
+        )
+        .map_err(|e| error_chain(&e))?;
+        if meta.engine != Engine::Jail {
+            return Err(Failure::invalid(format!(
+                "snapshot {} is a {} snapshot; this is a jail sandbox",
+                meta.id, meta.engine
+            )));
+        }
+        let start = Instant::now();
+        let criu = match meta.kind {
+            SnapshotKind::Full => Some(criu().map_err(|why| {
+                Failure::new(
+                    ErrorKind::HostCannot,
+                    format!(
+                        "snapshot {} holds processes, but there is no working CRIU: {why}",
+                        meta.id
+                    ),
+                )
+            })?),
+            SnapshotKind::Filesystem => None,
+        };
+        if let Some(criu) = criu {
+            // Refuse a damaged checkpoint before the running jail goes.
+            Checkpoint::open(snapshot).map_err(|e| error_chain(&e))?;
+            self.stop_current()?;
+            self.restore(criu, snapshot)?;
+            tracing::debug!(elapsed = ?start.elapsed(), "rollback: processes restored");
+            return Ok(());
+        }
+        // Copy first: a snapshot that cannot be copied leaves the sandbox as it was.
+        let seed = self.stage_seed(&SnapshotDir::new(snapshot).layer())?;
+        tracing::debug!(elapsed = ?start.elapsed(), "rollback: layer copied");
+        if let Err(e) = self.stop_current() {
+            let _ = std::fs::remove_dir_all(&seed);
+            return Err(e.into());
+        }
+        let spawned = self.spawn(Some(seed));
+        tracing::debug!(elapsed = ?start.elapsed(), "rollback: new jail started");
+        Ok(spawned?)
+    }
+
+    /// Ends the running jail (if any) and any hibernated state, for a rollback.
+    fn stop_current(&mut self) -> Result<(), String> {
+        if let Some(jail) = self.jail.take() {
+            self.retire(jail)
+                .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))?;
+        }
+        let _ = std::fs::remove_dir_all(self.dir.hibernated_layer());
+        let _ = std::fs::remove_dir_all(self.dir.hibernated_checkpoint());
+        Ok(())
+    }
+
+    /// Stops the processes, keeping their state on disk: a CRIU checkpoint where it
+    /// works, else the layer alone (the processes start afresh at wake).
+    fn hibernate(&mut self) -> Result<(), Failure> {
+        if self.jail.is_none() {
+            return Err(Failure::bad_state("sandbox is already hibernated"));
+        }
+        let image_dir = self.dir.hibernated_checkpoint();
+        let _ = std::fs::remove_dir_all(&image_dir);
+        let dumped = match criu() {
+            Ok(criu) => self.dump(criu, &image_dir, false),
+            Err(why) => Err(format!("no working CRIU: {why}")),
+        };
+        let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
+        self.lifeline = None;
+        self.paused = false;
+        let stopped = match dumped {
+            Ok(()) => jail
+                .destroy()
+                .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e))),
+            Err(why) => {
+                tracing::warn!(sandbox = %self.id, "hibernating the files only: {why}");
+                let keep = self.dir.hibernated_layer();
+                let _ = std::fs::remove_dir_all(&keep);
+                jail.destroy_keeping_layer(&keep)
+                    .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))
+            }
+        };
+        Ok(stopped?)
+    }
+
+    /// Brings a hibernated sandbox back: restores its checkpoint, or starts new
+    /// processes on its layer.
+    fn wake(&mut self) -> Result<(), Failure> {
+        if self.jail.is_some() {
+            return Err(Failure::bad_state("sandbox is not hibernated"));
+        }
+        let image_dir = self.dir.hibernated_checkpoint();
+        if is_checkpoint(&image_dir) {
+            let criu = criu().map_err(|why| {
+                Failure::new(
+                    ErrorKind::HostCannot,
+                    format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}"),
+                )
+            })?;
+            self.restore(criu, &image_dir)?;
+            if let Err(e) = std::fs::remove_dir_all(&image_dir) {
+                tracing::warn!(sandbox = %self.id, "removing the woken checkpoint: {e}");
+            }
+            return Ok(());
+        }
+        let layer = self.dir.hibernated_layer();
+        Ok(self.spawn(Some(layer))?)
+    }
+
+    /// Ends a replaced jail's processes now (so its agent accepts nothing more) and
+    /// moves it aside; its cgroups and files go off the request path.
+    fn retire(&mut self, mut jail: Jail) -> Result<(), cube_jail::JailError> {
+        jail.kill()?;
+        jail.wait()?;
+        let aside = self.dir.retired_jail(self.generation);
+        if let Err(e) = jail.relocate(&aside) {
+            tracing::debug!("tearing the old jail down in place: {}", error_chain(&e));
+            return jail.destroy();
+        }
+        self.retiring.retain(|t| !t.is_finished());
+        let sandbox = self.id.clone();
+        let spawned = std::thread::Builder::new()
+            .name("retire-jail".into())
+            .spawn(move || {
+                if let Err(e) = jail.destroy() {
+                    tracing::warn!(sandbox = %sandbox, "removing a replaced jail: {}", error_chain(&e));
+                }
+            });
+        match spawned {
+            Ok(handle) => self.retiring.push(handle),
+            // The jail was dropped, and so destroyed, with the closure.
+            Err(e) => tracing::warn!("retiring a jail inline: {e}"),
+        }
+        Ok(())
+    }
+
+    /// Ends every process and removes the jail, its cgroups and its layer; the agent
+    /// socket goes too.
+    pub fn destroy(&mut self) {
+        for handle in std::mem::take(&mut self.retiring) {
+            let _ = handle.join();
+        }
+        if let Some(jail) = self.jail.take() {
+            if let Err(e) = jail.destroy() {
+                tracing::warn!(sandbox = %self.id, "destroying the jail: {}", error_chain(&e));
+            }
+        }
+        // The device goes with the jail's namespace; this also clears the datapath.
+        if let Some(mut network) = self.network.take() {
+            network.disconnect();
+        }
+        for leftover in self.dir.jail_leftovers() {
+            let _ = std::fs::remove_dir_all(leftover);
+        }
+        let _ = std::fs::remove_file(self.dir.agent_socket());
+    }
+}
+
+/// Connects to the agent of the jail sandbox whose `agent.sock` link is `link`,
+/// resolving the path inside the sandbox's root with `openat2(RESOLVE_IN_ROOT)`: the
+/// socket sits on the sandbox's own /tmp, where its code can replace it with a
+/// symlink, and a plain connect through `/proc/<pid>/root` would follow an absolute
+/// one on the host (to any host socket). Here it stays inside the sandbox.
+pub fn connect_agent(link: &Path) -> std::io::Result<std::os::unix::net::UnixStream> {
+    use std::io::{Error, ErrorKind};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let target = std::fs::read_link(link)?;
+    let bad = || {
+        Error::new(
+            ErrorKind::InvalidData,
+            format!("{} is not a jail agent link", link.display()),
+        )
+    };
+    let text = target.to_str().ok_or_else(bad)?;
+    let root = text.strip_suffix(AGENT_INNER_SOCKET).ok_or_else(bad)?;
+    let pid = root
+        .strip_prefix("/proc/")
+        .and_then(|r| r.strip_suffix("/root"))
+        .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+        .ok_or_else(bad)?;
+    let root = std::fs::File::open(format!("/proc/{pid}/root"))?;
+    let inner =
+        std::ffi::CString::new(AGENT_INNER_SOCKET.trim_start_matches('/')).map_err(|_| bad())?;
+    // SAFETY: open_how is plain data; all-zero is valid and the fields are set below.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
+    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: openat2 reads the path and `how` (of the size passed) during the call;
+    // the returned descriptor is owned right away.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            root.as_raw_fd(),
+            inner.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by openat2 and nothing else owns it.
+    let socket = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    // connect() follows the descriptor's magic link to the socket it names.
+    std::os::unix::net::UnixStream::connect(format!("/proc/self/fd/{}", socket.as_raw_fd()))
+}
+
+/// Where the agent finds the read end of its lifeline.
+const LIFELINE_FD: i32 = 3;
+/// How the agent is started in a jail.
+const AGENT_ARGV: &[&str] = &[
+    AGENT_PATH,
+    "--listen",
+    AGENT_INNER_SOCKET,
+    "--lifeline-fd",
+    "3",
+];
+
+/// A pipe whose read end the agent watches and whose write end only the supervisor
+/// holds (close-on-exec, so no other child inherits it): when the supervisor dies,
+/// even by SIGKILL, the agent reads the end and shuts its sandbox down. (A parent-death
+/// signal would not do: it follows the thread that spawned the jail, and request
+/// threads come and go.) A pipe, not a socket, so that CRIU can carry it over.
+struct Lifeline {
+    read: std::os::fd::OwnedFd,
+    write: std::os::fd::OwnedFd,
+}
+
+impl Lifeline {
+    fn new() -> Result<Lifeline, String> {
+        let (read, write) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+            .map_err(|e| format!("creating the agent's lifeline: {e}"))?;
+        Ok(Lifeline { read, write })
+    }
+
+    fn fds(&self) -> [(std::os::fd::BorrowedFd<'_>, i32); 1] {
+        use std::os::fd::AsFd;
+        [(self.read.as_fd(), LIFELINE_FD)]
+    }
+}
+
+/// The agent's socket as the host reaches it while `pid` is the sandbox's PID 1.
+fn inner_socket(pid: i32) -> PathBuf {
+    PathBuf::from(format!("/proc/{pid}/root{AGENT_INNER_SOCKET}"))
+}
+
+/// Waits until the agent of PID 1 `pid` accepts connections, then points
+/// `<dir>/agent.sock` at its socket (replacing the link atomically).
+fn publish_socket(dir: &SandboxDir, pid: i32) -> Result<(), String> {
+    wait_listening(pid)?;
+    let inner = inner_socket(pid);
+    let link = dir.agent_socket();
+    let tmp = dir.agent_socket_staging();
+    let _ = std::fs::remove_file(&tmp);
+    std::os::unix::fs::symlink(&inner, &tmp)
+        .and_then(|()| std::fs::rename(&tmp, &link))
+        .map_err(|e| format!("linking {} to the agent: {e}", link.display()))
+}
+
+/// Has the agent (PID 1 `pid`) close its host connections, and waits until its only
+/// socket is the listening one.
+fn disconnect_agent(pid: i32) -> Result<(), String> {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), DISCONNECT_SIGNAL)
+        .map_err(|e| format!("signalling the agent: {e}"))?;
+    let fd_dir = PathBuf::from(format!("/proc/{pid}/fd"));
+    let deadline = Instant::now() + DISCONNECT_TIMEOUT;
+    loop {
+        let sockets = std::fs::read_dir(&fd_dir)
+            .map_err(|e| format!("reading {}: {e}", fd_dir.display()))?
+            .filter_map(Result::ok)
+            .filter(|e| {
+                std::fs::read_link(e.path())
+                    .map(|l| l.as_os_str().as_encoded_bytes().starts_with(b"socket:"))
+                    .unwrap_or(false)
+            })
+            .count();
+        if sockets <= 1 {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "the agent still holds {} host connections",
+                sockets - 1
+            ));
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+}
+
+/// Pool jails' cgroups are this followed by their supervisor's pid.
+const POOL_CGROUP_PREFIX: &str = "pool-";
+
+/// A jail on the host template with its agent running, started by a pooled
+/// supervisor before anyone asked for it: adopting it costs a rename and a symlink
+/// instead of a jail start.
+pub struct PrespawnedJail {
+    jail: Jail,
+    agent: PathBuf,
+    lifeline: std::os::fd::OwnedFd,
+    /// A device attached into the jail's namespace ahead of time, holding a
+    /// deny-everything policy (see [`JailNetwork::standby`]).
+    network: Option<JailNetwork>,
+}
+
+impl PrespawnedJail {
+    /// Starts a default jail in a scratch entry of `scratch` and waits for its agent.
+    /// `scratch` must be on the store's filesystem (it is renamed into a sandbox).
+    pub fn start(scratch: &Path) -> Result<PrespawnedJail, String> {
+        let agent = locate_agent()?;
+        // Named as the store's scratch entries of a live process, so that no clean-up
+        // of stale scratch removes it under a running jail.
+        let state_dir = cube_storage::scratch_entry_name("jail")
+            .map(|n| scratch.join(n))
+            .map_err(|e| error_chain(&e))?;
+        // Pool jails' cgroups are named after their supervisor, so what a killed one
+        // left is recognisable: the first pooled jail of each supervisor sweeps it.
+        static SWEEP: std::sync::Once = std::sync::Once::new();
+        SWEEP.call_once(|| {
+            if let Ok(layout) = cube_jail::CgroupLayout::detect() {
+                let removed = layout.remove_orphaned(POOL_CGROUP_PREFIX);
+                if removed > 0 {
+                    tracing::info!(removed, "removed cgroups of killed pooled supervisors");
+                }
+            }
+        });
+        let name = format!("{POOL_CGROUP_PREFIX}{}", std::process::id());
+        let config = jail_config(&name, &state_dir, &agent, &Settings::default(), None, None)?;
+        let lifeline = Lifeline::new()?;
+        let mut jail = Jail::spawn_with_fds(&config, AGENT_ARGV, &lifeline.fds())
+            .map_err(|e| format!("starting the jail: {}", error_chain(&e)))?;
+        if let Err(e) = wait_listening(jail.pid()) {
+            let _ = jail.kill();
+            let _ = jail.wait();
+            let _ = jail.destroy();
+            return Err(e);
+        }
+        Ok(PrespawnedJail {
+            jail,
+            agent,
+            lifeline: lifeline.write,
+            network: None,
+        })
+    }
+
+    /// Attaches a network device into the jail's namespace now, for a networked
+    /// create to put into service (see [`JailNetwork::standby`]).
+    pub fn attach_standby_network(&mut self) -> Result<(), JailNetworkError> {
+        if self.network.is_none() {
+            self.network = Some(JailNetwork::standby(self.jail.pid())?);
+        }
+        Ok(())
+    }
+
+    /// Whether a device waits in the jail's namespace.
+    pub fn has_network(&self) -> bool {
+        self.network.is_some()
+    }
+}
+
+/// Waits until the agent of PID 1 `pid` listens. (The probe connection is closed at
+/// once; the agent sees it end.)
+fn wait_listening(pid: i32) -> Result<(), String> {
+    let inner = inner_socket(pid);
+    let deadline = Instant::now() + AGENT_READY_TIMEOUT;
+    let mut pause = Duration::from_micros(50);
+    loop {
+        match std::os::unix::net::UnixStream::connect(&inner) {
+            Ok(_) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(format!(
+                    "the agent did not listen at {}: {e}",
+                    inner.display()
+                ))
+            }
+            Err(_) => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_micros(500));
+            }
+        }
+    }
+}
+
+fn limits(settings: &Settings) -> Result<Limits, String> {
+    let limits = Limits {
+        memory_bytes: settings
+            .memory_mib
+            .map(|m| m.checked_mul(1 << 20).ok_or("memory limit too large"))
+            .transpose()?,
+        cpu_quota: settings.cpu_millis.map(|m| f64::from(m) / 1000.0),
+        pids_max: settings.pids_max.or_else(default_pids_max).map(u64::from),
+    };
+    limits.validate().map_err(|e| error_chain(&e))?;
+    Ok(limits)
+}
+
+/// [`DEFAULT_PIDS_MAX`] where the host has a pids controller (looked up once per
+/// supervisor); None elsewhere, where asking for it would fail every create.
+fn default_pids_max() -> Option<u32> {
+    static HAS_PIDS: OnceLock<bool> = OnceLock::new();
+    let has = *HAS_PIDS.get_or_init(|| {
+        cube_jail::CgroupLayout::detect().is_ok_and(|l| l.provider("pids").is_some())
+    });
+    has.then_some(DEFAULT_PIDS_MAX)
+}
+
+/// Whether this process's standard error is `/dev/null`.
+fn stderr_is_null() -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (
+        std::fs::metadata("/proc/self/fd/2"),
+        std::fs::metadata("/dev/null"),
+    ) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// The jail of a sandbox: its spec ([`JailSpec`], shared with one-shot jails) with
+/// the sandbox's environment and limits, and the agent's diagnostics where the
+/// supervisor's go.
+fn jail_config(
+    name: &str,
+    state_dir: &Path,
+    agent: &Path,
+    settings: &Settings,
+    tree: Option<&Path>,
+    seed: Option<PathBuf>,
+) -> Result<JailConfig, String> {
+    let mut env = vec![("RUST_LOG".to_string(), "warn".to_string())];
+    env.extend(settings.env.iter().cloned());
+    let mut config = JailSpec {
+        name,
+        state_dir,
+        agent,
+        tree,
+        seed,
+        env,
+        limits: limits(settings)?,
+    }
+    .config();
+    // The agent's own diagnostics go where the supervisor's do. Where that is
+    // /dev/null, the jail opens its own: a checkpoint cannot restore one host file as
+    // two different kinds of stream (stdin is /dev/null too).
+    config.stderr = if stderr_is_null() {
+        Stdio::Null
+    } else {
+        Stdio::Inherit
+    };
+    Ok(config)
+}

@@ -1,0 +1,509 @@
+//! A Linux-guest VM sandbox as its supervisor holds it: a [`LinuxVm`] restored (never
+//! booted) from a template or snapshot, with its own copy of the root disk
+//! (`rootfs.img` in the sandbox directory), its vsock device's host socket at
+//! `<sandbox dir>/vsock.sock` (where the library's `Sandbox::agent` connects), its entropy
+//! device, and its NIC, with a TAP from cube-net's pool behind it when the sandbox was
+//! created with a network (see [`JailNetwork::attach_tap`]).
+//!
+//! Every restore here (create, rollback, wake) counts as a clone: the rng moves to a
+//! new generation, the vsock device resets the guest's connections (their host ends
+//! are gone), and once the guest's agent answers the host has it reseed the kernel
+//! CRNG, so a guest never replays random state it already used.
+//!
+//! Snapshots, rollback and hibernation work as the test-guest VM's do: the memory
+//! file is a clone of the parent image with only the pages dirtied since written
+//! over it ([`LinuxVm::snapshot`]); a snapshot is written into a staging directory
+//! and renamed into place, so a failed or interrupted one leaves the sandbox running
+//! as it was and every earlier snapshot untouched; a rollback builds the new VM
+//! before it lets the old one go, and a failed one leaves the old one as it was.
+//!
+//! The devices are attached in the kinds and order the snapshot records
+//! ([`crate::vm_devices::snapshot_devices`]); a snapshot with devices Cube cannot give
+//! a host side to is refused.
+
+use std::fs::OpenOptions;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cube_devices::records::DeviceKind;
+use cube_devices::virtio::tap::Tap;
+use cube_storage::{Durability, SandboxDir, SnapshotDir};
+use cube_vmm::linux_vm::LinuxVm;
+use cube_vmm::persist::state::{read_state, GuestKind};
+use cube_vmm::persist::SnapshotStats;
+use cube_vmm::vstate::KvmContext;
+
+use crate::error_report::chain as error_chain;
+use crate::flush::flush_in_background;
+use crate::jail_network::{network_failure, JailNetwork, JailNetworkError};
+use crate::protocol::{
+    ErrorKind, Failure, MachineStatus, Request, Response, Settings, StatusReport,
+};
+use crate::records::{now_unix, Engine, SnapshotKind, SnapshotMeta};
+use crate::resident_memory::own_rss_kib;
+use crate::vm_agent::{agent_client, VmAgentError};
+use crate::vm_devices::{snapshot_devices, TEMPLATE_GUEST_MAC};
+
+/// One Linux-guest sandbox. Field order is drop order: the VM (and its NIC's handle
+/// on the TAP) goes before the TAP, the TAP before the network gives it back.
+pub struct LinuxSandbox {
+    ctx: Arc<KvmContext>,
+    dir: SandboxDir,
+    /// None while hibernated (or once destroyed).
+    vm: Option<LinuxVm>,
+    /// The TAP behind the NIC, kept across rollback and hibernation.
+    tap: Option<Tap>,
+    network: Option<Box<JailNetwork>>,
+    paused: bool,
+    hibernated: bool,
+    /// Bumped on every restore (create, rollback, wake).
+    generation: u64,
+    /// Tells the clone-reseed thread of the current VM to give up.
+    stop_reseed: Arc<AtomicBool>,
+    /// Background flushes of snapshots this sandbox wrote; joined before it goes.
+    flushes: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// How long after a restore the host keeps trying to reach the agent to reseed it.
+const RESEED_WINDOW: Duration = Duration::from_secs(30);
+
+/// Has the restored guest's agent reseed the kernel CRNG with fresh host entropy, as
+/// soon as it answers: a clone must not keep the random state of the snapshot it
+/// shares with its siblings. (The agent also watches the rng's generation counter
+/// where the guest kernel lets it read it.)
+fn reseed_when_ready(vsock_socket: PathBuf, stop: Arc<AtomicBool>) {
+    let spawned = std::thread::Builder::new()
+        .name("reseed-clone".into())
+        .spawn(move || {
+            let deadline = Instant::now() + RESEED_WINDOW;
+            while Instant::now() < deadline && !stop.load(Ordering::Relaxed) {
+                match agent_client(&vsock_socket, Duration::from_millis(500)) {
+                    Ok(client) => {
+                        let mut entropy = vec![0u8; 64];
+                        // SAFETY: `entropy` is writable for its length.
+                        let n = unsafe {
+                            libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0)
+                        };
+                        if n != 64 {
+                            tracing::warn!("no host entropy for the clone's reseed");
+                            return;
+                        }
+                        match client.reseed(entropy) {
+                            Ok(()) => tracing::debug!("clone's kernel CRNG reseeded"),
+                            Err(e) => tracing::warn!(
+                                "reseeding the clone's kernel CRNG: {}",
+                                error_chain(&e)
+                            ),
+                        }
+                        return;
+                    }
+                    Err(VmAgentError::NotReady { .. }) => {}
+                    Err(_) => std::thread::sleep(Duration::from_millis(200)),
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::warn!("starting the clone-reseed thread: {e}");
+    }
+}
+
+impl LinuxSandbox {
+    /// Restores the Linux snapshot in `snapshot` into a running VM whose disk is
+    /// `dir/rootfs.img` (already copied there) and whose console goes to
+    /// `dir/console.log`; with `settings.network`, a TAP from the host's pool goes
+    /// behind the guest's NIC.
+    pub fn restore(
+        ctx: &Arc<KvmContext>,
+        dir: &Path,
+        snapshot: &Path,
+        settings: &Settings,
+    ) -> Result<Self, Failure> {
+        let dir = SandboxDir::new(dir);
+        let disk = dir.rootfs();
+        if !disk.is_file() {
+            return Err(Failure::new(
+                ErrorKind::SnapshotFailed,
+                format!(
+                    "{} has no root disk; a Linux VM sandbox needs one",
+                    snapshot.display()
+                ),
+            ));
+        }
+        let mut sandbox = LinuxSandbox {
+            ctx: Arc::clone(ctx),
+            dir: dir.clone(),
+            vm: None,
+            tap: None,
+            network: None,
+            paused: false,
+            hibernated: false,
+            generation: 0,
+            stop_reseed: Arc::new(AtomicBool::new(true)),
+            flushes: Vec::new(),
+        };
+        if let Some(options) = &settings.network {
+            let fail = |e: JailNetworkError| format!("attaching the network: {}", error_chain(&e));
+            let network =
+                JailNetwork::attach_tap(TEMPLATE_GUEST_MAC, options, &dir).map_err(fail)?;
+            let name = network
+                .tap_name()
+                .ok_or("the pool gave the VM no TAP")?
+                .to_string();
+            // On an error below the sandbox drops, and the network goes back.
+            sandbox.network = Some(Box::new(network));
+            sandbox.tap = Some(
+                Tap::open(&name).map_err(|e| format!("opening TAP {name}: {}", error_chain(&e)))?,
+            );
+        }
+        let vm = sandbox
+            .build_vm(snapshot, &disk, true)
+            .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
+        sandbox.start(vm)?;
+        Ok(sandbox)
+    }
+
+    /// The sandbox's directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A VM restored from `snapshot` with `disk` as its root disk, paused; its console
+    /// starts a new log (`fresh`) or continues the sandbox's.
+    fn build_vm(&self, snapshot: &Path, disk: &Path, fresh: bool) -> Result<LinuxVm, String> {
+        let state = read_state(snapshot).map_err(|e| error_chain(&e))?;
+        if state.guest != GuestKind::Linux {
+            return Err(format!(
+                "{} holds Cube's test guest, not a Linux guest",
+                snapshot.display()
+            ));
+        }
+        let console = OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(!fresh)
+            .truncate(fresh)
+            .open(self.dir.console_log())
+            .map_err(|e| format!("opening the console log: {e}"))?;
+        let tap = match &self.tap {
+            Some(tap) => Some(
+                tap.try_clone()
+                    .map_err(|e| format!("sharing TAP {}: {e}", tap.name()))?,
+            ),
+            None => None,
+        };
+        let kinds: Vec<DeviceKind> = state.devices.iter().map(|d| d.kind).collect();
+        let devices = snapshot_devices(&kinds, disk, &self.dir.vsock_socket(), tap)?;
+        LinuxVm::restore(&self.ctx, snapshot, Box::new(console), devices, true)
+            .map_err(|e| error_chain(&e))
+    }
+
+    /// Lets a freshly restored VM run as the sandbox's, and has its agent reseeded.
+    fn start(&mut self, vm: LinuxVm) -> Result<(), String> {
+        vm.resume().map_err(|e| error_chain(&e))?;
+        self.stop_reseed.store(true, Ordering::Relaxed);
+        self.stop_reseed = Arc::new(AtomicBool::new(false));
+        reseed_when_ready(self.dir.vsock_socket(), Arc::clone(&self.stop_reseed));
+        // The old VM (a rollback's) stops here, after the new one took over.
+        self.vm = Some(vm);
+        self.paused = false;
+        self.hibernated = false;
+        self.generation += 1;
+        Ok(())
+    }
+
+    fn vm(&mut self) -> Result<&mut LinuxVm, Failure> {
+        if self.hibernated {
+            return Err(Failure::bad_state("sandbox is hibernated: wake it first"));
+        }
+        self.vm
+            .as_mut()
+            .ok_or_else(|| Failure::bad_state("the VM is gone"))
+    }
+
+    fn network(&mut self) -> Result<&mut JailNetwork, Failure> {
+        self.network
+            .as_deref_mut()
+            .ok_or_else(|| Failure::bad_state("this sandbox has no network (create it with one)"))
+    }
+
+    /// Carries out one request.
+    pub fn handle(&mut self, request: Request) -> Result<Response, Failure> {
+        let net = network_failure;
+        let snapshot_failed = |f: Failure| f.or_kind(ErrorKind::SnapshotFailed);
+        match request {
+            Request::Adopt { .. } => Err(Failure::invalid("already adopted")),
+            Request::Destroy => Ok(Response::Ok),
+            Request::Status => Ok(Response::Status(self.status())),
+            Request::Pause => {
+                self.vm()?.pause().map_err(|e| error_chain(&e))?;
+                self.paused = true;
+                Ok(Response::Ok)
+            }
+            Request::Resume => {
+                self.vm()?.resume().map_err(|e| error_chain(&e))?;
+                self.paused = false;
+                Ok(Response::Ok)
+            }
+            Request::Snapshot { staging, dest } => {
+                let stats = self.snapshot(&staging, &dest).map_err(snapshot_failed)?;
+                Ok(Response::Snapshot {
+                    stats,
+                    kind: SnapshotKind::Full,
+                    fallback: None,
+                })
+            }
+            Request::Rollback { snapshot } => {
+                self.rollback(&snapshot).map_err(snapshot_failed)?;
+                Ok(Response::Ok)
+            }
+            Request::Hibernate => {
+                self.hibernate().map_err(snapshot_failed)?;
+                Ok(Response::Ok)
+            }
+            Request::Wake => {
+                if !self.hibernated {
+                    return Err(Failure::bad_state("sandbox is not hibernated"));
+                }
+                let vm = self
+                    .build_vm(&self.dir.hibernation(), &self.dir.rootfs(), false)
+                    .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
+                self.start(vm)?;
+                Ok(Response::Ok)
+            }
+            Request::NetworkStatus => {
+                let report = self.network()?.report().map_err(net)?;
+                Ok(Response::Network(report))
+            }
+            Request::SetPolicy(policy) => {
+                self.network()?.set_policy(policy).map_err(net)?;
+                Ok(Response::Ok)
+            }
+            Request::Expose(port) => {
+                self.network()?.expose(port).map_err(net)?;
+                Ok(Response::Ok)
+            }
+            Request::Unexpose { host_port } => {
+                self.network()?.unexpose(host_port).map_err(net)?;
+                Ok(Response::Ok)
+            }
+            Request::GuestDirty { .. }
+            | Request::GuestMode { .. }
+            | Request::GuestWaitWorkingSet
+            | Request::ReadMemory { .. }
+            | Request::MemoryDigest => Err(Failure::unsupported(
+                "a Linux VM sandbox runs no test guest (this request is for test VMs)",
+            )),
+        }
+    }
+
+    /// Writes a snapshot (memory diff, devices, disk) into `staging`, moves it to
+    /// `dest` and has it flushed in the background. The sandbox keeps running (or
+    /// paused) as it was, whatever happens.
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotStats, Failure> {
+        let snapshot_id = dest
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .ok_or_else(|| format!("{} has no snapshot id", dest.display()))?;
+        let sandbox_id = self
+            .dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if dest.exists() {
+            return Err(Failure::new(
+                ErrorKind::AlreadyExists,
+                format!("{} already exists", dest.display()),
+            ));
+        }
+        let was_running = !self.paused;
+        let disk = self.dir.rootfs();
+        let vm = self.vm()?;
+        std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let written = (|| {
+            vm.pause().map_err(|e| error_chain(&e))?;
+            let stats = vm
+                .snapshot(staging, Some(&disk))
+                .map_err(|e| error_chain(&e))?;
+            let meta = SnapshotMeta {
+                id: snapshot_id,
+                sandbox: sandbox_id,
+                created_unix: now_unix(),
+                stats,
+                kind: SnapshotKind::Full,
+                engine: Engine::Vm,
+                fallback: None,
+            };
+            let meta_bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
+            cube_storage::write_atomic_bytes_with(
+                &SnapshotDir::new(staging).record(),
+                SnapshotDir::RECORD_KIND,
+                &meta_bytes,
+                Durability::Deferred,
+            )
+            .map_err(|e| error_chain(&e))?;
+            std::fs::rename(staging, dest).map_err(|e| format!("committing snapshot: {e}"))?;
+            Ok(stats)
+        })();
+        let committed = match written {
+            // The dirty pages stay pending in the VM until the snapshot is in place.
+            Ok(stats) => vm
+                .snapshot_committed(dest)
+                .map(|()| stats)
+                .map_err(|e| error_chain(&e)),
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(staging);
+                Err(e)
+            }
+        };
+        let resumed = if was_running {
+            vm.resume().map_err(|e| error_chain(&e))
+        } else {
+            Ok(())
+        };
+        let stats = committed?;
+        resumed?;
+        self.track_flush(flush_in_background(dest.to_path_buf()));
+        Ok(stats)
+    }
+
+    /// Replaces the VM with one restored from `snapshot` (its disk copied over the
+    /// sandbox's). The new VM is built while the old one waits paused; if that fails
+    /// the old one continues as it was, with its disk and vsock socket.
+    fn rollback(&mut self, snapshot: &Path) -> Result<(), Failure> {
+        let source_disk = SnapshotDir::new(snapshot).rootfs();
+        if !source_disk.is_file() {
+            return Err(format!("{} has no root disk", snapshot.display()).into());
+        }
+        let staged = self.dir.rootfs_rollback();
+        let _ = std::fs::remove_file(&staged);
+        cube_storage::clone_file(&source_disk, &staged).map_err(|e| error_chain(&e))?;
+        let was_running = !self.hibernated && !self.paused && self.vm.is_some();
+        let socket = self.dir.vsock_socket();
+        let aside = self.dir.vsock_socket_aside();
+        let built = (|| {
+            if let Some(vm) = self.vm.as_ref().filter(|_| !self.hibernated) {
+                vm.pause().map_err(|e| error_chain(&e))?;
+            }
+            // The old VM's listener keeps its socket under another name, so that
+            // it can have it back if the new VM does not come up.
+            if socket.exists() {
+                std::fs::rename(&socket, &aside)
+                    .map_err(|e| format!("setting the vsock socket aside: {e}"))?;
+            }
+            self.build_vm(snapshot, &staged, false)
+        })();
+        match built {
+            Ok(vm) => {
+                std::fs::rename(&staged, self.dir.rootfs())
+                    .map_err(|e| format!("replacing the root disk: {e}"))?;
+                let _ = std::fs::remove_file(&aside);
+                self.start(vm)?;
+                // A hibernation image is of the state just left.
+                let _ = std::fs::remove_dir_all(self.dir.hibernation());
+                Ok(())
+            }
+            Err(e) => {
+                let _ = std::fs::remove_file(&staged);
+                if aside.exists() {
+                    let _ = std::fs::remove_file(&socket);
+                    let _ = std::fs::rename(&aside, &socket);
+                }
+                if was_running {
+                    if let Some(vm) = &self.vm {
+                        let _ = vm.resume();
+                    }
+                }
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Writes the state into `hibernate/` (memory as a diff against the parent image)
+    /// and releases the VM; the disk stays where it is, the TAP stays attached.
+    fn hibernate(&mut self) -> Result<(), Failure> {
+        let was_running = !self.paused;
+        let image = self.dir.hibernation();
+        let staging = self.dir.hibernation_staging();
+        let old = self.dir.hibernation_old();
+        let vm = self.vm()?;
+        let _ = std::fs::remove_dir_all(&staging);
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::create_dir(&staging)
+            .map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let written = (|| {
+            vm.pause().map_err(|e| error_chain(&e))?;
+            vm.snapshot(&staging, None).map_err(|e| error_chain(&e))?;
+            if image.exists() {
+                std::fs::rename(&image, &old).map_err(|e| format!("moving old image: {e}"))?;
+            }
+            std::fs::rename(&staging, &image).map_err(|e| format!("committing image: {e}"))
+        })();
+        if let Err(e) = written {
+            let _ = std::fs::remove_dir_all(&staging);
+            if was_running {
+                let _ = vm.resume();
+            }
+            return Err(e.into());
+        }
+        let _ = std::fs::remove_dir_all(&old);
+        self.stop_reseed.store(true, Ordering::Relaxed);
+        self.vm = None;
+        let _ = std::fs::remove_file(self.dir.vsock_socket());
+        self.hibernated = true;
+        self.paused = false;
+        self.track_flush(flush_in_background(image.into_path()));
+        Ok(())
+    }
+
+    fn track_flush(&mut self, flush: Option<std::thread::JoinHandle<()>>) {
+        self.flushes.retain(|f| !f.is_finished());
+        self.flushes.extend(flush);
+    }
+
+    fn status(&self) -> StatusReport {
+        let status = match &self.vm {
+            None if self.hibernated => MachineStatus::Hibernated,
+            None => MachineStatus::Failed("the VM is gone".into()),
+            Some(vm) => match vm.fatal() {
+                Some(why) => MachineStatus::Failed(why),
+                None if self.paused => MachineStatus::Paused,
+                None => MachineStatus::Running,
+            },
+        };
+        StatusReport {
+            status,
+            pid: std::process::id(),
+            counter: 0,
+            generation: self.generation,
+            guest_error: false,
+            config: None,
+            rss_kib: own_rss_kib(),
+            engine: Engine::Vm,
+            jail: None,
+        }
+    }
+
+    /// Stops the vCPUs and releases the VM, then its TAP and network (back to the
+    /// pool); the vsock socket goes too.
+    pub fn destroy(&mut self) {
+        self.stop_reseed.store(true, Ordering::Relaxed);
+        self.vm = None;
+        self.tap = None;
+        if let Some(mut network) = self.network.take() {
+            network.disconnect();
+        }
+        // A flush still writing into a snapshot directory would race its removal.
+        for flush in std::mem::take(&mut self.flushes) {
+            let _ = flush.join();
+        }
+        let _ = std::fs::remove_file(self.dir.vsock_socket());
+    }
+}
+
+impl Drop for LinuxSandbox {
+    fn drop(&mut self) {
+        self.destroy();
+    }
+}

@@ -1,0 +1,183 @@
+//! A Linux guest snapshotted mid-boot and restored into a new VM as a clone: the
+//! restored kernel keeps booting from where it stopped (vCPU, irqchip, clock and
+//! memory state came back), its virtio device states came back through the snapshot,
+//! and the clone's rng moved to a new generation.
+
+#![allow(clippy::unwrap_used)] // helpers of this test file, not library code
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cube_devices::virtio::device::VirtioDevice;
+use cube_devices::virtio::mmio::regs;
+use cube_devices::virtio::rng::Rng;
+use cube_vmm::linux_vm::{self, LinuxBootConfig, LinuxVm};
+use cube_vmm::testing::{linux_kernel as kernel, wait_for, Console, TEST_CMDLINE};
+use cube_vmm::vstate::KvmContext;
+
+fn rng_generation(vm: &LinuxVm) -> u32 {
+    let device = &vm.devices().devices()[0];
+    let mut data = [0u8; 4];
+    device.slot.lock().read(regs::CONFIG, &mut data);
+    u32::from_le_bytes(data)
+}
+
+#[test]
+fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
+    let Some(kernel) = kernel() else { return };
+    let ctx = Arc::new(KvmContext::open().unwrap());
+    let config = LinuxBootConfig {
+        kernel,
+        initrd: None,
+        cmdline: TEST_CMDLINE.into(),
+        memory_bytes: 256 << 20,
+        vcpus: 1,
+        cmdline_devices: false,
+        kernel_mode: cube_vmm::vstate::emulation::KernelMode::Native,
+    };
+    let first = Console::default();
+    let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
+    let mut vm =
+        linux_vm::boot_with_devices(&ctx, &config, Box::new(first.clone()), devices).unwrap();
+    wait_for(&vm, &first, "Linux version", Duration::from_secs(120)).unwrap();
+    vm.pause().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    vm.snapshot(dir.path(), None).unwrap();
+    let printed_before = first.text();
+    drop(vm);
+    assert!(
+        !printed_before.contains("Memory:"),
+        "the snapshot came too late to prove anything:\n{printed_before}"
+    );
+
+    // The test-guest machine refuses it with a clear error.
+    #[cfg(feature = "test-guest")]
+    {
+        let err = cube_vmm::test_guest::machine::Machine::restore(&ctx, dir.path())
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("Linux guest"), "{err}");
+    }
+
+    let second = Console::default();
+    let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
+    let clone =
+        LinuxVm::restore(&ctx, dir.path(), Box::new(second.clone()), devices, true).unwrap();
+    assert_ne!(rng_generation(&clone), 0, "the clone's rng moved on");
+    clone.resume().unwrap();
+    // Printed only after the snapshot point: the kernel went on from where it was.
+    wait_for(&clone, &second, "Memory:", Duration::from_secs(180)).unwrap();
+    assert!(!second.contains("Linux version"));
+}
+
+/// Guest memory, region after region: the layout of a memory file.
+fn guest_memory(vm: &LinuxVm) -> Vec<u8> {
+    use vm_memory::Bytes;
+    let memory = vm.memory();
+    let mut out = vec![0u8; memory.total_size() as usize];
+    let mut offset = 0;
+    for region in memory.regions() {
+        memory
+            .inner()
+            .read_slice(&mut out[offset..offset + region.size], region.guest_addr)
+            .unwrap();
+        offset += region.size;
+    }
+    out
+}
+
+fn pages_differing(a: &[u8], b: &[u8]) -> usize {
+    a.chunks(4096)
+        .zip(b.chunks(4096))
+        .filter(|(x, y)| x != y)
+        .count()
+}
+
+#[test]
+fn a_running_linux_guest_snapshots_as_diffs_and_a_failed_snapshot_loses_no_page() {
+    let Some(kernel) = kernel() else { return };
+    let ctx = Arc::new(KvmContext::open().unwrap());
+    let memory_bytes = 256u64 << 20;
+    let config = LinuxBootConfig {
+        kernel,
+        initrd: None,
+        cmdline: TEST_CMDLINE.into(),
+        memory_bytes,
+        vcpus: 1,
+        cmdline_devices: false,
+        kernel_mode: cube_vmm::vstate::emulation::KernelMode::Native,
+    };
+    let console = Console::default();
+    let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
+    let mut vm =
+        linux_vm::boot_with_devices(&ctx, &config, Box::new(console.clone()), devices).unwrap();
+    wait_for(&vm, &console, "Linux version", Duration::from_secs(120)).unwrap();
+    let root = tempfile::tempdir().unwrap();
+    let first = root.path().join("first");
+    std::fs::create_dir(&first).unwrap();
+    vm.pause().unwrap();
+    vm.snapshot(&first, None).unwrap();
+    vm.snapshot_committed(&first).unwrap();
+    let first_image = std::fs::read(first.join("memory.bin")).unwrap();
+
+    // The guest runs on; a snapshot fails half way (its directory is unusable).
+    vm.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    vm.pause().unwrap();
+    assert!(vm.snapshot(&root.path().join("missing/dir"), None).is_err());
+    // The pages it collected were not written anywhere: the next diff has them.
+    vm.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    vm.pause().unwrap();
+    let second = root.path().join("second");
+    std::fs::create_dir(&second).unwrap();
+    let stats = vm.snapshot(&second, None).unwrap();
+    vm.snapshot_committed(&second).unwrap();
+    let second_image = std::fs::read(second.join("memory.bin")).unwrap();
+    let live = guest_memory(&vm);
+    let printed = console.text();
+    assert!(
+        vm.fatal().is_none() && !printed.contains("Memory:"),
+        "the guest went too far for the test to prove anything:\n{printed}"
+    );
+    eprintln!(
+        "diff snapshot: {} dirty pages, {} bytes written of {} bytes of memory; {} pages differ from the parent",
+        stats.dirty_pages,
+        stats.bytes_written,
+        memory_bytes,
+        pages_differing(&first_image, &second_image)
+    );
+    // The diff image is exactly guest memory, though only the dirty pages were written.
+    assert_eq!(second_image.len() as u64, memory_bytes);
+    assert!(second_image == live, "the diff image lost guest writes");
+    assert!(stats.dirty_pages > 0, "a booting kernel wrote nothing?");
+    assert_eq!(stats.bytes_written, stats.dirty_pages * 4096);
+    assert!(stats.bytes_written < memory_bytes / 4, "{stats:?}");
+    assert!(pages_differing(&first_image, &second_image) as u64 <= stats.dirty_pages);
+    // The parent image was never written.
+    assert!(std::fs::read(first.join("memory.bin")).unwrap() == first_image);
+
+    // And it restores into a guest that keeps booting from there.
+    drop(vm);
+    let clone_console = Console::default();
+    let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
+    let clone = LinuxVm::restore(
+        &ctx,
+        &second,
+        Box::new(clone_console.clone()),
+        devices,
+        true,
+    )
+    .unwrap();
+    clone.resume().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while clone_console.is_empty() {
+        assert!(
+            clone.fatal().is_none() || !clone_console.is_empty(),
+            "{:?}",
+            clone.fatal()
+        );
+        assert!(Instant::now() < deadline, "the clone printed nothing");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
