@@ -9,7 +9,7 @@ use std::time::Duration;
 use clap::{Args, ValueEnum};
 use cube_core::host::KernelMode;
 use cube_core::templates::{
-    locate_agent, DebianRootfs, MachineConfig, TreeSource, VmTemplateSpec, BASE_PACKAGES,
+    image_agent, DebianRootfs, MachineConfig, TreeSource, VmTemplateSpec, BASE_PACKAGES,
     DEFAULT_MIRROR, DEFAULT_SUITE,
 };
 use cube_core::{ErrorKind, Runtime};
@@ -168,7 +168,7 @@ fn build_jail(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
 /// tree, snapshotted once its agent answers; on a host where that cannot finish, says
 /// why at once.
 fn build_vm(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
-    let agent = locate_agent().map_err(CliError::failed)?;
+    let agent = image_agent::locate().map_err(|e| CliError::failed(e.to_string()))?;
     let spec = VmTemplateSpec {
         tree: args.tree_source(),
         kernel: args.kernel.clone(),

@@ -7,6 +7,7 @@ pub use cube_supervisor::jail_spec::locate_agent;
 pub use cube_supervisor::templates::debian::{
     DebianRootfs, RootfsBuildError, BASE_PACKAGES, DEFAULT_MIRROR, DEFAULT_SUITE,
 };
+pub use cube_supervisor::templates::image_agent;
 pub use cube_supervisor::templates::tree::{TemplateBuildError, TreeSource};
 pub use cube_supervisor::templates::vm::{
     cube_guest_kernel, default_kernel, DefaultKernel, VmTemplateError, VmTemplateSpec,

@@ -8,7 +8,8 @@
 //! this is the proof that the Linux path works there. Skipped, saying why, without
 //! `/dev/kvm`, without Cube's guest kernel (`scripts/build-guest-kernel.sh`), without
 //! the host's Debian Python (`/usr/bin/python3`, copied into the image with the
-//! libraries it links), without `mkfs.ext4`, or without the agent binary.
+//! libraries it links), without `mkfs.ext4`, or without a statically linked agent
+//! (`scripts/build-static.sh`, run by set-up).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -19,7 +20,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use cube_agent::protocol::{ExecRequest, Language};
-use cube_core::templates::{locate_agent, MachineConfig, TreeSource, VmTemplateSpec};
+use cube_core::templates::{image_agent, MachineConfig, TreeSource, VmTemplateSpec};
 use cube_core::{CreateOptions, Engine, Runtime, RuntimeConfig, Sandbox};
 use cube_vmm::testing::cube_guest_kernel;
 
@@ -79,6 +80,9 @@ fn python_tree(tree: &Path) {
     }
     let version = python.file_name().unwrap().to_str().unwrap().to_string();
     let stdlib = Path::new("/usr/lib").join(&version);
+    // Into usr/lib, which must exist: `cp -a` would otherwise make the library
+    // directory usr/lib itself.
+    std::fs::create_dir_all(tree.join("usr/lib")).unwrap();
     let status = Command::new("cp")
         .arg("-a")
         .arg(&stdlib)
@@ -105,7 +109,7 @@ fn missing() -> Option<String> {
     if Command::new("ldd").arg("--version").output().is_err() {
         return Some("ldd is not installed (libc-bin)".into());
     }
-    locate_agent().err()
+    image_agent::locate().err().map(|e| e.to_string())
 }
 
 /// Runs `argv` in the sandbox; returns standard output, asserting success.
@@ -192,7 +196,7 @@ fn a_linux_vm_template_serves_sandboxes_through_their_whole_life() {
             irqchip: true,
         },
         boot_timeout: BOOT_LIMIT,
-        agent: locate_agent().unwrap(),
+        agent: image_agent::locate().unwrap(),
     };
     let meta = timed("template build (image, boot to agent, snapshot)", || {
         rt.build_vm_template("linux", &spec, &mut |_| {})

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use cube_core::host::{HostCapabilities, KvmKind};
 use cube_core::templates::{
-    cube_guest_kernel, locate_agent, MachineConfig, TreeSource, VmTemplateSpec, PVM_STOCK_KERNEL,
+    cube_guest_kernel, image_agent, MachineConfig, TreeSource, VmTemplateSpec, PVM_STOCK_KERNEL,
 };
 use cube_core::{CreateOptions, Runtime, RuntimeConfig};
 use serde::Serialize;
@@ -89,7 +89,7 @@ fn measure(
         supervisor: None,
     })
     .map_err(CliError::from)?;
-    let agent = locate_agent().map_err(CliError::failed)?;
+    let agent = image_agent::locate().map_err(|e| CliError::failed(e.to_string()))?;
     let empty = tempfile_dir(root)?;
     let name = format!("bench-linux-{}", std::process::id());
     progress(&format!("building Linux VM template {name}"));

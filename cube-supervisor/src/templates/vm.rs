@@ -109,6 +109,9 @@ pub enum VmTemplateError {
     /// The store failed.
     #[error("Store")]
     Store(#[from] cube_storage::StoreError),
+    /// The agent cannot go into an image.
+    #[error("The agent")]
+    Agent(#[from] super::image_agent::ImageAgentError),
     /// The template record could not be written.
     #[error("Writing the template record")]
     Metadata(#[from] cube_storage::MetadataError),
@@ -322,6 +325,7 @@ pub fn build(
     if kvm == KvmKind::None {
         return Err(VmTemplateError::NoKvm);
     }
+    super::image_agent::check(&spec.agent)?;
     let (kernel, default_initrd) = match &spec.kernel {
         Some(k) => (k.clone(), None),
         None => {
