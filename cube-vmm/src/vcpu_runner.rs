@@ -538,7 +538,7 @@ mod tests {
     use std::time::Instant;
 
     use cube_mem::GuestMemory;
-    use iced_x86::code_asm::{qword_ptr, rax, rsp, CodeAssembler};
+    use iced_x86::code_asm::{qword_ptr, rax, rbx, rsp, CodeAssembler};
     use kvm_bindings::{kvm_dtable, kvm_regs, kvm_segment, kvm_sregs};
     use vm_memory::{Bytes, GuestAddress};
 
@@ -559,9 +559,9 @@ mod tests {
     const PML4: u64 = 0x10_0000;
     const DONE: u64 = 0xd0e;
 
-    /// A guest that runs at CPL0 in 64-bit mode (emulated on PVM hosts): `fwait`, then
-    /// `int3`, whose #BP handler records its return address; #UD and #GP handlers
-    /// record their vector.
+    /// A guest that runs at CPL0 in 64-bit mode (emulated on PVM hosts): optionally
+    /// `popcnt` (which KVM's emulator lacks), then `fwait`, then `int3`, whose #BP
+    /// handler records its return address; #UD and #GP handlers record their vector.
     struct Cpl0Program {
         code: Vec<u8>,
         /// The IDT with gates for #BP, #UD and #GP.
@@ -570,7 +570,12 @@ mod tests {
         after_int3: u64,
     }
 
-    fn cpl0_program() -> Cpl0Program {
+    /// `popcnt rax, rbx`.
+    const POPCNT: [u8; 5] = [0xf3, 0x48, 0x0f, 0xb8, 0xc3];
+    /// Where `popcnt` is, when the program has it: right after `mov rsp, imm64`.
+    const POPCNT_AT: u64 = CODE + 10;
+
+    fn cpl0_program(with_popcnt: bool) -> Cpl0Program {
         let mut a = CodeAssembler::new(64).unwrap();
         let mut after_int3 = a.create_label();
         let mut idle = a.create_label();
@@ -579,6 +584,9 @@ mod tests {
         let mut gp = a.create_label();
         let mut stop = a.create_label();
         a.mov(rsp, STACK_TOP).unwrap();
+        if with_popcnt {
+            a.popcnt(rax, rbx).unwrap();
+        }
         a.wait().unwrap();
         a.int3().unwrap();
         a.set_label(&mut after_int3).unwrap();
@@ -646,17 +654,44 @@ mod tests {
         }
     }
 
-    #[test]
-    fn int3_and_fwait_at_cpl0_are_finished_and_the_guest_goes_on() {
+    /// A CPL0 guest running `program` on its own vCPU thread. Field order is drop
+    /// order: the thread stops and the VM goes before the memory they use.
+    struct Cpl0Run {
+        handle: VcpuHandle,
+        _vm: Vm,
+        memory: GuestMemory,
+    }
+
+    impl Cpl0Run {
+        fn report(&self, offset: u64) -> u64 {
+            self.memory
+                .inner()
+                .read_obj::<u64>(GuestAddress(REPORT + offset))
+                .unwrap()
+        }
+
+        /// Waits until the guest is done or stopped (a bound on a hang, not a timing
+        /// assertion: the program is a dozen instructions).
+        fn wait(&self) {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while self.report(24) != DONE
+                && self.handle.fatal().is_none()
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+
+    fn start_cpl0(program: &Cpl0Program) -> Option<Cpl0Run> {
         if !std::path::Path::new("/dev/kvm").exists() {
-            eprintln!("skipped: /dev/kvm not present");
-            return;
+            println!("skipped: /dev/kvm not present");
+            return None;
         }
         let ctx = Arc::new(KvmContext::open().unwrap());
         let ram = ram_ranges(128 << 20).unwrap();
         let memory = GuestMemory::anonymous(memory_layout(&ram).unwrap()).unwrap();
         let mem = memory.inner();
-        let program = cpl0_program();
         mem.write_slice(&program.code, GuestAddress(CODE)).unwrap();
         mem.write_slice(&program.idt, GuestAddress(IDT)).unwrap();
         // Null, 64-bit code (0x8), data (0x10), then the 16-byte TSS descriptor (0x18).
@@ -689,8 +724,8 @@ mod tests {
             },
         )
         .unwrap();
-        // SAFETY: `memory` outlives `vm` and the vCPU thread: both are dropped (the
-        // handle stopped) at the end of this test before `memory`, declared first.
+        // SAFETY: `memory` outlives `vm` and the vCPU thread: `Cpl0Run` holds all
+        // three and drops the handle (stopping the thread) and the VM before it.
         unsafe { register_guest_memory(&vm, &memory, false).unwrap() };
         let vcpu = Vcpu::new(&vm, 0).unwrap();
         vcpu.configure_cpuid().unwrap();
@@ -739,23 +774,35 @@ mod tests {
         vcpu.set_initial_registers(&regs, &sregs).unwrap();
         let handle = VcpuHandle::spawn_with_memory(vcpu, None, None, Some(mem.clone())).unwrap();
         handle.resume().unwrap();
-        // A bound on a hang, not a timing assertion: the program is a dozen
-        // instructions.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let report = |offset: u64| mem.read_obj::<u64>(GuestAddress(REPORT + offset)).unwrap();
-        while report(24) != DONE && handle.fatal().is_none() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        assert_eq!(handle.fatal(), None);
-        assert_eq!(report(24), DONE, "the guest did not get past int3");
-        assert_eq!(report(16), 0, "the guest took exception {}", report(16));
-        assert_eq!(report(8), 1, "the #BP handler ran once");
+        Some(Cpl0Run {
+            handle,
+            _vm: vm,
+            memory,
+        })
+    }
+
+    #[test]
+    fn int3_and_fwait_at_cpl0_are_finished_and_the_guest_goes_on() {
+        let program = cpl0_program(false);
+        let Some(run) = start_cpl0(&program) else {
+            return;
+        };
+        run.wait();
+        assert_eq!(run.handle.fatal(), None);
+        assert_eq!(run.report(24), DONE, "the guest did not get past int3");
         assert_eq!(
-            report(0),
+            run.report(16),
+            0,
+            "the guest took exception {}",
+            run.report(16)
+        );
+        assert_eq!(run.report(8), 1, "the #BP handler ran once");
+        assert_eq!(
+            run.report(0),
             program.after_int3,
             "#BP returned right after the int3"
         );
-        let assists = handle.assists();
+        let assists = run.handle.assists();
         if emulation::KernelMode::of_this_host() == Some(emulation::KernelMode::Emulated) {
             // CPL0 code ran in KVM's emulator, which gave both instructions up.
             assert_eq!(
@@ -768,7 +815,26 @@ mod tests {
         } else {
             assert_eq!(assists, AssistCounts::default(), "the CPU ran them itself");
         }
-        drop(handle);
-        drop(vm);
+    }
+
+    #[test]
+    fn an_instruction_the_emulator_lacks_stops_the_guest_naming_rip_and_bytes() {
+        let program = cpl0_program(true);
+        assert_eq!(&program.code[10..15], &POPCNT, "popcnt sits at POPCNT_AT");
+        let Some(run) = start_cpl0(&program) else {
+            return;
+        };
+        run.wait();
+        if emulation::KernelMode::of_this_host() == Some(emulation::KernelMode::Emulated) {
+            let why = run.handle.fatal().expect("the guest went on past popcnt");
+            assert!(why.contains("could not emulate"), "{why}");
+            let named = format!("RIP {POPCNT_AT:#x}, instruction bytes f3 48 0f b8 c3");
+            assert!(why.contains(&named), "{why}");
+            assert_ne!(run.report(24), DONE);
+        } else {
+            // On the CPU it is an ordinary instruction.
+            assert_eq!(run.handle.fatal(), None);
+            assert_eq!(run.report(24), DONE);
+        }
     }
 }
