@@ -168,7 +168,12 @@ fn build_jail(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
 /// tree, snapshotted once its agent answers; on a host where that cannot finish, says
 /// why at once.
 fn build_vm(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
-    let agent = image_agent::locate().map_err(|e| CliError::failed(e.to_string()))?;
+    // A missing static agent is reported only if the host could build the template at
+    // all: where it cannot (a stock kernel on PVM), that is what the user must hear.
+    let located = image_agent::locate();
+    let agent = located
+        .as_ref()
+        .map_or_else(|_| PathBuf::new(), Clone::clone);
     let spec = VmTemplateSpec {
         tree: args.tree_source(),
         kernel: args.kernel.clone(),
@@ -199,6 +204,9 @@ fn build_vm(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
         Err(e) if e.kind() == ErrorKind::HostCannot => {
             Err(CliError::from(e).hint(format!("cube template build {} --engine jail", args.name)))
         }
-        Err(e) => Err(e.into()),
+        Err(e) => match located {
+            Err(missing) => Err(CliError::failed(missing.to_string())),
+            Ok(_) => Err(e.into()),
+        },
     }
 }

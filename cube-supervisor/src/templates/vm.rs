@@ -325,7 +325,6 @@ pub fn build(
     if kvm == KvmKind::None {
         return Err(VmTemplateError::NoKvm);
     }
-    super::image_agent::check(&spec.agent)?;
     let (kernel, default_initrd) = match &spec.kernel {
         Some(k) => (k.clone(), None),
         None => {
@@ -334,6 +333,9 @@ pub fn build(
             (default.kernel, default.initrd)
         }
     };
+    // After the host checks: where the template cannot be built here, that is the
+    // failure to report, whatever the agent.
+    super::image_agent::check(&spec.agent)?;
     let initrd = spec.initrd.clone().or(default_initrd);
     let kernel_mode = KernelMode::for_kvm(kvm).unwrap_or(KernelMode::Native);
     let staging = store.stage()?;
