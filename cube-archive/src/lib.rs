@@ -37,7 +37,7 @@ pub mod unpack;
 pub mod writer;
 
 pub use format::{Codec, MAGIC, MAX_CHUNK, MAX_MANIFEST, VERSION};
-pub use manifest::{Entry, EntryKind, Manifest, ManifestError, Xattr};
+pub use manifest::{Entry, EntryKind, Manifest, ManifestError, Xattr, SANDBOX_DEVICES};
 pub use pack::{pack, PackError, PackOptions, PackStats};
 pub use reader::{ArchiveReader, Chunk, ReadError};
 pub use unpack::{unpack, UnpackError, UnpackStats};

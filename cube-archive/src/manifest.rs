@@ -53,6 +53,9 @@ pub enum ManifestError {
     /// A symlink target is empty, has a NUL or is too long.
     #[error("Symlink {0:?} has an unusable target")]
     BadTarget(String),
+    /// A device node is not one a sandbox's `/dev` holds.
+    #[error("Entry {0:?} is a device node no sandbox's /dev holds")]
+    BadDevice(String),
     /// An extended attribute is not one an archive may carry, or its value is too long.
     #[error("Entry {path:?} carries extended attribute {name:?}, which is not allowed")]
     BadXattr {
@@ -131,7 +134,20 @@ pub enum EntryKind {
     /// An overlayfs whiteout (a character device 0:0): a file of the layer below that
     /// the layer deletes.
     Whiteout,
+    /// A character device node, one of [`SANDBOX_DEVICES`]: a jail checkpoint saves its
+    /// sandbox's `/dev` (a tmpfs) with the nodes in it. No other device is carried, so
+    /// an archive cannot put a node such as `/dev/mem` into a sandbox.
+    CharDevice {
+        /// Its major number.
+        major: u32,
+        /// Its minor number.
+        minor: u32,
+    },
 }
+
+/// The character devices a sandbox's `/dev` holds (major, minor): null, zero, full,
+/// random, urandom and tty, as cube-jail makes them.
+pub const SANDBOX_DEVICES: &[(u32, u32)] = &[(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0)];
 
 impl Manifest {
     /// Parses and validates a manifest.
@@ -202,6 +218,11 @@ impl Manifest {
                     }
                 }
                 EntryKind::Whiteout => {}
+                EntryKind::CharDevice { major, minor } => {
+                    if !SANDBOX_DEVICES.contains(&(*major, *minor)) {
+                        return Err(ManifestError::BadDevice(path.to_string()));
+                    }
+                }
             }
         }
         Ok(())
@@ -306,6 +327,26 @@ mod tests {
             through_link.validate(),
             Err(ManifestError::Orphan(_))
         ));
+    }
+
+    #[test]
+    fn only_the_devices_of_a_sandboxs_dev_pass() {
+        let device = |major, minor| Manifest {
+            properties: BTreeMap::new(),
+            entries: vec![entry("null", EntryKind::CharDevice { major, minor })],
+        };
+        device(1, 3).validate().unwrap();
+        device(5, 0).validate().unwrap();
+        // /dev/mem, /dev/kmsg, a disk.
+        for (major, minor) in [(1, 1), (1, 11), (8, 0)] {
+            assert!(
+                matches!(
+                    device(major, minor).validate(),
+                    Err(ManifestError::BadDevice(_))
+                ),
+                "{major}:{minor}"
+            );
+        }
     }
 
     #[test]

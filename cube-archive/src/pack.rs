@@ -11,7 +11,9 @@ use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use crate::format::MAX_CHUNK;
-use crate::manifest::{Entry, EntryKind, Manifest, Xattr, XATTR_ALLOWED, XATTR_USER_PREFIX};
+use crate::manifest::{
+    Entry, EntryKind, Manifest, Xattr, SANDBOX_DEVICES, XATTR_ALLOWED, XATTR_USER_PREFIX,
+};
 use crate::writer::{ArchiveWriter, WriteError};
 
 /// Why a tree could not be packed.
@@ -264,6 +266,13 @@ fn walk(
             EntryKind::Symlink { target }
         } else if ft.is_char_device() && meta.rdev() == 0 {
             EntryKind::Whiteout
+        } else if ft.is_char_device()
+            && SANDBOX_DEVICES.contains(&(libc::major(meta.rdev()), libc::minor(meta.rdev())))
+        {
+            EntryKind::CharDevice {
+                major: libc::major(meta.rdev()),
+                minor: libc::minor(meta.rdev()),
+            }
         } else {
             stats.skipped.push(path);
             continue;

@@ -102,6 +102,13 @@ pub fn unpack<R: Read>(
                 0,
             )
             .map_err(|e| io(e.into()))?,
+            EntryKind::CharDevice { major, minor } => nix::sys::stat::mknod(
+                &path,
+                nix::sys::stat::SFlag::S_IFCHR,
+                nix::sys::stat::Mode::empty(),
+                libc::makedev(*major, *minor),
+            )
+            .map_err(|e| io(e.into()))?,
         }
         stats.entries += 1;
     }
@@ -256,6 +263,58 @@ mod tests {
             std::fs::read_link(dest.join("link")).unwrap(),
             PathBuf::from("/nowhere")
         );
+    }
+
+    #[test]
+    fn a_saved_dev_keeps_its_device_nodes_and_others_are_left_out() {
+        if !nix::unistd::geteuid().is_root() {
+            println!("skipped: making device nodes needs root");
+            return;
+        }
+        let src = tempfile::tempdir().unwrap();
+        let root = src.path();
+        let node = |name: &str, major, minor| {
+            nix::sys::stat::mknod(
+                &root.join(name),
+                nix::sys::stat::SFlag::S_IFCHR,
+                nix::sys::stat::Mode::from_bits_truncate(0o666),
+                libc::makedev(major, minor),
+            )
+            .unwrap();
+            // mknod's mode passes through the umask.
+            std::fs::set_permissions(root.join(name), std::fs::Permissions::from_mode(0o666))
+                .unwrap();
+        };
+        node("null", 1, 3);
+        node("urandom", 1, 9);
+        node("mem", 1, 1);
+        let mut bytes = Vec::new();
+        let stats = pack(
+            root,
+            &mut bytes,
+            &PackOptions {
+                properties: BTreeMap::new(),
+                base: &no_base,
+            },
+        )
+        .unwrap();
+        assert_eq!(stats.entries, 2);
+        assert_eq!(stats.skipped, vec!["mem".to_string()]);
+
+        let out = tempfile::tempdir().unwrap();
+        let dest = out.path().join("dev");
+        let (reader, manifest) = ArchiveReader::open(bytes.as_slice()).unwrap();
+        unpack(reader, &manifest, &dest, &|_, _| {
+            Err(std::io::ErrorKind::NotFound.into())
+        })
+        .unwrap();
+        let null = std::fs::metadata(dest.join("null")).unwrap();
+        assert!(std::os::unix::fs::FileTypeExt::is_char_device(
+            &null.file_type()
+        ));
+        assert_eq!(null.rdev(), libc::makedev(1, 3));
+        assert_eq!(null.mode() & 0o7777, 0o666);
+        assert!(!dest.join("mem").exists());
     }
 
     #[test]

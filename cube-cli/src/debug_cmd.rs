@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use clap::Subcommand;
 use cube_core::debug::{self, BootOptions, DebugError, LinuxBootConfig};
+use cube_core::host::KernelMode;
 
 use crate::cli_error::{chain, CliError};
 
@@ -59,7 +60,28 @@ pub enum DebugCommand {
         /// ACPI; the ACPI tables always list them).
         #[arg(long)]
         cmdline_devices: bool,
+        /// How the kernel's own code runs: `auto` asks the host (emulated on PVM
+        /// hosts, natively with VMX/SVM); `emulated` adds the CPUID masks,
+        /// command-line switches and VMM assists a kernel that is not PVM-enabled
+        /// needs on a PVM host.
+        #[arg(long, value_enum, default_value_t = ModeArg::Auto)]
+        kernel_mode: ModeArg,
+        /// Prefix every console line with the seconds since the boot started (host
+        /// clock): the boot timeline.
+        #[arg(long)]
+        timestamps: bool,
     },
+}
+
+/// `--kernel-mode`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ModeArg {
+    /// As the host probe says.
+    Auto,
+    /// On the CPU.
+    Native,
+    /// In KVM's instruction emulator, with Cube's assists.
+    Emulated,
 }
 
 /// The console: echoed to stdout (and a log), kept to be searched.
@@ -67,30 +89,57 @@ struct Console {
     text: Mutex<String>,
     changed: Condvar,
     log: Mutex<Option<std::fs::File>>,
+    /// With `--timestamps`: when the boot started.
+    started: Option<Instant>,
 }
 
-struct ConsoleWriter(Arc<Console>);
+struct ConsoleWriter {
+    console: Arc<Console>,
+    /// The next byte starts a line (gets a timestamp).
+    at_line_start: bool,
+}
+
+impl ConsoleWriter {
+    /// `buf` as shown and logged: with a `[+seconds]` prefix on every line where
+    /// timestamps are on.
+    fn shown(&mut self, buf: &[u8]) -> Vec<u8> {
+        let Some(started) = self.console.started else {
+            return buf.to_vec();
+        };
+        let mut out = Vec::with_capacity(buf.len() + 16);
+        for &b in buf {
+            if self.at_line_start {
+                let _ = write!(out, "[+{:9.3}] ", started.elapsed().as_secs_f64());
+                self.at_line_start = false;
+            }
+            out.push(b);
+            self.at_line_start = b == b'\n';
+        }
+        out
+    }
+}
 
 impl Write for ConsoleWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let shown = self.shown(buf);
         let mut out = std::io::stdout();
-        out.write_all(buf)?;
+        out.write_all(&shown)?;
         out.flush()?;
         if let Some(log) = self
-            .0
+            .console
             .log
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_mut()
         {
-            log.write_all(buf)?;
+            log.write_all(&shown)?;
         }
-        self.0
+        self.console
             .text
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_str(&String::from_utf8_lossy(buf));
-        self.0.changed.notify_all();
+        self.console.changed.notify_all();
         Ok(buf.len())
     }
 
@@ -113,7 +162,23 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         vsock_dir,
         rng,
         cmdline_devices,
+        kernel_mode,
+        timestamps,
     } = command;
+    let kernel_mode = match kernel_mode {
+        ModeArg::Native => KernelMode::Native,
+        ModeArg::Emulated => KernelMode::Emulated,
+        ModeArg::Auto => KernelMode::of_this_host().ok_or_else(|| {
+            CliError::unsupported("no usable /dev/kvm")
+                .hint("`cube doctor` shows what this host can run")
+        })?,
+    };
+    if kernel_mode == KernelMode::Emulated {
+        eprintln!(
+            "cube: the guest kernel runs emulated (KVM here is PVM and the kernel is not \
+             PVM-enabled): every kernel instruction costs about a microsecond"
+        );
+    }
     let pattern = until
         .as_deref()
         .map(regex::Regex::new)
@@ -127,6 +192,7 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
         text: Mutex::new(String::new()),
         changed: Condvar::new(),
         log: Mutex::new(log),
+        started: timestamps.then(Instant::now),
     });
     let options = BootOptions {
         config: LinuxBootConfig {
@@ -136,25 +202,35 @@ pub fn run(command: DebugCommand) -> Result<(), CliError> {
             memory_bytes: memory_mib << 20,
             vcpus,
             cmdline_devices,
+            kernel_mode,
         },
         disk,
         vsock_dir,
         rng,
     };
-    let vm =
-        debug::boot(&options, Box::new(ConsoleWriter(Arc::clone(&console)))).map_err(
-            |e| match e {
-                DebugError::NoKvm(_) => CliError::of_kind(e.kind(), chain(&e))
-                    .hint("`cube doctor` shows what this host can run"),
-                _ => CliError::of_kind(e.kind(), chain(&e)),
-            },
-        )?;
-    let deadline = Instant::now() + Duration::from_secs(timeout);
+    let writer = ConsoleWriter {
+        console: Arc::clone(&console),
+        at_line_start: true,
+    };
+    let vm = debug::boot(&options, Box::new(writer)).map_err(|e| match e {
+        DebugError::NoKvm(_) => CliError::of_kind(e.kind(), chain(&e))
+            .hint("`cube doctor` shows what this host can run"),
+        _ => CliError::of_kind(e.kind(), chain(&e)),
+    })?;
+    let booted = Instant::now();
+    let deadline = booted + Duration::from_secs(timeout);
     let mut text = console.text.lock().unwrap_or_else(|e| e.into_inner());
     loop {
         if let Some(p) = &pattern {
             if p.is_match(&text) {
-                eprintln!("\ncube: console matched {:?}", p.as_str());
+                let assists = vm.assists();
+                eprintln!(
+                    "\ncube: console matched {:?} after {:.1} s ({} int3, {} fwait finished by the VMM)",
+                    p.as_str(),
+                    booted.elapsed().as_secs_f64(),
+                    assists.breakpoints,
+                    assists.fwaits
+                );
                 return Ok(());
             }
         }

@@ -6,9 +6,9 @@ use serde::Serialize;
 
 use crate::cli_error::{chain, CliError};
 use crate::store_cmd::store_root;
-use cube_core::host::{probe_dirty_tracking, probe_jail, HostCapabilities, KvmKind};
+use cube_core::host::{probe_dirty_tracking, probe_jail, HostCapabilities, KvmKind, PvmFlavour};
 use cube_core::store::{filesystem_name, supports_reflink};
-use cube_core::templates::PVM_STOCK_KERNEL;
+use cube_core::templates::{cube_guest_kernel, PVM_STOCK_KERNEL};
 
 /// The doctor's report.
 #[derive(Serialize)]
@@ -33,6 +33,26 @@ struct Report {
     notes: Vec<String>,
 }
 
+/// What a PVM host means for Linux guests, by flavour.
+fn pvm_note(flavour: Option<PvmFlavour>) -> String {
+    let which = match flavour {
+        Some(PvmFlavour::VirtPvm) => {
+            "the public virt-pvm (a kernel built with its CONFIG_PVM_GUEST would run natively)"
+        }
+        Some(PvmFlavour::Private) => {
+            "a private variant (MSR 0x4b564d11 reads \"PVM\"): no public PVM guest kernel runs \
+             natively on it"
+        }
+        Some(PvmFlavour::Unknown) | None => "a flavour Cube does not recognise",
+    };
+    format!(
+        "KVM is PVM, {which}. Guest CPL3 code runs natively, guest kernel code is emulated \
+         (about a microsecond an instruction): Linux guests run in Cube's emulated-kernel \
+         mode, correct but slow (Cube's guest kernel boots in tens of seconds, exec and \
+         Python pay for every system call); the test guest runs at native speed"
+    )
+}
+
 pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
     let host = HostCapabilities::probe();
     let root = store_root(store)?;
@@ -50,13 +70,10 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
         KvmKind::Hardware => engines.push("vm"),
         KvmKind::Pvm => {
             engines.push("vm");
-            notes.push(
-                "KVM is PVM: guest CPL0 code is emulated, so a stock Linux guest kernel does not boot \
-                 at usable speed; the vm engine runs Cube's test guest, or Linux with a PVM-enabled \
-                 (CONFIG_PVM_GUEST) kernel"
-                    .to_string(),
-            );
-            notes.push(PVM_STOCK_KERNEL.to_string());
+            notes.push(pvm_note(host.pvm_flavour));
+            if cube_guest_kernel(&root).is_none() {
+                notes.push(PVM_STOCK_KERNEL.to_string());
+            }
         }
         KvmKind::None => notes.push("no usable /dev/kvm: the vm engine is unavailable".to_string()),
     }

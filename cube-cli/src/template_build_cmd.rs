@@ -7,14 +7,20 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+use cube_core::host::KernelMode;
 use cube_core::templates::{
-    locate_agent, DebianRootfs, MachineConfig, TreeSource, VmTemplateSpec, BASE_PACKAGES,
+    image_agent, DebianRootfs, MachineConfig, TreeSource, VmTemplateSpec, BASE_PACKAGES,
     DEFAULT_MIRROR, DEFAULT_SUITE,
 };
 use cube_core::{ErrorKind, Runtime};
 
 use crate::build_progress::BuildProgress;
 use crate::cli_error::CliError;
+
+/// Default `--boot-timeout` where the guest kernel runs natively.
+const NATIVE_BOOT_TIMEOUT_S: u64 = 120;
+/// Default `--boot-timeout` where the guest kernel runs emulated (PVM hosts).
+const EMULATED_BOOT_TIMEOUT_S: u64 = 900;
 
 /// The engine a template is built for.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
@@ -50,15 +56,21 @@ pub struct BuildArgs {
     /// Same as --packages (the VM engine's spelling).
     #[arg(long, value_name = "PKGS", value_delimiter = ',')]
     pub debian: Vec<String>,
-    /// Guest kernel for --engine vm (default: the store's kernels/debian-cloud).
+    /// Guest kernel for --engine vm (default: the store's kernels/cube-guest, else
+    /// kernels/debian-cloud).
     #[arg(long, value_name = "PATH")]
     pub kernel: Option<PathBuf>,
-    /// Guest initramfs for --engine vm (default: the store's kernels/debian-cloud).
+    /// Guest initramfs for --engine vm (default: none for Cube's kernel, Cube's
+    /// initramfs for Debian's).
     #[arg(long, value_name = "PATH")]
     pub initrd: Option<PathBuf>,
-    /// Seconds to wait for the guest's agent (--engine vm).
-    #[arg(long, value_name = "S", default_value_t = 120)]
-    pub boot_timeout: u64,
+    /// Seconds to wait for the guest's agent (--engine vm; default 120, or 900 where
+    /// the guest kernel runs emulated).
+    #[arg(long, value_name = "S")]
+    pub boot_timeout: Option<u64>,
+    /// Guest memory in MiB (--engine vm); every sandbox of the template has it.
+    #[arg(long, value_name = "MIB", default_value_t = 512)]
+    pub memory_mib: u64,
 }
 
 impl BuildArgs {
@@ -156,17 +168,29 @@ fn build_jail(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
 /// tree, snapshotted once its agent answers; on a host where that cannot finish, says
 /// why at once.
 fn build_vm(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
-    let agent = locate_agent().map_err(CliError::failed)?;
+    // A missing static agent is reported only if the host could build the template at
+    // all: where it cannot (a stock kernel on PVM), that is what the user must hear.
+    let located = image_agent::locate();
+    let agent = located
+        .as_ref()
+        .map_or_else(|_| PathBuf::new(), Clone::clone);
     let spec = VmTemplateSpec {
         tree: args.tree_source(),
         kernel: args.kernel.clone(),
         initrd: args.initrd.clone(),
         machine: MachineConfig {
             vcpus: 1,
-            memory_bytes: 512 << 20,
+            memory_bytes: args.memory_mib << 20,
             irqchip: true,
         },
-        boot_timeout: Duration::from_secs(args.boot_timeout),
+        boot_timeout: Duration::from_secs(args.boot_timeout.unwrap_or(
+            // An emulated kernel takes a minute or two to boot here; a native one,
+            // about a second.
+            match KernelMode::of_this_host() {
+                Some(KernelMode::Emulated) => EMULATED_BOOT_TIMEOUT_S,
+                _ => NATIVE_BOOT_TIMEOUT_S,
+            },
+        )),
         agent,
     };
     let progress = BuildProgress::start(&format!("building VM template {}", args.name));
@@ -180,6 +204,9 @@ fn build_vm(rt: &Runtime, args: &BuildArgs) -> Result<(), CliError> {
         Err(e) if e.kind() == ErrorKind::HostCannot => {
             Err(CliError::from(e).hint(format!("cube template build {} --engine jail", args.name)))
         }
-        Err(e) => Err(e.into()),
+        Err(e) => match located {
+            Err(missing) => Err(CliError::failed(missing.to_string())),
+            Ok(_) => Err(e.into()),
+        },
     }
 }

@@ -13,6 +13,7 @@ use cube_devices::virtio::vsock::Vsock;
 use cube_storage::SandboxDir;
 pub use cube_vmm::linux_vm::LinuxBootConfig;
 use cube_vmm::linux_vm::{self, BootError, LinuxVm};
+pub use cube_vmm::vcpu_runner::AssistCounts;
 use cube_vmm::vstate::{KvmContext, VstateError};
 
 /// The guest context id of the vsock device ([`BootOptions::vsock_dir`]).
@@ -65,6 +66,12 @@ impl DebugVm {
     /// Why the guest stopped for good, if it did.
     pub fn fatal(&self) -> Option<String> {
         self.vm.fatal()
+    }
+
+    /// The instructions the VMM finished for the guest's kernel where KVM's emulator
+    /// gave up on them (see [`cube_vmm::vstate::emulation`]).
+    pub fn assists(&self) -> AssistCounts {
+        self.vm.assists()
     }
 }
 

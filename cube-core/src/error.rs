@@ -174,7 +174,8 @@ impl SandboxError {
             E::VmTemplate(_, e) => match e {
                 VmTemplateError::StockKernelOnPvm
                 | VmTemplateError::NoKvm
-                | VmTemplateError::NoKernel(_) => ErrorKind::HostCannot,
+                | VmTemplateError::NoKernel(_)
+                | VmTemplateError::Agent(_) => ErrorKind::HostCannot,
                 VmTemplateError::Exists(_) => ErrorKind::AlreadyExists,
                 VmTemplateError::Timeout(..) | VmTemplateError::TimeoutOnPvm(..) => {
                     ErrorKind::Timeout

@@ -5,7 +5,9 @@
 use cube_jail::{Jail, JailConfig};
 
 pub use cube_mem::dirty::{probe as probe_dirty_tracking, TrackerSupport};
-pub use cube_supervisor::host::{criu_check, CgroupMode, HostCapabilities, KvmKind};
+pub use cube_supervisor::host::{
+    criu_check, CgroupMode, HostCapabilities, KernelMode, KvmKind, PvmFlavour,
+};
 
 /// Starts a jail running `/bin/true` and destroys it: the jail engine works here only
 /// if that does. The error says why not (no namespaces, not root, no cgroups...).

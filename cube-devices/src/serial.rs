@@ -21,12 +21,13 @@ pub enum SerialError {
     Restore(String),
 }
 
-/// First port of COM1.
+/// First I/O port of COM1, the console UART.
 pub const COM1_BASE: u16 = 0x3f8;
-/// Ports COM1 decodes.
-const COM1_PORTS: u16 = 8;
-/// The ISA interrupt line of COM1.
-const COM1_IRQ: u32 = 4;
+/// I/O ports COM1 decodes.
+pub const COM1_PORTS: u16 = 8;
+/// COM1's interrupt line (ISA IRQ 4, the same GSI on the IO-APIC); the VMM's DSDT
+/// names it for the guest.
+pub const COM1_IRQ: u32 = 4;
 
 /// Raises COM1's interrupt line on the in-kernel interrupt controller.
 pub struct IrqLine {

@@ -686,6 +686,21 @@ impl SandboxCgroup {
         keyed_counter(&dir.join(file), key)
     }
 
+    /// Processes and threads charged against `pids.max` now (`pids.current`): one
+    /// number the kernel keeps, unlike [`SandboxCgroup::procs`], which reads each
+    /// hierarchy's list at a different moment.
+    pub fn pids_current(&self) -> Result<Option<u64>> {
+        let Some((_, dir)) = &self.pids else {
+            return Ok(None);
+        };
+        let path = dir.join("pids.current");
+        let text = read(&path)?;
+        text.trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| malformed("pids.current", &text))
+    }
+
     /// How many times a fork was refused because of `pids.max`.
     pub fn pids_max_hits(&self) -> Result<Option<u64>> {
         let Some((_, dir)) = &self.pids else {

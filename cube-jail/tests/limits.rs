@@ -78,8 +78,10 @@ fn a_fork_bomb_stops_at_pids_max_and_the_host_keeps_going() {
         std::thread::sleep(Duration::from_millis(10));
     }
     assert!(hits > 0, "the bomb never reached pids.max");
-    let inside = cg.procs().unwrap().len();
-    assert!(inside <= 32, "{inside} processes despite pids.max = 32");
+    // The kernel's own count: the process lists of several v1 hierarchies, read one
+    // after the other while the bomb forks and dies, can add up to more.
+    let inside = cg.pids_current().unwrap().unwrap();
+    assert!(inside <= 32, "{inside} tasks despite pids.max = 32");
     // The host can still create processes.
     assert!(std::process::Command::new("true")
         .status()

@@ -11,8 +11,9 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-pub use cube_vmm::host::KvmKind;
 use cube_vmm::host::KvmProbe;
+pub use cube_vmm::host::{KvmKind, PvmFlavour};
+pub use cube_vmm::vstate::emulation::KernelMode;
 use nix::sys::statfs::{statfs, CGROUP2_SUPER_MAGIC, CGROUP_SUPER_MAGIC};
 use serde::{Deserialize, Serialize};
 
@@ -37,6 +38,10 @@ pub enum CgroupMode {
 pub struct HostCapabilities {
     /// Which KVM the host has.
     pub kvm: KvmKind,
+    /// Which PVM, where `kvm` is PVM.
+    pub pvm_flavour: Option<PvmFlavour>,
+    /// How Cube's guest kernel (not PVM-enabled) runs here; `None` without KVM.
+    pub linux_kernel: Option<KernelMode>,
     /// `KVM_GET_API_VERSION`, when `/dev/kvm` opens.
     pub kvm_api_version: Option<i32>,
     /// Whether KVM offers a dirty ring (`KVM_CAP_DIRTY_LOG_RING`).
@@ -73,10 +78,13 @@ impl HostCapabilities {
             dirty_ring,
             manual_dirty_log_protect,
         } = KvmProbe::run();
+        let pvm_flavour = (kvm == KvmKind::Pvm).then(PvmFlavour::probe);
         let criu = criu_version();
         let criu_works = criu.is_some() && criu_check();
         Self {
             kvm,
+            pvm_flavour,
+            linux_kernel: KernelMode::for_kvm(kvm),
             kvm_api_version,
             dirty_ring,
             manual_dirty_log_protect,
@@ -247,6 +255,8 @@ mod tests {
         if Path::new("/sys/module/kvm_pvm").exists() && caps.kvm_api_version.is_some() {
             assert_eq!(caps.kvm, KvmKind::Pvm);
         }
+        assert_eq!(caps.pvm_flavour.is_some(), caps.kvm == KvmKind::Pvm);
+        assert_eq!(caps.linux_kernel, KernelMode::for_kvm(caps.kvm));
         if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
             assert_eq!(caps.cgroup, Some(CgroupMode::V2));
         }

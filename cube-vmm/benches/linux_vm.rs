@@ -48,6 +48,7 @@ fn paused_guest(kernel: PathBuf) -> LinuxVm {
         memory_bytes: MEMORY_BYTES,
         vcpus: 1,
         cmdline_devices: false,
+        kernel_mode: cube_vmm::vstate::emulation::KernelMode::Native,
     };
     let vm = linux_vm::boot_with_devices(&ctx, &config, Box::new(console.clone()), devices)
         .unwrap_or_else(|e| panic!("booting: {e}"));

@@ -26,7 +26,8 @@ use crate::dirty_tracking::{self, TrackingError};
 use crate::memory::{memory_layout, register_guest_memory};
 use crate::persist::state::{self as format, GuestKind, MachineConfig, MachineState};
 use crate::persist::SnapshotStats;
-use crate::vcpu_runner::{VcpuHandle, VcpuRunnerError};
+use crate::vcpu_runner::{AssistCounts, VcpuHandle, VcpuRunnerError};
+use crate::vstate::emulation::KernelMode;
 use crate::vstate::vcpu::Vcpu;
 use crate::vstate::vm::{Vm, VmConfig};
 use crate::vstate::KvmContext;
@@ -126,6 +127,10 @@ pub struct LinuxBootConfig {
     /// without ACPI. Off by default: a kernel that has both would find every device
     /// twice (once per table) and fail the second probe.
     pub cmdline_devices: bool,
+    /// How the kernel's own code runs: [`KernelMode::Emulated`] (a kernel that is not
+    /// PVM-enabled on a PVM host) adds CPUID masks and command-line switches (see
+    /// [`crate::vstate::emulation`]); [`KernelMode::for_kvm`] chooses.
+    pub kernel_mode: KernelMode,
 }
 
 /// A booting (or booted) Linux guest. Field order is drop order: vCPU threads and
@@ -173,6 +178,18 @@ impl LinuxVm {
     /// Why the guest stopped for good, if it did (triple fault, power-off, KVM error).
     pub fn fatal(&self) -> Option<String> {
         self.vcpus.iter().find_map(|v| v.fatal())
+    }
+
+    /// The instructions the VMM finished for the guest's kernel, all vCPUs together
+    /// (see [`crate::vstate::emulation`]).
+    pub fn assists(&self) -> AssistCounts {
+        self.vcpus
+            .iter()
+            .map(VcpuHandle::assists)
+            .fold(AssistCounts::default(), |a, b| AssistCounts {
+                breakpoints: a.breakpoints + b.breakpoints,
+                fwaits: a.fwaits + b.fwaits,
+            })
     }
 
     /// Guest memory.
@@ -317,7 +334,12 @@ impl LinuxVm {
         let handles = vcpus
             .into_iter()
             .map(|v| {
-                VcpuHandle::spawn_with_buses(v, Some(Arc::clone(&ports)), Some(Arc::clone(&bus)))
+                VcpuHandle::spawn_with_memory(
+                    v,
+                    Some(Arc::clone(&ports)),
+                    Some(Arc::clone(&bus)),
+                    Some(memory.inner().clone()),
+                )
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(LinuxVm {
@@ -452,10 +474,11 @@ pub fn boot_with_devices(
         .map_err(|e| LoadError::OpenKernel(config.kernel.clone(), e))?;
     let mut bus = MmioBus::new();
     let devices = VirtioDevices::attach(vm.fd(), memory.inner(), &mut bus, devices)?;
+    let cmdline = with_switches(&config.cmdline, config.kernel_mode.cmdline_switches());
     let cmdline = if config.cmdline_devices {
-        with_device_entries(&config.cmdline, &devices)
+        with_device_entries(&cmdline, &devices)
     } else {
-        config.cmdline.clone()
+        cmdline
     };
     let device_info: Vec<acpi::MmioDeviceInfo> = devices
         .devices()
@@ -495,7 +518,7 @@ pub fn boot_with_devices(
     };
 
     let vcpu = Vcpu::new(&vm, 0)?;
-    vcpu.configure_cpuid()?;
+    vcpu.configure_cpuid_for(config.kernel_mode)?;
     // Keep KVM's reset APIC base (enabled, BSP): the kernel needs its local APIC.
     sregs.apic_base = vcpu
         .fd()
@@ -506,20 +529,22 @@ pub fn boot_with_devices(
     let legacy = Arc::new(LegacyPorts::new(vm.shared_fd(), console));
     let ports: Arc<dyn PortIo> = legacy.clone();
     let bus = Arc::new(bus);
-    let mut handles = vec![VcpuHandle::spawn_with_buses(
+    let mut handles = vec![VcpuHandle::spawn_with_memory(
         vcpu,
         Some(Arc::clone(&ports)),
         Some(Arc::clone(&bus)),
+        Some(memory.inner().clone()),
     )?];
     // Application processors start halted in the in-kernel LAPIC (waiting for the
     // INIT/SIPI the kernel sends when it brings them up).
     for index in 1..config.vcpus {
         let ap = Vcpu::new(&vm, index)?;
-        ap.configure_cpuid()?;
-        handles.push(VcpuHandle::spawn_with_buses(
+        ap.configure_cpuid_for(config.kernel_mode)?;
+        handles.push(VcpuHandle::spawn_with_memory(
             ap,
             Some(Arc::clone(&ports)),
             Some(Arc::clone(&bus)),
+            Some(memory.inner().clone()),
         )?);
     }
     for handle in &handles {
@@ -538,6 +563,23 @@ pub fn boot_with_devices(
     })
 }
 
+/// `cmdline` followed by those of `switches` it does not already have (a switch the
+/// user set, with any value, is left as the user set it).
+fn with_switches(cmdline: &str, switches: &str) -> String {
+    let name = |word: &str| word.split('=').next().unwrap_or(word).to_string();
+    let present: Vec<String> = cmdline.split_whitespace().map(name).collect();
+    let mut out = cmdline.trim_end().to_string();
+    for switch in switches.split_whitespace() {
+        if !present.contains(&name(switch)) {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+            out.push_str(switch);
+        }
+    }
+    out
+}
+
 /// The user's command line followed by one `virtio_mmio.device=` entry per device.
 fn with_device_entries(cmdline: &str, devices: &VirtioDevices) -> String {
     let entries = devices.cmdline();
@@ -545,5 +587,29 @@ fn with_device_entries(cmdline: &str, devices: &VirtioDevices) -> String {
         (_, true) => cmdline.to_string(),
         (true, false) => entries,
         (false, false) => format!("{} {entries}", cmdline.trim_end()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn switches_are_appended_unless_the_user_set_them() {
+        assert_eq!(
+            with_switches("console=ttyS0 ", "noxsave clearcpuid=popcnt"),
+            "console=ttyS0 noxsave clearcpuid=popcnt"
+        );
+        // The user's own value wins; only the missing switch is added.
+        assert_eq!(
+            with_switches("clearcpuid=popcnt,pku quiet", "noxsave clearcpuid=popcnt"),
+            "clearcpuid=popcnt,pku quiet noxsave"
+        );
+        assert_eq!(with_switches("", "noxsave"), "noxsave");
+        assert_eq!(with_switches("a b", ""), "a b");
+        assert_eq!(
+            with_switches("console=ttyS0", KernelMode::Native.cmdline_switches()),
+            "console=ttyS0"
+        );
     }
 }

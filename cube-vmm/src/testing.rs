@@ -40,6 +40,39 @@ pub fn linux_kernel() -> Option<PathBuf> {
     Some(path)
 }
 
+/// Cube's own guest kernel, where this host can boot it: `$CUBE_GUEST_KERNEL`, else
+/// where `scripts/build-guest-kernel.sh` links the latest build
+/// (`kernels/cube-guest/vmlinux`) in the store named by `$CUBE_HOME`, else in
+/// `/var/lib/cube`. None, after printing why, where `/dev/kvm` or the kernel is
+/// missing.
+pub fn cube_guest_kernel() -> Option<PathBuf> {
+    if !Path::new("/dev/kvm").exists() {
+        println!("skipped: /dev/kvm not present");
+        return None;
+    }
+    let candidates: Vec<PathBuf> = match std::env::var_os("CUBE_GUEST_KERNEL") {
+        Some(kernel) => vec![PathBuf::from(kernel)],
+        None => std::env::var_os("CUBE_HOME")
+            .map(PathBuf::from)
+            .into_iter()
+            .chain([PathBuf::from("/var/lib/cube")])
+            .map(|root| root.join("kernels/cube-guest/vmlinux"))
+            .collect(),
+    };
+    let found = candidates.iter().find(|p| p.is_file()).cloned();
+    if found.is_none() {
+        println!(
+            "skipped: Cube's guest kernel is not built (looked at {}; scripts/build-guest-kernel.sh builds it)",
+            candidates
+                .iter()
+                .map(|p| p.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    found
+}
+
 /// A serial console that keeps everything the guest printed.
 #[derive(Clone, Default)]
 pub struct Console(Arc<Mutex<String>>);

@@ -8,6 +8,7 @@
 //! because it owns the vCPU file descriptor.
 
 use std::cell::Cell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
@@ -15,12 +16,18 @@ use std::time::Duration;
 
 use kvm_bindings::kvm_run;
 use kvm_ioctls::VcpuExit;
+use vm_memory::bitmap::AtomicBitmap;
+use vm_memory::GuestMemoryMmap;
 
 use cube_devices::mmio_bus::MmioBus;
 use cube_devices::port_io::PortIo;
 
 use crate::control_device::{self, ControlAction};
+use crate::vstate::emulation::{self, Assist};
 use crate::vstate::vcpu::Vcpu;
+
+/// Guest memory as the VMM maps it.
+type Memory = GuestMemoryMmap<AtomicBitmap>;
 
 /// How long a controller waits for a vCPU thread to park before giving up.
 const PARK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -69,6 +76,20 @@ struct Control {
 struct Shared {
     control: Mutex<Control>,
     changed: Condvar,
+    /// `int3` instructions finished by the VMM (see [`Assist`]).
+    breakpoints: AtomicU64,
+    /// `fwait` instructions finished by the VMM.
+    fwaits: AtomicU64,
+}
+
+/// Instructions the VMM finished for a guest kernel that runs emulated (see
+/// [`crate::vstate::emulation`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AssistCounts {
+    /// `int3`: stepped over, #BP delivered.
+    pub breakpoints: u64,
+    /// `fwait`: stepped over.
+    pub fwaits: u64,
 }
 
 impl Shared {
@@ -144,6 +165,23 @@ impl VcpuHandle {
         ports: Option<Arc<dyn PortIo>>,
         mmio: Option<Arc<MmioBus>>,
     ) -> Result<VcpuHandle, VcpuRunnerError> {
+        Self::spawn_with_memory(vcpu, ports, mmio, None)
+    }
+
+    /// Like [`VcpuHandle::spawn_with_buses`], with the guest's memory, from which the
+    /// instruction KVM could not emulate is read (through the guest's page tables)
+    /// when KVM does not report its bytes.
+    ///
+    /// Whatever the memory, the thread finishes `int3` and `fwait` itself when KVM's
+    /// emulator gives up on them (a guest kernel that runs emulated on a PVM host,
+    /// see [`crate::vstate::emulation`]); any other emulation failure stops the guest
+    /// with the instruction's address and bytes.
+    pub fn spawn_with_memory(
+        vcpu: Vcpu,
+        ports: Option<Arc<dyn PortIo>>,
+        mmio: Option<Arc<MmioBus>>,
+        memory: Option<Memory>,
+    ) -> Result<VcpuHandle, VcpuRunnerError> {
         install_kick_handler();
         let index = vcpu.index();
         let shared = Arc::new(Shared {
@@ -155,12 +193,21 @@ impl VcpuHandle {
                 jobs: Vec::new(),
             }),
             changed: Condvar::new(),
+            breakpoints: AtomicU64::new(0),
+            fwaits: AtomicU64::new(0),
         });
         let thread_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name(format!("vcpu{index}"))
             .stack_size(256 << 10)
-            .spawn(move || run_vcpu(vcpu, &thread_shared, ports.as_deref(), mmio.as_deref()))
+            .spawn(move || {
+                let buses = Buses {
+                    ports: ports.as_deref(),
+                    mmio: mmio.as_deref(),
+                    memory: memory.as_ref(),
+                };
+                run_vcpu(vcpu, &thread_shared, &buses)
+            })
             .map_err(|e| VcpuRunnerError::Spawn(index, e))?;
         let pthread = std::os::unix::thread::JoinHandleExt::as_pthread_t(&thread);
         let handle = VcpuHandle {
@@ -235,6 +282,14 @@ impl VcpuHandle {
         self.shared.lock().fatal.clone()
     }
 
+    /// The instructions the VMM finished for the guest since the thread started.
+    pub fn assists(&self) -> AssistCounts {
+        AssistCounts {
+            breakpoints: self.shared.breakpoints.load(Ordering::Relaxed),
+            fwaits: self.shared.fwaits.load(Ordering::Relaxed),
+        }
+    }
+
     /// Runs `job` on the parked vCPU thread (which owns the vCPU) and returns its result.
     pub fn with_vcpu<R: Send + 'static>(
         &self,
@@ -300,12 +355,19 @@ fn set_immediate_exit(run: *mut kvm_run, value: u8) {
     unsafe { std::ptr::write_volatile(&mut (*run).immediate_exit, value) };
 }
 
-fn run_vcpu(
-    mut vcpu: Vcpu,
-    shared: &Shared,
-    ports: Option<&dyn PortIo>,
-    mmio: Option<&MmioBus>,
-) -> Vcpu {
+/// Where a vCPU thread sends its exits.
+struct Buses<'a> {
+    ports: Option<&'a dyn PortIo>,
+    mmio: Option<&'a MmioBus>,
+    memory: Option<&'a Memory>,
+}
+
+fn run_vcpu(mut vcpu: Vcpu, shared: &Shared, buses: &Buses<'_>) -> Vcpu {
+    let Buses {
+        ports,
+        mmio,
+        memory,
+    } = *buses;
     let run: *mut kvm_run = vcpu.fd_mut().get_kvm_run();
     KVM_RUN.with(|r| r.set(run));
     // An MMIO or PIO exit is only complete once KVM_RUN is entered again; a vCPU saved
@@ -397,13 +459,14 @@ fn run_vcpu(
                 // SAFETY: after KVM_EXIT_INTERNAL_ERROR KVM filled the `internal` member
                 // of the kvm_run union; `run` is this thread's live mapping.
                 let suberror = unsafe { (*run).__bindgen_anon_1.internal.suberror };
-                Outcome::Fatal(if suberror == kvm_bindings::KVM_INTERNAL_ERROR_EMULATION {
-                    "KVM could not emulate a guest instruction (on PVM hosts guest kernel \
-                     code runs emulated: a stock kernel stops here, a PVM-enabled one does not)"
-                        .to_string()
+                if suberror == kvm_bindings::KVM_INTERNAL_ERROR_EMULATION {
+                    // SAFETY: an emulation failure exit, read from this thread's live
+                    // kvm_run mapping before the next KVM_RUN overwrites it.
+                    let kvm_bytes = unsafe { emulation::kvm_instruction_bytes(run) };
+                    assist_emulation(&vcpu, shared, kvm_bytes, memory)
                 } else {
-                    format!("KVM internal error (suberror {suberror})")
-                })
+                    Outcome::Fatal(format!("KVM internal error (suberror {suberror})"))
+                }
             }
             Ok(other) => Outcome::Fatal(format!("unexpected exit {other:?}")),
             Err(e) if e.errno() == libc::EINTR || e.errno() == libc::EAGAIN => {
@@ -439,4 +502,339 @@ enum Outcome {
     Continue,
     Idle,
     Fatal(String),
+}
+
+/// Finishes the instruction KVM's emulator gave up on, where the VMM can (see
+/// [`Assist`]); otherwise the guest stops with the instruction's address and bytes.
+fn assist_emulation(
+    vcpu: &Vcpu,
+    shared: &Shared,
+    kvm_bytes: Option<Vec<u8>>,
+    memory: Option<&Memory>,
+) -> Outcome {
+    let failed = emulation::failed_instruction(vcpu.fd(), kvm_bytes, memory);
+    let Some(assist) = Assist::for_instruction(&failed.bytes) else {
+        return Outcome::Fatal(format!(
+            "KVM could not emulate a guest instruction ({failed}; on PVM hosts a guest \
+             kernel that is not PVM-enabled runs emulated, and KVM's emulator lacks this \
+             instruction)"
+        ));
+    };
+    match assist.apply(vcpu.fd()) {
+        Ok(()) => {
+            let counter = match assist {
+                Assist::Breakpoint => &shared.breakpoints,
+                Assist::Fwait => &shared.fwaits,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+            Outcome::Continue
+        }
+        Err(e) => Outcome::Fatal(format!("finishing {assist:?} at {failed}: {e}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use cube_mem::GuestMemory;
+    use iced_x86::code_asm::{qword_ptr, rax, rbx, rsp, CodeAssembler};
+    use kvm_bindings::{kvm_dtable, kvm_regs, kvm_segment, kvm_sregs};
+    use vm_memory::{Bytes, GuestAddress};
+
+    use super::*;
+    use crate::arch::x86_64::layout::{ram_ranges, CONTROL_DEVICE_ADDR, MMIO_HOLE_START};
+    use crate::memory::{memory_layout, register_guest_memory};
+    use crate::vstate::vm::{Vm, VmConfig};
+    use crate::vstate::KvmContext;
+
+    const GDT: u64 = 0x1000;
+    const IDT: u64 = 0x2000;
+    const TSS: u64 = 0x3000;
+    /// What the guest reports: the #BP handler's return RIP, how often it ran, the
+    /// vector of any other exception, and a done marker.
+    const REPORT: u64 = 0x5000;
+    const CODE: u64 = 0x2_0000;
+    const STACK_TOP: u64 = 0x8_0000;
+    const PML4: u64 = 0x10_0000;
+    const DONE: u64 = 0xd0e;
+
+    /// A guest that runs at CPL0 in 64-bit mode (emulated on PVM hosts): optionally
+    /// `popcnt` (which KVM's emulator lacks), then `fwait`, then `int3`, whose #BP
+    /// handler records its return address; #UD and #GP handlers record their vector.
+    struct Cpl0Program {
+        code: Vec<u8>,
+        /// The IDT with gates for #BP, #UD and #GP.
+        idt: Vec<u8>,
+        /// The address right after the `int3`.
+        after_int3: u64,
+    }
+
+    /// `popcnt rax, rbx`.
+    const POPCNT: [u8; 5] = [0xf3, 0x48, 0x0f, 0xb8, 0xc3];
+    /// Where `popcnt` is, when the program has it: right after `mov rsp, imm64`.
+    const POPCNT_AT: u64 = CODE + 10;
+
+    fn cpl0_program(with_popcnt: bool) -> Cpl0Program {
+        let mut a = CodeAssembler::new(64).unwrap();
+        let mut after_int3 = a.create_label();
+        let mut idle = a.create_label();
+        let mut bp = a.create_label();
+        let mut ud = a.create_label();
+        let mut gp = a.create_label();
+        let mut stop = a.create_label();
+        a.mov(rsp, STACK_TOP).unwrap();
+        if with_popcnt {
+            a.popcnt(rax, rbx).unwrap();
+        }
+        a.wait().unwrap();
+        a.int3().unwrap();
+        a.set_label(&mut after_int3).unwrap();
+        a.mov(rax, DONE).unwrap();
+        a.mov(qword_ptr(REPORT + 24), rax).unwrap();
+        a.set_label(&mut idle).unwrap();
+        a.mov(rax, CONTROL_DEVICE_ADDR + control_device::IDLE_REGISTER)
+            .unwrap();
+        a.mov(qword_ptr(rax), rax).unwrap();
+        a.jmp(idle).unwrap();
+        // #BP: the return RIP is on top of the interrupt frame.
+        a.set_label(&mut bp).unwrap();
+        a.mov(rax, qword_ptr(rsp)).unwrap();
+        a.mov(qword_ptr(REPORT), rax).unwrap();
+        a.add(qword_ptr(REPORT + 8), 1).unwrap();
+        a.iretq().unwrap();
+        a.set_label(&mut ud).unwrap();
+        a.mov(rax, 6u64).unwrap();
+        a.jmp(stop).unwrap();
+        a.set_label(&mut gp).unwrap();
+        a.mov(rax, 13u64).unwrap();
+        a.set_label(&mut stop).unwrap();
+        a.mov(qword_ptr(REPORT + 16), rax).unwrap();
+        a.jmp(idle).unwrap();
+        let result = a
+            .assemble_options(
+                CODE,
+                iced_x86::BlockEncoderOptions::RETURN_NEW_INSTRUCTION_OFFSETS,
+            )
+            .unwrap();
+        let at = |label| result.label_ip(&label).unwrap();
+        let handlers = [(3u64, at(bp)), (6, at(ud)), (13, at(gp))];
+        let mut idt = vec![0u8; 256 * 16];
+        for (vector, handler) in handlers {
+            let gate = &mut idt[vector as usize * 16..][..16];
+            gate[0..2].copy_from_slice(&(handler as u16).to_le_bytes());
+            gate[2..4].copy_from_slice(&0x8u16.to_le_bytes());
+            // Present, DPL 0, 64-bit interrupt gate.
+            gate[5] = 0x8e;
+            gate[6..8].copy_from_slice(&((handler >> 16) as u16).to_le_bytes());
+            gate[8..12].copy_from_slice(&((handler >> 32) as u32).to_le_bytes());
+        }
+        Cpl0Program {
+            code: result.inner.code_buffer.clone(),
+            idt,
+            after_int3: at(after_int3),
+        }
+    }
+
+    fn segment(selector: u16, type_: u8, long: u8, db: u8) -> kvm_segment {
+        kvm_segment {
+            base: 0,
+            limit: 0xffff_ffff,
+            selector,
+            type_,
+            present: 1,
+            dpl: 0,
+            db,
+            s: 1,
+            l: long,
+            g: 1,
+            avl: 0,
+            unusable: 0,
+            padding: 0,
+        }
+    }
+
+    /// A CPL0 guest running `program` on its own vCPU thread. Field order is drop
+    /// order: the thread stops and the VM goes before the memory they use.
+    struct Cpl0Run {
+        handle: VcpuHandle,
+        _vm: Vm,
+        memory: GuestMemory,
+    }
+
+    impl Cpl0Run {
+        fn report(&self, offset: u64) -> u64 {
+            self.memory
+                .inner()
+                .read_obj::<u64>(GuestAddress(REPORT + offset))
+                .unwrap()
+        }
+
+        /// Waits until the guest is done or stopped (a bound on a hang, not a timing
+        /// assertion: the program is a dozen instructions).
+        fn wait(&self) {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while self.report(24) != DONE
+                && self.handle.fatal().is_none()
+                && Instant::now() < deadline
+            {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+    }
+
+    fn start_cpl0(program: &Cpl0Program) -> Option<Cpl0Run> {
+        if !std::path::Path::new("/dev/kvm").exists() {
+            println!("skipped: /dev/kvm not present");
+            return None;
+        }
+        let ctx = Arc::new(KvmContext::open().unwrap());
+        let ram = ram_ranges(128 << 20).unwrap();
+        let memory = GuestMemory::anonymous(memory_layout(&ram).unwrap()).unwrap();
+        let mem = memory.inner();
+        mem.write_slice(&program.code, GuestAddress(CODE)).unwrap();
+        mem.write_slice(&program.idt, GuestAddress(IDT)).unwrap();
+        // Null, 64-bit code (0x8), data (0x10), then the 16-byte TSS descriptor (0x18).
+        let gdt: [u64; 3] = [0, 0x00af_9a00_0000_ffff, 0x00cf_9200_0000_ffff];
+        for (i, e) in gdt.iter().enumerate() {
+            mem.write_obj(*e, GuestAddress(GDT + 8 * i as u64)).unwrap();
+        }
+        let tss_low = 0x67 | ((TSS & 0xff_ffff) << 16) | (0x89u64 << 40);
+        mem.write_obj(tss_low, GuestAddress(GDT + 24)).unwrap();
+        // Identity map of the first GiB (RAM) and the GiB holding the control device,
+        // 2 MiB supervisor pages.
+        mem.write_obj((PML4 + 0x1000) | 3, GuestAddress(PML4))
+            .unwrap();
+        for (slot, gib) in [(0u64, 0u64), (1, MMIO_HOLE_START >> 30)] {
+            let pd = PML4 + 0x2000 + slot * 0x1000;
+            mem.write_obj(pd | 3, GuestAddress(PML4 + 0x1000 + gib * 8))
+                .unwrap();
+            for i in 0..512u64 {
+                let phys = (gib << 30) + (i << 21);
+                mem.write_obj(phys | 0x83, GuestAddress(pd + i * 8))
+                    .unwrap();
+            }
+        }
+
+        let vm = Vm::new(
+            &ctx,
+            &VmConfig {
+                vcpus: 1,
+                irqchip: false,
+            },
+        )
+        .unwrap();
+        // SAFETY: `memory` outlives `vm` and the vCPU thread: `Cpl0Run` holds all
+        // three and drops the handle (stopping the thread) and the VM before it.
+        unsafe { register_guest_memory(&vm, &memory, false).unwrap() };
+        let vcpu = Vcpu::new(&vm, 0).unwrap();
+        vcpu.configure_cpuid().unwrap();
+        let data = segment(0x10, 0x3, 0, 1);
+        let sregs = kvm_sregs {
+            cs: segment(0x8, 0xb, 1, 0),
+            ds: data,
+            es: data,
+            fs: data,
+            gs: data,
+            ss: data,
+            tr: kvm_segment {
+                base: TSS,
+                limit: 0x67,
+                selector: 0x18,
+                type_: 0xb,
+                present: 1,
+                ..Default::default()
+            },
+            ldt: kvm_segment {
+                unusable: 1,
+                ..Default::default()
+            },
+            gdt: kvm_dtable {
+                base: GDT,
+                limit: 0x27,
+                ..Default::default()
+            },
+            idt: kvm_dtable {
+                base: IDT,
+                limit: 0xfff,
+                ..Default::default()
+            },
+            // PG | WP | NE | ET | MP | PE; OSXMMEXCPT | OSFXSR | PAE; LMA | LME.
+            cr0: 0x8005_0033,
+            cr3: PML4,
+            cr4: 0x620,
+            efer: 0x500,
+            ..Default::default()
+        };
+        let regs = kvm_regs {
+            rip: CODE,
+            rflags: 0x2,
+            ..Default::default()
+        };
+        vcpu.set_initial_registers(&regs, &sregs).unwrap();
+        let handle = VcpuHandle::spawn_with_memory(vcpu, None, None, Some(mem.clone())).unwrap();
+        handle.resume().unwrap();
+        Some(Cpl0Run {
+            handle,
+            _vm: vm,
+            memory,
+        })
+    }
+
+    #[test]
+    fn int3_and_fwait_at_cpl0_are_finished_and_the_guest_goes_on() {
+        let program = cpl0_program(false);
+        let Some(run) = start_cpl0(&program) else {
+            return;
+        };
+        run.wait();
+        assert_eq!(run.handle.fatal(), None);
+        assert_eq!(run.report(24), DONE, "the guest did not get past int3");
+        assert_eq!(
+            run.report(16),
+            0,
+            "the guest took exception {}",
+            run.report(16)
+        );
+        assert_eq!(run.report(8), 1, "the #BP handler ran once");
+        assert_eq!(
+            run.report(0),
+            program.after_int3,
+            "#BP returned right after the int3"
+        );
+        let assists = run.handle.assists();
+        if emulation::KernelMode::of_this_host() == Some(emulation::KernelMode::Emulated) {
+            // CPL0 code ran in KVM's emulator, which gave both instructions up.
+            assert_eq!(
+                assists,
+                AssistCounts {
+                    breakpoints: 1,
+                    fwaits: 1
+                }
+            );
+        } else {
+            assert_eq!(assists, AssistCounts::default(), "the CPU ran them itself");
+        }
+    }
+
+    #[test]
+    fn an_instruction_the_emulator_lacks_stops_the_guest_naming_rip_and_bytes() {
+        let program = cpl0_program(true);
+        assert_eq!(&program.code[10..15], &POPCNT, "popcnt sits at POPCNT_AT");
+        let Some(run) = start_cpl0(&program) else {
+            return;
+        };
+        run.wait();
+        if emulation::KernelMode::of_this_host() == Some(emulation::KernelMode::Emulated) {
+            let why = run.handle.fatal().expect("the guest went on past popcnt");
+            assert!(why.contains("could not emulate"), "{why}");
+            let named = format!("RIP {POPCNT_AT:#x}, instruction bytes f3 48 0f b8 c3");
+            assert!(why.contains(&named), "{why}");
+            assert_ne!(run.report(24), DONE);
+        } else {
+            // On the CPU it is an ordinary instruction.
+            assert_eq!(run.handle.fatal(), None);
+            assert_eq!(run.report(24), DONE);
+        }
+    }
 }

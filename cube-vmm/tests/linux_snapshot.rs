@@ -33,6 +33,7 @@ fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
         memory_bytes: 256 << 20,
         vcpus: 1,
         cmdline_devices: false,
+        kernel_mode: cube_vmm::vstate::emulation::KernelMode::Native,
     };
     let first = Console::default();
     let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
@@ -104,6 +105,7 @@ fn a_running_linux_guest_snapshots_as_diffs_and_a_failed_snapshot_loses_no_page(
         memory_bytes,
         vcpus: 1,
         cmdline_devices: false,
+        kernel_mode: cube_vmm::vstate::emulation::KernelMode::Native,
     };
     let console = Console::default();
     let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];

@@ -153,6 +153,10 @@ fn main() -> ExitCode {
     };
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
+        // A log line that cannot be written is dropped: by default the subscriber
+        // reports it with `eprintln!`, which panics when stderr fails too (a VM's
+        // console whose UART the kernel could not set up), killing PID 1.
+        .log_internal_errors(false)
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use cube_core::host::{HostCapabilities, KvmKind};
 use cube_core::templates::{
-    locate_agent, MachineConfig, TreeSource, VmTemplateSpec, PVM_STOCK_KERNEL,
+    cube_guest_kernel, image_agent, MachineConfig, TreeSource, VmTemplateSpec, PVM_STOCK_KERNEL,
 };
 use cube_core::{CreateOptions, Runtime, RuntimeConfig};
 use serde::Serialize;
@@ -55,7 +55,9 @@ pub fn run(root: &Path, repeats: usize, json: bool, kernel: Option<&Path>) -> Re
     let kvm = HostCapabilities::probe().kvm;
     let skip = match (kvm, kernel) {
         (KvmKind::None, _) => Some("no usable /dev/kvm".to_string()),
-        (KvmKind::Pvm, None) => Some(PVM_STOCK_KERNEL.to_string()),
+        (KvmKind::Pvm, None) if cube_guest_kernel(root).is_none() => {
+            Some(PVM_STOCK_KERNEL.to_string())
+        }
         _ => None,
     };
     let mut report = LinuxReport {
@@ -87,7 +89,7 @@ fn measure(
         supervisor: None,
     })
     .map_err(CliError::from)?;
-    let agent = locate_agent().map_err(CliError::failed)?;
+    let agent = image_agent::locate().map_err(|e| CliError::failed(e.to_string()))?;
     let empty = tempfile_dir(root)?;
     let name = format!("bench-linux-{}", std::process::id());
     progress(&format!("building Linux VM template {name}"));

@@ -15,7 +15,7 @@ pub use cube_net::bench as net_bench;
 pub use cube_supervisor::jail_network::{open_pool, pool_config, pool_name};
 pub use cube_vmm::persist::state::read_state;
 pub use cube_vmm::test_guest::mailbox::{self, Mode as GuestMode};
-pub use cube_vmm::testing::linux_kernel;
+pub use cube_vmm::testing::{cube_guest_kernel, linux_kernel};
 
 /// What only a test-guest sandbox does: the host drives Cube's synthetic guest through
 /// its mailbox and reads its memory. Other sandboxes refuse these with

@@ -57,6 +57,7 @@ pub fn runtime_with_midboot_template(kernel: PathBuf, root: &Path) -> Runtime {
             memory_bytes: machine.memory_bytes,
             vcpus: machine.vcpus,
             cmdline_devices: false,
+            kernel_mode: cube_vmm::vstate::emulation::KernelMode::Native,
         },
         Box::new(console.clone()),
         template_devices(&disk, &build.build_vsock_socket()).unwrap(),

@@ -10,7 +10,11 @@
 //!
 //! Connections live in the host (sockets cannot go into a snapshot): after a restore
 //! the device sends the guest a transport-reset event and the guest drops them, as
-//! after a live migration. Guest packets are parsed from validated chains; every
+//! after a live migration. Host connections made meanwhile wait until the guest has
+//! taken the event (Linux refills the event buffer and notifies the event queue once
+//! it has reset its sockets): Linux serves the receive queue before the event queue,
+//! so a connection request sent alongside the event would be accepted, then reset
+//! with the stale ones. Guest packets are parsed from validated chains; every
 //! header field is checked before use.
 
 use std::collections::{BTreeMap, VecDeque};
@@ -255,6 +259,11 @@ pub struct Vsock {
     next_token: u64,
     next_host_port: u32,
     reset_event_pending: bool,
+    /// The reset event was delivered and the guest has not yet notified the event
+    /// queue (it does once it has dropped its connections).
+    awaiting_reset_ack: bool,
+    /// Host connections whose request waits for the guest to take the reset event.
+    held_requests: Vec<(u32, u32)>,
     active: Option<ActiveQueues>,
 }
 
@@ -295,6 +304,8 @@ impl Vsock {
             next_token: 1,
             next_host_port: FIRST_EPHEMERAL_PORT,
             reset_event_pending: false,
+            awaiting_reset_ack: false,
+            held_requests: Vec::new(),
             active: None,
         })
     }
@@ -508,7 +519,25 @@ impl Vsock {
             (host_port, guest_port),
             Connection::new(pending.stream, ConnState::Connecting, token),
         );
-        self.send_control(host_port, guest_port, op::REQUEST, 0);
+        if self.reset_event_pending || self.awaiting_reset_ack {
+            self.held_requests.push((host_port, guest_port));
+        } else {
+            self.send_control(host_port, guest_port, op::REQUEST, 0);
+        }
+    }
+
+    /// The guest notified the event queue: once it has taken a reset event, the host
+    /// connections held meanwhile go to it.
+    fn event_queue_notified(&mut self) {
+        if !self.awaiting_reset_ack {
+            return;
+        }
+        self.awaiting_reset_ack = false;
+        for (host_port, guest_port) in std::mem::take(&mut self.held_requests) {
+            if self.connections.contains_key(&(host_port, guest_port)) {
+                self.send_control(host_port, guest_port, op::REQUEST, 0);
+            }
+        }
     }
 
     fn poll_host(&mut self) -> Result<(), DeviceError> {
@@ -828,6 +857,7 @@ impl Vsock {
         }
         queue.add_used(&mem, head, len).map_err(queue_err)?;
         self.reset_event_pending = false;
+        self.awaiting_reset_ack = true;
         Ok(true)
     }
 
@@ -988,6 +1018,9 @@ impl VirtioDevice for Vsock {
         if usize::from(index) >= QUEUE_SIZES.len() {
             return Err(DeviceError::NoSuchQueue(index));
         }
+        if index == EVENT {
+            self.event_queue_notified();
+        }
         self.with_active(|dev, active| dev.run(active, index == TX))
     }
 
@@ -1002,6 +1035,8 @@ impl VirtioDevice for Vsock {
             self.remove_connection(key);
         }
         self.outbound.clear();
+        self.held_requests.clear();
+        self.awaiting_reset_ack = false;
     }
 
     fn backend_fd(&self) -> Option<RawFd> {

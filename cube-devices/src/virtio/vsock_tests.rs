@@ -595,6 +595,29 @@ fn restore_resets_connections_serves_pending_packets_and_checks_state() {
     let (h, _) = recv(&setup.guest);
     assert_eq!((h.op, h.dst_port), (op::RESPONSE, 41000));
 
+    // A host connection made before the guest took the reset event waits for it: the
+    // guest would otherwise accept it, then reset it with the stale connections.
+    let socket = setup.dir.path().join(SOCKET);
+    let host = std::thread::spawn(move || connect_from_host(&socket, 1024, WAIT));
+    // The device has the CONNECT line once the host is waiting for the answer; a
+    // bound on how long it takes to get there, nothing timed.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        setup.guest.lock().unwrap().try_recv().is_none(),
+        "a request reached the guest before it took the reset event"
+    );
+    // The guest has reset its sockets: it gives the event buffer back and notifies.
+    {
+        let mut guest = setup.guest.lock().unwrap();
+        guest.ev.publish(0);
+        guest.slot.lock().notify_queue(EVENT);
+    }
+    let (h, _) = recv(&setup.guest);
+    assert_eq!((h.op, h.dst_port), (op::REQUEST, 1024));
+    let response = guest_header(1024, h.src_port, op::RESPONSE, 0);
+    setup.guest.lock().unwrap().send(response, &[]);
+    host.join().unwrap().unwrap();
+
     // State for another CID, or garbage, is refused.
     let other = tempfile::tempdir().unwrap();
     let wrong = Vsock::new(CID + 1, &other.path().join(SOCKET)).unwrap();

@@ -3,11 +3,14 @@
 //! and, once its agent answers over vsock, a snapshot of that guest. Creating a
 //! sandbox from the snapshot restores it; nothing boots again.
 //!
-//! A stock guest kernel needs VMX or SVM. On a PVM host (KVM without either) guest
-//! kernel code runs emulated and Debian's kernel stops with KVM's emulation failure
-//! early in its boot; only a `CONFIG_PVM_GUEST` kernel gets through. This module says
-//! so up front for the known-stock default kernel, and recognises the emulation
-//! failure when a given kernel runs into it, instead of waiting out a boot timeout.
+//! The default guest kernel is Cube's own (`scripts/build-guest-kernel.sh` builds it
+//! into the store's `kernels/cube-guest`): it has the virtio drivers built in, so it
+//! needs no initramfs; it mounts the image as its root and starts the agent from it
+//! as PID 1. Debian's cloud kernel with Cube's initramfs is the fallback.
+//!
+//! On a PVM host (KVM without VMX/SVM) a kernel that is not PVM-enabled runs emulated
+//! ([`KernelMode::Emulated`]): Cube's kernel boots so in tens of seconds, Debian's in
+//! about twelve minutes, so the build refuses Debian's default kernel there up front.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -18,6 +21,7 @@ use cube_storage::TemplateDir;
 use cube_vmm::host::{KvmKind, KvmProbe};
 use cube_vmm::linux_vm::{self, LinuxBootConfig};
 use cube_vmm::persist::MachineConfig;
+use cube_vmm::vstate::emulation::KernelMode;
 use cube_vmm::vstate::KvmContext;
 
 use super::tree::{make_tree, TemplateBuildError, TreeSource};
@@ -26,17 +30,37 @@ use crate::records::{now_unix, Engine, TemplateMeta, HOST_TEMPLATE};
 use crate::vm_agent::{agent_client, VmAgentError};
 use crate::vm_devices::template_devices;
 
-/// What a user on a PVM host with a stock kernel is told (by the build and by
+/// What a user on a PVM host without Cube's guest kernel is told (by the build and by
 /// `cube doctor`).
 pub const PVM_STOCK_KERNEL: &str = "KVM on this host is PVM (no VMX/SVM): guest kernel code \
-     runs emulated, and a stock Linux kernel stops early in its boot with KVM's emulation \
-     failure. A Linux VM template needs a PVM-enabled guest kernel (CONFIG_PVM_GUEST, \
-     given with --kernel) or a host with VMX/SVM; on this host use --engine jail.";
+     runs emulated, about a microsecond an instruction, and Debian's stock kernel takes \
+     about twelve minutes to boot so. Build Cube's lean guest kernel \
+     (scripts/build-guest-kernel.sh) or give a kernel with --kernel; or use --engine jail.";
+
+/// Directories the image must have for a guest that boots from it, with their modes.
+const MOUNT_POINTS: [(&str, u32); 4] = [
+    ("dev", 0o755),
+    ("proc", 0o555),
+    ("sys", 0o555),
+    ("tmp", 0o1777),
+];
 
 /// Where the agent goes inside the image (the jail engine binds it at the same path).
 pub const IMAGE_AGENT_PATH: &str = ".cube/cube-agent";
 /// The kernel package directory the set-up unpacks Debian's cloud kernel into.
 pub const DEBIAN_CLOUD_KERNEL: &str = "kernels/debian-cloud";
+/// Where `scripts/build-guest-kernel.sh` puts Cube's guest kernel: `vmlinux` there
+/// links to the latest build (`<config hash>/vmlinux`).
+pub const CUBE_GUEST_KERNEL: &str = "kernels/cube-guest";
+/// The kernel command line of a guest booted from its root disk (no initramfs): the
+/// image is the root, the agent is PID 1. `quiet`: every console byte is a port exit
+/// and, where the kernel runs emulated, emulated driver code.
+pub const ROOT_DISK_CMDLINE: &str =
+    "console=ttyS0 reboot=k panic=-1 quiet root=/dev/vda rw rootfstype=ext4 init=/.cube/cube-agent";
+/// The kernel command line of a guest booted with Cube's initramfs (the agent is its
+/// /init and loads the virtio modules).
+const INITRAMFS_CMDLINE: &str =
+    "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 cube.root=/dev/vda";
 /// The set-up's kernel directory outside any store.
 const SYSTEM_KERNELS: &str = "/var/lib/cube";
 
@@ -51,7 +75,7 @@ pub enum VmTemplateError {
     NoKvm,
     /// No guest kernel was given and the set-up's is missing.
     #[error(
-        "No guest kernel: none given (--kernel) and none at {0} (run scripts/fetch-kernel.sh)"
+        "No guest kernel: none given (--kernel) and none at {0} (run scripts/build-guest-kernel.sh)"
     )]
     NoKernel(PathBuf),
     /// The template exists.
@@ -80,11 +104,14 @@ pub enum VmTemplateError {
     Timeout(Duration, String),
     /// The agent did not answer in time on a PVM host, where a kernel that is not
     /// PVM-enabled runs emulated.
-    #[error("The guest's agent did not answer within {0:?} (last console line: {1:?}); KVM here is PVM, where a kernel that is not PVM-enabled (CONFIG_PVM_GUEST) runs emulated until KVM's emulation failure stops it; on this host use --engine jail")]
+    #[error("The guest's agent did not answer within {0:?} (last console line: {1:?}); KVM here is PVM, where a kernel that is not PVM-enabled (CONFIG_PVM_GUEST) runs emulated, slowly: give it more time (--boot-timeout) or use --engine jail")]
     TimeoutOnPvm(Duration, String),
     /// The store failed.
     #[error("Store")]
     Store(#[from] cube_storage::StoreError),
+    /// The agent cannot go into an image.
+    #[error("The agent")]
+    Agent(#[from] super::image_agent::ImageAgentError),
     /// The template record could not be written.
     #[error("Writing the template record")]
     Metadata(#[from] cube_storage::MetadataError),
@@ -107,47 +134,80 @@ pub struct VmTemplateSpec {
     pub agent: PathBuf,
 }
 
-/// The kernel and initramfs the set-up unpacked: in the store's `kernels/debian-cloud`,
-/// else in /var/lib/cube's. The ELF vmlinux (PVH entry, no decompression) is
-/// preferred over the bzImage.
-pub fn default_kernel(store_root: &Path) -> Result<(PathBuf, Option<PathBuf>), VmTemplateError> {
-    let dirs = [
-        store_root.join(DEBIAN_CLOUD_KERNEL),
-        Path::new(SYSTEM_KERNELS).join(DEBIAN_CLOUD_KERNEL),
-    ];
-    for dir in &dirs {
-        let kernel = ["vmlinux", "bzImage"]
-            .iter()
-            .map(|k| dir.join(k))
-            .find(|p| p.is_file());
-        if let Some(kernel) = kernel {
-            let initrd = dir.join("initramfs-cube.cpio.gz");
-            return Ok((kernel, initrd.is_file().then_some(initrd)));
-        }
-    }
-    Err(VmTemplateError::NoKernel(dirs[1].clone()))
+/// A guest kernel the set-up put into a store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DefaultKernel {
+    /// The kernel (an ELF vmlinux, or a bzImage).
+    pub kernel: PathBuf,
+    /// Its initramfs, where it needs one.
+    pub initrd: Option<PathBuf>,
+    /// Whether it is Cube's own guest kernel (else Debian's stock cloud kernel).
+    pub cube: bool,
 }
 
-/// Refuses up front what cannot finish: no KVM, or the known-stock default kernel on
-/// a PVM host. A kernel the user gave may be PVM-enabled; it gets its boot, and
-/// [`boot_failure`] recognises the emulation failure if it is not.
-pub fn preflight(kvm: KvmKind, kernel_given: bool) -> Result<(), VmTemplateError> {
+/// Cube's guest kernel (`kernels/cube-guest/vmlinux`) in the store, else in
+/// /var/lib/cube; `None` where neither has it.
+pub fn cube_guest_kernel(store_root: &Path) -> Option<PathBuf> {
+    [store_root, Path::new(SYSTEM_KERNELS)]
+        .iter()
+        .find_map(|root| cube_kernel_in(root))
+}
+
+fn cube_kernel_in(root: &Path) -> Option<PathBuf> {
+    Some(root.join(CUBE_GUEST_KERNEL).join("vmlinux")).filter(|p| p.is_file())
+}
+
+/// Debian's kernel and Cube's initramfs as the set-up unpacked them into `root`: the
+/// ELF vmlinux (PVH entry, nothing to decompress) preferred over the bzImage.
+fn debian_kernel_in(root: &Path) -> Option<DefaultKernel> {
+    let dir = root.join(DEBIAN_CLOUD_KERNEL);
+    let kernel = ["vmlinux", "bzImage"]
+        .iter()
+        .map(|k| dir.join(k))
+        .find(|p| p.is_file())?;
+    let initrd = dir.join("initramfs-cube.cpio.gz");
+    Some(DefaultKernel {
+        kernel,
+        initrd: initrd.is_file().then_some(initrd),
+        cube: false,
+    })
+}
+
+/// The default guest kernel: the store's own (Cube's, else Debian's), else
+/// /var/lib/cube's (likewise). Cube's needs no initramfs; Debian's comes with Cube's.
+pub fn default_kernel(store_root: &Path) -> Result<DefaultKernel, VmTemplateError> {
+    for root in [store_root, Path::new(SYSTEM_KERNELS)] {
+        if let Some(kernel) = cube_kernel_in(root) {
+            return Ok(DefaultKernel {
+                kernel,
+                initrd: None,
+                cube: true,
+            });
+        }
+        if let Some(debian) = debian_kernel_in(root) {
+            return Ok(debian);
+        }
+    }
+    Err(VmTemplateError::NoKernel(
+        Path::new(SYSTEM_KERNELS).join(CUBE_GUEST_KERNEL),
+    ))
+}
+
+/// Refuses up front what cannot finish: no KVM, or Debian's stock default kernel on a
+/// PVM host (emulated, it takes about twelve minutes to boot). Cube's kernel and a
+/// kernel the user gave get their boot, emulated there.
+pub fn preflight(kvm: KvmKind, kernel: Option<&DefaultKernel>) -> Result<(), VmTemplateError> {
     match kvm {
         KvmKind::None => Err(VmTemplateError::NoKvm),
-        KvmKind::Pvm if !kernel_given => Err(VmTemplateError::StockKernelOnPvm),
+        KvmKind::Pvm if kernel.is_some_and(|k| !k.cube) => Err(VmTemplateError::StockKernelOnPvm),
         _ => Ok(()),
     }
 }
 
-/// Turns why a guest stopped into the error to report: on a PVM host KVM's emulation
-/// failure means the kernel is not PVM-enabled.
-pub fn boot_failure(kvm: KvmKind, why: &str) -> VmTemplateError {
-    let emulation = why.contains("could not emulate") || why.contains("emulation failure");
-    if kvm == KvmKind::Pvm && emulation {
-        VmTemplateError::StockKernelOnPvm
-    } else {
-        VmTemplateError::GuestStopped(why.to_string())
-    }
+/// Turns why a guest stopped into the error to report (the vCPU's reason names the
+/// instruction KVM could not emulate, where that was it).
+pub fn boot_failure(why: &str) -> VmTemplateError {
+    VmTemplateError::GuestStopped(why.to_string())
 }
 
 /// Bytes of the regular files under `tree` (what the image must hold).
@@ -184,6 +244,21 @@ pub fn make_root_image(tree: &Path, agent: &Path, image: &Path) -> Result<u64, V
         .map_err(|e| VmTemplateError::Io(format!("copying the agent {}", agent.display()), e))?;
     std::fs::set_permissions(&target, std::os::unix::fs::PermissionsExt::from_mode(0o755))
         .map_err(|e| VmTemplateError::Io(format!("making {} executable", target.display()), e))?;
+    // Mount points: a kernel that mounts the image as its root mounts devtmpfs on /dev
+    // and opens /dev/console there before it starts the agent, which mounts the rest.
+    for (dir, mode) in MOUNT_POINTS {
+        let path = tree.join(dir);
+        if !path.exists() {
+            std::fs::create_dir_all(&path)
+                .and_then(|()| {
+                    std::fs::set_permissions(
+                        &path,
+                        std::os::unix::fs::PermissionsExt::from_mode(mode),
+                    )
+                })
+                .map_err(|e| VmTemplateError::Io(format!("creating {}", path.display()), e))?;
+        }
+    }
     // A quarter more than the files, plus room for the journal and the sandbox's
     // own writes; whole MiB.
     let bytes = tree_bytes(tree)?;
@@ -247,12 +322,22 @@ pub fn build(
         return Err(VmTemplateError::Exists(name.to_string()));
     }
     let kvm = KvmProbe::run().kind;
-    preflight(kvm, spec.kernel.is_some())?;
+    if kvm == KvmKind::None {
+        return Err(VmTemplateError::NoKvm);
+    }
     let (kernel, default_initrd) = match &spec.kernel {
         Some(k) => (k.clone(), None),
-        None => default_kernel(store.root())?,
+        None => {
+            let default = default_kernel(store.root())?;
+            preflight(kvm, Some(&default))?;
+            (default.kernel, default.initrd)
+        }
     };
+    // After the host checks: where the template cannot be built here, that is the
+    // failure to report, whatever the agent.
+    super::image_agent::check(&spec.agent)?;
     let initrd = spec.initrd.clone().or(default_initrd);
+    let kernel_mode = KernelMode::for_kvm(kvm).unwrap_or(KernelMode::Native);
     let staging = store.stage()?;
     let template = TemplateDir::new(staging.path());
     let tree = template.image_tree();
@@ -268,15 +353,21 @@ pub fn build(
     let vsock = template.build_vsock_socket();
     let devices = template_devices(&image, &vsock).map_err(VmTemplateError::Device)?;
     let tail = Arc::new(std::sync::Mutex::new((Vec::new(), String::new())));
+    // Without an initramfs the kernel mounts the image and starts the agent from it;
+    // with Cube's initramfs, earlyprintk shows where a slow or stuck boot is.
+    let cmdline = if initrd.is_some() {
+        INITRAMFS_CMDLINE
+    } else {
+        ROOT_DISK_CMDLINE
+    };
     let config = LinuxBootConfig {
         kernel,
         initrd,
-        // earlyprintk: the console shows where a slow or stuck boot is from the start.
-        cmdline: "console=ttyS0 earlyprintk=serial,ttyS0 reboot=k panic=-1 cube.root=/dev/vda"
-            .into(),
+        cmdline: cmdline.into(),
         memory_bytes: spec.machine.memory_bytes,
         vcpus: spec.machine.vcpus,
         cmdline_devices: false,
+        kernel_mode,
     };
     progress("booting the guest");
     let mut vm = linux_vm::boot_with_devices(
@@ -288,7 +379,7 @@ pub fn build(
     let started = Instant::now();
     loop {
         if let Some(why) = vm.fatal() {
-            return Err(boot_failure(kvm, &why));
+            return Err(boot_failure(&why));
         }
         match agent_client(&vsock, Duration::from_millis(500)) {
             Ok(client) => {
@@ -336,36 +427,65 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_stock_kernel_on_pvm_is_refused_up_front_and_recognised_when_it_stops() {
+    fn debian_default_kernel_on_pvm_is_refused_up_front_and_cubes_is_not() {
+        let debian = DefaultKernel {
+            kernel: "vmlinux".into(),
+            initrd: Some("initramfs".into()),
+            cube: false,
+        };
+        let cube = DefaultKernel {
+            kernel: "vmlinux".into(),
+            initrd: None,
+            cube: true,
+        };
         assert!(matches!(
-            preflight(KvmKind::Pvm, false),
+            preflight(KvmKind::Pvm, Some(&debian)),
             Err(VmTemplateError::StockKernelOnPvm)
         ));
-        assert!(preflight(KvmKind::Pvm, true).is_ok());
-        assert!(preflight(KvmKind::Hardware, false).is_ok());
+        assert!(preflight(KvmKind::Pvm, Some(&cube)).is_ok());
+        // A kernel the user gave.
+        assert!(preflight(KvmKind::Pvm, None).is_ok());
+        assert!(preflight(KvmKind::Hardware, Some(&debian)).is_ok());
         assert!(matches!(
-            preflight(KvmKind::None, true),
+            preflight(KvmKind::None, None),
             Err(VmTemplateError::NoKvm)
         ));
-        let why = "KVM could not emulate a guest instruction (on PVM hosts ...)";
-        assert!(matches!(
-            boot_failure(KvmKind::Pvm, why),
-            VmTemplateError::StockKernelOnPvm
-        ));
-        assert!(matches!(
-            boot_failure(KvmKind::Hardware, why),
-            VmTemplateError::GuestStopped(_)
-        ));
+        let why = "KVM could not emulate a guest instruction (RIP 0xffffffff81000000, \
+                   instruction bytes 0f c7 f0; ...)";
+        let err = boot_failure(why).to_string();
+        assert!(err.contains("RIP 0xffffffff81000000"), "{err}");
         let text = VmTemplateError::StockKernelOnPvm.to_string();
         for needed in [
             "PVM",
-            "emulation failure",
+            "emulated",
+            "scripts/build-guest-kernel.sh",
             "--kernel",
-            "VMX/SVM",
             "--engine jail",
         ] {
             assert!(text.contains(needed), "{needed}: {text}");
         }
+    }
+
+    #[test]
+    fn cubes_kernel_is_the_default_where_the_store_has_it() {
+        let store = tempfile::tempdir().unwrap();
+        let debian = store.path().join(DEBIAN_CLOUD_KERNEL);
+        std::fs::create_dir_all(&debian).unwrap();
+        std::fs::write(debian.join("vmlinux"), b"debian").unwrap();
+        std::fs::write(debian.join("initramfs-cube.cpio.gz"), b"cpio").unwrap();
+        // The store's own kernel comes before any of /var/lib/cube.
+        let found = default_kernel(store.path()).unwrap();
+        assert!(!found.cube);
+        assert_eq!(found.kernel, debian.join("vmlinux"));
+        assert_eq!(found.initrd, Some(debian.join("initramfs-cube.cpio.gz")));
+        let cube = store.path().join(CUBE_GUEST_KERNEL);
+        std::fs::create_dir_all(cube.join("0123abcd")).unwrap();
+        std::fs::write(cube.join("0123abcd/vmlinux"), b"cube").unwrap();
+        std::os::unix::fs::symlink("0123abcd/vmlinux", cube.join("vmlinux")).unwrap();
+        let found = default_kernel(store.path()).unwrap();
+        assert!(found.cube);
+        assert_eq!(found.kernel, cube.join("vmlinux"));
+        assert_eq!(found.initrd, None);
     }
 
     #[test]
@@ -394,6 +514,21 @@ mod tests {
             String::from_utf8_lossy(&out.stdout).into_owned()
         };
         assert_eq!(cat("/etc/marker"), "in-the-image\n");
+        // The mount points a kernel booting from the image needs.
+        let listing = Command::new("debugfs")
+            .arg("-R")
+            .arg("ls -l /")
+            .arg(&image)
+            .output()
+            .unwrap();
+        let listing = String::from_utf8_lossy(&listing.stdout);
+        for (dir, mode) in MOUNT_POINTS {
+            let line = listing
+                .lines()
+                .find(|l| l.split_whitespace().last() == Some(dir))
+                .unwrap_or_else(|| panic!("no /{dir} in {listing}"));
+            assert!(line.contains(&format!("{:o}", 0o40000 | mode)), "{line}");
+        }
         assert_eq!(cat(&format!("/{IMAGE_AGENT_PATH}")), "\x7fELF-agent");
         // A failing mkfs (the image path is a directory) leaves a clear error.
         let err = make_root_image(&tree, &agent, dir.path()).unwrap_err();

@@ -6,6 +6,7 @@
 //! the XSAVE area size).
 
 pub mod context;
+pub mod emulation;
 pub(crate) mod kvm_bytes;
 mod msrs;
 pub mod vcpu;

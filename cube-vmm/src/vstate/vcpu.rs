@@ -11,6 +11,7 @@ use kvm_ioctls::VcpuFd;
 use serde::{Deserialize, Serialize};
 
 use super::context::KvmContext;
+use super::emulation::{self, KernelMode};
 use super::kvm_bytes;
 use super::msrs::{get_msrs_prefix, set_msrs_prefix};
 use super::vm::Vm;
@@ -171,7 +172,16 @@ impl Vcpu {
     /// Gives the vCPU the host's supported CPUID with its own APIC id and the VM's
     /// logical processor count filled in (see [`vcpu_cpuid`]).
     pub fn configure_cpuid(&self) -> Result<(), VcpuError> {
-        let cpuid = vcpu_cpuid(self.ctx.supported_cpuid(), self.index, self.vcpu_count);
+        self.configure_cpuid_for(KernelMode::Native)
+    }
+
+    /// Like [`Vcpu::configure_cpuid`], less what a guest kernel running in `mode`
+    /// must not see (see [`emulation::mask_cpuid`]).
+    pub fn configure_cpuid_for(&self, mode: KernelMode) -> Result<(), VcpuError> {
+        let mut cpuid = vcpu_cpuid(self.ctx.supported_cpuid(), self.index, self.vcpu_count);
+        if mode == KernelMode::Emulated {
+            emulation::mask_cpuid(&mut cpuid);
+        }
         self.fd.set_cpuid2(&cpuid).map_err(ioctl("KVM_SET_CPUID2"))
     }
 

@@ -19,7 +19,9 @@ use acpi_tables::xsdt::XSDT;
 use acpi_tables::Aml;
 use vm_memory::{Bytes, GuestAddress};
 
-use cube_devices::serial::{S5_SLEEP_TYPE, SLEEP_CONTROL_PORT, SLEEP_STATUS_PORT};
+use cube_devices::serial::{
+    COM1_BASE, COM1_IRQ, COM1_PORTS, S5_SLEEP_TYPE, SLEEP_CONTROL_PORT, SLEEP_STATUS_PORT,
+};
 use cube_devices::virtio::VirtioMemory;
 
 /// Where the RSDP goes (the kernel also finds it by scanning this area).
@@ -63,9 +65,26 @@ fn bytes_of(table: &dyn Aml) -> Vec<u8> {
     v
 }
 
-/// The DSDT: one virtio-mmio device node per device.
+/// COM1 as an ACPI device (`PNP0501`, its ports and IRQ 4). Hardware-reduced ACPI
+/// means no legacy PIC to Linux, hence no ISA interrupts: the 8250 driver gets COM1's
+/// interrupt only through this node (PnP). Without it the console's tty fails every
+/// write from user space (printk's console path polls and still works).
+fn com1_device(sink: &mut Vec<u8>) {
+    let ports = aml::IO::new(COM1_BASE, COM1_BASE, 1, COM1_PORTS as u8);
+    let irq = aml::Interrupt::new(true, true, false, false, COM1_IRQ);
+    let crs = aml::ResourceTemplate::new(vec![&ports, &irq]);
+    let hid = aml::EISAName::new("PNP0501");
+    let uid = 0u32;
+    let hid = aml::Name::new("_HID".into(), &hid);
+    let uid = aml::Name::new("_UID".into(), &uid);
+    let crs = aml::Name::new("_CRS".into(), &crs);
+    aml::Device::new("COM1".into(), vec![&hid, &uid, &crs]).to_aml_bytes(sink);
+}
+
+/// The DSDT: COM1, then one virtio-mmio device node per device.
 fn dsdt(devices: &[MmioDeviceInfo]) -> Vec<u8> {
     let mut body = Vec::new();
+    com1_device(&mut body);
     for (i, d) in devices.iter().enumerate() {
         let name = format!("V{i:03X}");
         let window = aml::Memory32Fixed::new(true, d.base as u32, 0x1000);
@@ -281,6 +300,10 @@ mod tests {
         let dsdt = table(&mem, x_dsdt, b"DSDT");
         let text = String::from_utf8_lossy(&dsdt);
         assert_eq!(text.matches("LNRO0005").count(), 2);
+        // COM1, with its ports (an I/O port descriptor, 0x47, from 0x3f8) and IRQ 4.
+        assert!(text.contains("COM1"), "{text}");
+        let io_descriptor = [0x47, 0x01, 0xf8, 0x03, 0xf8, 0x03, 0x01, 0x08];
+        assert!(dsdt.windows(8).any(|w| w == io_descriptor), "COM1 ports");
         assert!(text.contains("_S5_"), "soft-off sleep type");
         // The sleep control register is port 0x3c0 (GAS at FADT offset 244).
         assert_eq!(fadt[244], 1, "system I/O");
@@ -342,6 +365,7 @@ mod tests {
             let dsl = std::fs::read_to_string(dir.path().join(format!("{name}.dsl"))).unwrap();
             if name == "dsdt" {
                 assert!(dsl.contains("LNRO0005"), "{dsl}");
+                assert!(dsl.contains("PNP0501"), "{dsl}");
                 assert!(dsl.contains("Memory32Fixed (ReadWrite,"), "{dsl}");
                 assert!(dsl.contains("_S5_"), "{dsl}");
             }
