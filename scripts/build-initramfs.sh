@@ -30,10 +30,11 @@ echo "build-initramfs: downloading $pkg"
 dpkg-deb -x "$work"/*.deb "$work/unpacked"
 moddir=$(ls -d "$work"/unpacked/lib/modules/*)
 
-echo "build-initramfs: building a static cube-agent"
-RUSTFLAGS="-C target-feature=+crt-static" cargo build --release --locked -p cube-agent \
-    --target x86_64-unknown-linux-gnu --target-dir target/initramfs
-agent=target/initramfs/x86_64-unknown-linux-gnu/release/cube-agent
+echo "build-initramfs: a static cube-agent"
+# The same static agent setup.sh installs (musl where its target is installed): built
+# once, here a no-op when setup has just built it.
+bash scripts/build-static.sh --musl cube-agent cube-agent --release --locked
+agent=target/static/release/cube-agent
 
 python3 - "$moddir" "$agent" "$work/initramfs.cpio" <<'PY'
 import lzma, os, struct, sys

@@ -25,7 +25,9 @@ locked=()
 [ -n "${CI:-}" ] && locked=(--locked)
 
 echo "build-wheel: helper binaries ($profile)"
-cargo build "${cargo_flags[@]}" "${locked[@]}" -p cube-supervisor --bin cube-supervisor
+# With the workspace-hack in the selection, cargo reuses the workspace's build of every
+# dependency instead of building the supervisor's with fewer features.
+cargo build "${cargo_flags[@]}" "${locked[@]}" -p cube-supervisor -p cube-workspace-hack --bin cube-supervisor
 bash scripts/build-static.sh --musl cube-agent cube-agent "${cargo_flags[@]}" "${locked[@]}"
 pkg_bin=cube-py/python/cubesandbox/bin
 mkdir -p "$pkg_bin"

@@ -120,6 +120,7 @@ fn check(root: &Path) -> Result<(), TaskError> {
     let layering = root.join("scripts/check-layering.py");
     run(Command::new("python3").arg(&layering).arg("--self-test"))?;
     run(Command::new("python3").arg(&layering))?;
+    run(Command::new("python3").arg(root.join("scripts/check-feature-unification.py")))?;
     deny(root)?;
     run(cargo(root).args([
         "clippy",
