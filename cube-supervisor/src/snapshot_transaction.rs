@@ -77,11 +77,6 @@ impl SnapshotTransaction {
         &self.id
     }
 
-    /// The staging directory. (A jail's CRIU dump makes it itself.)
-    pub fn staging(&self) -> &Path {
-        &self.staging
-    }
-
     /// Makes the empty staging directory, for the VMs' writers.
     pub fn create_staging(&self) -> Result<SnapshotDir, Failure> {
         std::fs::create_dir(&self.staging)
