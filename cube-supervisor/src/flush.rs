@@ -2,11 +2,33 @@
 //! [`cube_storage::durable_marker`]).
 
 use std::path::PathBuf;
+use std::thread::JoinHandle;
 
 use cube_storage::durable_marker::{boot_id, make_durable};
 
-/// Syncs a finished snapshot to disk and marks it durable, off the request path.
-pub fn flush_in_background(dir: PathBuf) -> Option<std::thread::JoinHandle<()>> {
+/// The background flushes of the snapshots (and hibernation images) one sandbox
+/// wrote: joined before its files go, since a flush still writing into a snapshot
+/// directory would race its removal.
+#[derive(Default)]
+pub struct Flushes(Vec<JoinHandle<()>>);
+
+impl Flushes {
+    /// Syncs the finished snapshot `dir` to disk and marks it durable, off the
+    /// request path; forgets flushes that have finished.
+    pub fn start(&mut self, dir: PathBuf) {
+        self.0.retain(|f| !f.is_finished());
+        self.0.extend(flush_in_background(dir));
+    }
+
+    /// Waits for every flush still under way.
+    pub fn join(&mut self) {
+        for flush in std::mem::take(&mut self.0) {
+            let _ = flush.join();
+        }
+    }
+}
+
+fn flush_in_background(dir: PathBuf) -> Option<JoinHandle<()>> {
     let boot = match boot_id() {
         Ok(b) => b,
         Err(e) => {

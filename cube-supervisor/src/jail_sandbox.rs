@@ -26,18 +26,18 @@ use std::time::{Duration, Instant};
 use cube_agent::init::DISCONNECT_SIGNAL;
 use cube_jail::checkpoint::{self, Checkpoint};
 use cube_jail::{Criu, Jail, JailConfig, JailExit, Limits, Stdio};
-use cube_storage::{Durability, SandboxDir, SnapshotDir};
+use cube_storage::{SandboxDir, SnapshotDir};
 use cube_vmm::persist::SnapshotStats;
 
+use crate::backend::{held_network, Networked, SandboxBackend};
 use crate::error_report::chain as error_chain;
-use crate::jail_network::{network_failure, JailNetwork, JailNetworkError};
+use crate::jail_network::{JailNetwork, JailNetworkError};
 use crate::jail_spec::{locate_agent, JailSpec, AGENT_PATH};
 use crate::network::NetnsChoice;
-use crate::protocol::{
-    ErrorKind, Failure, JailStatus, MachineStatus, Request, Response, Settings, StatusReport,
-};
-use crate::records::{now_unix, Engine, SnapshotKind, SnapshotMeta};
+use crate::protocol::{ErrorKind, Failure, JailStatus, MachineStatus, Settings, StatusReport};
+use crate::records::{Engine, SnapshotKind, SnapshotMeta};
 use crate::resident_memory::own_rss_kib;
+use crate::snapshot_transaction::{SnapshotTransaction, Staged};
 
 /// Where the agent listens inside the sandbox: on its private /tmp, which CRIU saves.
 pub const AGENT_INNER_SOCKET: &str = "/tmp/.cube-agent.sock";
@@ -224,17 +224,6 @@ impl JailSandbox {
         }
     }
 
-    fn network(&mut self) -> Result<&mut JailNetwork, Failure> {
-        self.network
-            .as_deref_mut()
-            .ok_or_else(|| Failure::bad_state("this sandbox has no network (create it with one)"))
-    }
-
-    /// The sandbox's directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// The name of the next jail: each start gets its own cgroups, since a replaced
     /// jail's may still be going away.
     fn next_name(&self) -> String {
@@ -333,117 +322,6 @@ impl JailSandbox {
         }
     }
 
-    /// Carries out one request.
-    pub fn handle(&mut self, request: Request) -> Result<Response, Failure> {
-        let snapshot_failed = |f: Failure| f.or_kind(ErrorKind::SnapshotFailed);
-        match request {
-            Request::Adopt { .. } => Err(Failure::invalid("already adopted")),
-            Request::Destroy => Ok(Response::Ok),
-            Request::Status => Ok(Response::Status(self.status())),
-            Request::Pause => {
-                self.running()?.pause().map_err(|e| error_chain(&e))?;
-                self.paused = true;
-                Ok(Response::Ok)
-            }
-            Request::Resume => {
-                self.running()?.resume().map_err(|e| error_chain(&e))?;
-                self.paused = false;
-                Ok(Response::Ok)
-            }
-            Request::Snapshot { staging, dest } => {
-                let meta = self.snapshot(&staging, &dest).map_err(snapshot_failed)?;
-                Ok(Response::Snapshot {
-                    stats: meta.stats,
-                    kind: meta.kind,
-                    fallback: meta.fallback,
-                })
-            }
-            Request::Rollback { snapshot } => {
-                self.rollback(&snapshot).map_err(snapshot_failed)?;
-                Ok(Response::Ok)
-            }
-            Request::Hibernate => {
-                self.hibernate().map_err(snapshot_failed)?;
-                if let Some(network) = self.network.as_mut() {
-                    network.disconnect();
-                }
-                Ok(Response::Ok)
-            }
-            Request::Wake => {
-                self.wake().map_err(snapshot_failed)?;
-                Ok(Response::Ok)
-            }
-            Request::GuestDirty { .. }
-            | Request::GuestMode { .. }
-            | Request::GuestWaitWorkingSet
-            | Request::ReadMemory { .. }
-            | Request::MemoryDigest => Err(Failure::unsupported(
-                "a jail sandbox has no guest memory (this request is for test VMs)",
-            )),
-            Request::NetworkStatus => {
-                let report = self.network()?.report();
-                Ok(Response::Network(report.map_err(network_failure)?))
-            }
-            Request::SetPolicy(policy) => {
-                let set = self.network()?.set_policy(policy);
-                set.map_err(network_failure)?;
-                Ok(Response::Ok)
-            }
-            Request::Expose(port) => {
-                let exposed = self.network()?.expose(port);
-                exposed.map_err(network_failure)?;
-                Ok(Response::Ok)
-            }
-            Request::Unexpose { host_port } => {
-                let withdrawn = self.network()?.unexpose(host_port);
-                withdrawn.map_err(network_failure)?;
-                Ok(Response::Ok)
-            }
-        }
-    }
-
-    fn status(&mut self) -> StatusReport {
-        let paused = self.paused;
-        let (status, pid, cgroups) = match self.jail.as_mut() {
-            None => (MachineStatus::Hibernated, None, Vec::new()),
-            Some(jail) => {
-                let cgroups = jail
-                    .cgroup()
-                    .map(|c| c.dirs().map(Path::to_path_buf).collect())
-                    .unwrap_or_default();
-                let pid = u32::try_from(jail.pid()).ok();
-                let status = match jail.try_wait() {
-                    Ok(None) if paused => MachineStatus::Paused,
-                    Ok(None) => MachineStatus::Running,
-                    Ok(Some(JailExit::Exited(c))) => {
-                        MachineStatus::Failed(format!("the agent exited with code {c}"))
-                    }
-                    Ok(Some(JailExit::Signaled(s))) => {
-                        MachineStatus::Failed(format!("the agent was killed by signal {s}"))
-                    }
-                    Err(e) => MachineStatus::Failed(error_chain(&e)),
-                };
-                (status, pid, cgroups)
-            }
-        };
-        StatusReport {
-            status,
-            pid: std::process::id(),
-            counter: 0,
-            generation: self.generation,
-            guest_error: false,
-            config: None,
-            rss_kib: own_rss_kib(),
-            engine: Engine::Jail,
-            jail: Some(JailStatus {
-                pid,
-                cgroups,
-                layer: self.layer(),
-                agent_socket: self.dir.agent_socket(),
-            }),
-        }
-    }
-
     /// Dumps the running jail into `image_dir` (made here) through CRIU, leaving it
     /// running or not. The agent first closes its host connections; a client that
     /// connects again before the freeze makes the dump fail, so it is tried twice.
@@ -527,88 +405,6 @@ impl JailSandbox {
         result
     }
 
-    /// Writes a snapshot into `staging` with its record, then moves it to `dest`: a
-    /// full-state one through CRIU where it works, else the layer alone (the reason
-    /// recorded). The processes are frozen while the layer is copied, so the copy is
-    /// one instant of the files (and of the processes, for a full one).
-    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure> {
-        let snapshot_id = dest
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .ok_or_else(|| format!("{} has no snapshot id", dest.display()))?;
-        if dest.exists() {
-            return Err(Failure::new(
-                ErrorKind::AlreadyExists,
-                format!("{} already exists", dest.display()),
-            ));
-        }
-        let start = Instant::now();
-        let hibernated_full =
-            self.jail.is_none() && is_checkpoint(&self.dir.hibernated_checkpoint());
-        let full = match criu() {
-            Err(why) => Err(format!("no working CRIU: {why}")),
-            Ok(_) if hibernated_full => {
-                // The hibernation's checkpoint is the state: copy it.
-                // Nothing runs: nothing is stopped for it.
-                cube_storage::clone_tree(&self.dir.hibernated_checkpoint(), staging)
-                    .map(|_| Duration::ZERO)
-                    .map_err(|e| format!("copying the hibernated checkpoint: {}", error_chain(&e)))
-            }
-            Ok(_) if self.jail.is_none() => {
-                Err("the sandbox was hibernated without its processes".to_string())
-            }
-            Ok(criu) => self.dump(criu, staging, true),
-        };
-        let (kind, fallback, reflinked, paused) = match full {
-            // CRIU's dump reflinks the layer where the store's filesystem can.
-            Ok(paused) => (
-                SnapshotKind::Full,
-                None,
-                cube_storage::reflink::supports_reflink(staging).unwrap_or(false),
-                paused,
-            ),
-            Err(why) => {
-                tracing::warn!(sandbox = %self.id, "snapshot {snapshot_id} holds files only: {why}");
-                let _ = std::fs::remove_dir_all(staging);
-                let (reflinked, paused) = self.snapshot_files(staging)?;
-                (SnapshotKind::Filesystem, Some(why), reflinked, paused)
-            }
-        };
-        tracing::debug!(elapsed = ?start.elapsed(), %kind, "snapshot written");
-        let result = (|| {
-            let stats = SnapshotStats {
-                dirty_pages: 0,
-                bytes_written: 0,
-                reflinked,
-                paused_us: paused.as_micros() as u64,
-            };
-            let meta = SnapshotMeta {
-                id: snapshot_id,
-                sandbox: self.id.clone(),
-                created_unix: now_unix(),
-                stats,
-                kind,
-                engine: Engine::Jail,
-                fallback,
-                template: None,
-            };
-            let bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
-            cube_storage::write_atomic_bytes_with(
-                &SnapshotDir::new(staging).record(),
-                SnapshotDir::RECORD_KIND,
-                &bytes,
-                Durability::Deferred,
-            )
-            .map_err(|e| error_chain(&e))?;
-            std::fs::rename(staging, dest).map_err(|e| format!("committing snapshot: {e}"))?;
-            Ok(meta)
-        })();
-        if result.is_err() {
-            let _ = std::fs::remove_dir_all(staging);
-        }
-        result
-    }
-
     /// Clones the writable layer into `staging/layer`, the processes frozen meanwhile;
     /// true when every file was reflinked, and how long they were frozen.
     fn snapshot_files(&mut self, staging: &Path) -> Result<(bool, Duration), Failure> {
@@ -627,61 +423,11 @@ impl JailSandbox {
             }
             false => Duration::ZERO,
         };
+        // On failure the snapshot's transaction removes `staging`.
         match copied {
             Ok(stats) => Ok((stats.copied_files == 0, paused)),
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(staging);
-                Err(format!("copying the layer: {}", error_chain(&e)).into())
-            }
+            Err(e) => Err(format!("copying the layer: {}", error_chain(&e)).into()),
         }
-    }
-
-    /// Puts the snapshot back: a full-state one restores the processes, a filesystem
-    /// one restarts them on a copy of its layer.
-    fn rollback(&mut self, snapshot: &Path) -> Result<(), Failure> {
-        let meta: SnapshotMeta = cube_storage::read_verified(
-            &SnapshotDir::new(snapshot).record(),
-            SnapshotDir::RECORD_KIND,
-        )
-        .map_err(|e| error_chain(&e))?;
-        if meta.engine != Engine::Jail {
-            return Err(Failure::invalid(format!(
-                "snapshot {} is a {} snapshot; this is a jail sandbox",
-                meta.id, meta.engine
-            )));
-        }
-        let start = Instant::now();
-        let criu = match meta.kind {
-            SnapshotKind::Full => Some(criu().map_err(|why| {
-                Failure::new(
-                    ErrorKind::HostCannot,
-                    format!(
-                        "snapshot {} holds processes, but there is no working CRIU: {why}",
-                        meta.id
-                    ),
-                )
-            })?),
-            SnapshotKind::Filesystem => None,
-        };
-        if let Some(criu) = criu {
-            // Refuse a damaged checkpoint before the running jail goes.
-            Checkpoint::open(snapshot).map_err(|e| error_chain(&e))?;
-            self.stop_current()?;
-            tracing::debug!(elapsed = ?start.elapsed(), "rollback: old jail stopped");
-            self.restore(criu, snapshot)?;
-            tracing::debug!(elapsed = ?start.elapsed(), "rollback: processes restored");
-            return Ok(());
-        }
-        // Copy first: a snapshot that cannot be copied leaves the sandbox as it was.
-        let seed = self.stage_seed(&SnapshotDir::new(snapshot).layer())?;
-        tracing::debug!(elapsed = ?start.elapsed(), "rollback: layer copied");
-        if let Err(e) = self.stop_current() {
-            let _ = std::fs::remove_dir_all(&seed);
-            return Err(e.into());
-        }
-        let spawned = self.spawn(Some(seed));
-        tracing::debug!(elapsed = ?start.elapsed(), "rollback: new jail started");
-        Ok(spawned?)
     }
 
     /// Ends the running jail (if any) and any hibernated state, for a rollback.
@@ -693,58 +439,6 @@ impl JailSandbox {
         let _ = std::fs::remove_dir_all(self.dir.hibernated_layer());
         let _ = std::fs::remove_dir_all(self.dir.hibernated_checkpoint());
         Ok(())
-    }
-
-    /// Stops the processes, keeping their state on disk: a CRIU checkpoint where it
-    /// works, else the layer alone (the processes start afresh at wake).
-    fn hibernate(&mut self) -> Result<(), Failure> {
-        if self.jail.is_none() {
-            return Err(Failure::bad_state("sandbox is already hibernated"));
-        }
-        let image_dir = self.dir.hibernated_checkpoint();
-        let _ = std::fs::remove_dir_all(&image_dir);
-        let dumped = match criu() {
-            Ok(criu) => self.dump(criu, &image_dir, false),
-            Err(why) => Err(format!("no working CRIU: {why}")),
-        };
-        let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
-        self.lifeline = None;
-        self.paused = false;
-        let stopped = match dumped {
-            Ok(_) => jail
-                .destroy()
-                .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e))),
-            Err(why) => {
-                tracing::warn!(sandbox = %self.id, "hibernating the files only: {why}");
-                let keep = self.dir.hibernated_layer();
-                let _ = std::fs::remove_dir_all(&keep);
-                jail.destroy_keeping_layer(&keep)
-                    .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))
-            }
-        };
-        Ok(stopped?)
-    }
-
-    /// Brings a hibernated sandbox back: restores its checkpoint, or starts new
-    /// processes on its layer.
-    fn wake(&mut self) -> Result<(), Failure> {
-        if self.jail.is_some() {
-            return Err(Failure::bad_state("sandbox is not hibernated"));
-        }
-        let image_dir = self.dir.hibernated_checkpoint();
-        if is_checkpoint(&image_dir) {
-            let criu = criu().map_err(|why| {
-                Failure::new(
-                    ErrorKind::HostCannot,
-                    format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}"),
-                )
-            })?;
-            self.restore(criu, &image_dir)?;
-            self.remove_aside(&image_dir);
-            return Ok(());
-        }
-        let layer = self.dir.hibernated_layer();
-        Ok(self.spawn(Some(layer))?)
     }
 
     /// Moves the directory `dir` aside and removes it off the request path (a woken
@@ -797,10 +491,228 @@ impl JailSandbox {
         }
         Ok(())
     }
+}
+impl SandboxBackend for JailSandbox {
+    fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn status(&mut self) -> StatusReport {
+        let paused = self.paused;
+        let (status, pid, cgroups) = match self.jail.as_mut() {
+            None => (MachineStatus::Hibernated, None, Vec::new()),
+            Some(jail) => {
+                let cgroups = jail
+                    .cgroup()
+                    .map(|c| c.dirs().map(Path::to_path_buf).collect())
+                    .unwrap_or_default();
+                let pid = u32::try_from(jail.pid()).ok();
+                let status = match jail.try_wait() {
+                    Ok(None) if paused => MachineStatus::Paused,
+                    Ok(None) => MachineStatus::Running,
+                    Ok(Some(JailExit::Exited(c))) => {
+                        MachineStatus::Failed(format!("the agent exited with code {c}"))
+                    }
+                    Ok(Some(JailExit::Signaled(s))) => {
+                        MachineStatus::Failed(format!("the agent was killed by signal {s}"))
+                    }
+                    Err(e) => MachineStatus::Failed(error_chain(&e)),
+                };
+                (status, pid, cgroups)
+            }
+        };
+        StatusReport {
+            status,
+            pid: std::process::id(),
+            counter: 0,
+            generation: self.generation,
+            guest_error: false,
+            config: None,
+            rss_kib: own_rss_kib(),
+            engine: Engine::Jail,
+            jail: Some(JailStatus {
+                pid,
+                cgroups,
+                layer: self.layer(),
+                agent_socket: self.dir.agent_socket(),
+            }),
+        }
+    }
+
+    fn pause(&mut self) -> Result<(), Failure> {
+        self.running()?.pause().map_err(|e| error_chain(&e))?;
+        self.paused = true;
+        Ok(())
+    }
+
+    fn resume(&mut self) -> Result<(), Failure> {
+        self.running()?.resume().map_err(|e| error_chain(&e))?;
+        self.paused = false;
+        Ok(())
+    }
+
+    /// Writes a snapshot into `staging` with its record, then moves it to `dest`: a
+    /// full-state one through CRIU where it works, else the layer alone (the reason
+    /// recorded). The processes are frozen while the layer is copied, so the copy is
+    /// one instant of the files (and of the processes, for a full one).
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure> {
+        // The staging directory is made by whichever writer runs (CRIU's dump, the
+        // checkpoint's clone, or the layer copy).
+        let tx = SnapshotTransaction::begin(staging, dest)?;
+        let start = Instant::now();
+        let hibernated_full =
+            self.jail.is_none() && is_checkpoint(&self.dir.hibernated_checkpoint());
+        let full = match criu() {
+            Err(why) => Err(format!("no working CRIU: {why}")),
+            Ok(_) if hibernated_full => {
+                // The hibernation's checkpoint is the state: copy it.
+                // Nothing runs: nothing is stopped for it.
+                cube_storage::clone_tree(&self.dir.hibernated_checkpoint(), staging)
+                    .map(|_| Duration::ZERO)
+                    .map_err(|e| format!("copying the hibernated checkpoint: {}", error_chain(&e)))
+            }
+            Ok(_) if self.jail.is_none() => {
+                Err("the sandbox was hibernated without its processes".to_string())
+            }
+            Ok(criu) => self.dump(criu, staging, true),
+        };
+        let (kind, fallback, reflinked, paused) = match full {
+            // CRIU's dump reflinks the layer where the store's filesystem can.
+            Ok(paused) => (
+                SnapshotKind::Full,
+                None,
+                cube_storage::reflink::supports_reflink(staging).unwrap_or(false),
+                paused,
+            ),
+            Err(why) => {
+                tracing::warn!(sandbox = %self.id, "snapshot {} holds files only: {why}", tx.id());
+                let _ = std::fs::remove_dir_all(staging);
+                let (reflinked, paused) = self.snapshot_files(staging)?;
+                (SnapshotKind::Filesystem, Some(why), reflinked, paused)
+            }
+        };
+        tracing::debug!(elapsed = ?start.elapsed(), %kind, "snapshot written");
+        let staged = Staged {
+            stats: SnapshotStats {
+                dirty_pages: 0,
+                bytes_written: 0,
+                reflinked,
+                paused_us: paused.as_micros() as u64,
+            },
+            kind,
+            fallback,
+        };
+        // Nothing to commit in a guest; no flush (see SnapshotTransaction::commit).
+        tx.commit(&self.id, Engine::Jail, staged, |_| Ok(()), None)
+    }
+
+    /// Puts the snapshot back: a full-state one restores the processes, a filesystem
+    /// one restarts them on a copy of its layer.
+    fn rollback(&mut self, snapshot: &Path) -> Result<(), Failure> {
+        let meta: SnapshotMeta = cube_storage::read_verified(
+            &SnapshotDir::new(snapshot).record(),
+            SnapshotDir::RECORD_KIND,
+        )
+        .map_err(|e| error_chain(&e))?;
+        if meta.engine != Engine::Jail {
+            return Err(Failure::invalid(format!(
+                "snapshot {} is a {} snapshot; this is a jail sandbox",
+                meta.id, meta.engine
+            )));
+        }
+        let start = Instant::now();
+        let criu = match meta.kind {
+            SnapshotKind::Full => Some(criu().map_err(|why| {
+                Failure::new(
+                    ErrorKind::HostCannot,
+                    format!(
+                        "snapshot {} holds processes, but there is no working CRIU: {why}",
+                        meta.id
+                    ),
+                )
+            })?),
+            SnapshotKind::Filesystem => None,
+        };
+        if let Some(criu) = criu {
+            // Refuse a damaged checkpoint before the running jail goes.
+            Checkpoint::open(snapshot).map_err(|e| error_chain(&e))?;
+            self.stop_current()?;
+            tracing::debug!(elapsed = ?start.elapsed(), "rollback: old jail stopped");
+            self.restore(criu, snapshot)?;
+            tracing::debug!(elapsed = ?start.elapsed(), "rollback: processes restored");
+            return Ok(());
+        }
+        // Copy first: a snapshot that cannot be copied leaves the sandbox as it was.
+        let seed = self.stage_seed(&SnapshotDir::new(snapshot).layer())?;
+        tracing::debug!(elapsed = ?start.elapsed(), "rollback: layer copied");
+        if let Err(e) = self.stop_current() {
+            let _ = std::fs::remove_dir_all(&seed);
+            return Err(e.into());
+        }
+        let spawned = self.spawn(Some(seed));
+        tracing::debug!(elapsed = ?start.elapsed(), "rollback: new jail started");
+        Ok(spawned?)
+    }
+
+    /// Stops the processes, keeping their state on disk: a CRIU checkpoint where it
+    /// works, else the layer alone (the processes start afresh at wake).
+    fn hibernate(&mut self) -> Result<(), Failure> {
+        if self.jail.is_none() {
+            return Err(Failure::bad_state("sandbox is already hibernated"));
+        }
+        let image_dir = self.dir.hibernated_checkpoint();
+        let _ = std::fs::remove_dir_all(&image_dir);
+        let dumped = match criu() {
+            Ok(criu) => self.dump(criu, &image_dir, false),
+            Err(why) => Err(format!("no working CRIU: {why}")),
+        };
+        let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
+        self.lifeline = None;
+        self.paused = false;
+        let stopped = match dumped {
+            Ok(_) => jail
+                .destroy()
+                .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e))),
+            Err(why) => {
+                tracing::warn!(sandbox = %self.id, "hibernating the files only: {why}");
+                let keep = self.dir.hibernated_layer();
+                let _ = std::fs::remove_dir_all(&keep);
+                jail.destroy_keeping_layer(&keep)
+                    .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))
+            }
+        };
+        stopped?;
+        if let Some(network) = self.network.as_mut() {
+            network.disconnect();
+        }
+        Ok(())
+    }
+
+    /// Brings a hibernated sandbox back: restores its checkpoint, or starts new
+    /// processes on its layer.
+    fn wake(&mut self) -> Result<(), Failure> {
+        if self.jail.is_some() {
+            return Err(Failure::bad_state("sandbox is not hibernated"));
+        }
+        let image_dir = self.dir.hibernated_checkpoint();
+        if is_checkpoint(&image_dir) {
+            let criu = criu().map_err(|why| {
+                Failure::new(
+                    ErrorKind::HostCannot,
+                    format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}"),
+                )
+            })?;
+            self.restore(criu, &image_dir)?;
+            self.remove_aside(&image_dir);
+            return Ok(());
+        }
+        let layer = self.dir.hibernated_layer();
+        Ok(self.spawn(Some(layer))?)
+    }
 
     /// Ends every process and removes the jail, its cgroups and its layer; the agent
     /// socket goes too.
-    pub fn destroy(&mut self) {
+    fn destroy(&mut self) {
         for handle in std::mem::take(&mut self.retiring) {
             let _ = handle.join();
         }
@@ -817,6 +729,16 @@ impl JailSandbox {
             let _ = std::fs::remove_dir_all(leftover);
         }
         let _ = std::fs::remove_file(self.dir.agent_socket());
+    }
+
+    fn networked(&mut self) -> Option<&mut dyn Networked> {
+        Some(self)
+    }
+}
+
+impl Networked for JailSandbox {
+    fn network(&mut self) -> Result<&mut JailNetwork, Failure> {
+        held_network(&mut self.network)
     }
 }
 

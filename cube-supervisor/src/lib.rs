@@ -5,16 +5,19 @@
 //!   [`client`], the library's end of a connection.
 //! - [`pool`]: starting supervisors, and keeping some started ahead (at the lower
 //!   [`priority`] they warm at).
-//! - [`server`]: the supervisor process; it holds one of three sandboxes:
+//! - [`server`]: the supervisor process; it holds one of three sandboxes, each a
+//!   [`backend::SandboxBackend`] that [`backend::dispatch`] routes requests to:
 //!   [`test_guest_sandbox`] (Cube's test guest in a VM), [`linux_sandbox`] (a Linux
 //!   guest) or [`jail_sandbox`] (a jail, see [`jail_spec`]), with
-//!   [`jail_network`] for a sandbox's network.
+//!   [`jail_network`] for a sandbox's network. Every one writes its snapshots through
+//!   [`snapshot_transaction`].
 //! - [`templates`]: building jail trees, Debian root filesystems and VM templates.
 //! - [`records`]: what the store records about sandboxes, snapshots and templates.
 //! - [`host`]: what this host can do, for `cube doctor` and the engines' checks.
 //!
 //! It knows nothing of the public API above it: `cube-core` is its client.
 
+pub mod backend;
 pub mod client;
 pub mod error_report;
 pub mod flush;
@@ -30,6 +33,7 @@ pub mod protocol;
 pub mod records;
 pub mod resident_memory;
 pub mod server;
+pub mod snapshot_transaction;
 pub mod templates;
 pub mod test_guest_sandbox;
 pub mod vm_agent;

@@ -29,20 +29,19 @@ use std::time::{Duration, Instant};
 
 use cube_devices::records::DeviceKind;
 use cube_devices::virtio::tap::Tap;
-use cube_storage::{Durability, SandboxDir, SnapshotDir};
+use cube_storage::{SandboxDir, SnapshotDir};
 use cube_vmm::linux_vm::LinuxVm;
 use cube_vmm::persist::state::{read_state, GuestKind};
-use cube_vmm::persist::SnapshotStats;
 use cube_vmm::vstate::KvmContext;
 
+use crate::backend::{awake, held_network, Networked, SandboxBackend};
 use crate::error_report::chain as error_chain;
-use crate::flush::flush_in_background;
-use crate::jail_network::{network_failure, JailNetwork, JailNetworkError};
-use crate::protocol::{
-    ErrorKind, Failure, MachineStatus, Request, Response, Settings, StatusReport,
-};
-use crate::records::{now_unix, Engine, SnapshotKind, SnapshotMeta};
+use crate::flush::Flushes;
+use crate::jail_network::{JailNetwork, JailNetworkError};
+use crate::protocol::{ErrorKind, Failure, MachineStatus, Settings, StatusReport};
+use crate::records::{Engine, SnapshotMeta};
 use crate::resident_memory::own_rss_kib;
+use crate::snapshot_transaction::{write_hibernation_image, SnapshotTransaction, Staged};
 use crate::vm_agent::{agent_client, VmAgentError};
 use crate::vm_devices::{snapshot_devices, TEMPLATE_GUEST_MAC};
 
@@ -62,8 +61,8 @@ pub struct LinuxSandbox {
     generation: u64,
     /// Tells the clone-reseed thread of the current VM to give up.
     stop_reseed: Arc<AtomicBool>,
-    /// Background flushes of snapshots this sandbox wrote; joined before it goes.
-    flushes: Vec<std::thread::JoinHandle<()>>,
+    /// Background flushes of snapshots this sandbox wrote.
+    flushes: Flushes,
 }
 
 /// How long after a restore the host keeps trying to reach the agent to reseed it.
@@ -141,7 +140,7 @@ impl LinuxSandbox {
             hibernated: false,
             generation: 0,
             stop_reseed: Arc::new(AtomicBool::new(true)),
-            flushes: Vec::new(),
+            flushes: Flushes::default(),
         };
         if let Some(options) = &settings.network {
             let fail = |e: JailNetworkError| format!("attaching the network: {}", error_chain(&e));
@@ -162,11 +161,6 @@ impl LinuxSandbox {
             .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
         sandbox.start(vm)?;
         Ok(sandbox)
-    }
-
-    /// The sandbox's directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
     }
 
     /// A VM restored from `snapshot` with `disk` as its root disk, paused; its console
@@ -214,168 +208,103 @@ impl LinuxSandbox {
     }
 
     fn vm(&mut self) -> Result<&mut LinuxVm, Failure> {
-        if self.hibernated {
-            return Err(Failure::bad_state("sandbox is hibernated: wake it first"));
-        }
-        self.vm
-            .as_mut()
-            .ok_or_else(|| Failure::bad_state("the VM is gone"))
+        awake(&mut self.vm, self.hibernated, VM_GONE)
+    }
+}
+
+const VM_GONE: &str = "the VM is gone";
+
+impl SandboxBackend for LinuxSandbox {
+    fn dir(&self) -> &Path {
+        &self.dir
     }
 
-    fn network(&mut self) -> Result<&mut JailNetwork, Failure> {
-        self.network
-            .as_deref_mut()
-            .ok_or_else(|| Failure::bad_state("this sandbox has no network (create it with one)"))
-    }
-
-    /// Carries out one request.
-    pub fn handle(&mut self, request: Request) -> Result<Response, Failure> {
-        let net = network_failure;
-        let snapshot_failed = |f: Failure| f.or_kind(ErrorKind::SnapshotFailed);
-        match request {
-            Request::Adopt { .. } => Err(Failure::invalid("already adopted")),
-            Request::Destroy => Ok(Response::Ok),
-            Request::Status => Ok(Response::Status(self.status())),
-            Request::Pause => {
-                self.vm()?.pause().map_err(|e| error_chain(&e))?;
-                self.paused = true;
-                Ok(Response::Ok)
-            }
-            Request::Resume => {
-                self.vm()?.resume().map_err(|e| error_chain(&e))?;
-                self.paused = false;
-                Ok(Response::Ok)
-            }
-            Request::Snapshot { staging, dest } => {
-                let stats = self.snapshot(&staging, &dest).map_err(snapshot_failed)?;
-                Ok(Response::Snapshot {
-                    stats,
-                    kind: SnapshotKind::Full,
-                    fallback: None,
-                })
-            }
-            Request::Rollback { snapshot } => {
-                self.rollback(&snapshot).map_err(snapshot_failed)?;
-                Ok(Response::Ok)
-            }
-            Request::Hibernate => {
-                self.hibernate().map_err(snapshot_failed)?;
-                Ok(Response::Ok)
-            }
-            Request::Wake => {
-                if !self.hibernated {
-                    return Err(Failure::bad_state("sandbox is not hibernated"));
-                }
-                let vm = self
-                    .build_vm(&self.dir.hibernation(), &self.dir.rootfs(), false)
-                    .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
-                self.start(vm)?;
-                Ok(Response::Ok)
-            }
-            Request::NetworkStatus => {
-                let report = self.network()?.report().map_err(net)?;
-                Ok(Response::Network(report))
-            }
-            Request::SetPolicy(policy) => {
-                self.network()?.set_policy(policy).map_err(net)?;
-                Ok(Response::Ok)
-            }
-            Request::Expose(port) => {
-                self.network()?.expose(port).map_err(net)?;
-                Ok(Response::Ok)
-            }
-            Request::Unexpose { host_port } => {
-                self.network()?.unexpose(host_port).map_err(net)?;
-                Ok(Response::Ok)
-            }
-            Request::GuestDirty { .. }
-            | Request::GuestMode { .. }
-            | Request::GuestWaitWorkingSet
-            | Request::ReadMemory { .. }
-            | Request::MemoryDigest => Err(Failure::unsupported(
-                "a Linux VM sandbox runs no test guest (this request is for test VMs)",
-            )),
+    fn status(&mut self) -> StatusReport {
+        let status = match &self.vm {
+            None if self.hibernated => MachineStatus::Hibernated,
+            None => MachineStatus::Failed("the VM is gone".into()),
+            Some(vm) => match vm.fatal() {
+                Some(why) => MachineStatus::Failed(why),
+                None if self.paused => MachineStatus::Paused,
+                None => MachineStatus::Running,
+            },
+        };
+        StatusReport {
+            status,
+            pid: std::process::id(),
+            counter: 0,
+            generation: self.generation,
+            guest_error: false,
+            config: None,
+            rss_kib: own_rss_kib(),
+            engine: Engine::Vm,
+            jail: None,
         }
     }
 
-    /// Writes a snapshot (memory diff, devices, disk) into `staging`, moves it to
-    /// `dest` and has it flushed in the background. The sandbox keeps running (or
-    /// paused) as it was, whatever happens.
-    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotStats, Failure> {
-        let snapshot_id = dest
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .ok_or_else(|| format!("{} has no snapshot id", dest.display()))?;
+    fn pause(&mut self) -> Result<(), Failure> {
+        self.vm()?.pause().map_err(|e| error_chain(&e))?;
+        self.paused = true;
+        Ok(())
+    }
+
+    fn resume(&mut self) -> Result<(), Failure> {
+        self.vm()?.resume().map_err(|e| error_chain(&e))?;
+        self.paused = false;
+        Ok(())
+    }
+
+    /// Memory diff, devices and disk; the VM stays paused until the snapshot is
+    /// committed (the dirty pages stay pending in it until then).
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure> {
         let sandbox_id = self
             .dir
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
-        if dest.exists() {
-            return Err(Failure::new(
-                ErrorKind::AlreadyExists,
-                format!("{} already exists", dest.display()),
-            ));
-        }
+        let tx = SnapshotTransaction::begin(staging, dest)?;
         let was_running = !self.paused;
         let disk = self.dir.rootfs();
-        let vm = self.vm()?;
-        std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
+        let vm = awake(&mut self.vm, self.hibernated, VM_GONE)?;
+        let staged_dir = tx.create_staging()?;
         let stopped = std::time::Instant::now();
         let written = (|| {
             vm.pause().map_err(|e| error_chain(&e))?;
             let mut stats = vm
-                .snapshot(staging, Some(&disk))
+                .snapshot(&staged_dir, Some(&disk))
                 .map_err(|e| error_chain(&e))?;
             // The record counts until it is written; the answer below, until the
             // VM runs again.
             if was_running {
                 stats.paused_us = stopped.elapsed().as_micros() as u64;
             }
-            let meta = SnapshotMeta {
-                id: snapshot_id,
-                sandbox: sandbox_id,
-                created_unix: now_unix(),
-                stats,
-                kind: SnapshotKind::Full,
-                engine: Engine::Vm,
-                fallback: None,
-                template: None,
-            };
-            let meta_bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
-            cube_storage::write_atomic_bytes_with(
-                &SnapshotDir::new(staging).record(),
-                SnapshotDir::RECORD_KIND,
-                &meta_bytes,
-                Durability::Deferred,
-            )
-            .map_err(|e| error_chain(&e))?;
-            std::fs::rename(staging, dest).map_err(|e| format!("committing snapshot: {e}"))?;
-            Ok(stats)
+            Ok::<_, String>(stats)
         })();
-        let committed = match written {
-            // The dirty pages stay pending in the VM until the snapshot is in place.
-            Ok(stats) => vm
-                .snapshot_committed(dest)
-                .map(|()| stats)
-                .map_err(|e| error_chain(&e)),
-            Err(e) => {
-                let _ = std::fs::remove_dir_all(staging);
-                Err(e)
-            }
-        };
+        let committed = written.map_err(Failure::from).and_then(|stats| {
+            let committed = |dest: &Path| {
+                vm.snapshot_committed(dest)
+                    .map_err(|e| error_chain(&e).into())
+            };
+            let flushes = Some(&mut self.flushes);
+            tx.commit(
+                &sandbox_id,
+                Engine::Vm,
+                Staged::full(stats),
+                committed,
+                flushes,
+            )
+        });
         let resumed = if was_running {
             vm.resume().map_err(|e| error_chain(&e))
         } else {
             Ok(())
         };
-        let mut stats = committed?;
+        let mut meta = committed?;
         resumed?;
         if was_running {
-            stats.paused_us = stopped.elapsed().as_micros() as u64;
+            meta.stats.paused_us = stopped.elapsed().as_micros() as u64;
         }
-        self.track_flush(flush_in_background(dest.to_path_buf()));
-        Ok(stats)
+        Ok(meta)
     }
 
     /// Replaces the VM with one restored from `snapshot` (its disk copied over the
@@ -434,86 +363,64 @@ impl LinuxSandbox {
     /// and releases the VM; the disk stays where it is, the TAP stays attached.
     fn hibernate(&mut self) -> Result<(), Failure> {
         let was_running = !self.paused;
-        let image = self.dir.hibernation();
-        let staging = self.dir.hibernation_staging();
-        let old = self.dir.hibernation_old();
-        let vm = self.vm()?;
-        let _ = std::fs::remove_dir_all(&staging);
-        let _ = std::fs::remove_dir_all(&old);
-        std::fs::create_dir(&staging)
-            .map_err(|e| format!("creating {}: {e}", staging.display()))?;
-        let written = (|| {
+        let vm = awake(&mut self.vm, self.hibernated, VM_GONE)?;
+        let mut stopped = false;
+        let written = write_hibernation_image(&self.dir, &mut self.flushes, |staging| {
+            stopped = true;
             vm.pause().map_err(|e| error_chain(&e))?;
-            vm.snapshot(&staging, None).map_err(|e| error_chain(&e))?;
-            if image.exists() {
-                std::fs::rename(&image, &old).map_err(|e| format!("moving old image: {e}"))?;
-            }
-            std::fs::rename(&staging, &image).map_err(|e| format!("committing image: {e}"))
-        })();
+            vm.snapshot(staging, None).map_err(|e| error_chain(&e))?;
+            Ok(())
+        });
         if let Err(e) = written {
-            let _ = std::fs::remove_dir_all(&staging);
-            if was_running {
+            if was_running && stopped {
                 let _ = vm.resume();
             }
-            return Err(e.into());
+            return Err(e);
         }
-        let _ = std::fs::remove_dir_all(&old);
         self.stop_reseed.store(true, Ordering::Relaxed);
         self.vm = None;
         let _ = std::fs::remove_file(self.dir.vsock_socket());
         self.hibernated = true;
         self.paused = false;
-        self.track_flush(flush_in_background(image.into_path()));
         Ok(())
     }
 
-    fn track_flush(&mut self, flush: Option<std::thread::JoinHandle<()>>) {
-        self.flushes.retain(|f| !f.is_finished());
-        self.flushes.extend(flush);
-    }
-
-    fn status(&self) -> StatusReport {
-        let status = match &self.vm {
-            None if self.hibernated => MachineStatus::Hibernated,
-            None => MachineStatus::Failed("the VM is gone".into()),
-            Some(vm) => match vm.fatal() {
-                Some(why) => MachineStatus::Failed(why),
-                None if self.paused => MachineStatus::Paused,
-                None => MachineStatus::Running,
-            },
-        };
-        StatusReport {
-            status,
-            pid: std::process::id(),
-            counter: 0,
-            generation: self.generation,
-            guest_error: false,
-            config: None,
-            rss_kib: own_rss_kib(),
-            engine: Engine::Vm,
-            jail: None,
+    fn wake(&mut self) -> Result<(), Failure> {
+        if !self.hibernated {
+            return Err(Failure::bad_state("sandbox is not hibernated"));
         }
+        let vm = self
+            .build_vm(&self.dir.hibernation(), &self.dir.rootfs(), false)
+            .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
+        Ok(self.start(vm)?)
     }
 
     /// Stops the vCPUs and releases the VM, then its TAP and network (back to the
     /// pool); the vsock socket goes too.
-    pub fn destroy(&mut self) {
+    fn destroy(&mut self) {
         self.stop_reseed.store(true, Ordering::Relaxed);
         self.vm = None;
         self.tap = None;
         if let Some(mut network) = self.network.take() {
             network.disconnect();
         }
-        // A flush still writing into a snapshot directory would race its removal.
-        for flush in std::mem::take(&mut self.flushes) {
-            let _ = flush.join();
-        }
+        self.flushes.join();
         let _ = std::fs::remove_file(self.dir.vsock_socket());
+    }
+
+    fn networked(&mut self) -> Option<&mut dyn Networked> {
+        Some(self)
+    }
+}
+
+impl Networked for LinuxSandbox {
+    fn network(&mut self) -> Result<&mut JailNetwork, Failure> {
+        held_network(&mut self.network)
     }
 }
 
 impl Drop for LinuxSandbox {
     fn drop(&mut self) {
-        self.destroy();
+        SandboxBackend::destroy(self);
     }
 }

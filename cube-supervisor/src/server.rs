@@ -19,6 +19,7 @@ use cube_vmm::persist::MachineConfig;
 use cube_vmm::test_guest::Machine;
 use cube_vmm::vstate::KvmContext;
 
+use crate::backend::{dispatch, SandboxBackend};
 use crate::error_report::chain as error_chain;
 use crate::jail_sandbox::{JailSandbox, PrespawnedJail};
 use crate::linux_sandbox::LinuxSandbox;
@@ -44,37 +45,7 @@ pub enum ServerError {
 }
 
 /// The sandbox a supervisor holds, of either engine.
-enum Held {
-    Vm(TestGuestSandbox),
-    Jail(JailSandbox),
-    Linux(LinuxSandbox),
-}
-
-impl Held {
-    fn handle(&mut self, request: Request) -> Result<Response, Failure> {
-        match self {
-            Held::Vm(sandbox) => sandbox.handle(request),
-            Held::Jail(sandbox) => sandbox.handle(request),
-            Held::Linux(sandbox) => sandbox.handle(request),
-        }
-    }
-
-    fn dir(&self) -> &Path {
-        match self {
-            Held::Vm(sandbox) => sandbox.dir(),
-            Held::Jail(sandbox) => sandbox.dir(),
-            Held::Linux(sandbox) => sandbox.dir(),
-        }
-    }
-
-    fn destroy(&mut self) {
-        match self {
-            Held::Vm(sandbox) => sandbox.destroy(),
-            Held::Jail(sandbox) => sandbox.destroy(),
-            Held::Linux(sandbox) => sandbox.destroy(),
-        }
-    }
-}
+type Held = Box<dyn SandboxBackend>;
 
 struct State {
     sandbox: Mutex<Held>,
@@ -361,7 +332,7 @@ fn adopt(
                 JailSandbox::start(id, dir, tree, layer.as_deref(), settings)?
             }
         };
-        return Ok(Held::Jail(sandbox));
+        return Ok(Box::new(sandbox));
     }
     retire_jail(warm.jail);
     let (ctx, shell) = warm.kvm.unwrap_or_else(open_kvm).map_err(|why| {
@@ -376,7 +347,7 @@ fn adopt(
         if state.guest == GuestKind::Linux {
             // The pre-built shell is shaped for the test guest.
             retire(shell);
-            return Ok(Held::Linux(LinuxSandbox::restore(
+            return Ok(Box::new(LinuxSandbox::restore(
                 &ctx, dir, snapshot, &settings,
             )?));
         }
@@ -389,7 +360,7 @@ fn adopt(
         ));
     }
     let sandbox = TestGuestSandbox::start(ctx, id, dir, &source, shell)?;
-    Ok(Held::Vm(sandbox))
+    Ok(Box::new(sandbox))
 }
 
 /// Teardowns of unneeded pre-started jails still under way; joined before the
@@ -442,7 +413,7 @@ fn remove_files(state: &State, id: &str) {
 
 fn handle(state: &State, request: Request) -> Response {
     let mut sandbox = state.lock();
-    match sandbox.handle(request) {
+    match dispatch(sandbox.as_mut(), request) {
         Ok(response) => response,
         Err(failure) => Response::Error(failure),
     }

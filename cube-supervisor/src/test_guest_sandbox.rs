@@ -11,29 +11,28 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use cube_storage::{Durability, SandboxDir, SnapshotDir};
+use cube_storage::{SandboxDir, SnapshotDir};
 use cube_vmm::persist::state::read_state;
-use cube_vmm::persist::SnapshotStats;
 use cube_vmm::test_guest::mailbox::field;
 use cube_vmm::test_guest::{Machine, MachineError, Mode};
 use cube_vmm::vstate::KvmContext;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
+use crate::backend::{awake, SandboxBackend, TestGuestControl};
 use crate::error_report::chain as error_chain;
-use crate::flush::flush_in_background;
-use crate::protocol::{
-    ErrorKind, Failure, MachineStatus, Request, Response, Source, StatusReport, MAX_FRAME,
-};
-use crate::records::{now_unix, Engine, SnapshotKind, SnapshotMeta};
+use crate::flush::Flushes;
+use crate::protocol::{ErrorKind, Failure, MachineStatus, Source, StatusReport, MAX_FRAME};
+use crate::records::{Engine, SnapshotMeta};
 use crate::resident_memory::own_rss_kib;
+use crate::snapshot_transaction::{write_hibernation_image, SnapshotTransaction, Staged};
 
 /// One test-guest sandbox.
 pub struct TestGuestSandbox {
     ctx: Arc<KvmContext>,
     id: String,
     dir: SandboxDir,
-    /// Background flushes of snapshots this sandbox wrote; joined before its files go.
-    flushes: Vec<std::thread::JoinHandle<()>>,
+    /// Background flushes of snapshots this sandbox wrote.
+    flushes: Flushes,
     machine: Option<Machine>,
     hibernated: bool,
 }
@@ -67,200 +66,29 @@ impl TestGuestSandbox {
         Ok(TestGuestSandbox {
             ctx,
             id: id.to_string(),
-            flushes: Vec::new(),
+            flushes: Flushes::default(),
             dir: SandboxDir::new(dir),
             machine: Some(machine),
             hibernated: false,
         })
     }
 
-    /// The sandbox's directory.
-    pub fn dir(&self) -> &Path {
+    fn machine(&mut self) -> Result<&mut Machine, Failure> {
+        awake(&mut self.machine, self.hibernated, NO_MACHINE)
+    }
+}
+
+const NO_MACHINE: &str = "sandbox has no running machine";
+
+impl SandboxBackend for TestGuestSandbox {
+    fn dir(&self) -> &Path {
         &self.dir
     }
 
-    /// Releases the VM and its memory, and waits for the snapshots' flushes.
-    pub fn destroy(&mut self) {
-        // Dropping the machine stops the vCPUs, closes the VM and unmaps memory.
-        self.machine = None;
-        // A flush still writing into a snapshot directory would race its removal.
-        for flush in std::mem::take(&mut self.flushes) {
-            let _ = flush.join();
-        }
-    }
-
-    fn machine(&mut self) -> Result<&mut Machine, Failure> {
-        if self.hibernated {
-            return Err(Failure::bad_state("sandbox is hibernated: wake it first"));
-        }
-        self.machine
-            .as_mut()
-            .ok_or_else(|| Failure::bad_state("sandbox has no running machine"))
-    }
-
-    /// Carries out one request.
-    pub fn handle(&mut self, request: Request) -> Result<Response, Failure> {
-        let sandbox = self;
-        let fail = machine_failure;
-        match request {
-            Request::Adopt { .. } => Err(Failure::invalid("already adopted")),
-            Request::Destroy => Ok(Response::Ok),
-            Request::Status => Ok(Response::Status(sandbox.status())),
-            Request::Pause => {
-                sandbox.machine()?.pause().map_err(fail)?;
-                Ok(Response::Ok)
-            }
-            Request::Resume => {
-                sandbox.machine()?.resume().map_err(fail)?;
-                Ok(Response::Ok)
-            }
-            Request::Snapshot { staging, dest } => {
-                let dir = sandbox.dir.clone();
-                let id = sandbox.id.clone();
-                let m = sandbox.machine()?;
-                let stats = write_snapshot(m, &id, &dir, &staging, &dest)
-                    .map_err(|f| f.or_kind(ErrorKind::SnapshotFailed))?;
-                sandbox.track_flush(flush_in_background(dest));
-                Ok(Response::Snapshot {
-                    stats,
-                    kind: SnapshotKind::Full,
-                    fallback: None,
-                })
-            }
-            Request::Rollback { snapshot } => {
-                // Validate before touching anything: a bad snapshot leaves the sandbox as is.
-                let state = read_state(&snapshot).map_err(snapshot_failure)?;
-                let staged_rootfs =
-                    stage_rootfs(&snapshot, &sandbox.dir).map_err(snapshot_failure)?;
-                let in_place = match sandbox.machine.as_mut() {
-                    Some(m) if !sandbox.hibernated => match m.load_in_place(&snapshot, state) {
-                        Ok(done) => done,
-                        Err(e) => {
-                            // Half-restored: discard it and build a fresh machine below.
-                            tracing::warn!(
-                                "rollback in place failed, restoring anew: {}",
-                                error_chain(&e)
-                            );
-                            retire(sandbox.machine.take());
-                            false
-                        }
-                    },
-                    _ => false,
-                };
-                if !in_place {
-                    let restored =
-                        Machine::restore(&sandbox.ctx, &snapshot).map_err(snapshot_failure)?;
-                    retire(sandbox.machine.replace(restored));
-                }
-                if let Some(staged) = staged_rootfs {
-                    std::fs::rename(&staged, sandbox.dir.rootfs())
-                        .map_err(|e| format!("replacing rootfs: {e}"))?;
-                }
-                sandbox.hibernated = false;
-                Ok(Response::Ok)
-            }
-            Request::Hibernate => {
-                let dir = sandbox.dir.clone();
-                let m = sandbox.machine()?;
-                let image = dir.hibernation();
-                let staging = dir.hibernation_staging();
-                let old = dir.hibernation_old();
-                let _ = std::fs::remove_dir_all(&staging);
-                let _ = std::fs::remove_dir_all(&old);
-                // The rootfs stays where it is: only memory and CPU state leave.
-                std::fs::create_dir(&staging)
-                    .map_err(|e| format!("creating {}: {e}", staging.display()))?;
-                if let Err(e) = m.snapshot(&staging) {
-                    let _ = std::fs::remove_dir_all(&staging);
-                    return Err(snapshot_failure(e));
-                }
-                if image.exists() {
-                    std::fs::rename(&image, &old).map_err(|e| format!("moving old image: {e}"))?;
-                }
-                std::fs::rename(&staging, &image).map_err(|e| format!("committing image: {e}"))?;
-                let _ = std::fs::remove_dir_all(&old);
-                m.snapshot_committed(&image).map_err(snapshot_failure)?;
-                sandbox.machine = None;
-                sandbox.track_flush(flush_in_background(image.into_path()));
-                sandbox.hibernated = true;
-                Ok(Response::Ok)
-            }
-            Request::Wake => {
-                if !sandbox.hibernated {
-                    return Err(Failure::bad_state("sandbox is not hibernated"));
-                }
-                let image = sandbox.dir.hibernation();
-                let m = Machine::restore(&sandbox.ctx, &image).map_err(snapshot_failure)?;
-                sandbox.machine = Some(m);
-                sandbox.hibernated = false;
-                Ok(Response::Ok)
-            }
-            Request::GuestDirty { mib, pattern } => {
-                sandbox.machine()?.guest_dirty(mib, pattern).map_err(fail)?;
-                Ok(Response::Ok)
-            }
-            Request::GuestMode { spin } => {
-                let mode = if spin { Mode::Spin } else { Mode::Idle };
-                sandbox.machine()?.guest_set_mode(mode).map_err(fail)?;
-                Ok(Response::Ok)
-            }
-            Request::GuestWaitWorkingSet => {
-                sandbox.machine()?.wait_working_set().map_err(fail)?;
-                Ok(Response::Ok)
-            }
-            Request::ReadMemory { addr, len } => {
-                if len > MAX_FRAME / 2 {
-                    return Err(Failure::invalid(format!(
-                        "read of {len} bytes exceeds {}",
-                        MAX_FRAME / 2
-                    )));
-                }
-                let m = sandbox.machine()?;
-                let mut buf = vec![0u8; len as usize];
-                m.memory()
-                    .inner()
-                    .read_slice(&mut buf, GuestAddress(addr))
-                    .map_err(|e| {
-                        Failure::invalid(format!("reading guest memory at {addr:#x}: {e}"))
-                    })?;
-                Ok(Response::Memory(buf))
-            }
-            Request::MemoryDigest => {
-                let m = sandbox.machine()?;
-                let mut digests = Vec::new();
-                let mut chunk = vec![0u8; 1 << 20];
-                for region in m.memory().inner().iter() {
-                    let mut hasher = crc32fast::Hasher::new();
-                    let start = region.start_addr().0;
-                    let len = region.len();
-                    let mut offset = 0;
-                    while offset < len {
-                        let n = (len - offset).min(chunk.len() as u64) as usize;
-                        m.memory()
-                            .inner()
-                            .read_slice(&mut chunk[..n], GuestAddress(start + offset))
-                            .map_err(|e| format!("reading guest memory: {e}"))?;
-                        hasher.update(&chunk[..n]);
-                        offset += n as u64;
-                    }
-                    digests.push(hasher.finalize());
-                }
-                Ok(Response::Digest(digests))
-            }
-            Request::NetworkStatus
-            | Request::SetPolicy(_)
-            | Request::Expose(_)
-            | Request::Unexpose { .. } => Err(Failure::unsupported(
-                "Cube's test guest has no network device",
-            )),
-        }
-    }
-
-    fn status(&self) -> StatusReport {
-        let sandbox = self;
+    fn status(&mut self) -> StatusReport {
         let rss_kib = own_rss_kib();
         let pid = std::process::id();
-        match &sandbox.machine {
+        match &self.machine {
             Some(m) => {
                 let mb = m.mailbox();
                 StatusReport {
@@ -293,9 +121,180 @@ impl TestGuestSandbox {
         }
     }
 
-    fn track_flush(&mut self, flush: Option<std::thread::JoinHandle<()>>) {
-        self.flushes.retain(|f| !f.is_finished());
-        self.flushes.extend(flush);
+    fn pause(&mut self) -> Result<(), Failure> {
+        self.machine()?.pause().map_err(machine_failure)
+    }
+
+    fn resume(&mut self) -> Result<(), Failure> {
+        self.machine()?.resume().map_err(machine_failure)
+    }
+
+    /// Memory, vCPUs and the rootfs (cloned) of one instant; the machine runs on
+    /// before the record is written.
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure> {
+        let rootfs = self.dir.rootfs();
+        let m = awake(&mut self.machine, self.hibernated, NO_MACHINE)?;
+        let tx = SnapshotTransaction::begin(staging, dest)?;
+        let staged_dir = tx.create_staging()?;
+        let was_running = m.is_running();
+        let stopped = std::time::Instant::now();
+        let written = (|| {
+            m.pause().map_err(|e| error_chain(&e))?;
+            let mut stats = m.snapshot(&staged_dir).map_err(|e| error_chain(&e))?;
+            if rootfs.exists() {
+                cube_storage::clone_file(&rootfs, &staged_dir.rootfs())
+                    .map_err(|e| error_chain(&e))?;
+            }
+            if was_running {
+                m.resume().map_err(|e| error_chain(&e))?;
+                stats.paused_us = stopped.elapsed().as_micros() as u64;
+            }
+            Ok::<_, String>(stats)
+        })();
+        let stats = match written {
+            Ok(stats) => stats,
+            Err(e) => {
+                if was_running {
+                    let _ = m.resume();
+                }
+                return Err(e.into());
+            }
+        };
+        let committed = |dest: &Path| m.snapshot_committed(dest).map_err(snapshot_failure);
+        let flushes = Some(&mut self.flushes);
+        tx.commit(
+            &self.id,
+            Engine::Vm,
+            Staged::full(stats),
+            committed,
+            flushes,
+        )
+    }
+
+    /// Loads the snapshot into the running VM where its shape allows, else builds a
+    /// new one; the snapshot (and its rootfs copy) is checked first.
+    fn rollback(&mut self, snapshot: &Path) -> Result<(), Failure> {
+        // Validate before touching anything: a bad snapshot leaves the sandbox as is.
+        let state = read_state(snapshot).map_err(snapshot_failure)?;
+        let staged_rootfs = stage_rootfs(snapshot, &self.dir).map_err(snapshot_failure)?;
+        let in_place = match self.machine.as_mut() {
+            Some(m) if !self.hibernated => match m.load_in_place(snapshot, state) {
+                Ok(done) => done,
+                Err(e) => {
+                    // Half-restored: discard it and build a fresh machine below.
+                    tracing::warn!(
+                        "rollback in place failed, restoring anew: {}",
+                        error_chain(&e)
+                    );
+                    retire(self.machine.take());
+                    false
+                }
+            },
+            _ => false,
+        };
+        if !in_place {
+            let restored = Machine::restore(&self.ctx, snapshot).map_err(snapshot_failure)?;
+            retire(self.machine.replace(restored));
+        }
+        if let Some(staged) = staged_rootfs {
+            std::fs::rename(&staged, self.dir.rootfs())
+                .map_err(|e| format!("replacing rootfs: {e}"))?;
+        }
+        self.hibernated = false;
+        Ok(())
+    }
+
+    /// The rootfs stays where it is: only memory and CPU state leave.
+    fn hibernate(&mut self) -> Result<(), Failure> {
+        let dir = self.dir.clone();
+        let m = awake(&mut self.machine, self.hibernated, NO_MACHINE)?;
+        write_hibernation_image(&dir, &mut self.flushes, |staging| {
+            m.snapshot(staging).map(drop).map_err(snapshot_failure)
+        })?;
+        m.snapshot_committed(&dir.hibernation())
+            .map_err(snapshot_failure)?;
+        self.machine = None;
+        self.hibernated = true;
+        Ok(())
+    }
+
+    fn wake(&mut self) -> Result<(), Failure> {
+        if !self.hibernated {
+            return Err(Failure::bad_state("sandbox is not hibernated"));
+        }
+        let image = self.dir.hibernation();
+        let m = Machine::restore(&self.ctx, &image).map_err(snapshot_failure)?;
+        self.machine = Some(m);
+        self.hibernated = false;
+        Ok(())
+    }
+
+    /// Releases the VM and its memory, and waits for the snapshots' flushes.
+    fn destroy(&mut self) {
+        // Dropping the machine stops the vCPUs, closes the VM and unmaps memory.
+        self.machine = None;
+        self.flushes.join();
+    }
+
+    fn test_guest(&mut self) -> Option<&mut dyn TestGuestControl> {
+        Some(self)
+    }
+}
+
+impl TestGuestControl for TestGuestSandbox {
+    fn guest_dirty(&mut self, mib: u64, pattern: u64) -> Result<(), Failure> {
+        let m = self.machine()?;
+        m.guest_dirty(mib, pattern).map_err(machine_failure)
+    }
+
+    fn guest_mode(&mut self, spin: bool) -> Result<(), Failure> {
+        let mode = if spin { Mode::Spin } else { Mode::Idle };
+        self.machine()?
+            .guest_set_mode(mode)
+            .map_err(machine_failure)
+    }
+
+    fn wait_working_set(&mut self) -> Result<(), Failure> {
+        self.machine()?.wait_working_set().map_err(machine_failure)
+    }
+
+    fn read_memory(&mut self, addr: u64, len: u32) -> Result<Vec<u8>, Failure> {
+        if len > MAX_FRAME / 2 {
+            return Err(Failure::invalid(format!(
+                "read of {len} bytes exceeds {}",
+                MAX_FRAME / 2
+            )));
+        }
+        let m = self.machine()?;
+        let mut buf = vec![0u8; len as usize];
+        m.memory()
+            .inner()
+            .read_slice(&mut buf, GuestAddress(addr))
+            .map_err(|e| Failure::invalid(format!("reading guest memory at {addr:#x}: {e}")))?;
+        Ok(buf)
+    }
+
+    fn memory_digest(&mut self) -> Result<Vec<u32>, Failure> {
+        let m = self.machine()?;
+        let mut digests = Vec::new();
+        let mut chunk = vec![0u8; 1 << 20];
+        for region in m.memory().inner().iter() {
+            let mut hasher = crc32fast::Hasher::new();
+            let start = region.start_addr().0;
+            let len = region.len();
+            let mut offset = 0;
+            while offset < len {
+                let n = (len - offset).min(chunk.len() as u64) as usize;
+                m.memory()
+                    .inner()
+                    .read_slice(&mut chunk[..n], GuestAddress(start + offset))
+                    .map_err(|e| format!("reading guest memory: {e}"))?;
+                hasher.update(&chunk[..n]);
+                offset += n as u64;
+            }
+            digests.push(hasher.finalize());
+        }
+        Ok(digests)
     }
 }
 
@@ -343,77 +342,6 @@ pub(crate) fn retire(machine: Option<Machine>) {
         // If no thread can be started the machine was dropped with the closure.
         if let Err(e) = spawned {
             tracing::warn!("retiring a machine inline: {e}");
-        }
-    }
-}
-
-/// Snapshot into `staging` with the rootfs and metadata, move the directory to `dest`,
-/// and make it durable in the background.
-fn write_snapshot(
-    m: &mut Machine,
-    sandbox_id: &str,
-    sandbox_dir: &SandboxDir,
-    staging: &Path,
-    dest: &Path,
-) -> Result<SnapshotStats, Failure> {
-    let snapshot_id = dest
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .ok_or_else(|| format!("{} has no snapshot id", dest.display()))?;
-    if dest.exists() {
-        return Err(Failure::new(
-            ErrorKind::AlreadyExists,
-            format!("{} already exists", dest.display()),
-        ));
-    }
-    std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
-    let staging = SnapshotDir::new(staging);
-    let was_running = m.is_running();
-    let result = (|| {
-        // Memory, vCPUs and disk must be taken at the same instant.
-        let stopped = std::time::Instant::now();
-        m.pause().map_err(|e| error_chain(&e))?;
-        let mut stats = m.snapshot(&staging).map_err(|e| error_chain(&e))?;
-        let rootfs = sandbox_dir.rootfs();
-        if rootfs.exists() {
-            cube_storage::clone_file(&rootfs, &staging.rootfs()).map_err(|e| error_chain(&e))?;
-        }
-        if was_running {
-            m.resume().map_err(|e| error_chain(&e))?;
-            stats.paused_us = stopped.elapsed().as_micros() as u64;
-        }
-        let meta = SnapshotMeta {
-            id: snapshot_id,
-            sandbox: sandbox_id.to_string(),
-            created_unix: now_unix(),
-            stats,
-            kind: SnapshotKind::Full,
-            engine: Engine::Vm,
-            fallback: None,
-            template: None,
-        };
-        let meta_bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
-        cube_storage::write_atomic_bytes_with(
-            &staging.record(),
-            SnapshotDir::RECORD_KIND,
-            &meta_bytes,
-            Durability::Deferred,
-        )
-        .map_err(|e| error_chain(&e))?;
-        std::fs::rename(&staging, dest).map_err(|e| format!("committing snapshot: {e}"))?;
-        Ok(stats)
-    })();
-    match result {
-        Ok(stats) => {
-            m.snapshot_committed(dest).map_err(|e| error_chain(&e))?;
-            Ok(stats)
-        }
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&staging);
-            if was_running {
-                let _ = m.resume();
-            }
-            Err(e)
         }
     }
 }

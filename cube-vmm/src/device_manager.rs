@@ -344,6 +344,34 @@ mod tests {
         u32::from_le_bytes(data)
     }
 
+    /// The guest driver's bring-up of the device at `base` with its queue 0 on `ring`,
+    /// through the bus as a vCPU's MMIO exits would.
+    fn bring_up(bus: &MmioBus, base: u64, ring: &Ring) {
+        for status in [STATUS_ACKNOWLEDGE, STATUS_ACKNOWLEDGE | STATUS_DRIVER] {
+            bus_write32(bus, base + regs::STATUS, status);
+        }
+        bus_write32(bus, base + regs::DRIVER_FEATURES_SEL, 1);
+        bus_write32(
+            bus,
+            base + regs::DRIVER_FEATURES,
+            1 << (VIRTIO_F_VERSION_1 - 32),
+        );
+        let features_ok = STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK;
+        bus_write32(bus, base + regs::STATUS, features_ok);
+        let layout = &ring.layout;
+        for (reg, value) in [
+            (regs::QUEUE_SEL, 0),
+            (regs::QUEUE_NUM, 16),
+            (regs::QUEUE_DESC_LOW, layout.desc_table as u32),
+            (regs::QUEUE_DRIVER_LOW, layout.avail_ring as u32),
+            (regs::QUEUE_DEVICE_LOW, layout.used_ring as u32),
+            (regs::QUEUE_READY, 1),
+            (regs::STATUS, features_ok | STATUS_DRIVER_OK),
+        ] {
+            bus_write32(bus, base + reg, value);
+        }
+    }
+
     /// The master PIC's interrupt request register: an edge on a line sets its bit.
     fn pic_irr(vm: &VmFd) -> u8 {
         let mut chip = kvm_bindings::kvm_irqchip {
@@ -388,44 +416,7 @@ mod tests {
             VirtioDevices::attach(&vm, &mem, &mut bus, vec![Box::new(Rng::new())]).unwrap();
         let base = attached.devices()[0].base;
         let mut ring = Ring::new(&mem, 16);
-        // The guest driver's bring-up, through the bus as a vCPU's MMIO exits would.
-        for status in [STATUS_ACKNOWLEDGE, STATUS_ACKNOWLEDGE | STATUS_DRIVER] {
-            bus_write32(&bus, base + regs::STATUS, status);
-        }
-        bus_write32(&bus, base + regs::DRIVER_FEATURES_SEL, 1);
-        bus_write32(
-            &bus,
-            base + regs::DRIVER_FEATURES,
-            1 << (VIRTIO_F_VERSION_1 - 32),
-        );
-        bus_write32(
-            &bus,
-            base + regs::STATUS,
-            STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK,
-        );
-        bus_write32(&bus, base + regs::QUEUE_SEL, 0);
-        bus_write32(&bus, base + regs::QUEUE_NUM, 16);
-        bus_write32(
-            &bus,
-            base + regs::QUEUE_DESC_LOW,
-            ring.layout.desc_table as u32,
-        );
-        bus_write32(
-            &bus,
-            base + regs::QUEUE_DRIVER_LOW,
-            ring.layout.avail_ring as u32,
-        );
-        bus_write32(
-            &bus,
-            base + regs::QUEUE_DEVICE_LOW,
-            ring.layout.used_ring as u32,
-        );
-        bus_write32(&bus, base + regs::QUEUE_READY, 1);
-        bus_write32(
-            &bus,
-            base + regs::STATUS,
-            STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK,
-        );
+        bring_up(&bus, base, &ring);
         assert!(attached.devices()[0].slot.lock().is_activated());
         assert_eq!(pic_irr(&vm) & (1 << 5), 0);
 
@@ -472,41 +463,7 @@ mod tests {
         .unwrap();
         let base = attached.devices()[0].base;
         let mut ring = Ring::new(&mem, 16);
-        bus_write32(&bus, base + regs::STATUS, STATUS_ACKNOWLEDGE);
-        bus_write32(
-            &bus,
-            base + regs::STATUS,
-            STATUS_ACKNOWLEDGE | STATUS_DRIVER,
-        );
-        bus_write32(&bus, base + regs::DRIVER_FEATURES_SEL, 1);
-        bus_write32(&bus, base + regs::DRIVER_FEATURES, 1);
-        bus_write32(
-            &bus,
-            base + regs::STATUS,
-            STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK,
-        );
-        bus_write32(&bus, base + regs::QUEUE_NUM, 16);
-        bus_write32(
-            &bus,
-            base + regs::QUEUE_DESC_LOW,
-            ring.layout.desc_table as u32,
-        );
-        bus_write32(
-            &bus,
-            base + regs::QUEUE_DRIVER_LOW,
-            ring.layout.avail_ring as u32,
-        );
-        bus_write32(
-            &bus,
-            base + regs::QUEUE_DEVICE_LOW,
-            ring.layout.used_ring as u32,
-        );
-        bus_write32(&bus, base + regs::QUEUE_READY, 1);
-        bus_write32(
-            &bus,
-            base + regs::STATUS,
-            STATUS_ACKNOWLEDGE | STATUS_DRIVER | STATUS_FEATURES_OK | STATUS_DRIVER_OK,
-        );
+        bring_up(&bus, base, &ring);
         // A write request is made available; the VM is snapshotted before the notify.
         let (hdr, data, status) = (BUF, BUF + 0x1000, BUF + 0x2000);
         use vm_memory::{Bytes, GuestAddress};

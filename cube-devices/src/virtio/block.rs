@@ -10,14 +10,12 @@
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use super::chain_io::Segments;
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
 use super::device_state::{DeviceKind, DeviceStateError, Persist};
-use super::interrupt::VirtioInterrupt;
 use super::queue::{Chain, ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1};
 
@@ -302,21 +300,8 @@ impl VirtioDevice for Block {
         // Every field this device offers is read-only.
     }
 
-    fn activate(
-        &mut self,
-        _acked_features: u64,
-        memory: VirtioMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<VirtioInterrupt>,
-    ) -> Result<(), DeviceError> {
-        ActiveQueues::install(
-            &mut self.active,
-            QUEUE_SIZES.len(),
-            memory,
-            queues,
-            interrupt,
-        )?;
-        Ok(())
+    fn active_queues(&mut self) -> &mut Option<ActiveQueues> {
+        &mut self.active
     }
 
     fn process_queue(&mut self, index: u16) -> Result<(), DeviceError> {
@@ -328,10 +313,6 @@ impl VirtioDevice for Block {
 
     fn queues(&self) -> &[Queue] {
         self.active.as_ref().map_or(&[], |a| a.queues.as_slice())
-    }
-
-    fn reset(&mut self) {
-        self.active = None;
     }
 }
 
@@ -413,6 +394,7 @@ mod tests {
     use crate::virtio::queue::{VIRTQ_DESC_F_NEXT as N, VIRTQ_DESC_F_WRITE as W};
     use crate::virtio::test_driver::RecordingLine;
     use crate::virtio::test_driver::{memory, Driver, Ring, BUF, REGION_SIZE};
+    use std::sync::Arc;
     use vm_memory::{Bytes, GuestAddress};
 
     const HDR: u64 = BUF;

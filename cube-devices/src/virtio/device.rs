@@ -86,16 +86,30 @@ pub trait VirtioDevice: PersistDevice + Send {
     /// read-only or absent fields are dropped.
     fn write_config(&mut self, offset: u64, data: &[u8]);
 
+    /// Where the device keeps what activation hands it, None before activation and
+    /// after reset.
+    fn active_queues(&mut self) -> &mut Option<ActiveQueues>;
+
     /// Starts the device with the features the driver accepted, guest memory, its
     /// queues (validated, one for each entry of [`VirtioDevice::queue_max_sizes`]) and
-    /// its interrupt.
+    /// its interrupt: every device takes them alike (see [`ActiveQueues::install`]),
+    /// then [`VirtioDevice::activated`] runs.
     fn activate(
         &mut self,
-        acked_features: u64,
+        _acked_features: u64,
         memory: VirtioMemory,
         queues: Vec<Queue>,
         interrupt: Arc<VirtioInterrupt>,
-    ) -> Result<(), DeviceError>;
+    ) -> Result<(), DeviceError> {
+        let expected = self.queue_max_sizes().len();
+        ActiveQueues::install(self.active_queues(), expected, memory, queues, interrupt)?;
+        self.activated();
+        Ok(())
+    }
+
+    /// What a device does once activated, before any notification (vsock tells a
+    /// restored guest its connections are gone).
+    fn activated(&mut self) {}
 
     /// Serves the buffers the driver made available in queue `index`.
     fn process_queue(&mut self, index: u16) -> Result<(), DeviceError>;
@@ -106,7 +120,9 @@ pub trait VirtioDevice: PersistDevice + Send {
 
     /// Drops the queues, memory and interrupt and returns to the state before
     /// activation.
-    fn reset(&mut self);
+    fn reset(&mut self) {
+        *self.active_queues() = None;
+    }
 
     /// A file descriptor the device loop polls for the device's host side (a TAP
     /// device, an epoll set of sockets), if the device has one; when it is readable
@@ -129,7 +145,7 @@ pub trait VirtioDevice: PersistDevice + Send {
 }
 
 /// What an activated device owns until reset: guest memory, its queues and its interrupt.
-pub(crate) struct ActiveQueues {
+pub struct ActiveQueues {
     /// Guest memory the queues point into.
     pub(crate) memory: VirtioMemory,
     /// The validated queues, in the device's order.

@@ -11,7 +11,6 @@
 //! since a guest cannot be given a device after it booted.
 
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
@@ -19,10 +18,9 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use super::chain_io::Segments;
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
 use super::device_state::{DeviceKind, DeviceStateError, Persist};
-use super::interrupt::VirtioInterrupt;
 use super::queue::{ChainError, Queue};
 use super::tap::{Tap, VNET_HDR_LEN};
-use super::{VirtioMemory, VIRTIO_F_VERSION_1};
+use super::VIRTIO_F_VERSION_1;
 
 /// Virtio device type of a network device.
 pub const VIRTIO_ID_NET: u32 = 1;
@@ -252,21 +250,8 @@ impl VirtioDevice for Net {
         // The MAC is read-only once VIRTIO_F_VERSION_1 is negotiated.
     }
 
-    fn activate(
-        &mut self,
-        _acked_features: u64,
-        memory: VirtioMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<VirtioInterrupt>,
-    ) -> Result<(), DeviceError> {
-        ActiveQueues::install(
-            &mut self.active,
-            QUEUE_SIZES.len(),
-            memory,
-            queues,
-            interrupt,
-        )?;
-        Ok(())
+    fn active_queues(&mut self) -> &mut Option<ActiveQueues> {
+        &mut self.active
     }
 
     fn process_queue(&mut self, index: u16) -> Result<(), DeviceError> {
@@ -278,10 +263,6 @@ impl VirtioDevice for Net {
 
     fn queues(&self) -> &[Queue] {
         self.active.as_ref().map_or(&[], |a| a.queues.as_slice())
-    }
-
-    fn reset(&mut self) {
-        self.active = None;
     }
 
     fn backend_fd(&self) -> Option<RawFd> {

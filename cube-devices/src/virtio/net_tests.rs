@@ -9,6 +9,7 @@ use crate::virtio::slot::{SlotEvents, VirtioSlot};
 use crate::virtio::test_driver::RecordingLine;
 use crate::virtio::test_driver::{memory, Driver, Ring};
 use std::process::Command;
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress};

@@ -12,14 +12,11 @@
 //! amount whenever a VM is restored as a clone, and raises a configuration-change
 //! interrupt.
 
-use std::sync::Arc;
-
 use serde::{Deserialize, Serialize};
 use vm_memory::Bytes;
 
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
 use super::device_state::{DeviceKind, DeviceStateError, Persist};
-use super::interrupt::VirtioInterrupt;
 use super::queue::{Chain, ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1, VIRTIO_ID_RNG};
 
@@ -69,21 +66,8 @@ impl VirtioDevice for Rng {
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
 
-    fn activate(
-        &mut self,
-        _acked_features: u64,
-        memory: VirtioMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<VirtioInterrupt>,
-    ) -> Result<(), DeviceError> {
-        ActiveQueues::install(
-            &mut self.active,
-            QUEUE_SIZES.len(),
-            memory,
-            queues,
-            interrupt,
-        )?;
-        Ok(())
+    fn active_queues(&mut self) -> &mut Option<ActiveQueues> {
+        &mut self.active
     }
 
     fn process_queue(&mut self, index: u16) -> Result<(), DeviceError> {
@@ -111,10 +95,6 @@ impl VirtioDevice for Rng {
 
     fn queues(&self) -> &[Queue] {
         self.active.as_ref().map_or(&[], |a| a.queues.as_slice())
-    }
-
-    fn reset(&mut self) {
-        self.active = None;
     }
 
     fn on_clone(&mut self) -> Result<(), DeviceError> {

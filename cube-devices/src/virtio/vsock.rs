@@ -22,7 +22,6 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -31,7 +30,6 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use super::chain_io::Segments;
 use super::device::{copy_config, ActiveQueues, DeviceError, VirtioDevice};
 use super::device_state::{DeviceKind, DeviceStateError, Persist};
-use super::interrupt::VirtioInterrupt;
 use super::queue::{ChainError, Queue};
 use super::{VirtioMemory, VIRTIO_F_VERSION_1};
 
@@ -990,20 +988,11 @@ impl VirtioDevice for Vsock {
 
     fn write_config(&mut self, _offset: u64, _data: &[u8]) {}
 
-    fn activate(
-        &mut self,
-        _acked_features: u64,
-        memory: VirtioMemory,
-        queues: Vec<Queue>,
-        interrupt: Arc<VirtioInterrupt>,
-    ) -> Result<(), DeviceError> {
-        ActiveQueues::install(
-            &mut self.active,
-            QUEUE_SIZES.len(),
-            memory,
-            queues,
-            interrupt,
-        )?;
+    fn active_queues(&mut self) -> &mut Option<ActiveQueues> {
+        &mut self.active
+    }
+
+    fn activated(&mut self) {
         // A restored device tells the guest at once that its connections are gone. A
         // guest whose rings are broken only breaks its own device: the activation (and
         // so a restore) stands, as the same failure on a later notification would.
@@ -1011,7 +1000,6 @@ impl VirtioDevice for Vsock {
         if let Err(e) = self.with_active(|dev, active| dev.run(active, false)) {
             tracing::warn!(error = %e, "vsock: serving the queues after activation failed");
         }
-        Ok(())
     }
 
     fn process_queue(&mut self, index: u16) -> Result<(), DeviceError> {

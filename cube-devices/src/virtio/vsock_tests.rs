@@ -8,6 +8,7 @@ use crate::virtio::queue::VIRTQ_DESC_F_WRITE as W;
 use crate::virtio::slot::{SlotEvents, VirtioSlot};
 use crate::virtio::test_driver::RecordingLine;
 use crate::virtio::test_driver::{memory, Driver, Ring};
+use std::sync::Arc;
 use std::sync::Mutex;
 use std::time::Instant;
 use vm_memory::{Bytes, GuestAddress};

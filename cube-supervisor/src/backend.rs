@@ -1,0 +1,179 @@
+//! What a supervisor asks of the sandbox it holds, whatever the engine: the
+//! [`SandboxBackend`] contract, the capabilities only some backends have
+//! ([`Networked`], [`TestGuestControl`], in the manner of Cloud Hypervisor's
+//! `Pausable`/`Snapshottable`), and [`dispatch`], which routes every request to them
+//! once for all backends.
+//!
+//! A backend without a capability leaves its accessor at the default (None), and the
+//! request is answered [`ErrorKind::Unsupported`].
+
+use std::path::Path;
+
+use crate::jail_network::{network_failure, JailNetwork};
+use crate::protocol::{ErrorKind, Failure, Request, Response, StatusReport};
+use crate::records::SnapshotMeta;
+
+/// A sandbox as its supervisor holds it: a test-guest VM, a Linux VM or a jail.
+pub trait SandboxBackend: Send {
+    /// The sandbox's directory.
+    fn dir(&self) -> &Path;
+
+    /// Its state now.
+    fn status(&mut self) -> StatusReport;
+
+    /// Stops it where it is, in memory.
+    fn pause(&mut self) -> Result<(), Failure>;
+
+    /// Lets a paused sandbox run on.
+    fn resume(&mut self) -> Result<(), Failure>;
+
+    /// Writes a snapshot into `staging` and moves it to `dest` (through a
+    /// [`crate::snapshot_transaction::SnapshotTransaction`]); the sandbox runs on (or
+    /// stays paused) as it was, whatever happens.
+    fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure>;
+
+    /// Puts the sandbox back to the state of `snapshot`, checked before anything
+    /// running is touched.
+    fn rollback(&mut self, snapshot: &Path) -> Result<(), Failure>;
+
+    /// Writes the state out and releases the memory.
+    fn hibernate(&mut self) -> Result<(), Failure>;
+
+    /// Brings a hibernated sandbox back.
+    fn wake(&mut self) -> Result<(), Failure>;
+
+    /// Releases everything the sandbox holds (its files stay for the store to
+    /// remove); waits for its background work.
+    fn destroy(&mut self);
+
+    /// Its network controls, where the engine can have a network.
+    fn networked(&mut self) -> Option<&mut dyn Networked> {
+        None
+    }
+
+    /// Its test-guest controls, where it runs Cube's test guest.
+    fn test_guest(&mut self) -> Option<&mut dyn TestGuestControl> {
+        None
+    }
+}
+
+/// A backend whose sandboxes can have a network from the host's pool.
+pub trait Networked {
+    /// The sandbox's network; a bad-state failure where it was created without one.
+    fn network(&mut self) -> Result<&mut JailNetwork, Failure>;
+}
+
+/// The network a backend holds in `network`, or why there is none (see
+/// [`Networked::network`]).
+pub fn held_network(network: &mut Option<Box<JailNetwork>>) -> Result<&mut JailNetwork, Failure> {
+    network
+        .as_deref_mut()
+        .ok_or_else(|| Failure::bad_state("this sandbox has no network (create it with one)"))
+}
+
+/// What a VM sandbox runs (its machine), unless it is hibernated or `gone`. (A
+/// function of the fields, so that the rest of the sandbox can be borrowed alongside.)
+pub fn awake<'a, T>(
+    held: &'a mut Option<T>,
+    hibernated: bool,
+    gone: &str,
+) -> Result<&'a mut T, Failure> {
+    if hibernated {
+        return Err(Failure::bad_state("sandbox is hibernated: wake it first"));
+    }
+    held.as_mut().ok_or_else(|| Failure::bad_state(gone))
+}
+
+/// The controls of Cube's test guest, for tests and benchmarks.
+pub trait TestGuestControl {
+    /// Has the guest dirty `mib` MiB, writing `pattern` (one more per page).
+    fn guest_dirty(&mut self, mib: u64, pattern: u64) -> Result<(), Failure>;
+
+    /// Switches the guest between idle and spinning on its counter.
+    fn guest_mode(&mut self, spin: bool) -> Result<(), Failure>;
+
+    /// Waits until the guest has touched its working set.
+    fn wait_working_set(&mut self) -> Result<(), Failure>;
+
+    /// `len` bytes of guest memory from `addr`.
+    fn read_memory(&mut self, addr: u64, len: u32) -> Result<Vec<u8>, Failure>;
+
+    /// CRC32 of all guest RAM, region by region.
+    fn memory_digest(&mut self) -> Result<Vec<u32>, Failure>;
+}
+
+/// Carries out one request on `backend`. (Destroy is the server's: it also ends the
+/// process.) A failure nothing classified of a snapshot, rollback, hibernation or
+/// wake is [`ErrorKind::SnapshotFailed`].
+pub fn dispatch(backend: &mut dyn SandboxBackend, request: Request) -> Result<Response, Failure> {
+    let snapshot_failed = |f: Failure| f.or_kind(ErrorKind::SnapshotFailed);
+    match request {
+        Request::Adopt { .. } => Err(Failure::invalid("already adopted")),
+        Request::Destroy => Ok(Response::Ok),
+        Request::Status => Ok(Response::Status(backend.status())),
+        Request::Pause => backend.pause().map(|()| Response::Ok),
+        Request::Resume => backend.resume().map(|()| Response::Ok),
+        Request::Snapshot { staging, dest } => {
+            let meta = backend.snapshot(&staging, &dest).map_err(snapshot_failed)?;
+            Ok(Response::Snapshot {
+                stats: meta.stats,
+                kind: meta.kind,
+                fallback: meta.fallback,
+            })
+        }
+        Request::Rollback { snapshot } => backend
+            .rollback(&snapshot)
+            .map(|()| Response::Ok)
+            .map_err(snapshot_failed),
+        Request::Hibernate => backend
+            .hibernate()
+            .map(|()| Response::Ok)
+            .map_err(snapshot_failed),
+        Request::Wake => backend
+            .wake()
+            .map(|()| Response::Ok)
+            .map_err(snapshot_failed),
+        Request::NetworkStatus => {
+            let report = networked(backend)?.network()?.report();
+            Ok(Response::Network(report.map_err(network_failure)?))
+        }
+        Request::SetPolicy(policy) => {
+            let set = networked(backend)?.network()?.set_policy(policy);
+            set.map(|()| Response::Ok).map_err(network_failure)
+        }
+        Request::Expose(port) => {
+            let exposed = networked(backend)?.network()?.expose(port);
+            exposed.map(|()| Response::Ok).map_err(network_failure)
+        }
+        Request::Unexpose { host_port } => {
+            let withdrawn = networked(backend)?.network()?.unexpose(host_port);
+            withdrawn.map(|()| Response::Ok).map_err(network_failure)
+        }
+        Request::GuestDirty { mib, pattern } => test_guest(backend)?
+            .guest_dirty(mib, pattern)
+            .map(|()| Response::Ok),
+        Request::GuestMode { spin } => test_guest(backend)?.guest_mode(spin).map(|()| Response::Ok),
+        Request::GuestWaitWorkingSet => test_guest(backend)?
+            .wait_working_set()
+            .map(|()| Response::Ok),
+        Request::ReadMemory { addr, len } => test_guest(backend)?
+            .read_memory(addr, len)
+            .map(Response::Memory),
+        Request::MemoryDigest => test_guest(backend)?.memory_digest().map(Response::Digest),
+    }
+}
+
+fn networked(backend: &mut dyn SandboxBackend) -> Result<&mut dyn Networked, Failure> {
+    backend.networked().ok_or_else(|| {
+        Failure::unsupported(
+            "Cube's test guest has no network device: networks are for Linux VM and jail \
+             sandboxes",
+        )
+    })
+}
+
+fn test_guest(backend: &mut dyn SandboxBackend) -> Result<&mut dyn TestGuestControl, Failure> {
+    backend.test_guest().ok_or_else(|| {
+        Failure::unsupported("this sandbox runs no test guest (this request is for test-guest VMs)")
+    })
+}
