@@ -384,6 +384,57 @@ impl CgroupLayout {
         }
         removed
     }
+
+    /// Ends and removes the cgroups of the jails named `<name>-<n>` (one per start of
+    /// a sandbox's jail): what a supervisor killed outright leaves, its processes
+    /// possibly still running, or frozen (killed mid-snapshot), where no lifeline can
+    /// wake them. Thaws them, SIGKILLs what is inside, waits for it to go, removes the
+    /// directories. Returns the directories it could not remove.
+    pub fn remove_jails_of(&self, name: &str) -> Vec<PathBuf> {
+        let mut dirs = Vec::new();
+        for parent in self.parents() {
+            let Ok(entries) = fs::read_dir(&parent) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let file_name = entry.file_name();
+                let is_jail = file_name
+                    .to_str()
+                    .and_then(|n| n.strip_prefix(name))
+                    .and_then(|n| n.strip_prefix('-'))
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+                if is_jail {
+                    dirs.push(entry.path());
+                }
+            }
+        }
+        let start = Instant::now();
+        loop {
+            let mut busy = false;
+            for dir in &dirs {
+                // Best effort: a controller without a freezer has no file to write.
+                let _ = fs::write(dir.join("freezer.state"), "THAWED");
+                let _ = fs::write(dir.join("cgroup.freeze"), "0");
+                let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+                for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                    busy = true;
+                    // SAFETY: kill() has no memory effects; the pid is in the jail's
+                    // cgroup (an exited one gives ESRCH).
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+            if !busy || start.elapsed() > SETTLE_TIMEOUT {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        dirs.into_iter()
+            .filter(|dir| match fs::remove_dir(dir) {
+                Ok(()) => false,
+                Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+            })
+            .collect()
+    }
 }
 
 const KNOWN_V1_CONTROLLERS: &[&str] = &[
