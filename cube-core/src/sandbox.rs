@@ -187,10 +187,22 @@ impl Sandbox {
         let id = cube_storage::Store::new_id("snap")?;
         let dest = store.snapshot_dir(&id)?;
         let staging = store.snapshot_staging(&id);
-        let (stats, kind, fallback) = match self.call(&Request::Snapshot {
-            staging,
+        let response = self.call(&Request::Snapshot {
+            staging: staging.clone(),
             dest: dest.clone(),
-        })? {
+        });
+        if response.is_err() {
+            // A supervisor that fails cleans its staging up; one killed on the way
+            // cannot, and the name is ours, not a dead process's that a sweep of the
+            // store would recognise. The snapshot itself is whole or absent: it is
+            // renamed into place only once written.
+            if let Err(e) = std::fs::remove_dir_all(&staging) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %staging.display(), error = %e, "Cannot remove a failed snapshot's staging");
+                }
+            }
+        }
+        let (stats, kind, fallback) = match response? {
             Response::Snapshot {
                 stats,
                 kind,

@@ -154,6 +154,7 @@ fn one_run(suite: &Suite, op: Op, delay: Option<Duration>, tally: &mut Tally) ->
                 suite,
                 op,
                 &id,
+                supervisor,
                 r,
                 killer,
                 start,
@@ -191,6 +192,7 @@ fn one_run(suite: &Suite, op: Op, delay: Option<Duration>, tally: &mut Tally) ->
         suite,
         op,
         &id,
+        supervisor,
         result,
         Some(killer),
         start,
@@ -206,6 +208,7 @@ fn finish_run(
     suite: &Suite,
     op: Op,
     id: &str,
+    supervisor: u32,
     result: Result<(), SandboxError>,
     killer: Option<std::thread::JoinHandle<bool>>,
     start: Instant,
@@ -252,7 +255,16 @@ fn finish_run(
         c.destroy().unwrap();
     }
     // The sandbox is gone with its supervisor: it cannot be reached.
-    assert!(suite.rt.attach(id).is_err() || op == Op::Destroy);
+    // SIGKILL is delivered asynchronously: wait until the process has ended (its
+    // sockets closed) before looking.
+    assert!(
+        wait_exit(supervisor, Duration::from_secs(30)),
+        "{op:?}: supervisor {supervisor} outlived SIGKILL"
+    );
+    assert!(
+        op == Op::Destroy || suite.rt.attach(id).is_err(),
+        "{op:?}: the sandbox answers without its supervisor"
+    );
     // Every snapshot the store lists restores to a state the sandbox had.
     if op != Op::Destroy {
         for meta in suite.rt.snapshots(Some(id)).unwrap() {
