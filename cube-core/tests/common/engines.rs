@@ -32,7 +32,19 @@ impl Expected {
         match self {
             Expected::Jail(state) => {
                 let agent = sb.agent().unwrap();
-                py(&agent, "x") == state.x.to_string()
+                let files = super::workload::sh(
+                    &agent,
+                    "cd $HOME/state && for f in $(ls); do echo \"$f=$(cat $f)\"; done",
+                );
+                let mut want: Vec<String> = state
+                    .files
+                    .iter()
+                    .map(|(n, c)| format!("{n}={c}"))
+                    .collect();
+                want.sort();
+                let mut found: Vec<String> = files.lines().map(str::to_string).collect();
+                found.sort();
+                py(&agent, "x") == state.x.to_string() && found == want
             }
             Expected::Vm(pattern) => {
                 dirty_area_words(sb, VM_PAGES) == pattern_words(*pattern, VM_PAGES)
