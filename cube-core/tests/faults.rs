@@ -104,6 +104,18 @@ fn kill_after(fd: OwnedFd, delay: Duration) -> std::thread::JoinHandle<bool> {
     })
 }
 
+/// Waits until the process behind pidfd `fd` has ended, threads and all.
+fn pidfd_wait(fd: &OwnedFd, timeout: Duration) -> bool {
+    let mut poll = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd, owned here, for the duration of the call.
+    let r = unsafe { libc::poll(&mut poll, 1, timeout.as_millis() as i32) };
+    r == 1
+}
+
 /// How one operation's faults went.
 #[derive(Default)]
 struct Tally {
@@ -135,6 +147,7 @@ fn one_run(suite: &Suite, op: Op, delay: Option<Duration>, tally: &mut Tally) ->
         })
         .unwrap_or_default();
     let supervisor = status.pid;
+    let supervisor_fd = pidfd(supervisor);
     let killer = delay.map(|d| kill_after(pidfd(supervisor), d));
     let start = Instant::now();
     let mut clone = None;
@@ -155,6 +168,7 @@ fn one_run(suite: &Suite, op: Op, delay: Option<Duration>, tally: &mut Tally) ->
                 op,
                 &id,
                 supervisor,
+                supervisor_fd,
                 r,
                 killer,
                 start,
@@ -193,6 +207,7 @@ fn one_run(suite: &Suite, op: Op, delay: Option<Duration>, tally: &mut Tally) ->
         op,
         &id,
         supervisor,
+        supervisor_fd,
         result,
         Some(killer),
         start,
@@ -209,6 +224,7 @@ fn finish_run(
     op: Op,
     id: &str,
     supervisor: u32,
+    supervisor_fd: OwnedFd,
     result: Result<(), SandboxError>,
     killer: Option<std::thread::JoinHandle<bool>>,
     start: Instant,
@@ -255,10 +271,11 @@ fn finish_run(
         c.destroy().unwrap();
     }
     // The sandbox is gone with its supervisor: it cannot be reached.
-    // SIGKILL is delivered asynchronously: wait until the process has ended (its
-    // sockets closed) before looking.
+    // SIGKILL is delivered asynchronously, and a killed process's descriptors close
+    // with its last thread (its leader shows as a zombie before that): wait on a pidfd,
+    // which reads as ended only once the whole thread group is gone.
     assert!(
-        wait_exit(supervisor, Duration::from_secs(30)),
+        pidfd_wait(&supervisor_fd, Duration::from_secs(30)),
         "{op:?}: supervisor {supervisor} outlived SIGKILL"
     );
     assert!(

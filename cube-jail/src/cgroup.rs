@@ -408,32 +408,31 @@ impl CgroupLayout {
                 }
             }
         }
+        // A killed process leaves its cgroup only once its last thread has exited
+        // (its leader shows as a zombie before that): retry until every directory
+        // goes or the time is up.
         let start = Instant::now();
         loop {
-            let mut busy = false;
-            for dir in &dirs {
+            dirs.retain(|dir| {
                 // Best effort: a controller without a freezer has no file to write.
                 let _ = fs::write(dir.join("freezer.state"), "THAWED");
                 let _ = fs::write(dir.join("cgroup.freeze"), "0");
                 let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
                 for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-                    busy = true;
                     // SAFETY: kill() has no memory effects; the pid is in the jail's
                     // cgroup (an exited one gives ESRCH).
                     unsafe { libc::kill(pid, libc::SIGKILL) };
                 }
-            }
-            if !busy || start.elapsed() > SETTLE_TIMEOUT {
-                break;
+                match fs::remove_dir(dir) {
+                    Ok(()) => false,
+                    Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+                }
+            });
+            if dirs.is_empty() || start.elapsed() > 2 * SETTLE_TIMEOUT {
+                return dirs;
             }
             std::thread::sleep(Duration::from_millis(5));
         }
-        dirs.into_iter()
-            .filter(|dir| match fs::remove_dir(dir) {
-                Ok(()) => false,
-                Err(e) => e.kind() != std::io::ErrorKind::NotFound,
-            })
-            .collect()
     }
 }
 
