@@ -247,9 +247,11 @@ impl SmallStore {
     /// Bytes free on the store.
     fn free(&self) -> u64 {
         let path = std::ffi::CString::new(self.dir.path().as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: statvfs writes into the zeroed struct we pass; the path is a C string.
+        // SAFETY: statvfs is plain data, for which all zeroes is a valid value.
         let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        assert_eq!(unsafe { libc::statvfs(path.as_ptr(), &mut st) }, 0);
+        // SAFETY: statvfs writes into the struct we pass; the path is a C string.
+        let r = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
+        assert_eq!(r, 0);
         st.f_bavail * st.f_frsize
     }
 }
