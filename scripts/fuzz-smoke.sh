@@ -10,8 +10,10 @@
 # sees it). cargo-fuzz is installed with `cargo install cargo-fuzz --locked` if missing
 # (about a minute on 2 cores).
 #
-# New inputs go to a temporary corpus, never into fuzz/seeds/. A crash is kept in
-# fuzz/artifacts/<target>/; the script prints the command that reproduces it.
+# New inputs go to a temporary corpus (or to $FUZZ_CORPUS/<target>, kept between runs:
+# scripts/fuzz-long.sh uses fuzz/corpus), never into fuzz/seeds/. A crash is kept in
+# fuzz/artifacts/<target>/; the script prints the command that reproduces it. The last
+# lines list each target's executions.
 set -euo pipefail
 
 seconds="${1:-15}"
@@ -39,11 +41,13 @@ fi
 log "building all targets"
 cargo fuzz build
 
-corpus=$(mktemp -d)
-trap 'rm -rf "$corpus"' EXIT
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+corpus="${FUZZ_CORPUS:-$logs}"
 
 failed=()
-for target in $(cargo fuzz list); do
+summary=()
+for target in ${FUZZ_TARGETS:-$(cargo fuzz list)}; do
     seeds="seeds/$target"
     mkdir -p "$corpus/$target"
     args=("$corpus/$target")
@@ -53,13 +57,14 @@ for target in $(cargo fuzz list); do
         log "warning: $target has no seeds in fuzz/$seeds"
     fi
     log "running $target for ${seconds} s"
-    out="$corpus/$target.log"
+    out="$logs/$target.log"
     if cargo fuzz run "$target" "${args[@]}" -- \
         -max_total_time="$seconds" -timeout=10 -print_final_stats=1 >"$out" 2>&1; then
         runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$out")
         rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$out")
         cov=$(grep -Eo 'cov: [0-9]+' "$out" | tail -1)
         log "$target: ok, ${runs:-?} runs, ${rate:-?} exec/s, $cov"
+        summary+=("$(printf '%-20s %12s runs %8s exec/s  %s' "$target" "${runs:-?}" "${rate:-?}" "$cov")")
     else
         tail -n 60 "$out"
         artifact=$(grep -Eo 'artifacts/[^ ]+' "$out" | tail -1 || true)
@@ -68,8 +73,12 @@ for target in $(cargo fuzz list); do
             echo "reproduce: (cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run $target $artifact)"
         fi
         failed+=("$target")
+        summary+=("$(printf '%-20s FAILED' "$target")")
     fi
 done
+
+log "executions per target (${seconds} s each):"
+printf '  %s\n' "${summary[@]}"
 
 if [ "${#failed[@]}" -gt 0 ]; then
     log "failed: ${failed[*]}"

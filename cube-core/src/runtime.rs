@@ -777,10 +777,12 @@ impl Runtime {
         Ok(out)
     }
 
-    /// Removes a sandbox whose supervisor is gone (crashed, or the host rebooted).
+    /// Removes a sandbox whose supervisor is gone (crashed, killed, or the host
+    /// rebooted): ends what is left of its jail (processes its lifeline could not
+    /// reach, frozen ones included) and removes its cgroups, releases its network
+    /// device, and removes its directory and snapshots.
     pub fn remove_stale(&self, id: &str) -> Result<(), SandboxError> {
-        let dir = self.store.sandbox_dir(id)?;
-        cube_supervisor::jail_network::release_recorded(&dir).map_err(SandboxError::Network)?;
+        crate::sandbox::release_orphaned(&self.store, id)?;
         Ok(self.store.remove_sandbox_files(id)?)
     }
 

@@ -187,10 +187,22 @@ impl Sandbox {
         let id = cube_storage::Store::new_id("snap")?;
         let dest = store.snapshot_dir(&id)?;
         let staging = store.snapshot_staging(&id);
-        let (stats, kind, fallback) = match self.call(&Request::Snapshot {
-            staging,
+        let response = self.call(&Request::Snapshot {
+            staging: staging.clone(),
             dest: dest.clone(),
-        })? {
+        });
+        if response.is_err() {
+            // A supervisor that fails cleans its staging up; one killed on the way
+            // cannot, and the name is ours, not a dead process's that a sweep of the
+            // store would recognise. The snapshot itself is whole or absent: it is
+            // renamed into place only once written.
+            if let Err(e) = std::fs::remove_dir_all(&staging) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(path = %staging.display(), error = %e, "Cannot remove a failed snapshot's staging");
+                }
+            }
+        }
+        let (stats, kind, fallback) = match response? {
             Response::Snapshot {
                 stats,
                 kind,
@@ -276,9 +288,35 @@ impl Sandbox {
 
     /// Ends the sandbox: the supervisor releases the VM and exits, and the sandbox's
     /// directory and snapshots are removed.
+    ///
+    /// A supervisor that dies on the way (the connection ends without an answer)
+    /// cannot finish: what it leaves (its jail's processes and cgroups, its network
+    /// device) is released here as for [`crate::Runtime::remove_stale`], and the
+    /// error is still returned.
     pub fn destroy(mut self) -> Result<(), SandboxError> {
         let result = self.call_ok(&Request::Destroy);
+        if let Err(SandboxError::Supervisor {
+            source: ClientError::Protocol(_),
+            ..
+        }) = &result
+        {
+            release_orphaned(&self.store, &self.id)?;
+        }
         self.store.remove_sandbox_files(&self.id)?;
         result
     }
+}
+
+/// Releases what a sandbox whose supervisor is gone holds outside its directory: the
+/// processes and cgroups of its jails (a killed supervisor's jail may still run, or
+/// stay frozen if it was killed mid-snapshot) and its network device.
+pub(crate) fn release_orphaned(store: &cube_storage::Store, id: &str) -> Result<(), SandboxError> {
+    let dir = store.sandbox_dir(id)?;
+    if let Ok(layout) = cube_jail::CgroupLayout::detect() {
+        let left = layout.remove_jails_of(id);
+        if !left.is_empty() {
+            tracing::warn!(sandbox = id, ?left, "cgroups of a stale sandbox stay busy");
+        }
+    }
+    cube_supervisor::jail_network::release_recorded(&dir).map_err(SandboxError::Network)
 }

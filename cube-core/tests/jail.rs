@@ -6,6 +6,8 @@
 
 mod common;
 
+use common::workload::destroy_and_check;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -99,55 +101,6 @@ fn jail_status(sb: &mut Sandbox) -> JailStatus {
         .unwrap()
         .jail
         .expect("a jail sandbox reports its jail")
-}
-
-/// Destroys `sb` and checks that its processes, cgroups, layer, socket, directory and
-/// supervisor are all gone.
-fn destroy_and_check(mut sb: Sandbox) {
-    let status = sb.status().unwrap();
-    let jail = status.jail.clone().unwrap();
-    let dir = sb.dir().to_path_buf();
-    let jail_pids: Vec<u32> = jail
-        .cgroups
-        .iter()
-        .flat_map(|d| {
-            std::fs::read_to_string(d.join("cgroup.procs"))
-                .unwrap_or_default()
-                .lines()
-                .map(|l| l.parse::<u32>().unwrap())
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    assert!(
-        !jail_pids.is_empty(),
-        "the sandbox's cgroups hold its processes"
-    );
-    sb.destroy().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Path::new(&format!("/proc/{}", status.pid)).exists() {
-        assert!(
-            Instant::now() < deadline,
-            "supervisor {} survived destroy",
-            status.pid
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    for pid in jail_pids {
-        assert!(
-            !Path::new(&format!("/proc/{pid}")).exists(),
-            "process {pid} survived"
-        );
-    }
-    for cg in &jail.cgroups {
-        assert!(!cg.exists(), "cgroup {} survived", cg.display());
-    }
-    assert!(!jail.layer.exists(), "layer survived");
-    assert!(!jail.agent_socket.exists(), "agent socket survived");
-    assert!(!dir.exists(), "sandbox directory survived");
-    assert!(
-        cube_jail::rootfs::mounts_under(&dir).unwrap().is_empty(),
-        "a mount survived"
-    );
 }
 
 #[test]

@@ -16,6 +16,7 @@ use cube_core::MachineStatus;
 use cube_core::SnapshotKind;
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox, HOST_TEMPLATE};
 
+use common::workload::destroy_and_check;
 use common::{py, skip_full_jail};
 
 struct Env {
@@ -51,45 +52,6 @@ fn sh(client: &Client, script: &str) -> String {
         })
         .unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-/// Destroys `sb` and checks that no process, cgroup, mount or file of it is left.
-fn destroy_and_check(mut sb: Sandbox) {
-    let status = sb.status().unwrap();
-    let jail = status.jail.clone().unwrap();
-    let dir = sb.dir().to_path_buf();
-    let pids: Vec<u32> = jail
-        .cgroups
-        .iter()
-        .flat_map(|d| {
-            std::fs::read_to_string(d.join("cgroup.procs"))
-                .unwrap_or_default()
-                .lines()
-                .map(|l| l.parse::<u32>().unwrap())
-                .collect::<Vec<_>>()
-        })
-        .collect();
-    assert!(!pids.is_empty(), "the sandbox's cgroups hold its processes");
-    sb.destroy().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Path::new(&format!("/proc/{}", status.pid)).exists() {
-        assert!(Instant::now() < deadline, "the supervisor survived destroy");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    for pid in pids {
-        assert!(
-            !Path::new(&format!("/proc/{pid}")).exists(),
-            "process {pid} survived"
-        );
-    }
-    for cg in &jail.cgroups {
-        assert!(!cg.exists(), "cgroup {} survived", cg.display());
-    }
-    assert!(!dir.exists(), "sandbox directory survived");
-    assert!(
-        cube_jail::rootfs::mounts_under(&dir).unwrap().is_empty(),
-        "a mount survived"
-    );
 }
 
 #[test]

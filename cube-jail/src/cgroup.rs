@@ -384,6 +384,56 @@ impl CgroupLayout {
         }
         removed
     }
+
+    /// Ends and removes the cgroups of the jails named `<name>-<n>` (one per start of
+    /// a sandbox's jail): what a supervisor killed outright leaves, its processes
+    /// possibly still running, or frozen (killed mid-snapshot), where no lifeline can
+    /// wake them. Thaws them, SIGKILLs what is inside, waits for it to go, removes the
+    /// directories. Returns the directories it could not remove.
+    pub fn remove_jails_of(&self, name: &str) -> Vec<PathBuf> {
+        let mut dirs = Vec::new();
+        for parent in self.parents() {
+            let Ok(entries) = fs::read_dir(&parent) else {
+                continue;
+            };
+            for entry in entries.flatten() {
+                let file_name = entry.file_name();
+                let is_jail = file_name
+                    .to_str()
+                    .and_then(|n| n.strip_prefix(name))
+                    .and_then(|n| n.strip_prefix('-'))
+                    .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+                if is_jail {
+                    dirs.push(entry.path());
+                }
+            }
+        }
+        // A killed process leaves its cgroup only once its last thread has exited
+        // (its leader shows as a zombie before that): retry until every directory
+        // goes or the time is up.
+        let start = Instant::now();
+        loop {
+            dirs.retain(|dir| {
+                // Best effort: a controller without a freezer has no file to write.
+                let _ = fs::write(dir.join("freezer.state"), "THAWED");
+                let _ = fs::write(dir.join("cgroup.freeze"), "0");
+                let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+                for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                    // SAFETY: kill() has no memory effects; the pid is in the jail's
+                    // cgroup (an exited one gives ESRCH).
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+                match fs::remove_dir(dir) {
+                    Ok(()) => false,
+                    Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+                }
+            });
+            if dirs.is_empty() || start.elapsed() > 2 * SETTLE_TIMEOUT {
+                return dirs;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 const KNOWN_V1_CONTROLLERS: &[&str] = &[

@@ -284,6 +284,58 @@ struct Manifest {
     /// checkpoints written before sandboxes had uids of their own.
     #[serde(default)]
     identity: Option<(u32, u32)>,
+    /// Length and CRC32 of each file of CRIU's images, by name, checked by
+    /// [`Checkpoint::open`] before anything is restored: a truncated, damaged or
+    /// swapped image is refused while the running sandbox is still there. Empty in
+    /// checkpoints written before (then unchecked).
+    #[serde(default)]
+    images: BTreeMap<String, ImageDigest>,
+}
+
+/// What a checkpoint's image file held when it was written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct ImageDigest {
+    len: u64,
+    crc32: u32,
+}
+
+impl ImageDigest {
+    fn of(path: &Path) -> Result<ImageDigest> {
+        let mut file = File::open(path).map_err(io_err("open", path))?;
+        let mut hasher = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; 1 << 20];
+        let mut len = 0u64;
+        loop {
+            let n = io::Read::read(&mut file, &mut buf).map_err(io_err("read", path))?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            len += n as u64;
+        }
+        Ok(ImageDigest {
+            len,
+            crc32: hasher.finalize(),
+        })
+    }
+}
+
+/// The digests of the files in `images` (CRIU writes a flat directory).
+fn image_digests(images: &Path) -> Result<BTreeMap<String, ImageDigest>> {
+    let mut out = BTreeMap::new();
+    for entry in fs::read_dir(images).map_err(io_err("list", images))? {
+        let entry = entry.map_err(io_err("list", images))?;
+        if !entry
+            .file_type()
+            .map_err(io_err("inspect", images))?
+            .is_file()
+        {
+            continue;
+        }
+        let name = entry.file_name().to_string_lossy().into_owned();
+        out.insert(name, ImageDigest::of(&entry.path())?);
+    }
+    Ok(out)
 }
 
 impl Manifest {
@@ -376,6 +428,29 @@ impl Checkpoint {
         for part in [IMAGES, LAYER] {
             if !dir.join(part).is_dir() {
                 return Err(bad(format!("{part}/ is missing")));
+            }
+        }
+        let images = dir.join(IMAGES);
+        for (name, want) in &manifest.images {
+            if name.contains('/') || name == ".." {
+                return Err(bad(format!("bad image name {name:?}")));
+            }
+            let path = images.join(name);
+            let found = match ImageDigest::of(&path) {
+                Ok(d) => d,
+                Err(e) => return Err(bad(format!("image {name}: {e}"))),
+            };
+            if found.len != want.len {
+                return Err(bad(format!(
+                    "image {name} has {} bytes, {} were written",
+                    found.len, want.len
+                )));
+            }
+            if found.crc32 != want.crc32 {
+                return Err(bad(format!(
+                    "image {name} is damaged (CRC32 {:#010x}, {:#010x} written)",
+                    found.crc32, want.crc32
+                )));
             }
         }
         Ok(Checkpoint {
@@ -680,7 +755,7 @@ pub fn dump(
     let layout = CgroupLayout::detect()?;
     let host_fds = host_fds(pid, &options.passed_fds, &sandbox_mounts)?;
     let netns = own_network_namespace(pid)?;
-    let manifest = Manifest {
+    let mut manifest = Manifest {
         format: FORMAT,
         criu_version: criu.version().to_string(),
         source_name: jail.name().to_owned(),
@@ -691,6 +766,8 @@ pub fn dump(
         external_netns: netns.is_some(),
         tmpfs,
         identity: Some((jail.identity().uid, jail.identity().gid)),
+        // Filled in once CRIU has written them.
+        images: BTreeMap::new(),
     };
     manifest
         .validate()
@@ -802,6 +879,7 @@ pub fn dump(
         thawed?;
     }
 
+    manifest.images = image_digests(&images)?;
     let text = serde_json::to_vec_pretty(&manifest).map_err(|e| CheckpointError::Io {
         action: "encode",
         path: image_dir.join(MANIFEST),
@@ -1236,6 +1314,7 @@ mod tests {
                 "rw,mode=1777",
             )],
             identity: Some((0x7000_0001, 0x7000_0001)),
+            images: BTreeMap::new(),
         }
     }
 
@@ -1306,5 +1385,38 @@ mod tests {
         let c = Checkpoint::open(tmp.path()).unwrap();
         assert_eq!(c.passed_fds(), vec![3]);
         assert_eq!(c.source_name(), "a");
+    }
+
+    #[test]
+    fn open_refuses_truncated_damaged_and_swapped_images() {
+        let tmp = tempfile::tempdir().unwrap();
+        let images = tmp.path().join(IMAGES);
+        fs::create_dir(&images).unwrap();
+        fs::create_dir(tmp.path().join(LAYER)).unwrap();
+        fs::write(images.join("pages-1.img"), b"page bytes of one moment").unwrap();
+        fs::write(images.join("core-1.img"), b"registers").unwrap();
+        let mut m = manifest();
+        m.images = image_digests(&images).unwrap();
+        assert_eq!(m.images.len(), 2);
+        fs::write(tmp.path().join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
+        Checkpoint::open(tmp.path()).unwrap();
+        let refused = |why: &str| match Checkpoint::open(tmp.path()) {
+            Err(CheckpointError::BadManifest { reason, .. }) => {
+                assert!(reason.contains(why), "{reason}")
+            }
+            other => panic!("a {why} image was accepted: {other:?}"),
+        };
+        let page = images.join("pages-1.img");
+        fs::write(&page, b"page bytes of one").unwrap();
+        refused("bytes");
+        fs::write(&page, b"page bytes of one momenT").unwrap();
+        refused("damaged");
+        // Another checkpoint's image of the same length.
+        fs::write(&page, b"page bytes of another mo").unwrap();
+        refused("damaged");
+        fs::remove_file(&page).unwrap();
+        refused("pages-1.img");
+        fs::write(&page, b"page bytes of one moment").unwrap();
+        Checkpoint::open(tmp.path()).unwrap();
     }
 }

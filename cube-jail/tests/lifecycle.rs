@@ -307,3 +307,47 @@ fn cgroups_named_after_a_dead_process_are_swept_and_a_live_ones_are_kept() {
     assert!(kept.dirs().all(|d| d.exists()));
     kept.remove().unwrap();
 }
+
+#[test]
+fn a_frozen_jail_left_by_a_killed_owner_is_ended_and_its_cgroups_removed() {
+    if common::skip() {
+        return;
+    }
+    let layout = cube_jail::CgroupLayout::detect().unwrap();
+    let name = format!("t{}-stale", std::process::id());
+    let limits = cube_jail::Limits::default();
+    // A sandbox's second jail (`<name>-2`), its process frozen as a supervisor killed
+    // mid-snapshot leaves it: no lifeline can wake it.
+    let cgroup = cube_jail::SandboxCgroup::create(&layout, &format!("{name}-2"), &limits).unwrap();
+    let dirs: Vec<std::path::PathBuf> = cgroup.dirs().map(|d| d.to_path_buf()).collect();
+    let mut child = std::process::Command::new("sleep")
+        .arg("600")
+        .spawn()
+        .unwrap();
+    for procs in cgroup.procs_files() {
+        std::fs::write(procs, child.id().to_string()).unwrap();
+    }
+    // Reaped as it dies, as init reaps a killed supervisor's orphans: a zombie would
+    // stay listed in its cgroup.
+    let waiter = std::thread::spawn(move || child.wait().unwrap());
+    let frozen = cgroup.freezer().is_some();
+    if frozen {
+        cgroup.freeze().unwrap();
+    }
+    std::mem::forget(cgroup);
+    // A cgroup of another sandbox whose name starts the same stays.
+    let other = cube_jail::SandboxCgroup::create(&layout, &format!("{name}-x-1"), &limits).unwrap();
+    assert_eq!(
+        layout.remove_jails_of(&name),
+        Vec::<std::path::PathBuf>::new()
+    );
+    let status = waiter.join().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(libc::SIGKILL),
+        "the jail's process (frozen: {frozen}) was not killed"
+    );
+    assert!(dirs.iter().all(|d| !d.exists()), "{dirs:?}");
+    assert!(other.dirs().all(|d| d.exists()));
+    other.remove().unwrap();
+}

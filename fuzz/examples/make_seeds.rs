@@ -2,7 +2,8 @@
 //! state taken from the test guest booted under KVM (1 vCPU, 128 MiB, with and without
 //! in-kernel irqchip; and re-labelled as a Linux guest with a virtio-rng record; the
 //! `-v2` files are the previous format, kept to seed its upgrade path), supervisor frames of each message shape, a metadata
-//! envelope, and a small snapshot archive. Regenerate after a format change, from this directory:
+//! envelope, a small snapshot archive, network policies (JSON and CLI lines), and Connect
+//! calls of `cube serve` in each codec and framing. Regenerate after a format change, from this directory:
 //!
 //! ```text
 //! cargo run --example make_seeds
@@ -105,9 +106,108 @@ fn archive_seed() -> Result<Vec<u8>, Error> {
     Ok(out)
 }
 
+/// Seeds of the network-policy target: the service's JSON and the CLI's lines.
+fn network_policy_seeds(dir: &Path) -> Result<(), Error> {
+    use cube_supervisor::network::{NetworkOptions, NetworkPolicy, PortMapping};
+    let options = NetworkOptions {
+        policy: NetworkPolicy {
+            internet: false,
+            allow_out: vec!["10.1.0.0/16".into(), "192.0.2.7/32".into()],
+            deny_out: vec!["203.0.113.0/24".into()],
+        },
+        expose: vec![PortMapping {
+            host_port: 8080,
+            sandbox_port: 80,
+        }],
+    };
+    write(dir, "options.json", &serde_json::to_vec(&options)?)?;
+    write(
+        dir,
+        "default.json",
+        &serde_json::to_vec(&NetworkOptions::default())?,
+    )?;
+    write(
+        dir,
+        "lines.txt",
+        b"10.0.0.0/8\n 169.254.169.254/32\n0.0.0.0/0\n8080:80\n22\n",
+    )?;
+    Ok(())
+}
+
+/// Seeds of the Connect target: header lines, a NUL, the body; each codec and framing.
+fn connect_seeds(dir: &Path) -> Result<(), Error> {
+    use cube_server::envd::connect::{encode, envelope, Codec};
+    use cube_server::envd::proto::{ListDirRequest, ProcessConfig, StartRequest};
+    use std::io::Write;
+    let start = StartRequest {
+        process: Some(ProcessConfig {
+            cmd: "/bin/sh".into(),
+            args: vec!["-c".into(), "echo hi".into()],
+            envs: [("A".to_string(), "1".to_string())].into(),
+            cwd: Some("/home/user".into()),
+        }),
+        tag: Some("t".into()),
+        ..Default::default()
+    };
+    let list = ListDirRequest {
+        path: "/home/user".into(),
+        depth: 2,
+    };
+    let seed = |head: &str, body: &[u8]| {
+        let mut out = head.as_bytes().to_vec();
+        out.push(0);
+        out.extend_from_slice(body);
+        out
+    };
+    let host = "49983-0123456789abcdef.e2b.local";
+    write(
+        dir,
+        "unary-proto.bin",
+        &seed(
+            &format!("{host}\ncontent-type: application/proto\n"),
+            &encode(Codec::Proto, &start),
+        ),
+    )?;
+    write(
+        dir,
+        "unary-json.bin",
+        &seed(
+            "content-type: application/json\n",
+            &encode(Codec::Json, &list),
+        ),
+    )?;
+    write(
+        dir,
+        "stream-json.bin",
+        &seed(
+            "content-type: application/connect+json\nconnect-timeout-ms: 5000\n",
+            &envelope(0, &encode(Codec::Json, &start)),
+        ),
+    )?;
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(&encode(Codec::Proto, &start))?;
+    let mut body = envelope(1, &gz.finish()?).to_vec();
+    body.extend_from_slice(&envelope(2, b"{}"));
+    write(
+        dir,
+        "stream-proto-gzip.bin",
+        &seed(
+            "content-type: application/connect+proto\nconnect-content-encoding: gzip\n",
+            &body,
+        ),
+    )?;
+    Ok(())
+}
+
 fn main() -> Result<(), Error> {
     let seeds = Path::new(env!("CARGO_MANIFEST_DIR")).join("seeds");
-    write(&seeds.join("snapshot_archive"), "small-tree.bin", &archive_seed()?)?;
+    network_policy_seeds(&seeds.join("network_policy"))?;
+    connect_seeds(&seeds.join("connect_request"))?;
+    write(
+        &seeds.join("snapshot_archive"),
+        "small-tree.bin",
+        &archive_seed()?,
+    )?;
 
     let snapshot_seeds = seeds.join("snapshot_state");
     if Path::new("/dev/kvm").exists() {
@@ -166,6 +266,9 @@ fn main() -> Result<(), Error> {
                 cpu_millis: Some(500),
                 pids_max: Some(64),
                 lifetime_ms: Some(60_000),
+                disk_mib: Some(512),
+                network: Some(cube_supervisor::network::NetworkOptions::default()),
+                netns: cube_supervisor::network::NetnsChoice::Join("/var/run/netns/pod".into()),
                 ..Default::default()
             }),
         },
@@ -203,6 +306,17 @@ fn main() -> Result<(), Error> {
             len: 4096,
         },
         Request::MemoryDigest,
+        Request::NetworkStatus,
+        Request::SetPolicy(cube_supervisor::network::NetworkPolicy {
+            internet: false,
+            allow_out: vec!["10.1.0.0/16".into()],
+            deny_out: vec!["203.0.113.0/24".into()],
+        }),
+        Request::Expose(cube_supervisor::network::PortMapping {
+            host_port: 8080,
+            sandbox_port: 80,
+        }),
+        Request::Unexpose { host_port: 8080 },
         Request::Destroy,
     ];
     let responses = [
@@ -241,6 +355,19 @@ fn main() -> Result<(), Error> {
         },
         Response::Memory(vec![0xab; 64]),
         Response::Digest(vec![0xdead_beef, 0x0123_4567]),
+        Response::Network(cube_supervisor::network::NetworkReport {
+            host_ifname: "cube-v3".into(),
+            guest_addr: std::net::Ipv4Addr::new(10, 240, 0, 2),
+            gateway: std::net::Ipv4Addr::new(169, 254, 0, 1),
+            policy: cube_supervisor::network::NetworkPolicy::default(),
+            allow_in_force: Vec::new(),
+            deny_in_force: vec!["10.0.0.0/8".into(), "169.254.0.0/16".into()],
+            exposed: vec![cube_supervisor::network::PortMapping {
+                host_port: 8080,
+                sandbox_port: 80,
+            }],
+            counters: Default::default(),
+        }),
         Response::Error(cube_supervisor::protocol::Failure::bad_state(
             "sandbox is not hibernated",
         )),

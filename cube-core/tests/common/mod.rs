@@ -8,7 +8,9 @@
 // the spot (clippy's allow-expect-in-tests does not reach functions outside #[test]).
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
+pub mod engines;
 pub mod linux;
+pub mod workload;
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};

@@ -1,0 +1,387 @@
+//! Fault injection on both engines: the supervisor killed outright (SIGKILL) at a
+//! random moment of snapshot, rollback, clone, hibernate, wake and destroy. After each
+//! fault the sandbox is cleanly gone (no process, cgroup, mount or store entry left
+//! once it is removed as stale), the error says the supervisor went away, every
+//! snapshot in the store restores to a state the sandbox really had, and nothing
+//! half-written is listed.
+//!
+//! Sizes: `CUBE_FAULTS` faults per operation and engine (default 3); `CUBE_FAULT_SEED`
+//! repeats a run's random delays. `scripts/fault-suite.sh faults` runs 200 per operation.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::engines::{Expected, Suite};
+use common::workload::count_from_env;
+use common::*;
+use cube_core::ErrorKind;
+
+/// The operations a fault lands in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Op {
+    Snapshot,
+    Rollback,
+    Clone,
+    Hibernate,
+    Wake,
+    Destroy,
+}
+
+const OPS: [Op; 6] = [
+    Op::Snapshot,
+    Op::Rollback,
+    Op::Clone,
+    Op::Hibernate,
+    Op::Wake,
+    Op::Destroy,
+];
+
+/// splitmix64: the delays only need to be spread and repeatable from a seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// A duration in [0, max).
+    fn below(&mut self, max: Duration) -> Duration {
+        let micros = max.as_micros().max(1) as u64;
+        Duration::from_micros(self.next() % micros)
+    }
+}
+
+fn seed() -> u64 {
+    std::env::var("CUBE_FAULT_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+        })
+}
+
+/// A pidfd on process `pid`, so that a late kill cannot reach a reused pid.
+fn pidfd(pid: u32) -> OwnedFd {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    assert!(
+        fd >= 0,
+        "pidfd_open({pid}): {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: the fd was just returned to us and nothing else owns it.
+    unsafe { OwnedFd::from_raw_fd(fd as i32) }
+}
+
+/// SIGKILLs the process behind `fd` after `delay`; whether it was still there.
+fn kill_after(fd: OwnedFd, delay: Duration) -> std::thread::JoinHandle<bool> {
+    std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        // SAFETY: pidfd_send_signal on an fd we own, with no siginfo.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                fd.as_raw_fd(),
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        r == 0
+    })
+}
+
+/// Waits until the process behind pidfd `fd` has ended, threads and all.
+fn pidfd_wait(fd: &OwnedFd, timeout: Duration) -> bool {
+    let mut poll = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one pollfd, owned here, for the duration of the call.
+    let r = unsafe { libc::poll(&mut poll, 1, timeout.as_millis() as i32) };
+    r == 1
+}
+
+/// How one operation's faults went.
+#[derive(Default)]
+struct Tally {
+    injected: usize,
+    survived: usize,
+    completed_first: usize,
+    errors: BTreeMap<String, usize>,
+}
+
+/// Runs the operation `op` on a fresh sandbox with a SIGKILL of its supervisor after
+/// `delay` (None: no fault, to time the operation), then checks everything.
+fn one_run(suite: &Suite, op: Op, delay: Option<Duration>, tally: &mut Tally) -> Duration {
+    let (mut sb, s0) = suite.create(0);
+    let id = sb.id().to_string();
+    let snap0 = sb.snapshot().unwrap();
+    let s1 = suite.set(&mut sb, Some(&s0), 1);
+    if op == Op::Wake {
+        sb.hibernate().unwrap();
+    }
+    let status = sb.status().unwrap();
+    let cgroup_parents: Vec<PathBuf> = status
+        .jail
+        .as_ref()
+        .map(|j| {
+            j.cgroups
+                .iter()
+                .filter_map(|c| c.parent().map(Path::to_path_buf))
+                .collect()
+        })
+        .unwrap_or_default();
+    let supervisor = status.pid;
+    let supervisor_fd = pidfd(supervisor);
+    let killer = delay.map(|d| kill_after(pidfd(supervisor), d));
+    let start = Instant::now();
+    let mut clone = None;
+    let result = match op {
+        Op::Snapshot => sb.snapshot().map(|_| ()),
+        Op::Rollback => sb.rollback(&snap0.id),
+        Op::Clone => suite
+            .rt
+            .clone_sandbox(&mut sb, 1, 1, PERSISTENT)
+            .map(|mut c| clone = c.pop()),
+        Op::Hibernate => sb.hibernate(),
+        Op::Wake => sb.wake(),
+        Op::Destroy => {
+            let r = sb.destroy();
+            // Destroy consumed the handle.
+            return finish_run(
+                suite,
+                op,
+                &id,
+                supervisor,
+                supervisor_fd,
+                r,
+                killer,
+                start,
+                &cgroup_parents,
+                tally,
+                None,
+                &[],
+            );
+        }
+    };
+    let elapsed = start.elapsed();
+    let expected: Vec<Expected> = match op {
+        // A snapshot or clone taken before the kill holds s1; the earlier one s0.
+        Op::Snapshot | Op::Clone => vec![s0.clone(), s1.clone()],
+        _ => vec![s0.clone()],
+    };
+    let Some(killer) = killer else {
+        result.unwrap();
+        // No fault: the sandbox (and any clone) goes on, then is destroyed cleanly.
+        if let Some(mut c) = clone {
+            s1.check(&mut c, "an unfaulted clone");
+            c.destroy().unwrap();
+        }
+        let now = if op == Op::Rollback { &s0 } else { &s1 };
+        if op == Op::Hibernate {
+            sb.wake().unwrap();
+        }
+        now.check(&mut sb, &format!("after an unfaulted {op:?}"));
+        sb.destroy().unwrap();
+        let left = suite.leftovers(&id, &cgroup_parents);
+        assert!(left.is_empty(), "an unfaulted {op:?} left {left:?}");
+        return elapsed;
+    };
+    finish_run(
+        suite,
+        op,
+        &id,
+        supervisor,
+        supervisor_fd,
+        result,
+        Some(killer),
+        start,
+        &cgroup_parents,
+        tally,
+        clone,
+        &expected,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn finish_run(
+    suite: &Suite,
+    op: Op,
+    id: &str,
+    supervisor: u32,
+    supervisor_fd: OwnedFd,
+    result: Result<(), SandboxError>,
+    killer: Option<std::thread::JoinHandle<bool>>,
+    start: Instant,
+    cgroup_parents: &[PathBuf],
+    tally: &mut Tally,
+    clone: Option<Sandbox>,
+    expected: &[Expected],
+) -> Duration {
+    let elapsed = start.elapsed();
+    let Some(killer) = killer else {
+        result.unwrap();
+        let left = wait_leftovers(suite, id, cgroup_parents);
+        assert!(left.is_empty(), "an unfaulted {op:?} left {left:?}");
+        return elapsed;
+    };
+    let killed = killer.join().unwrap();
+    tally.injected += 1;
+    if !killed {
+        // The supervisor had exited already: only destroy ends it.
+        assert_eq!(op, Op::Destroy, "the supervisor was gone before the kill");
+        tally.completed_first += 1;
+    }
+    match &result {
+        Ok(()) => tally.completed_first += usize::from(killed),
+        Err(e) => {
+            // The error names the sandbox and says the supervisor went away.
+            let text = error_chain(e);
+            assert!(
+                text.contains(id),
+                "{op:?}: the error does not name the sandbox: {text}"
+            );
+            assert!(
+                matches!(e.kind(), ErrorKind::Internal | ErrorKind::NotFound),
+                "{op:?}: a killed supervisor reads as {:?}: {text}",
+                e.kind()
+            );
+            let line = text.replace(id, "ID");
+            *tally.errors.entry(line).or_default() += 1;
+        }
+    }
+    // A clone made before the kill is a sandbox of its own and holds s1.
+    if let Some(mut c) = clone {
+        expected[1].check(&mut c, &format!("a clone made before a fault in {op:?}"));
+        c.destroy().unwrap();
+    }
+    // The sandbox is gone with its supervisor: it cannot be reached.
+    // SIGKILL is delivered asynchronously, and a killed process's descriptors close
+    // with its last thread (its leader shows as a zombie before that): wait on a pidfd,
+    // which reads as ended only once the whole thread group is gone.
+    assert!(
+        pidfd_wait(&supervisor_fd, Duration::from_secs(30)),
+        "{op:?}: supervisor {supervisor} outlived SIGKILL"
+    );
+    assert!(
+        op == Op::Destroy || suite.rt.attach(id).is_err(),
+        "{op:?}: the sandbox answers without its supervisor"
+    );
+    // Every snapshot the store lists restores to a state the sandbox had.
+    if op != Op::Destroy {
+        for meta in suite.rt.snapshots(Some(id)).unwrap() {
+            let mut restored = suite
+                .rt
+                .create_from_snapshot(&meta.id, EPHEMERAL)
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "{op:?}: snapshot {} does not restore: {}",
+                        meta.id,
+                        error_chain(&e)
+                    )
+                });
+            let matched = expected.iter().position(|s| s.holds(&mut restored));
+            let Some(which) = matched else {
+                panic!(
+                    "{op:?}: snapshot {} restored to a state the sandbox never had",
+                    meta.id
+                );
+            };
+            expected[which].check(
+                &mut restored,
+                &format!("snapshot {} after a fault in {op:?}", meta.id),
+            );
+            restored.destroy().unwrap();
+        }
+        // Removing it as stale ends whatever of its jail is left (processes the
+        // lifeline could not reach: frozen ones) and leaves nothing.
+        suite.rt.remove_stale(id).unwrap();
+    }
+    let left = wait_leftovers(suite, id, cgroup_parents);
+    assert!(left.is_empty(), "a fault in {op:?} left {left:?}");
+    tally.survived += 1;
+    elapsed
+}
+
+/// What of sandbox `id` is left once whatever is going away has gone.
+fn wait_leftovers(suite: &Suite, id: &str, cgroup_parents: &[PathBuf]) -> Vec<String> {
+    let mut left = Vec::new();
+    wait_until(Duration::from_secs(20), || {
+        left = suite.leftovers(id, cgroup_parents);
+        left.is_empty()
+    });
+    left
+}
+
+fn run_suite(suite: Suite) {
+    let n = count_from_env("CUBE_FAULTS", 3);
+    let seed = seed();
+    eprintln!(
+        "{}: {n} faults per operation, CUBE_FAULT_SEED={seed}",
+        suite.name()
+    );
+    let mut rng = Rng(seed);
+    let ops: Vec<Op> = match std::env::var("CUBE_FAULT_OPS") {
+        Ok(list) => OPS
+            .into_iter()
+            .filter(|op| {
+                list.split(',')
+                    .any(|o| o.eq_ignore_ascii_case(&format!("{op:?}")))
+            })
+            .collect(),
+        Err(_) => OPS.to_vec(),
+    };
+    for op in ops {
+        let mut tally = Tally::default();
+        let start = Instant::now();
+        // One run without a fault times the operation: the kills land anywhere in it
+        // and a little past it.
+        let span = one_run(&suite, op, None, &mut tally).mul_f64(1.25);
+        for _ in 0..n {
+            let delay = rng.below(span);
+            one_run(&suite, op, Some(delay), &mut tally);
+        }
+        eprintln!(
+            "{} {op:?}: {} faults injected over 0..{span:?}, {} survived, {} after the \
+             operation completed, {:?}; errors: {:?}",
+            suite.name(),
+            tally.injected,
+            tally.survived,
+            tally.completed_first,
+            start.elapsed(),
+            tally.errors
+        );
+        assert_eq!(tally.injected, tally.survived);
+    }
+}
+
+#[test]
+fn jail_supervisor_killed_at_random_points() {
+    let Some(suite) = Suite::jail() else {
+        return;
+    };
+    run_suite(suite);
+}
+
+#[test]
+fn vm_supervisor_killed_at_random_points() {
+    let Some(suite) = Suite::vm() else {
+        return;
+    };
+    run_suite(suite);
+}
