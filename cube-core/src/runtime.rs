@@ -452,7 +452,9 @@ impl Runtime {
     /// Creates a sandbox from snapshot `snapshot`, on the engine of the sandbox it was
     /// taken from. A jail snapshot's writable layer is cloned; its processes are
     /// restored from a [`crate::SnapshotKind::Full`] one (where CRIU works) and start
-    /// afresh from a [`crate::SnapshotKind::Filesystem`] one.
+    /// afresh from a [`crate::SnapshotKind::Filesystem`] one. The layer lies over
+    /// [`CreateOptions::rootfs`] where that is set, else over the tree of the template
+    /// the snapshot names.
     pub fn create_from_snapshot(
         &self,
         snapshot: &str,
@@ -466,6 +468,20 @@ impl Runtime {
             let layer = dir.layer();
             if !layer.is_dir() {
                 return Err(SandboxError::UnknownSnapshot(snapshot.to_string()));
+            }
+            // A directory asked for (a restored container's rootfs) replaces the tree
+            // the snapshot's layer was written over, as it does for a plain create.
+            if let Some(tree) = options.rootfs.clone() {
+                return self.start(
+                    Source::JailOverlay {
+                        tree,
+                        layer: Some(layer),
+                    },
+                    Engine::Jail,
+                    snapshot,
+                    options,
+                    |_| Ok(()),
+                );
             }
             // The template tree its layer was written over: named by its sandbox's
             // record, or by the snapshot itself when imported.
