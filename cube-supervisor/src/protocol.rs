@@ -195,6 +195,10 @@ pub struct Settings {
     /// The network namespace (jail).
     #[serde(default)]
     pub netns: NetnsChoice,
+    /// The working directory of the sandbox's processes (jail); None: the sandbox
+    /// user's home.
+    #[serde(default)]
+    pub cwd: Option<PathBuf>,
 }
 
 /// A request to a supervisor.

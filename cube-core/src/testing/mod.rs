@@ -82,6 +82,9 @@ pub fn supervisor_binary() -> Result<PathBuf, SandboxError> {
     Ok(cube_supervisor::pool::locate_supervisor()?)
 }
 
+/// Container images written by tests (OCI layouts, `docker save` archives).
+pub use cube_supervisor::templates::oci::test_image as oci_image;
+
 /// Whether a cgroup hierarchy is readable here (jails need one).
 pub fn cgroups_readable() -> bool {
     cube_jail::CgroupLayout::detect().is_ok()
