@@ -15,19 +15,6 @@ use cube_core::templates::TreeSource;
 use cube_core::testing::oci_image::{self, Entry};
 use cube_core::{CreateOptions, ErrorKind, Runtime, RuntimeConfig, HOST_TEMPLATE};
 
-/// The statically linked agent (`scripts/build-static.sh`, run by the set-up): a
-/// rootfs that is not the host's carries no C library the host's build could use.
-fn static_agent() -> Option<PathBuf> {
-    let supervisor = common::supervisor().canonicalize().ok()?;
-    let bins = supervisor.parent()?;
-    let built = bins
-        .parent()?
-        .join("static")
-        .join(bins.file_name()?)
-        .join("cube-agent");
-    built.is_file().then_some(built)
-}
-
 /// Whether this host cannot run these tests; prints why. Points the supervisors this
 /// test starts at the static agent.
 fn skip() -> bool {
@@ -38,7 +25,7 @@ fn skip() -> bool {
         eprintln!("skipped: /bin/busybox is missing (scripts/setup.sh installs busybox-static)");
         return true;
     }
-    let Some(agent) = static_agent() else {
+    let Some(agent) = cube_core::testing::static_agent() else {
         eprintln!(
             "skipped: no statically linked cube-agent \
              (scripts/build-static.sh --musl cube-agent cube-agent --release)"
@@ -107,31 +94,15 @@ fn a_snapshot_is_created_from_on_the_root_filesystem_asked_for() {
     assert!(rt.list().unwrap().is_empty());
 }
 
-/// Busybox as an image's base layer: the usual directories, static busybox, links for
-/// the applets the test runs, and files the next layer whites out.
+/// Busybox as an image's base layer, with files the next layer changes.
 fn busybox_layer() -> Vec<u8> {
-    let busybox = std::fs::read("/bin/busybox").unwrap();
-    let mut entries = vec![
-        Entry::Dir("bin"),
-        Entry::Dir("etc"),
-        Entry::Dir("tmp"),
-        Entry::Dir("proc"),
-        Entry::Dir("dev"),
-        Entry::Dir("sys"),
-        Entry::Dir("home"),
-        Entry::Mode("bin/busybox", &busybox, 0o755),
+    oci_image::busybox_layer(&[
         Entry::File("etc/msg", b"base"),
         Entry::File("etc/gone", b"whited out"),
         Entry::Dir("opq"),
         Entry::File("opq/old", b"hidden"),
-    ];
-    for applet in ["sh", "cat", "env", "pwd", "id", "ls", "echo", "test"] {
-        entries.push(Entry::Symlink(
-            Box::leak(format!("bin/{applet}").into_boxed_str()),
-            "busybox",
-        ));
-    }
-    oci_image::layer(&entries).unwrap()
+    ])
+    .unwrap()
 }
 
 /// The layer over it: a file replaced, one whited out, a directory made opaque.

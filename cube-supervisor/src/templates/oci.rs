@@ -810,6 +810,36 @@ pub mod test_image {
         b.into_inner()
     }
 
+    /// A base layer of static busybox (`/bin/busybox`, which must exist) with links
+    /// for a shell's common applets and the usual directories, then `extra`.
+    pub fn busybox_layer(extra: &[Entry<'_>]) -> std::io::Result<Vec<u8>> {
+        const APPLETS: &[&str] = &["sh", "cat", "env", "pwd", "id", "ls", "echo", "test"];
+        let busybox = std::fs::read("/bin/busybox")?;
+        let links: Vec<String> = APPLETS.iter().map(|a| format!("bin/{a}")).collect();
+        let mut entries: Vec<Entry<'_>> = ["bin", "etc", "tmp", "proc", "dev", "sys", "home"]
+            .into_iter()
+            .map(Entry::Dir)
+            .collect();
+        entries.push(Entry::Mode("bin/busybox", &busybox, 0o755));
+        entries.extend(links.iter().map(|l| Entry::Symlink(l, "busybox")));
+        let mut all = layer(&entries)?;
+        // Two tars end to end are not one: the extra entries go before the end marker.
+        let extra = layer(extra)?;
+        let end = |t: &[u8]| t.len() - trailing_zero_blocks(t);
+        all.truncate(end(&all));
+        all.extend_from_slice(&extra);
+        Ok(all)
+    }
+
+    /// Bytes of zero blocks at the end of tar `t` (its end marker and padding).
+    fn trailing_zero_blocks(t: &[u8]) -> usize {
+        t.chunks(512)
+            .rev()
+            .take_while(|b| b.iter().all(|x| *x == 0))
+            .count()
+            * 512
+    }
+
     /// `data` gzip-compressed.
     pub fn gzip(data: &[u8]) -> std::io::Result<Vec<u8>> {
         let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
