@@ -32,11 +32,11 @@ fn key_value(s: &str) -> Result<(String, String), String> {
 #[derive(Subcommand)]
 pub enum TemplateCommand {
     /// Build a template: for the jail engine a standalone root filesystem from Debian
-    /// packages (python3, pip) or a directory; for the vm engine a booted Linux guest
-    /// whose agent answered, snapshotted.
+    /// packages (python3, pip), a directory or a container image (--from-oci); for the
+    /// vm engine a booted Linux guest whose agent answered, snapshotted.
     ///
     /// Example: cube template build py --packages python3-numpy
-    Build(crate::template_build_cmd::BuildArgs),
+    Build(Box<crate::template_build_cmd::BuildArgs>),
     /// Build a template from Cube's synthetic test guest (boot, settle, snapshot).
     ///
     /// Example: cube template build-test base --memory-mib 2048 --vcpus 2

@@ -59,9 +59,11 @@ pub fn run(store: Option<&Path>, command: SnapshotCommand) -> Result<(), CliErro
                 r.data_bytes >> 20,
                 r.archive_bytes >> 20,
                 r.data_bytes as f64 / f64::from(1 << 20) / secs.max(1e-9),
-                r.template
-                    .map(|t| format!("; needs template {t} where it is imported"))
-                    .unwrap_or_default()
+                match (r.required_template(), &r.template) {
+                    (Some(t), _) => format!("; needs template {t} where it is imported"),
+                    (None, Some(_)) => "; lies over the importing host's userland".to_string(),
+                    (None, None) => String::new(),
+                }
             );
         }
         SnapshotCommand::Import { file } => {

@@ -44,6 +44,14 @@ pub struct BuildArgs {
     /// packages.
     #[arg(long, value_name = "DIR", conflicts_with_all = ["suite", "packages", "debian"])]
     pub from: Option<PathBuf>,
+    /// Use a container image as the root filesystem: an OCI image layout (directory or
+    /// tar) or a `docker save` archive. Its layers are applied in order (gzip or plain
+    /// tars, whiteouts honoured, every blob's SHA-256 checked); its Env and WorkingDir
+    /// become the defaults of the sandboxes' processes.
+    ///
+    /// Example: cube template build app --from-oci app.tar
+    #[arg(long, value_name = "ARCHIVE", conflicts_with_all = ["from", "suite", "packages", "debian"])]
+    pub from_oci: Option<PathBuf>,
     /// Debian suite of the tree.
     #[arg(long, value_name = "S", default_value = DEFAULT_SUITE)]
     pub suite: String,
@@ -76,6 +84,9 @@ pub struct BuildArgs {
 impl BuildArgs {
     /// Where the root filesystem comes from.
     pub fn tree_source(&self) -> TreeSource {
+        if let Some(image) = &self.from_oci {
+            return TreeSource::Oci(image.clone());
+        }
         match &self.from {
             Some(dir) => TreeSource::Directory(dir.clone()),
             None => {

@@ -162,6 +162,18 @@ fn a_jail_sandbox_lives_across_invocations() {
         "{}",
         text(&out.stderr)
     );
+    // A snapshot over the built-in template needs no template where it is imported.
+    let archive = store.path().join("snap.cube");
+    let out = ok(
+        s,
+        &["snapshot", "export", &snap, "-o", archive.to_str().unwrap()],
+    );
+    let said = text(&out.stderr);
+    assert!(
+        !said.contains("needs template") && said.contains("the importing host's userland"),
+        "{said}"
+    );
+    std::fs::remove_file(&archive).unwrap();
     let listed = json(s, &["sandbox", "snapshots", &id, "--json"]);
     assert_eq!(listed[0]["id"], snap.as_str());
     assert_eq!(listed[0]["kind"], kind);

@@ -367,3 +367,90 @@ fn an_interrupted_debian_build_leaves_nothing() {
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
     assert!(!mounts.contains(s.to_str().unwrap()), "{mounts}");
 }
+
+#[test]
+fn a_template_from_a_docker_save_archive_keeps_the_images_env_and_workdir() {
+    if skip_jail() {
+        return;
+    }
+    let Some(agent) = cube_core::testing::static_agent() else {
+        println!("skipped: no statically linked cube-agent (scripts/build-static.sh --musl cube-agent cube-agent --release)");
+        return;
+    };
+    if !Path::new("/bin/busybox").is_file() {
+        println!("skipped: /bin/busybox is missing (scripts/setup.sh installs busybox-static)");
+        return;
+    }
+    use cube_core::testing::oci_image::{self, Entry};
+    let store = tempfile::tempdir().unwrap();
+    let s = store.path();
+    let files = tempfile::tempdir().unwrap();
+    let layers = vec![
+        oci_image::busybox_layer(&[Entry::File("etc/msg", b"base")]).unwrap(),
+        oci_image::layer(&[Entry::File("etc/msg", b"top")]).unwrap(),
+    ];
+    let config = oci_image::config(&["PATH=/bin", "GREETING=hi"], "/app", "", &layers);
+    let saved = files.path().join("saved.tar");
+    oci_image::docker_save(&saved, &config, &layers).unwrap();
+    let run = |args: &[&str]| {
+        Command::new(CUBE)
+            .env("CUBE_AGENT", &agent)
+            .arg("--store")
+            .arg(s)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+
+    let out = run(&[
+        "template",
+        "build",
+        "img",
+        "--from-oci",
+        saved.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "img");
+    let out = run(&["sandbox", "create", "img"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let id = text(&out.stdout).trim().to_string();
+    let out = run(&[
+        "sandbox",
+        "exec",
+        &id,
+        "--",
+        "sh",
+        "-c",
+        "pwd; echo $GREETING; cat /etc/msg",
+    ]);
+    let _ = run(&["sandbox", "rm", &id]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "/app\nhi\ntop");
+
+    // An image whose layer is not what its digest says: refused as bad input (exit 2),
+    // nothing kept.
+    let layout = files.path().join("layout");
+    let digests = oci_image::oci_layout(&layout, &config, &layers, &[false, false]).unwrap();
+    let blob = layout
+        .join("blobs/sha256")
+        .join(digests[1].trim_start_matches("sha256:"));
+    let mut data = std::fs::read(&blob).unwrap();
+    data[520] ^= 1;
+    std::fs::write(&blob, data).unwrap();
+    let out = run(&[
+        "template",
+        "build",
+        "bad",
+        "--from-oci",
+        layout.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("does not match its digest"),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(!s.join("templates/bad").exists());
+    ok(s, &["template", "rm", "img"]);
+}

@@ -7,6 +7,7 @@ use cube_supervisor::pool::PoolError;
 use cube_supervisor::protocol::ErrorKind;
 use cube_supervisor::records::Engine;
 use cube_supervisor::templates::debian::RootfsBuildError;
+use cube_supervisor::templates::oci::OciError;
 use cube_supervisor::templates::tree::TemplateBuildError;
 use cube_supervisor::templates::vm::VmTemplateError;
 use cube_supervisor::vm_agent::VmAgentError;
@@ -225,6 +226,13 @@ fn tree_kind(e: &TemplateBuildError) -> ErrorKind {
             | RootfsBuildError::InvalidMirror(_),
         ) => ErrorKind::InvalidArgument,
         TemplateBuildError::Store(e) => store_kind(e),
+        // A file of the image that cannot be read or written is the host's trouble;
+        // anything else about the image is the caller's input.
+        TemplateBuildError::Image(_, e) => match &**e {
+            OciError::Io(_, io) if io.kind() == std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+            OciError::Io(..) => ErrorKind::Internal,
+            _ => ErrorKind::InvalidArgument,
+        },
         _ => ErrorKind::Internal,
     }
 }

@@ -99,7 +99,7 @@ pub use cube_supervisor::jail_spec::{
 };
 pub use cube_supervisor::protocol::{ErrorKind, JailStatus, MachineStatus, StatusReport};
 pub use cube_supervisor::records::{
-    Engine, SandboxMeta, SnapshotKind, SnapshotMeta, TemplateMeta, HOST_TEMPLATE,
+    Engine, ProcessDefaults, SandboxMeta, SnapshotKind, SnapshotMeta, TemplateMeta, HOST_TEMPLATE,
 };
 pub use cube_vmm::persist::SnapshotStats;
 pub use engine_choice::EngineChoice;

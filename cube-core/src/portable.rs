@@ -64,6 +64,15 @@ pub struct ExportReport {
     pub template: Option<String>,
 }
 
+impl ExportReport {
+    /// The template a store must hold to import the archive: the one it names, unless
+    /// that is the built-in [`HOST_TEMPLATE`], which every store has (a jail's layer
+    /// then lies over the importing host's own userland).
+    pub fn required_template(&self) -> Option<&str> {
+        self.template.as_deref().filter(|t| *t != HOST_TEMPLATE)
+    }
+}
+
 /// What an import added.
 #[derive(Clone, Debug)]
 pub struct ImportReport {

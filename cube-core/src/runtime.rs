@@ -9,7 +9,7 @@ use cube_supervisor::network::{NetnsChoice, NetworkOptions};
 use cube_supervisor::pool::{locate_supervisor, SupervisorPool};
 use cube_supervisor::protocol::{Request, Settings, Source, PROTOCOL_VERSION};
 use cube_supervisor::records::{
-    now_unix, Engine, SandboxMeta, SnapshotMeta, TemplateMeta, HOST_TEMPLATE,
+    now_unix, Engine, ProcessDefaults, SandboxMeta, SnapshotMeta, TemplateMeta, HOST_TEMPLATE,
 };
 use cube_supervisor::server::WarmFor;
 use cube_supervisor::templates::{self, tree::TreeSource, vm::VmTemplateSpec};
@@ -108,6 +108,10 @@ pub struct CreateOptions {
     /// out. A container's root filesystem as containerd's snapshotter mounts it. A
     /// snapshot of such a sandbox is created from with the same tree again (this set).
     pub rootfs: Option<PathBuf>,
+    /// The working directory of the sandbox's processes (jail engine): where exec and
+    /// code run unless they name one. None: the template's (a container image's
+    /// WorkingDir), else the sandbox user's home.
+    pub workdir: Option<PathBuf>,
 }
 
 impl CreateOptions {
@@ -132,6 +136,7 @@ impl CreateOptions {
             network: None,
             netns: NetnsChoice::Own,
             rootfs: None,
+            workdir: None,
         }
     }
 
@@ -147,6 +152,7 @@ impl CreateOptions {
                 .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
             network: self.network.clone(),
             netns: self.netns.clone(),
+            cwd: self.workdir.clone(),
         }
     }
 
@@ -296,6 +302,7 @@ impl Runtime {
                 created_unix: now_unix(),
                 tree: None,
                 built_from: None,
+                process: None,
             };
             cube_storage::write_atomic(&dest.record(), TemplateDir::RECORD_KIND, &meta)?;
             Ok(meta)
@@ -439,6 +446,10 @@ impl Runtime {
         options.check_engine(&format!("template {template}"), meta.engine)?;
         if meta.engine == Engine::Jail {
             let tree = self.jail_template_tree(template)?;
+            let options = match &meta.process {
+                Some(defaults) => with_process_defaults(options, defaults),
+                None => options,
+            };
             return self.start_on_template(
                 Source::JailOverlay { tree, layer: None },
                 template,
@@ -452,7 +463,9 @@ impl Runtime {
     /// Creates a sandbox from snapshot `snapshot`, on the engine of the sandbox it was
     /// taken from. A jail snapshot's writable layer is cloned; its processes are
     /// restored from a [`crate::SnapshotKind::Full`] one (where CRIU works) and start
-    /// afresh from a [`crate::SnapshotKind::Filesystem`] one.
+    /// afresh from a [`crate::SnapshotKind::Filesystem`] one. The layer lies over
+    /// [`CreateOptions::rootfs`] where that is set, else over the tree of the template
+    /// the snapshot names.
     pub fn create_from_snapshot(
         &self,
         snapshot: &str,
@@ -466,6 +479,20 @@ impl Runtime {
             let layer = dir.layer();
             if !layer.is_dir() {
                 return Err(SandboxError::UnknownSnapshot(snapshot.to_string()));
+            }
+            // A directory asked for (a restored container's rootfs) replaces the tree
+            // the snapshot's layer was written over, as it does for a plain create.
+            if let Some(tree) = options.rootfs.clone() {
+                return self.start(
+                    Source::JailOverlay {
+                        tree,
+                        layer: Some(layer),
+                    },
+                    Engine::Jail,
+                    snapshot,
+                    options,
+                    |_| Ok(()),
+                );
             }
             // The template tree its layer was written over: named by its sandbox's
             // record, or by the snapshot itself when imported.
@@ -867,5 +894,24 @@ fn host_template() -> TemplateMeta {
         created_unix: 0,
         tree: None,
         built_from: None,
+        process: None,
     }
+}
+
+/// `options` over a container image's defaults: the image's environment with the
+/// caller's variables replacing those of the same name, and its working directory
+/// unless the caller names one.
+fn with_process_defaults(mut options: CreateOptions, defaults: &ProcessDefaults) -> CreateOptions {
+    let mut env = defaults.env.clone();
+    for (key, value) in std::mem::take(&mut options.env) {
+        match env.iter_mut().find(|(k, _)| *k == key) {
+            Some(slot) => slot.1 = value,
+            None => env.push((key, value)),
+        }
+    }
+    options.env = env;
+    if options.workdir.is_none() {
+        options.workdir = defaults.cwd.as_ref().map(PathBuf::from);
+    }
+    options
 }

@@ -6,12 +6,12 @@
 
 mod common;
 
+use common::sh;
 use common::workload::destroy_and_check;
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use cube_agent::client::Client;
 use cube_agent::protocol::{ExecRequest, Language, RequestBody};
 use cube_core::{
     CreateOptions, Engine, Runtime, RuntimeConfig, Sandbox, DEFAULT_PIDS_MAX, HOST_TEMPLATE,
@@ -21,13 +21,7 @@ use cube_core::{JailStatus, MachineStatus};
 
 /// Why this host cannot run jails, if it cannot.
 fn skip() -> bool {
-    // SAFETY: geteuid has no failure mode.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipped: jails need root (namespaces, mounts, cgroups)");
-        return true;
-    }
-    if cube_jail::CgroupLayout::detect().is_err() {
-        eprintln!("skipped: no cgroup hierarchy is readable");
+    if common::skip_jail() {
         return true;
     }
     let agent = common::supervisor().with_file_name("cube-agent");
@@ -71,20 +65,6 @@ impl Env {
     fn create(&self, options: CreateOptions) -> Sandbox {
         self.rt.create(HOST_TEMPLATE, options).unwrap()
     }
-}
-
-fn sh(client: &Client, script: &str) -> (i32, String, String) {
-    let out = client
-        .exec(ExecRequest {
-            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
-            ..ExecRequest::default()
-        })
-        .unwrap();
-    (
-        out.exit.code.unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 /// The kind a jail snapshot has on this host: full where CRIU works (tests/jail_full.rs

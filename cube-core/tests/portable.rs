@@ -85,6 +85,8 @@ fn a_snapshot_travels_to_a_fresh_store_and_bad_archives_are_refused() {
     let exported = source.export_snapshot(&snap.id, &archive).unwrap();
     let export_time = start.elapsed();
     assert_eq!(exported.template.as_deref(), Some(HOST_TEMPLATE));
+    // Every store has the built-in template: an importer needs none.
+    assert_eq!(exported.required_template(), None);
     assert_eq!(
         std::fs::metadata(&archive).unwrap().len(),
         exported.archive_bytes

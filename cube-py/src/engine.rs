@@ -3,7 +3,7 @@
 //! the module goes through these functions, so a change in that API is a change here.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -88,10 +88,18 @@ impl EngineName {
     }
 }
 
-/// Creates a sandbox from `template`.
+/// Where a new sandbox starts from.
+pub enum Origin {
+    /// A template, by name.
+    Template(String),
+    /// A snapshot in the store (one of its sandboxes' or an imported one), by id.
+    Snapshot(String),
+}
+
+/// Creates a sandbox from `origin`.
 pub fn create(
     runtime: &Runtime,
-    template: &str,
+    origin: &Origin,
     request: CreateRequest,
 ) -> Result<Sandbox, SandboxError> {
     let options = CreateOptions {
@@ -110,7 +118,10 @@ pub fn create(
         disk_mib: request.disk_mib,
         ..CreateOptions::default()
     };
-    runtime.create(template, options)
+    match origin {
+        Origin::Template(name) => runtime.create(name, options),
+        Origin::Snapshot(id) => runtime.create_from_snapshot(id, options),
+    }
 }
 
 /// Attaches to a running sandbox.
@@ -169,15 +180,61 @@ pub struct SnapshotSummary {
     pub kind: &'static str,
 }
 
+fn kind_name(kind: SnapshotKind) -> &'static str {
+    match kind {
+        SnapshotKind::Full => "full",
+        SnapshotKind::Filesystem => "filesystem",
+    }
+}
+
 /// Takes a snapshot of `sandbox`.
 pub fn snapshot(sandbox: &mut Sandbox) -> Result<SnapshotSummary, SandboxError> {
     let snap = sandbox.snapshot()?;
     Ok(SnapshotSummary {
         id: snap.id,
-        kind: match snap.kind {
-            SnapshotKind::Full => "full",
-            SnapshotKind::Filesystem => "filesystem",
+        kind: kind_name(snap.kind),
+    })
+}
+
+/// Writes snapshot `id` of the runtime's store into the archive file `dest`.
+pub fn export_snapshot(
+    runtime: &Runtime,
+    id: &str,
+    dest: &Path,
+) -> Result<cube_core::ExportReport, SandboxError> {
+    runtime.export_snapshot(id, dest)
+}
+
+/// A snapshot an import added to the store.
+pub struct ImportedSnapshot {
+    /// Its id and kind.
+    pub snapshot: SnapshotSummary,
+    /// The sandbox it was taken of (on the host it was exported from).
+    pub sandbox: String,
+    /// The template it lies over.
+    pub template: Option<String>,
+    /// The archive's length, bytes.
+    pub archive_bytes: u64,
+}
+
+/// Adds the snapshot in archive `source` to the runtime's store (checked whole first;
+/// on any error the store is unchanged).
+pub fn import_snapshot(runtime: &Runtime, source: &Path) -> Result<ImportedSnapshot, SandboxError> {
+    let report = runtime.import_snapshot(source)?;
+    let sandbox = runtime
+        .snapshots(None)?
+        .into_iter()
+        .find(|s| s.id == report.snapshot)
+        .map(|s| s.sandbox)
+        .unwrap_or_default();
+    Ok(ImportedSnapshot {
+        snapshot: SnapshotSummary {
+            id: report.snapshot,
+            kind: kind_name(report.kind),
         },
+        sandbox,
+        template: report.template,
+        archive_bytes: report.archive_bytes,
     })
 }
 

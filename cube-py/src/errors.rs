@@ -7,7 +7,7 @@
 use cube_agent::client::ClientError;
 use cube_agent::protocol::ErrorCode;
 use cube_core::error_report::chain;
-use cube_core::{ErrorKind, SandboxError};
+use cube_core::{ErrorKind, PortableError, SandboxError};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::PyString;
@@ -49,7 +49,8 @@ pub fn sandbox_error(err: SandboxError) -> PyErr {
     let kind = err.kind();
     let class = match kind {
         ErrorKind::NotFound => match &err {
-            SandboxError::UnknownTemplate(_) => "TemplateNotFound",
+            SandboxError::UnknownTemplate(_)
+            | SandboxError::Portable(PortableError::MissingTemplate(_)) => "TemplateNotFound",
             SandboxError::UnknownSnapshot(_) => "SnapshotNotFound",
             // An unknown id, or a sandbox whose supervisor no longer answers.
             SandboxError::UnknownSandbox(_) | SandboxError::Supervisor { .. } => "SandboxNotFound",
@@ -58,7 +59,16 @@ pub fn sandbox_error(err: SandboxError) -> PyErr {
         ErrorKind::AlreadyExists => "AlreadyExists",
         ErrorKind::Busy => "InUse",
         ErrorKind::BadState => "InvalidState",
-        ErrorKind::InvalidArgument => "InvalidArgument",
+        ErrorKind::InvalidArgument => match &err {
+            // The archive itself was refused: damaged, truncated, tampered with.
+            SandboxError::Portable(
+                PortableError::Archive(..)
+                | PortableError::Header(..)
+                | PortableError::NotASnapshot { .. }
+                | PortableError::Record(_),
+            ) => "ArchiveError",
+            _ => "InvalidArgument",
+        },
         ErrorKind::Unsupported | ErrorKind::HostCannot => "EngineUnavailable",
         ErrorKind::SnapshotFailed => "SnapshotError",
         ErrorKind::Timeout => "TimeoutError",

@@ -29,7 +29,7 @@ mod _native {
     use pyo3::prelude::*;
     use pyo3::types::PyDict;
 
-    use crate::engine::{self, CreateRequest, EngineName};
+    use crate::engine::{self, CreateRequest, EngineName, Origin};
     use crate::errors::{raise, raise_of_kind, sandbox_error};
     use crate::interrupt::seconds;
 
@@ -46,11 +46,11 @@ mod _native {
 
     /// Creates a sandbox.
     #[pyfunction]
-    #[pyo3(signature = (template, engine="auto", envs=None, metadata=None, lifetime=None, store=None, network=false, internet=true, allow_out=None, deny_out=None, expose=None, memory_mib=None, cpu_millis=None, pids_max=None, disk_mib=None))]
+    #[pyo3(signature = (template, engine="auto", envs=None, metadata=None, lifetime=None, store=None, network=false, internet=true, allow_out=None, deny_out=None, expose=None, memory_mib=None, cpu_millis=None, pids_max=None, disk_mib=None, snapshot=None))]
     #[allow(clippy::too_many_arguments)]
     fn create(
         py: Python<'_>,
-        template: &str,
+        template: Option<&str>,
         engine: &str,
         envs: Option<BTreeMap<String, String>>,
         metadata: Option<BTreeMap<String, String>>,
@@ -65,7 +65,19 @@ mod _native {
         cpu_millis: Option<u32>,
         pids_max: Option<u32>,
         disk_mib: Option<u64>,
+        snapshot: Option<String>,
     ) -> PyResult<NativeSandbox> {
+        let origin = match (template, snapshot) {
+            (Some(_), Some(_)) => {
+                return Err(raise(
+                    "InvalidArgument",
+                    "name a template or a snapshot to create from, not both",
+                ))
+            }
+            (_, Some(id)) => Origin::Snapshot(id),
+            (Some(name), None) => Origin::Template(name.to_string()),
+            (None, None) => Origin::Template(engine::default_template().to_string()),
+        };
         let engine_name = EngineName::parse(engine).ok_or_else(|| {
             raise(
                 "InvalidArgument",
@@ -83,11 +95,10 @@ mod _native {
             pids_max,
             disk_mib,
         };
-        let template = template.to_string();
         let (runtime, sandbox) = py
             .detach(|| {
                 let runtime = engine::runtime(store)?;
-                let sandbox = engine::create(&runtime, &template, request)?;
+                let sandbox = engine::create(&runtime, &origin, request)?;
                 Ok((runtime, sandbox))
             })
             .map_err(sandbox_error)?;
@@ -141,5 +152,53 @@ mod _native {
                 Ok(d)
             })
             .collect()
+    }
+
+    /// Writes snapshot `id` into the archive file `path`; returns what was written.
+    #[pyfunction]
+    #[pyo3(signature = (id, path, store=None))]
+    fn export_snapshot<'py>(
+        py: Python<'py>,
+        id: &str,
+        path: PathBuf,
+        store: Option<PathBuf>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let report = py
+            .detach(|| {
+                let runtime = engine::runtime(store)?;
+                engine::export_snapshot(&runtime, id, &path)
+            })
+            .map_err(sandbox_error)?;
+        let d = PyDict::new(py);
+        d.set_item("id", &report.snapshot)?;
+        d.set_item("archive_bytes", report.archive_bytes)?;
+        d.set_item("file_bytes", report.file_bytes)?;
+        d.set_item("data_bytes", report.data_bytes)?;
+        d.set_item("required_template", report.required_template())?;
+        d.set_item("template", report.template)?;
+        Ok(d)
+    }
+
+    /// Adds the snapshot in archive `path` to the store; returns it as a dict.
+    #[pyfunction]
+    #[pyo3(signature = (path, store=None))]
+    fn import_snapshot<'py>(
+        py: Python<'py>,
+        path: PathBuf,
+        store: Option<PathBuf>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let imported = py
+            .detach(|| {
+                let runtime = engine::runtime(store)?;
+                engine::import_snapshot(&runtime, &path)
+            })
+            .map_err(sandbox_error)?;
+        let d = PyDict::new(py);
+        d.set_item("id", imported.snapshot.id)?;
+        d.set_item("kind", imported.snapshot.kind)?;
+        d.set_item("sandbox_id", imported.sandbox)?;
+        d.set_item("template", imported.template)?;
+        d.set_item("archive_bytes", imported.archive_bytes)?;
+        Ok(d)
     }
 }

@@ -1064,6 +1064,9 @@ fn jail_config(
     } else {
         Stdio::Inherit
     };
+    if let Some(cwd) = &settings.cwd {
+        config.cwd = cwd.clone();
+    }
     match &settings.netns {
         NetnsChoice::Own => {}
         NetnsChoice::Host => config.namespaces.net = false,

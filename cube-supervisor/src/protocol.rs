@@ -22,8 +22,9 @@ pub const MAX_FRAME: u32 = 1 << 20;
 /// carry an [`ErrorKind`]; 5: snapshot stats carry the time the sandbox was stopped,
 /// `SnapshotStats::paused_us`, and a supervisor can be warmed for a jail restored
 /// from an image, `--warm jail-from-image`;
-/// settings carry a disk limit and [`Settings::netns`].)
-pub const PROTOCOL_VERSION: u32 = 5;
+/// settings carry a disk limit and [`Settings::netns`]; 6: settings carry the
+/// processes' working directory, [`Settings::cwd`].)
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// Why a frame could not be exchanged.
 #[derive(Debug, thiserror::Error)]
@@ -195,6 +196,10 @@ pub struct Settings {
     /// The network namespace (jail).
     #[serde(default)]
     pub netns: NetnsChoice,
+    /// The working directory of the sandbox's processes (jail); None: the sandbox
+    /// user's home.
+    #[serde(default)]
+    pub cwd: Option<PathBuf>,
 }
 
 /// A request to a supervisor.

@@ -134,6 +134,26 @@ pub struct TemplateMeta {
     /// `directory /srv/tree`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub built_from: Option<String>,
+    /// What a container image's config asks of the processes of the template's
+    /// sandboxes (jail engine); None for templates not built from an image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub process: Option<ProcessDefaults>,
+}
+
+/// A container image's defaults for its processes: its config's Env, WorkingDir and
+/// User.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessDefaults {
+    /// Environment variables, in order.
+    #[serde(default)]
+    pub env: Vec<(String, String)>,
+    /// The working directory, absolute inside the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// The user as the image names it (`name`, `uid`, `uid:gid`), kept for people:
+    /// a jail sandbox's processes all run as the sandbox's own host uid.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
 }
 
 impl TemplateMeta {

@@ -324,6 +324,7 @@ fn adopt(
         let fits = tree.is_none()
             && layer.is_none()
             && settings.cpu_millis.is_none()
+            && settings.cwd.is_none()
             && settings.netns == NetnsChoice::Own;
         let sandbox = match warm.jail {
             Some(ready) if fits => JailSandbox::adopt(id, dir, ready, settings)?,

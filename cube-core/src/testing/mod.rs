@@ -82,6 +82,23 @@ pub fn supervisor_binary() -> Result<PathBuf, SandboxError> {
     Ok(cube_supervisor::pool::locate_supervisor()?)
 }
 
+/// The statically linked agent beside the supervisor's build
+/// (`target/static/<profile>/cube-agent`, made by `scripts/build-static.sh`, which the
+/// set-up runs): roots that are not the host's carry no C library for another build.
+pub fn static_agent() -> Option<PathBuf> {
+    let supervisor = supervisor_binary().ok()?.canonicalize().ok()?;
+    let bins = supervisor.parent()?;
+    let built = bins
+        .parent()?
+        .join("static")
+        .join(bins.file_name()?)
+        .join("cube-agent");
+    built.is_file().then_some(built)
+}
+
+/// Container images written by tests (OCI layouts, `docker save` archives).
+pub use cube_supervisor::templates::oci::test_image as oci_image;
+
 /// Whether a cgroup hierarchy is readable here (jails need one).
 pub fn cgroups_readable() -> bool {
     cube_jail::CgroupLayout::detect().is_ok()

@@ -77,6 +77,7 @@ pub fn runtime_with_midboot_template(kernel: PathBuf, root: &Path) -> Runtime {
         created_unix: 0,
         tree: None,
         built_from: None,
+        process: None,
     };
     cube_storage::write_atomic(&template.record(), TemplateDir::RECORD_KIND, &meta).unwrap();
     rt

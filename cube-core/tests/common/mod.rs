@@ -458,9 +458,9 @@ pub fn differing_pages(a: &[u8], b: &[u8]) -> Vec<u64> {
         .collect()
 }
 
-/// True (after saying why) where full-state jail tests cannot run: not root, no
-/// readable cgroup hierarchy, no working CRIU, or no python3 on the host template.
-pub fn skip_full_jail() -> bool {
+/// True (after saying why) where jails cannot run: not root, or no readable cgroup
+/// hierarchy.
+pub fn skip_jail() -> bool {
     // SAFETY: geteuid has no failure mode.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("skipped: jails need root (namespaces, mounts, cgroups)");
@@ -468,6 +468,30 @@ pub fn skip_full_jail() -> bool {
     }
     if cube_jail::CgroupLayout::detect().is_err() {
         eprintln!("skipped: no cgroup hierarchy is readable");
+        return true;
+    }
+    false
+}
+
+/// Runs `script` with `/bin/sh -c` through the agent: exit code, stdout, stderr.
+pub fn sh(client: &cube_agent::client::Client, script: &str) -> (i32, String, String) {
+    let out = client
+        .exec(cube_agent::protocol::ExecRequest {
+            argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+            ..cube_agent::protocol::ExecRequest::default()
+        })
+        .unwrap();
+    (
+        out.exit.code.unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// True (after saying why) where full-state jail tests cannot run: not root, no
+/// readable cgroup hierarchy, no working CRIU, or no python3 on the host template.
+pub fn skip_full_jail() -> bool {
+    if skip_jail() {
         return true;
     }
     if let Err(e) = cube_jail::Criu::probe() {

@@ -20,6 +20,7 @@ from . import _native  # noqa: E402
 from .exceptions import (  # noqa: E402
     AgentError,
     AlreadyExists,
+    ArchiveError,
     CommandError,
     CommandExitError,
     ConnectionLost,
@@ -55,9 +56,11 @@ from .models import (  # noqa: E402
     Result,
     SandboxInfo,
     Snapshot,
+    SnapshotArchive,
     WriteInfo,
 )
 from .sandbox import CommandHandle, Commands, Files, Network, Sandbox  # noqa: E402
+from .snapshots import export_snapshot, import_snapshot  # noqa: E402
 
 #: The template :meth:`Sandbox.create` uses when none is named.
 DEFAULT_TEMPLATE: str = _native.default_template()
@@ -73,6 +76,7 @@ __all__ = [
     "DEFAULT_TEMPLATE",
     "AgentError",
     "AlreadyExists",
+    "ArchiveError",
     "CommandError",
     "CommandExitError",
     "CommandHandle",
@@ -107,9 +111,12 @@ __all__ = [
     "SandboxInfo",
     "SandboxNotFound",
     "Snapshot",
+    "SnapshotArchive",
     "SnapshotError",
     "SnapshotNotFound",
     "TemplateNotFound",
     "TimeoutError",
     "WriteInfo",
+    "export_snapshot",
+    "import_snapshot",
 ]

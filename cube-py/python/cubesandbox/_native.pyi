@@ -8,7 +8,7 @@ _Handler = Optional[Callable[[str], Any]]
 
 def default_template() -> str: ...
 def create(
-    template: str,
+    template: Optional[str],
     engine: str = "auto",
     envs: Optional[Mapping[str, str]] = None,
     metadata: Optional[Mapping[str, str]] = None,
@@ -23,9 +23,12 @@ def create(
     cpu_millis: Optional[int] = None,
     pids_max: Optional[int] = None,
     disk_mib: Optional[int] = None,
+    snapshot: Optional[str] = None,
 ) -> NativeSandbox: ...
 def connect(id: str, store: Optional[str] = None) -> NativeSandbox: ...
 def list_sandboxes(store: Optional[str] = None) -> List[Dict[str, Any]]: ...
+def export_snapshot(id: str, path: str, store: Optional[str] = None) -> Dict[str, Any]: ...
+def import_snapshot(path: str, store: Optional[str] = None) -> Dict[str, Any]: ...
 
 class NativeProcess:
     @property

@@ -58,6 +58,11 @@ class InvalidArgument(CubeError, ValueError):
     """An argument was rejected (unknown engine or language, bad path, ...)."""
 
 
+class ArchiveError(InvalidArgument):
+    """A snapshot archive was refused on import: damaged, truncated, tampered with, or
+    not a Cube snapshot this build reads. Nothing was added to the store."""
+
+
 class EngineUnavailable(CubeError):
     """The engine cannot run here (missing helper binary, missing privileges, no KVM)."""
 
@@ -145,6 +150,7 @@ class CommandExitError(CommandError):
 __all__ = [
     "AgentError",
     "AlreadyExists",
+    "ArchiveError",
     "CommandError",
     "CommandExitError",
     "ConnectionLost",

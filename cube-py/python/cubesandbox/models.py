@@ -186,6 +186,23 @@ class Snapshot:
 
 
 @dataclass
+class SnapshotArchive:
+    """What :func:`cubesandbox.export_snapshot` wrote.
+
+    ``required_template`` is the template a store must hold to import it (``None``
+    for a snapshot over the built-in ``host`` template, which every store has).
+    """
+
+    snapshot_id: str
+    path: str
+    archive_bytes: int
+    file_bytes: int
+    data_bytes: int
+    template: Optional[str]
+    required_template: Optional[str]
+
+
+@dataclass
 class SandboxInfo:
     """A sandbox as :meth:`cubesandbox.Sandbox.list` reports it."""
 

@@ -324,6 +324,7 @@ class Sandbox:
         cls,
         template: Optional[str] = None,
         *,
+        snapshot: Union[Snapshot, str, None] = None,
         engine: str = "auto",
         timeout: Optional[float] = None,
         envs: Optional[Mapping[str, str]] = None,
@@ -341,6 +342,10 @@ class Sandbox:
     ) -> "Sandbox":
         """Starts a sandbox from ``template`` (default: the built-in ``host``
         template, the host's userland read-only with Python 3).
+
+        ``snapshot`` (instead of ``template``) starts it from a snapshot in the store:
+        one of a sandbox's, or one :func:`cubesandbox.import_snapshot` added; a full
+        one brings its processes back as they were.
 
         ``engine`` is ``"auto"`` (the template's), ``"jail"`` or ``"vm"``; ``timeout``
         destroys the sandbox after that many seconds (``None``: it lives until killed);
@@ -370,8 +375,10 @@ class Sandbox:
             positive = isinstance(value, int) and not isinstance(value, bool) and value > 0
             if value is not None and not positive:
                 raise InvalidArgument(f"{name} must be a positive integer, not {value!r}")
+        if snapshot is not None and template is not None:
+            raise InvalidArgument("name a template or a snapshot to create from, not both")
         native = _native.create(
-            template or _native.default_template(),
+            template,
             engine,
             dict(envs) if envs else None,
             dict(metadata) if metadata else None,
@@ -386,6 +393,7 @@ class Sandbox:
             cpu_millis,
             pids_max,
             disk_mib,
+            snapshot.id if isinstance(snapshot, Snapshot) else snapshot,
         )
         return cls(_native_sandbox=native, _store=_store(store))
 

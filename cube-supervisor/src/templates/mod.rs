@@ -1,5 +1,6 @@
 //! Building templates, all in one place: a jail template's root filesystem tree, from
-//! a directory or from Debian packages ([`tree`], [`debian`]), and a VM template, a
+//! a directory, Debian packages or a container image ([`tree`], [`debian`],
+//! [`oci`]), and a VM template, a
 //! Linux guest booted from such a tree's disk image and snapshotted once its agent
 //! answers ([`vm`]), with a statically linked agent in its image ([`image_agent`]). A build happens in a store staging directory and appears in place
 //! with one rename, or not at all; [`mounts`] makes sure a killed build's mounts never
@@ -8,5 +9,6 @@
 pub mod debian;
 pub mod image_agent;
 pub mod mounts;
+pub mod oci;
 pub mod tree;
 pub mod vm;

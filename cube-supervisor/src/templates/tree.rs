@@ -15,7 +15,7 @@ use cube_vmm::persist::MachineConfig;
 use super::debian::{DebianRootfs, RootfsBuildError};
 use super::mounts::unmount_all_under;
 use crate::jail_spec::locate_agent;
-use crate::records::{now_unix, Engine, TemplateMeta, HOST_TEMPLATE};
+use crate::records::{now_unix, Engine, ProcessDefaults, TemplateMeta, HOST_TEMPLATE};
 
 /// Why a template could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -29,6 +29,9 @@ pub enum TemplateBuildError {
     /// The source directory is not a directory.
     #[error("{0} is not a directory")]
     NotADirectory(PathBuf),
+    /// The container image could not be unpacked.
+    #[error("Unpacking the image {0}")]
+    Image(PathBuf, #[source] Box<super::oci::OciError>),
     /// The source directory could not be copied.
     #[error("Copying {0}")]
     Copy(PathBuf, #[source] cube_storage::CloneError),
@@ -54,6 +57,9 @@ pub enum TreeSource {
     Debian(DebianRootfs),
     /// A copy of an existing directory (reflinked where the store's filesystem can).
     Directory(PathBuf),
+    /// A container image: an OCI image layout (directory or tar) or a `docker save`
+    /// archive, its layers applied in order.
+    Oci(PathBuf),
 }
 
 impl TreeSource {
@@ -62,6 +68,7 @@ impl TreeSource {
         match self {
             TreeSource::Debian(d) => format!("debian {} +{}", d.suite, d.packages.join(",")),
             TreeSource::Directory(p) => format!("directory {}", p.display()),
+            TreeSource::Oci(p) => format!("image {}", p.display()),
         }
     }
 }
@@ -110,7 +117,7 @@ fn fill(
 ) -> Result<TemplateMeta, TemplateBuildError> {
     let template = TemplateDir::new(staging);
     let tree = template.tree();
-    make_tree(&tree, source, progress)?;
+    let process = make_tree(&tree, source, progress)?;
     check_agent_can_start(&tree)?;
     let meta = TemplateMeta {
         name: name.to_string(),
@@ -120,18 +127,20 @@ fn fill(
         created_unix: now_unix(),
         tree: Some(TemplateDir::TREE.to_string()),
         built_from: Some(source.describe()),
+        process,
     };
     cube_storage::write_atomic(&template.record(), TemplateDir::RECORD_KIND, &meta)?;
     Ok(meta)
 }
 
 /// Makes the tree `tree` (which must not exist) from `source`, calling `progress` with
-/// each line the build prints; on failure nothing is left at `tree`.
+/// each line the build prints; returns an image's process defaults. On failure the
+/// caller removes what is left (the tree lies in its staging directory).
 pub fn make_tree(
     tree: &Path,
     source: &TreeSource,
     progress: &mut dyn FnMut(&str),
-) -> Result<(), TemplateBuildError> {
+) -> Result<Option<ProcessDefaults>, TemplateBuildError> {
     let tree = tree.to_path_buf();
     match source {
         TreeSource::Debian(d) => d.build(&tree, progress)?,
@@ -147,8 +156,19 @@ pub fn make_tree(
                 stats.copied_files
             ));
         }
+        TreeSource::Oci(image) => {
+            // The image's own files, where it is a tar, go next to the tree.
+            let scratch = tree.with_file_name("image-files");
+            let unpacked = super::oci::unpack(image, &tree, &scratch, progress)
+                .map_err(|e| TemplateBuildError::Image(image.clone(), Box::new(e)))?;
+            progress(&format!(
+                "{} layers applied ({} device nodes left out)",
+                unpacked.layers, unpacked.skipped_devices
+            ));
+            return Ok(Some(unpacked.defaults));
+        }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// Refuses a tree the agent cannot start in: the agent binary is the host's, bound
@@ -367,6 +387,7 @@ mod tests {
             created_unix: 0,
             tree: Some("../../etc".into()),
             built_from: None,
+            process: None,
         };
         assert!(meta.tree_dir(Path::new("/store/templates/t")).is_err());
         meta.tree = Some("/etc".into());

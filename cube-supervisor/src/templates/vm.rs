@@ -415,6 +415,7 @@ pub fn build(
         created_unix: now_unix(),
         tree: None,
         built_from: Some(spec.tree.describe()),
+        process: None,
     };
     cube_storage::write_atomic(&template.record(), TemplateDir::RECORD_KIND, &meta)?;
     let _ = std::fs::remove_file(&vsock);

@@ -1,0 +1,239 @@
+//! Jail sandboxes on root filesystems that are not the host's: a directory of the
+//! caller's (a container's rootfs as containerd's snapshotter mounts it), snapshots of
+//! them created from again on the directory asked for, and templates built from
+//! container images (OCI layouts and `docker save` archives the test writes).
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod common;
+
+use common::sh;
+
+use std::path::{Path, PathBuf};
+
+use cube_core::templates::TreeSource;
+use cube_core::testing::oci_image::{self, Entry};
+use cube_core::{CreateOptions, ErrorKind, Runtime, RuntimeConfig, HOST_TEMPLATE};
+
+/// Whether this host cannot run these tests; prints why. Points the supervisors this
+/// test starts at the static agent.
+fn skip() -> bool {
+    if common::skip_jail() {
+        return true;
+    }
+    if !Path::new("/bin/busybox").is_file() {
+        eprintln!("skipped: /bin/busybox is missing (scripts/setup.sh installs busybox-static)");
+        return true;
+    }
+    let Some(agent) = cube_core::testing::static_agent() else {
+        eprintln!(
+            "skipped: no statically linked cube-agent \
+             (scripts/build-static.sh --musl cube-agent cube-agent --release)"
+        );
+        return true;
+    };
+    // Every test of this binary sets the same value before it starts a supervisor.
+    std::env::set_var("CUBE_AGENT", agent);
+    false
+}
+
+/// A root filesystem directory at `dir`: static busybox with the applets a shell needs,
+/// the usual mount points, and `/marker` holding `marker`.
+fn busybox_tree(dir: &Path, marker: &str) -> PathBuf {
+    for d in ["bin", "etc", "tmp", "proc", "dev", "sys", "root", "home"] {
+        std::fs::create_dir_all(dir.join(d)).unwrap();
+    }
+    std::fs::copy("/bin/busybox", dir.join("bin/busybox")).unwrap();
+    for applet in ["sh", "cat", "echo", "test", "true"] {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet)).unwrap();
+    }
+    std::fs::write(dir.join("marker"), marker).unwrap();
+    dir.to_path_buf()
+}
+
+fn on_tree(tree: PathBuf) -> CreateOptions {
+    CreateOptions {
+        rootfs: Some(tree),
+        ..CreateOptions::new(false)
+    }
+}
+
+fn runtime(store: &Path) -> Runtime {
+    Runtime::open(RuntimeConfig {
+        store_root: store.canonicalize().unwrap(),
+        pool_size: 0,
+        network_pool_size: 0,
+        supervisor: Some(common::supervisor()),
+    })
+    .unwrap()
+}
+
+#[test]
+fn a_snapshot_is_created_from_on_the_root_filesystem_asked_for() {
+    if skip() {
+        return;
+    }
+    let store = tempfile::TempDir::new().unwrap();
+    let rt = runtime(store.path());
+    let trees = tempfile::TempDir::new().unwrap();
+    let first = busybox_tree(&trees.path().join("first"), "first");
+    let mut sb = rt.create(HOST_TEMPLATE, on_tree(first)).unwrap();
+    let agent = sb.agent().unwrap();
+    assert_eq!(sh(&agent, "cat /marker").1, "first");
+    let (code, _, err) = sh(&agent, "echo kept > $HOME/note");
+    assert_eq!(code, 0, "{err}");
+    let snap = sb.snapshot().unwrap();
+    // A container restored elsewhere: the same files under another directory, told
+    // apart by the marker.
+    let second = busybox_tree(&trees.path().join("second"), "second");
+    let restored = rt.create_from_snapshot(&snap.id, on_tree(second)).unwrap();
+    let (code, out, err) = sh(&restored.agent().unwrap(), "cat $HOME/note /marker");
+    assert_eq!((code, out.as_str()), (0, "kept\nsecond"), "{err}");
+    restored.destroy().unwrap();
+    sb.destroy().unwrap();
+    assert!(rt.list().unwrap().is_empty());
+}
+
+/// Busybox as an image's base layer, with files the next layer changes.
+fn busybox_layer() -> Vec<u8> {
+    oci_image::busybox_layer(&[
+        Entry::File("etc/msg", b"base"),
+        Entry::File("etc/gone", b"whited out"),
+        Entry::Dir("opq"),
+        Entry::File("opq/old", b"hidden"),
+    ])
+    .unwrap()
+}
+
+/// The layer over it: a file replaced, one whited out, a directory made opaque.
+fn top_layer() -> Vec<u8> {
+    oci_image::layer(&[
+        Entry::File("etc/msg", b"top"),
+        Entry::File("etc/.wh.gone", b""),
+        Entry::File("opq/.wh..wh..opq", b""),
+        Entry::File("opq/new", b"new"),
+    ])
+    .unwrap()
+}
+
+fn image_config(layers: &[Vec<u8>]) -> Vec<u8> {
+    oci_image::config(
+        &["PATH=/bin", "GREETING=from the image", "MODE=image"],
+        "/srv/app",
+        "1000:1000",
+        layers,
+    )
+}
+
+/// What a sandbox of a template built from the test's image sees.
+const PROBE: &str = "pwd; echo \"$GREETING|$MODE|$PATH\"; cat /etc/msg; echo; ls /opq; \
+                     test -e /etc/gone || echo gone; id -u";
+
+#[test]
+fn templates_from_container_images_run_with_the_images_files_env_and_workdir() {
+    if skip() {
+        return;
+    }
+    let store = tempfile::TempDir::new().unwrap();
+    let rt = runtime(store.path());
+    let files = tempfile::TempDir::new().unwrap();
+    let layers = vec![busybox_layer(), top_layer()];
+    let config = image_config(&layers);
+    let layout = files.path().join("layout");
+    oci_image::oci_layout(&layout, &config, &layers, &[true, false]).unwrap();
+    let saved = files.path().join("saved.tar");
+    oci_image::docker_save(&saved, &config, &layers).unwrap();
+
+    for (name, image) in [("from-layout", &layout), ("from-save", &saved)] {
+        let mut lines = Vec::new();
+        let meta = rt
+            .build_jail_template(name, &TreeSource::Oci(image.clone()), &mut |l| {
+                lines.push(l.to_string())
+            })
+            .unwrap();
+        let process = meta.process.clone().expect("an image's defaults are kept");
+        assert_eq!(process.cwd.as_deref(), Some("/srv/app"));
+        assert_eq!(process.user.as_deref(), Some("1000:1000"));
+        assert!(lines.iter().any(|l| l.contains("2 layers")), "{lines:?}");
+        // The caller's variables win over the image's of the same name.
+        let sb = rt
+            .create(
+                name,
+                CreateOptions {
+                    env: vec![("MODE".into(), "caller".into())],
+                    ..CreateOptions::new(false)
+                },
+            )
+            .unwrap();
+        let (code, out, err) = sh(&sb.agent().unwrap(), PROBE);
+        assert_eq!(code, 0, "{err}");
+        let lines: Vec<&str> = out.lines().collect();
+        assert_eq!(
+            lines[..6],
+            [
+                "/srv/app",
+                "from the image|caller|/bin",
+                "top",
+                "new",
+                "gone",
+                // Every process of a jail runs as the sandbox's own host uid.
+                lines[5],
+            ],
+            "{out}"
+        );
+        assert_ne!(lines[5], "0", "a sandbox's processes are not root");
+        sb.destroy().unwrap();
+    }
+    assert!(rt.list().unwrap().is_empty());
+}
+
+#[test]
+fn a_malformed_image_is_refused_and_leaves_no_template() {
+    if skip() {
+        return;
+    }
+    let store = tempfile::TempDir::new().unwrap();
+    let rt = runtime(store.path());
+    let files = tempfile::TempDir::new().unwrap();
+    let escape = oci_image::layer(&[Entry::Raw("../../escaped", b"x")]).unwrap();
+    let layout = files.path().join("escape");
+    oci_image::oci_layout(
+        &layout,
+        &image_config(std::slice::from_ref(&escape)),
+        &[escape],
+        &[false],
+    )
+    .unwrap();
+    let err = rt
+        .build_jail_template("bad", &TreeSource::Oci(layout), &mut |_| {})
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    assert!(
+        cube_core::error_report::chain(&err).contains("leaves the tree"),
+        "{err}"
+    );
+    let saved = files.path().join("truncated.tar");
+    let layers = vec![top_layer()];
+    oci_image::docker_save(&saved, &image_config(&layers), &layers).unwrap();
+    let whole = std::fs::read(&saved).unwrap();
+    std::fs::write(&saved, &whole[..whole.len() / 3]).unwrap();
+    let err = rt
+        .build_jail_template("bad", &TreeSource::Oci(saved), &mut |_| {})
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    assert!(
+        cube_core::error_report::chain(&err).contains("damaged or truncated"),
+        "{}",
+        cube_core::error_report::chain(&err)
+    );
+    assert!(rt
+        .templates()
+        .unwrap()
+        .iter()
+        .all(|t| t.name == HOST_TEMPLATE));
+    assert_eq!(
+        std::fs::read_dir(store.path().join("tmp")).unwrap().count(),
+        0,
+        "no staging debris"
+    );
+}
