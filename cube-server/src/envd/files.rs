@@ -5,6 +5,7 @@
 
 use std::io::Read;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -217,6 +218,32 @@ fn written(path: &str) -> serde_json::Value {
 }
 
 /// Feeds a body stream into a write, counting against the upload limit.
+/// How much of a refused upload is still read, and for how long, before the refusal is
+/// sent: a server that answers and closes while the client is still sending makes the
+/// client's kernel take a reset, which can throw the answer away before the client
+/// reads it (the client then sees a broken pipe instead of 413). nginx's lingering
+/// close does the same.
+const LINGER_BYTES: u64 = 64 << 20;
+const LINGER_TIME: Duration = Duration::from_secs(5);
+
+/// Reads and drops what is left of a refused upload, within [`LINGER_BYTES`] and
+/// [`LINGER_TIME`].
+async fn linger<S, E>(mut chunks: S)
+where
+    S: futures_util::Stream<Item = Result<Bytes, E>> + Unpin,
+{
+    let mut read = 0u64;
+    let _ = tokio::time::timeout(LINGER_TIME, async {
+        while let Some(Ok(chunk)) = chunks.next().await {
+            read += chunk.len() as u64;
+            if read > LINGER_BYTES {
+                break;
+            }
+        }
+    })
+    .await;
+}
+
 async fn feed<S, E>(
     mut chunks: S,
     tx: mpsc::Sender<Bytes>,
@@ -232,6 +259,7 @@ where
             chunk.map_err(|e| err(StatusCode::BAD_REQUEST, format!("Reading the upload: {e}")))?;
         *total += chunk.len() as u64;
         if *total > limit {
+            linger(&mut chunks).await;
             return Err(err(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 format!("Upload larger than the {limit} bytes this server accepts"),
@@ -280,6 +308,7 @@ pub async fn write(
         .and_then(|v| v.parse::<u64>().ok())
     {
         if len > limit.saturating_add(64 * 1024) {
+            linger(body.into_data_stream()).await;
             return err(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 format!("Upload of {len} bytes is larger than the {limit} this server accepts"),
