@@ -208,6 +208,7 @@ fn store_kind(e: &StoreError) -> ErrorKind {
         StoreError::NotFound { .. } => ErrorKind::NotFound,
         StoreError::AlreadyExists { .. } => ErrorKind::AlreadyExists,
         StoreError::NoHome => ErrorKind::HostCannot,
+        StoreError::SocketPathTooLong { .. } => ErrorKind::InvalidArgument,
         _ => ErrorKind::Internal,
     }
 }

@@ -225,6 +225,19 @@ impl SandboxDir {
         self.0.join(CONSOLE_LOG)
     }
 
+    /// The longest path of a socket bound in the sandbox's directory (the supervisor's,
+    /// the agent link's, the vsock device's), for the check that they all fit.
+    pub fn longest_socket(&self) -> PathBuf {
+        [
+            self.supervisor_socket(),
+            self.agent_socket(),
+            self.vsock_socket(),
+        ]
+        .into_iter()
+        .max_by_key(|p| p.as_os_str().len())
+        .unwrap_or_else(|| self.supervisor_socket())
+    }
+
     /// The host end of a VM sandbox's vsock device.
     pub fn vsock_socket(&self) -> PathBuf {
         self.0.join(VSOCK_SOCKET)

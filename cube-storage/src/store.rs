@@ -78,6 +78,20 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
+    /// The store lies so deep that a sandbox's sockets would not fit a unix socket
+    /// address (108 bytes with its terminating zero).
+    #[error(
+        "Store path too long: {path} is {len} bytes, and unix socket paths allow {max}; \
+         use a store (CUBE_HOME) with a shorter path"
+    )]
+    SocketPathTooLong {
+        /// The longest socket path the entry would hold.
+        path: PathBuf,
+        /// Its length in bytes.
+        len: usize,
+        /// The most a socket path may have.
+        max: usize,
+    },
     /// The template, snapshot or sandbox does not exist.
     #[error("{what} {name} does not exist")]
     NotFound {
@@ -242,8 +256,11 @@ impl Store {
     }
 
     /// The layout of template `name`'s directory (which need not exist yet).
+    /// Fails where the store lies too deep for the socket a VM template's build binds.
     pub fn template(&self, name: &str) -> Result<TemplateDir, StoreError> {
-        self.template_dir(name).map(TemplateDir::new)
+        let dir = TemplateDir::new(self.template_dir(name)?);
+        socket_path_fits(dir.build_vsock_socket())?;
+        Ok(dir)
     }
 
     /// The layout of snapshot `id`'s directory (which need not exist yet).
@@ -251,9 +268,14 @@ impl Store {
         self.snapshot_dir(id).map(SnapshotDir::new)
     }
 
-    /// The layout of sandbox `id`'s directory (which need not exist yet).
+    /// The layout of sandbox `id`'s directory (which need not exist yet). Fails where
+    /// the store lies too deep for the sockets a sandbox binds: found here, the error
+    /// names the cause, where a bind deep inside a supervisor would only show as a
+    /// supervisor that went away.
     pub fn sandbox(&self, id: &str) -> Result<SandboxDir, StoreError> {
-        self.sandbox_dir(id).map(SandboxDir::new)
+        let dir = SandboxDir::new(self.sandbox_dir(id)?);
+        socket_path_fits(dir.longest_socket())?;
+        Ok(dir)
     }
 
     /// Removes sandbox `id`'s directory and every snapshot whose record names it as
@@ -560,6 +582,23 @@ fn default_root_from(
     non_empty(home)
         .map(|h| h.join(".local/share/cube"))
         .ok_or(StoreError::NoHome)
+}
+
+/// The most bytes a unix socket path may have: `sun_path` holds 108, the last of
+/// them the terminating zero.
+const MAX_SOCKET_PATH: usize = 107;
+
+/// Checks that `path` can be bound as a unix socket.
+fn socket_path_fits(path: PathBuf) -> Result<(), StoreError> {
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(StoreError::SocketPathTooLong {
+            path,
+            len,
+            max: MAX_SOCKET_PATH,
+        });
+    }
+    Ok(())
 }
 
 /// The process that created a scratch entry, from its name.
@@ -880,6 +919,28 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_store_too_deep_for_socket_paths_is_refused_by_name() {
+        let base = tempfile::tempdir().unwrap();
+        // Deep enough that `sandboxes/sb-<16 hex>/supervisor.sock` passes 107 bytes.
+        let deep = base
+            .path()
+            .join("d".repeat(110 - base.path().as_os_str().len()));
+        let store = Store::open(&deep).unwrap();
+        let id = Store::new_id("sb").unwrap();
+        let err = store.sandbox(&id).unwrap_err();
+        assert!(
+            matches!(err, StoreError::SocketPathTooLong { max: 107, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("CUBE_HOME"), "{err}");
+        assert!(store.template("t").is_err());
+
+        let (_dir, shallow) = open_temp();
+        let dir = shallow.sandbox(&id).unwrap();
+        assert!(dir.longest_socket().as_os_str().len() <= MAX_SOCKET_PATH);
     }
 
     #[test]

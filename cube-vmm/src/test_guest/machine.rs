@@ -26,6 +26,11 @@ use crate::vstate::KvmContext;
 /// How long the host waits for the test guest to answer.
 const GUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Extra time allowed per MiB a dirty command writes: the first touch of each page
+/// faults into the host, and on a host loaded with other work 1 GiB took over 30 s,
+/// so a fixed bound failed healthy guests there.
+const DIRTY_TIMEOUT_PER_MIB: Duration = Duration::from_millis(60);
+
 /// Why a machine operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum MachineError {
@@ -350,13 +355,24 @@ impl Machine {
         arg: u64,
         pattern: u64,
     ) -> Result<(), MachineError> {
+        self.guest_command_within(operation, arg, pattern, GUEST_TIMEOUT)
+    }
+
+    /// [`Self::guest_command`] with its own bound on the wait.
+    fn guest_command_within(
+        &self,
+        operation: u64,
+        arg: u64,
+        pattern: u64,
+        timeout: Duration,
+    ) -> Result<(), MachineError> {
         if !self.running {
             return Err(MachineError::WrongState("guest commands while paused"));
         }
         let mailbox = self.mailbox();
         let seq = mailbox.post(operation, arg, pattern)?;
         self.ring_doorbell();
-        mailbox.wait_for(field::DONE_SEQ, seq, "finish a command", GUEST_TIMEOUT)?;
+        mailbox.wait_for(field::DONE_SEQ, seq, "finish a command", timeout)?;
         Ok(())
     }
 
@@ -370,7 +386,14 @@ impl Machine {
             }
             .into());
         }
-        self.guest_command(op::DIRTY, mib * 256, pattern)
+        let allowance =
+            DIRTY_TIMEOUT_PER_MIB.saturating_mul(u32::try_from(mib).unwrap_or(u32::MAX));
+        self.guest_command_within(
+            op::DIRTY,
+            mib * 256,
+            pattern,
+            GUEST_TIMEOUT.saturating_add(allowance),
+        )
     }
 
     /// Switches the test guest between idling and spinning on its counter.
