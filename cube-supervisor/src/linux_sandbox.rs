@@ -55,7 +55,6 @@ pub struct LinuxSandbox {
     /// The TAP behind the NIC, kept across rollback and hibernation.
     tap: Option<Tap>,
     network: Option<Box<JailNetwork>>,
-    paused: bool,
     hibernated: bool,
     /// Bumped on every restore (create, rollback, wake).
     generation: u64,
@@ -136,7 +135,6 @@ impl LinuxSandbox {
             vm: None,
             tap: None,
             network: None,
-            paused: false,
             hibernated: false,
             generation: 0,
             stop_reseed: Arc::new(AtomicBool::new(true)),
@@ -194,14 +192,13 @@ impl LinuxSandbox {
     }
 
     /// Lets a freshly restored VM run as the sandbox's, and has its agent reseeded.
-    fn start(&mut self, vm: LinuxVm) -> Result<(), String> {
+    fn start(&mut self, mut vm: LinuxVm) -> Result<(), String> {
         vm.resume().map_err(|e| error_chain(&e))?;
         self.stop_reseed.store(true, Ordering::Relaxed);
         self.stop_reseed = Arc::new(AtomicBool::new(false));
         reseed_when_ready(self.dir.vsock_socket(), Arc::clone(&self.stop_reseed));
         // The old VM (a rollback's) stops here, after the new one took over.
         self.vm = Some(vm);
-        self.paused = false;
         self.hibernated = false;
         self.generation += 1;
         Ok(())
@@ -225,8 +222,8 @@ impl SandboxBackend for LinuxSandbox {
             None => MachineStatus::Failed("the VM is gone".into()),
             Some(vm) => match vm.fatal() {
                 Some(why) => MachineStatus::Failed(why),
-                None if self.paused => MachineStatus::Paused,
-                None => MachineStatus::Running,
+                None if vm.is_running() => MachineStatus::Running,
+                None => MachineStatus::Paused,
             },
         };
         StatusReport {
@@ -243,15 +240,15 @@ impl SandboxBackend for LinuxSandbox {
     }
 
     fn pause(&mut self) -> Result<(), Failure> {
-        self.vm()?.pause().map_err(|e| error_chain(&e))?;
-        self.paused = true;
-        Ok(())
+        self.vm()?
+            .pause()
+            .map_err(|e| Failure::from(error_chain(&e)))
     }
 
     fn resume(&mut self) -> Result<(), Failure> {
-        self.vm()?.resume().map_err(|e| error_chain(&e))?;
-        self.paused = false;
-        Ok(())
+        self.vm()?
+            .resume()
+            .map_err(|e| Failure::from(error_chain(&e)))
     }
 
     /// Memory diff, devices and disk; the VM stays paused until the snapshot is
@@ -263,9 +260,9 @@ impl SandboxBackend for LinuxSandbox {
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default();
         let tx = SnapshotTransaction::begin(staging, dest)?;
-        let was_running = !self.paused;
         let disk = self.dir.rootfs();
         let vm = awake(&mut self.vm, self.hibernated, VM_GONE)?;
+        let was_running = vm.is_running();
         let staged_dir = tx.create_staging()?;
         let stopped = std::time::Instant::now();
         let written = (|| {
@@ -318,13 +315,15 @@ impl SandboxBackend for LinuxSandbox {
         let staged = self.dir.rootfs_rollback();
         let _ = std::fs::remove_file(&staged);
         cube_storage::clone_file(&source_disk, &staged).map_err(|e| error_chain(&e))?;
-        let was_running = !self.hibernated && !self.paused && self.vm.is_some();
+        let was_running = !self.hibernated && self.vm.as_ref().is_some_and(LinuxVm::is_running);
         let socket = self.dir.vsock_socket();
         let aside = self.dir.vsock_socket_aside();
-        let built = (|| {
-            if let Some(vm) = self.vm.as_ref().filter(|_| !self.hibernated) {
-                vm.pause().map_err(|e| error_chain(&e))?;
-            }
+        let hibernated = self.hibernated;
+        let paused = match self.vm.as_mut().filter(|_| !hibernated) {
+            Some(vm) => vm.pause().map_err(|e| error_chain(&e)),
+            None => Ok(()),
+        };
+        let built = paused.and_then(|()| {
             // The old VM's listener keeps its socket under another name, so that
             // it can have it back if the new VM does not come up.
             if socket.exists() {
@@ -332,7 +331,7 @@ impl SandboxBackend for LinuxSandbox {
                     .map_err(|e| format!("setting the vsock socket aside: {e}"))?;
             }
             self.build_vm(snapshot, &staged, false)
-        })();
+        });
         match built {
             Ok(vm) => {
                 std::fs::rename(&staged, self.dir.rootfs())
@@ -350,7 +349,7 @@ impl SandboxBackend for LinuxSandbox {
                     let _ = std::fs::rename(&aside, &socket);
                 }
                 if was_running {
-                    if let Some(vm) = &self.vm {
+                    if let Some(vm) = &mut self.vm {
                         let _ = vm.resume();
                     }
                 }
@@ -362,8 +361,8 @@ impl SandboxBackend for LinuxSandbox {
     /// Writes the state into `hibernate/` (memory as a diff against the parent image)
     /// and releases the VM; the disk stays where it is, the TAP stays attached.
     fn hibernate(&mut self) -> Result<(), Failure> {
-        let was_running = !self.paused;
         let vm = awake(&mut self.vm, self.hibernated, VM_GONE)?;
+        let was_running = vm.is_running();
         let mut stopped = false;
         let written = write_hibernation_image(&self.dir, &mut self.flushes, |staging| {
             stopped = true;
@@ -381,7 +380,6 @@ impl SandboxBackend for LinuxSandbox {
         self.vm = None;
         let _ = std::fs::remove_file(self.dir.vsock_socket());
         self.hibernated = true;
-        self.paused = false;
         Ok(())
     }
 

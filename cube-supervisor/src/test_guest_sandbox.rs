@@ -39,7 +39,8 @@ pub struct TestGuestSandbox {
 
 /// The failure of a machine operation: a wrong state is the caller's, the rest is the
 /// machine's.
-fn machine_failure(e: MachineError) -> Failure {
+fn machine_failure(e: impl Into<MachineError>) -> Failure {
+    let e = e.into();
     let kind = match e {
         MachineError::WrongState(_) => ErrorKind::BadState,
         _ => ErrorKind::Internal,

@@ -50,7 +50,7 @@ fn paused_guest(kernel: PathBuf) -> LinuxVm {
         cmdline_devices: false,
         kernel_mode: cube_vmm::vstate::emulation::KernelMode::Native,
     };
-    let vm = linux_vm::boot_with_devices(&ctx, &config, Box::new(console.clone()), devices)
+    let mut vm = linux_vm::boot_with_devices(&ctx, &config, Box::new(console.clone()), devices)
         .unwrap_or_else(|e| panic!("booting: {e}"));
     wait_for(&vm, &console, "Linux version", Duration::from_secs(120))
         .unwrap_or_else(|e| panic!("the guest's banner: {e}"));
@@ -70,7 +70,7 @@ fn main() {
     let mut parent = dir.path().join("parent");
     std::fs::create_dir(&parent).unwrap_or_else(|e| panic!("{e}"));
     vm.snapshot(&parent, None)
-        .and_then(|_| vm.snapshot_committed(&parent))
+        .and_then(|_| Ok(vm.snapshot_committed(&parent)?))
         .unwrap_or_else(|e| panic!("first snapshot: {e}"));
 
     let mut criterion = Criterion::default().configure_from_args();

@@ -8,9 +8,11 @@
 //! - [`vcpu_runner`]: one thread per vCPU, stopped and resumed by signal.
 //! - [`device_manager`]: the virtio-mmio devices of a machine, their windows,
 //!   interrupts and event loop.
-//! - [`linux_vm`]: a Linux guest, booted or restored, and its snapshots.
-//! - [`persist`]: the snapshot state file (format, validation) and what writing one
-//!   cost.
+//! - [`microvm`]: THE microVM (VM, vCPU threads, memory, dirty tracking, pause,
+//!   diff base) with its builder; a guest's own parts are its type parameter.
+//! - [`linux_vm`]: a Linux guest's parts (COM1, virtio devices), its boot and restore.
+//! - [`persist`]: the snapshot state file (format, validation), the one snapshot
+//!   writer every microVM uses, and what writing a snapshot cost.
 //! - [`host`]: which KVM this host offers.
 //! - `test_guest` (feature `test-guest`): the synthetic guest that proves the VMM's
 //!   mechanics where no Linux guest runs, and its machine. Production paths do not
@@ -27,6 +29,7 @@ pub mod dirty_tracking;
 pub mod host;
 pub mod linux_vm;
 pub mod memory;
+pub mod microvm;
 pub mod persist;
 #[cfg(feature = "test-guest")]
 pub mod test_guest;

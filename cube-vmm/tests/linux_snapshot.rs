@@ -61,7 +61,7 @@ fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
 
     let second = Console::default();
     let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
-    let clone =
+    let mut clone =
         LinuxVm::restore(&ctx, dir.path(), Box::new(second.clone()), devices, true).unwrap();
     assert_ne!(rng_generation(&clone), 0, "the clone's rng moved on");
     clone.resume().unwrap();
@@ -161,7 +161,7 @@ fn a_running_linux_guest_snapshots_as_diffs_and_a_failed_snapshot_loses_no_page(
     drop(vm);
     let clone_console = Console::default();
     let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
-    let clone = LinuxVm::restore(
+    let mut clone = LinuxVm::restore(
         &ctx,
         &second,
         Box::new(clone_console.clone()),

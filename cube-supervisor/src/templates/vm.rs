@@ -404,7 +404,7 @@ pub fn build(
         progress(&last);
     }
     progress("agent answered; snapshotting");
-    vm.pause()?;
+    vm.pause().map_err(linux_vm::BootError::from)?;
     vm.snapshot(staging.path(), None)?;
     drop(vm);
     let meta = TemplateMeta {

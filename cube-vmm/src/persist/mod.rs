@@ -1,6 +1,8 @@
 //! Snapshots of a microVM on disk: the checksummed state file beside the memory file
-//! ([`state`]), and what writing a snapshot cost ([`stats`]).
+//! ([`state`]), the writer every microVM's snapshot goes through
+//! ([`snapshot_writer`]), and what writing a snapshot cost ([`stats`]).
 
+pub(crate) mod snapshot_writer;
 pub mod state;
 pub mod stats;
 

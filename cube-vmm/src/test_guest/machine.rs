@@ -1,26 +1,23 @@
-//! The test guest's microVM: KVM VM, vCPU threads and guest memory, booted fresh or
-//! restored from a snapshot, and the snapshot operation itself. (A Linux guest has its
-//! own, [`crate::linux_vm::LinuxVm`].)
+//! The test guest's microVM: a [`MicroVm`] whose guest is the synthetic test
+//! program, booted fresh, restored from a snapshot or loaded in place into a
+//! pre-built shell, and driven through its mailbox. (A Linux guest is the same
+//! machine with other guest parts, [`crate::linux_vm::LinuxVm`].)
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cube_mem::dirty::{CombinedTracker, DirtyBitmap, DirtyTracker, DirtyTrackerKind};
-use cube_mem::GuestMemory;
-use cube_storage::durable_marker::{self as durability};
-use cube_storage::{Durability, SnapshotDir};
+use cube_mem::dirty::DirtyTrackerKind;
+use cube_storage::SnapshotDir;
 
 use super::mailbox::{field, op, Mailbox, MailboxError, Mode};
 use super::program::{self, dirty_area_pages, ProgramError};
-use crate::arch::x86_64::layout::{ram_ranges, RamRange};
-use crate::dirty_tracking::{self, TrackingError};
-use crate::memory::{memory_layout, register_guest_memory};
+use crate::microvm::{open_parent, MicroVm, MicroVmBuilder, MicroVmError};
+use crate::persist::snapshot_writer::GuestContents;
 use crate::persist::state::{self as format, GuestKind, MachineConfig, MachineState, WorkingSet};
 use crate::persist::SnapshotStats;
 use crate::vcpu_runner::{VcpuHandle, VcpuRunnerError};
 use crate::vstate::vcpu::Vcpu;
-use crate::vstate::vm::{Vm, VmConfig};
 use crate::vstate::KvmContext;
 
 /// How long the host waits for the test guest to answer.
@@ -34,21 +31,12 @@ const DIRTY_TIMEOUT_PER_MIB: Duration = Duration::from_millis(60);
 /// Why a machine operation failed.
 #[derive(Debug, thiserror::Error)]
 pub enum MachineError {
-    /// The memory size cannot be laid out.
-    #[error("Invalid machine shape")]
-    Layout(#[from] crate::arch::x86_64::layout::LayoutError),
-    /// Guest memory could not be set up.
+    /// The microVM under the test guest failed.
+    #[error(transparent)]
+    Machine(#[from] MicroVmError),
+    /// Guest memory could not be remapped.
     #[error("Guest memory")]
     Memory(#[from] cube_mem::MemoryError),
-    /// Dirty-page tracking failed.
-    #[error("Dirty-page tracking")]
-    Dirty(#[from] cube_mem::dirty::DirtyError),
-    /// No dirty-page tracking could be set up.
-    #[error("Dirty-page tracking setup")]
-    Tracking(#[from] TrackingError),
-    /// Writing the memory file failed.
-    #[error("Writing the memory file")]
-    MemoryFile(#[from] cube_mem::memory_file::MemoryFileError),
     /// A KVM VM operation failed.
     #[error("KVM VM")]
     Vm(#[from] crate::vstate::vm::VmError),
@@ -58,6 +46,9 @@ pub enum MachineError {
     /// Controlling a vCPU thread failed.
     #[error("vCPU thread")]
     Runner(#[from] VcpuRunnerError),
+    /// Dirty-page tracking failed.
+    #[error("Dirty-page tracking")]
+    Dirty(#[from] cube_mem::dirty::DirtyError),
     /// The test guest could not be loaded.
     #[error("Loading the test guest")]
     Program(#[from] ProgramError),
@@ -67,12 +58,6 @@ pub enum MachineError {
     /// The snapshot on disk is unusable.
     #[error("Snapshot")]
     Format(#[from] format::FormatError),
-    /// The parent memory file cannot be opened.
-    #[error("Opening memory file {0}")]
-    Parent(String, #[source] std::io::Error),
-    /// The snapshot's durability could not be recorded.
-    #[error("Snapshot durability")]
-    Durability(#[from] durability::DurabilityError),
     /// The snapshot is of a Linux guest (see `LinuxVm::restore`).
     #[error("Snapshot holds a Linux guest, which this test-guest machine cannot run")]
     LinuxSnapshot,
@@ -81,72 +66,32 @@ pub enum MachineError {
     WrongState(&'static str),
 }
 
-/// A running (or paused) microVM.
-///
-/// Field order is drop order: vCPU threads stop before the VM closes, and the VM
-/// closes before guest memory is unmapped.
-pub struct Machine {
-    vcpus: Vec<VcpuHandle>,
-    tracker: CombinedTracker,
-    vm: Vm,
-    memory: GuestMemory,
-    config: MachineConfig,
-    ram: Vec<RamRange>,
-    guest: GuestKind,
-    /// The complete memory file that, plus the pages dirtied since, equals guest memory.
-    /// Held open so that removing its snapshot (or template) cannot break later diffs.
-    parent: Option<std::fs::File>,
-    /// Dirty pages collected by a snapshot that then failed: they must reach the next.
-    carry: Option<DirtyBitmap>,
-    running: bool,
+/// The test guest's own part of its machine: which program it runs.
+pub struct TestGuest {
+    kind: GuestKind,
 }
 
-impl Machine {
+/// A running (or paused) microVM with the test guest in it.
+pub type Machine = MicroVm<TestGuest>;
+
+impl MicroVm<TestGuest> {
+    /// Joins `builder`'s VM and memory with one vCPU thread per vCPU of its shape,
+    /// each set up by `vcpu_setup` (initial registers, or restored state).
     fn assemble(
-        ctx: &Arc<KvmContext>,
-        config: MachineConfig,
-        ram: Vec<RamRange>,
-        memory: GuestMemory,
-        guest: GuestKind,
-        parent: Option<std::fs::File>,
+        builder: MicroVmBuilder,
+        kind: GuestKind,
         vcpu_setup: impl Fn(&mut Vcpu, u8) -> Result<(), MachineError>,
     ) -> Result<Machine, MachineError> {
-        let vm = Vm::new(
-            ctx,
-            &VmConfig {
-                vcpus: config.vcpus,
-                irqchip: config.irqchip,
-            },
-        )?;
-        tracing::debug!("assemble: VM created");
-        let tracking = dirty_tracking::chosen_kind()?;
-        // SAFETY: `memory` is moved into the returned Machine, which drops it only after
-        // the VM (field order), so KVM never sees the mapping gone.
-        unsafe {
-            register_guest_memory(&vm, &memory, tracking == DirtyTrackerKind::KvmDirtyLog)?;
-        }
-        tracing::debug!("assemble: VM created, memory registered");
-        let tracker = dirty_tracking::start(tracking, &vm, &memory)?;
-        let mut vcpus = Vec::with_capacity(config.vcpus as usize);
-        for index in 0..config.vcpus {
-            let mut vcpu = Vcpu::new(&vm, index)?;
+        let vcpu_count = builder.config().vcpus;
+        let mut vcpus = Vec::with_capacity(vcpu_count as usize);
+        for index in 0..vcpu_count {
+            let mut vcpu = Vcpu::new(builder.vm(), index)?;
             vcpu.configure_cpuid()?;
             vcpu_setup(&mut vcpu, index)?;
             vcpus.push(VcpuHandle::spawn(vcpu)?);
         }
         tracing::debug!("assemble: vCPUs ready");
-        Ok(Machine {
-            vcpus,
-            tracker,
-            vm,
-            memory,
-            config,
-            ram,
-            guest,
-            parent,
-            carry: None,
-            running: false,
-        })
+        Ok(builder.build(vcpus, TestGuest { kind }, false))
     }
 
     /// Boots the synthetic test guest in fresh, zeroed memory and waits until it runs.
@@ -155,16 +100,16 @@ impl Machine {
         config: MachineConfig,
         working_set: WorkingSet,
     ) -> Result<Machine, MachineError> {
-        let ram = ram_ranges(config.memory_bytes)?;
-        let memory = GuestMemory::anonymous(memory_layout(&ram)?)?;
-        let registers = program::load(memory.inner(), &ram, config.vcpus, working_set)?;
+        let builder = MicroVmBuilder::fresh(ctx, config)?;
+        let registers = program::load(
+            builder.memory().inner(),
+            builder.ram(),
+            config.vcpus,
+            working_set,
+        )?;
         let mut machine = Machine::assemble(
-            ctx,
-            config,
-            ram,
-            memory,
+            builder,
             GuestKind::TestGuest { working_set },
-            None,
             |vcpu, index| {
                 let (regs, sregs) = &registers[index as usize];
                 vcpu.set_initial_registers(regs, sregs)?;
@@ -179,19 +124,11 @@ impl Machine {
     /// [`Machine::load_in_place`]. A pooled supervisor builds one while it waits, so
     /// creating a sandbox does not pay for VM creation.
     pub fn shell(ctx: &Arc<KvmContext>, config: MachineConfig) -> Result<Machine, MachineError> {
-        let ram = ram_ranges(config.memory_bytes)?;
-        let memory = GuestMemory::anonymous(memory_layout(&ram)?)?;
-        Machine::assemble(
-            ctx,
-            config,
-            ram,
-            memory,
-            GuestKind::TestGuest {
-                working_set: WorkingSet::default(),
-            },
-            None,
-            |_, _| Ok(()),
-        )
+        let builder = MicroVmBuilder::fresh(ctx, config)?;
+        let kind = GuestKind::TestGuest {
+            working_set: WorkingSet::default(),
+        };
+        Machine::assemble(builder, kind, |_, _| Ok(()))
     }
 
     /// Restores the snapshot in `dir`: memory is the snapshot's memory file mapped
@@ -203,29 +140,17 @@ impl Machine {
             return Err(MachineError::LinuxSnapshot);
         }
         tracing::debug!(elapsed = ?start.elapsed(), "restore: state read");
-        let memory_path = SnapshotDir::new(dir).memory();
-        let memory = GuestMemory::restore_private(memory_layout(&state.ram)?, &memory_path)?;
-        let parent = open_parent(&memory_path)?;
+        let builder = MicroVmBuilder::restored(ctx, &state, dir)?;
         let MachineState {
-            config,
-            ram,
             guest,
             vm: vm_state,
             vcpus: vcpu_states,
             ..
         } = state;
-        let mut machine = Machine::assemble(
-            ctx,
-            config,
-            ram,
-            memory,
-            guest,
-            Some(parent),
-            |vcpu, index| {
-                vcpu.restore_state(&vcpu_states[index as usize])?;
-                Ok(())
-            },
-        )?;
+        let mut machine = Machine::assemble(builder, guest, |vcpu, index| {
+            vcpu.restore_state(&vcpu_states[index as usize])?;
+            Ok(())
+        })?;
         machine.vm.restore_state(&vm_state)?;
         tracing::debug!(elapsed = ?start.elapsed(), "restore: VM and vCPUs restored");
         machine.start()?;
@@ -250,7 +175,7 @@ impl Machine {
         // userfaultfd registrations do not survive a remap: only KVM's log does.
         if state.config != self.config
             || state.ram != self.ram
-            || self.tracker.primary().kind() != DirtyTrackerKind::KvmDirtyLog
+            || self.diff.tracker_kind() != DirtyTrackerKind::KvmDirtyLog
         {
             return Ok(false);
         }
@@ -261,14 +186,12 @@ impl Machine {
         // nothing touches guest memory during the remap.
         unsafe { self.memory.remap_private(&memory_path)? };
         // Whatever was dirty belonged to the memory just replaced.
-        self.tracker.collect()?;
+        self.diff.rebased(parent)?;
         for (handle, vcpu_state) in self.vcpus.iter().zip(state.vcpus) {
             handle.with_vcpu(move |v| v.restore_state(&vcpu_state))??;
         }
         self.vm.restore_state(&state.vm)?;
-        self.guest = state.guest;
-        self.parent = Some(parent);
-        self.carry = None;
+        self.guest.kind = state.guest;
         tracing::debug!(elapsed = ?start.elapsed(), "load in place: restored");
         self.start()?;
         tracing::debug!(elapsed = ?start.elapsed(), "load in place: guest running");
@@ -292,53 +215,6 @@ impl Machine {
     /// The host's view of the test guest's mailbox.
     pub fn mailbox(&self) -> Mailbox<'_> {
         Mailbox::new(self.memory.inner())
-    }
-
-    /// Guest memory.
-    pub fn memory(&self) -> &GuestMemory {
-        &self.memory
-    }
-
-    /// The machine's shape.
-    pub fn config(&self) -> MachineConfig {
-        self.config
-    }
-
-    /// Whether the vCPUs are running.
-    pub fn is_running(&self) -> bool {
-        self.running
-    }
-
-    /// A path that opens the memory file this machine's memory is based on, if any.
-    pub fn parent_memory_file(&self) -> Option<PathBuf> {
-        self.parent.as_ref().map(fd_path)
-    }
-
-    /// Stops every vCPU where it is. Idempotent.
-    pub fn pause(&mut self) -> Result<(), MachineError> {
-        if !self.running {
-            return Ok(());
-        }
-        for vcpu in &self.vcpus {
-            vcpu.request_pause()?;
-        }
-        for vcpu in &self.vcpus {
-            vcpu.wait_parked()?;
-        }
-        self.running = false;
-        Ok(())
-    }
-
-    /// Lets every vCPU continue. Idempotent.
-    pub fn resume(&mut self) -> Result<(), MachineError> {
-        if self.running {
-            return Ok(());
-        }
-        for vcpu in &self.vcpus {
-            vcpu.resume()?;
-        }
-        self.running = true;
-        Ok(())
     }
 
     /// Wakes vCPUs idling in the control device so they look at the mailbox.
@@ -415,121 +291,33 @@ impl Machine {
         Ok(())
     }
 
-    /// A guest that stopped for good (triple fault, KVM error), if any vCPU did.
-    pub fn fatal(&self) -> Option<String> {
-        self.vcpus.iter().find_map(|v| v.fatal())
-    }
-
-    fn collect_dirty(&mut self) -> Result<DirtyBitmap, MachineError> {
-        let mut dirty = self.tracker.collect()?;
-        if let Some(carry) = self.carry.take() {
-            dirty.or(&carry)?;
-        }
-        Ok(dirty)
-    }
-
     /// Writes a complete snapshot into `dir` (an empty staging directory): only the
     /// pages dirtied since the parent image are written, into a reflinked copy of it.
     ///
     /// The vCPUs are stopped meanwhile and continue afterwards if they were running.
     /// On failure the dirty pages are kept for the next attempt, so no write is lost.
-    /// Call [`Machine::snapshot_committed`] once `dir` has reached its final place.
+    /// Call [`MicroVm::snapshot_committed`] once `dir` has reached its final place.
     pub fn snapshot(&mut self, dir: &Path) -> Result<SnapshotStats, MachineError> {
         let was_running = self.running;
         self.pause()?;
-        let result = self.snapshot_paused(dir);
-        if was_running {
-            self.resume()?;
-        }
-        result
-    }
-
-    fn snapshot_paused(&mut self, dir: &Path) -> Result<SnapshotStats, MachineError> {
         let start = std::time::Instant::now();
-        let dirty = self.collect_dirty()?;
+        let dirty = self.diff.take_pending()?;
         tracing::debug!(elapsed = ?start.elapsed(), pages = dirty.count(), "snapshot: dirty set collected");
-        let result = self.write_snapshot(dir, &dirty);
-        tracing::debug!(elapsed = ?start.elapsed(), "snapshot: written");
-        // Whether writing failed or the caller has yet to commit the directory, these
-        // pages are not safely anywhere but guest memory: keep them for the next diff.
-        self.carry = Some(dirty);
-        result
-    }
-
-    fn write_snapshot(
-        &mut self,
-        dir: &Path,
-        dirty: &DirtyBitmap,
-    ) -> Result<SnapshotStats, MachineError> {
-        let memory_path = SnapshotDir::new(dir).memory();
-        let dirty_pages = dirty.count() as u64;
-        let stats = match &self.parent {
-            Some(parent) => {
-                let diff = cube_mem::memory_file::write_diff(
-                    &fd_path(parent),
-                    &memory_path,
-                    &self.memory,
-                    dirty,
-                    Durability::Deferred,
-                )?;
-                SnapshotStats {
-                    dirty_pages,
-                    bytes_written: diff.bytes_written,
-                    reflinked: diff.clone_method == cube_storage::CloneMethod::Reflink,
-                    paused_us: 0,
-                }
-            }
-            None => {
-                let written = cube_mem::memory_file::write_full(
-                    &memory_path,
-                    &self.memory,
-                    Some(dirty),
-                    Durability::Deferred,
-                )?;
-                SnapshotStats {
-                    dirty_pages,
-                    bytes_written: written.bytes_written,
-                    reflinked: false,
-                    paused_us: 0,
-                }
-            }
-        };
-        tracing::debug!(?stats, "snapshot: memory file written");
-        let mut vcpus = Vec::with_capacity(self.vcpus.len());
-        for vcpu in &self.vcpus {
-            vcpus.push(vcpu.with_vcpu(|v| v.save_state())??);
-        }
-        let state = MachineState {
-            format_version: format::FORMAT_VERSION,
-            config: self.config,
-            ram: self.ram.clone(),
-            guest: self.guest,
-            vm: self.vm.save_state()?,
-            vcpus,
-            boot_id: durability::boot_id()?,
+        let contents = GuestContents {
+            kind: self.guest.kind,
             // The test-guest machine has no virtio devices and no serial port.
             devices: Vec::new(),
             serial: None,
+            disk: None,
         };
-        format::write_state(dir, &state)?;
-        Ok(stats)
+        let result = self.write_snapshot(dir, &dirty, contents);
+        tracing::debug!(elapsed = ?start.elapsed(), "snapshot: written");
+        // Whether writing failed or the caller has yet to commit the directory, these
+        // pages are not safely anywhere but guest memory: keep them for the next diff.
+        self.diff.keep_pending(dirty);
+        if was_running {
+            self.resume()?;
+        }
+        Ok(result?)
     }
-
-    /// Records that the snapshot last written now lives in `dir`: its memory file is
-    /// the new parent image, and the pages it holds are no longer pending.
-    pub fn snapshot_committed(&mut self, dir: &Path) -> Result<(), MachineError> {
-        self.parent = Some(open_parent(&SnapshotDir::new(dir).memory())?);
-        self.carry = None;
-        Ok(())
-    }
-}
-
-fn open_parent(path: &Path) -> Result<std::fs::File, MachineError> {
-    std::fs::File::open(path).map_err(|e| MachineError::Parent(path.display().to_string(), e))
-}
-
-/// A path through which `file` can be opened again even after it was unlinked.
-fn fd_path(file: &std::fs::File) -> PathBuf {
-    use std::os::fd::AsRawFd;
-    PathBuf::from(format!("/proc/self/fd/{}", file.as_raw_fd()))
 }
