@@ -2,7 +2,8 @@
 # The trust suites at full size (CI runs them reduced through `cargo test`):
 #   faults  supervisor SIGKILLed at random points of snapshot, rollback, clone,
 #           hibernate, wake and destroy, both engines (CUBE_FAULTS, default 200 per
-#           operation and engine); damaged snapshot files and a full store
+#           operation and engine); the caller killed instead (CUBE_CALLER_FAULTS,
+#           default 200); damaged snapshot files and a full store
 #   cycles  pause/resume and hibernate/wake cycles (CUBE_CYCLES, default 100) and
 #           snapshot -> rollback -> clone generations (CUBE_GENERATIONS, default 20)
 #   churn   sandboxes created and destroyed or killed, then a leak census
@@ -24,6 +25,7 @@ esac
 
 cd "$(dirname "$0")/.."
 export CUBE_FAULTS="${CUBE_FAULTS:-200}"
+export CUBE_CALLER_FAULTS="${CUBE_CALLER_FAULTS:-200}"
 export CUBE_CYCLES="${CUBE_CYCLES:-100}"
 export CUBE_GENERATIONS="${CUBE_GENERATIONS:-20}"
 export CUBE_CHURN="${CUBE_CHURN:-500}"

@@ -217,8 +217,7 @@ pub fn run(
                 std::thread::sleep(lifetime);
                 tracing::info!(sandbox = %sandbox, "lifetime over: destroying");
                 destroy(&s);
-                let _ = std::fs::remove_file(SandboxDir::new(s.lock().dir()).supervisor_socket());
-                remove_files(&s, &sandbox);
+                remove_files(&s);
                 std::process::exit(0);
             })
             .map_err(|e| ServerError::Bind(socket_path.clone(), e))?;
@@ -242,11 +241,9 @@ pub fn run(
     if ephemeral || closed_by_destroy {
         destroy(&state);
         let _ = std::fs::remove_file(&socket_path);
-        if !closed_by_destroy {
-            // Nobody will call destroy for an ephemeral sandbox whose creator went
-            // away: leave nothing behind in the store.
-            remove_files(&state, &id);
-        }
+        // Nobody will call destroy for an ephemeral sandbox whose creator went away:
+        // leave nothing behind in the store (a Destroy removed it already).
+        remove_files(&state);
         std::process::exit(0);
     }
     // A persistent sandbox outlives its creator: keep serving other clients.
@@ -287,7 +284,11 @@ fn serve_stream(
             Err(_) => return false,
         };
         if matches!(request, Request::Destroy) {
+            // The whole job is done here, directory and snapshots included, before the
+            // answer: a caller killed after asking leaves no record of a sandbox that
+            // is gone (the caller's own removal then finds nothing to do).
             destroy(state);
+            remove_files(state);
             let _ = reply(writer, &Response::Ok);
             return true;
         }
@@ -397,9 +398,14 @@ fn destroy(state: &State) {
     join_retired_jails();
 }
 
-fn remove_files(state: &State, id: &str) {
+/// Removes the sandbox's directory (its socket with it) and the snapshots it owns
+/// from the store it lies in.
+fn remove_files(state: &State) {
     let dir = state.lock().dir().to_path_buf();
-    let Some(root) = dir.parent().and_then(|p| p.parent()) else {
+    let (Some(root), Some(id)) = (
+        dir.parent().and_then(|p| p.parent()),
+        dir.file_name().and_then(|n| n.to_str()),
+    ) else {
         return;
     };
     match cube_storage::Store::open(root) {
