@@ -7,13 +7,16 @@
 //!   userfaultfd write-protect, and the VMM write log, and [`probe`] to find out which
 //!   of them work on this host.
 //! - [`memory_file`]: writing guest memory to a memory file, whole or as a reflinked copy
-//!   of the parent file plus the dirty pages.
+//!   of the parent file plus the dirty pages, with the guest stopped or (through
+//!   [`live_copy`]) running on.
 
 // Tests may unwrap (CONTRIBUTING.md); library code may not.
 
 pub mod dirty;
 pub mod guest_memory;
+pub mod live_copy;
 pub mod memory_file;
+mod uffd_sys;
 
 pub use dirty::{
     probe, register_slots, CombinedTracker, DirtyBitmap, DirtyError, DirtyRun, DirtyRuns,
@@ -23,4 +26,7 @@ pub use dirty::{
 pub use guest_memory::{
     GuestMemory, LayoutRegion, MemoryBacking, MemoryError, MemoryLayout, RegionInfo, PAGE_SIZE,
 };
-pub use memory_file::{write_diff, write_full, DiffStats, MemoryFileError, WriteStats};
+pub use memory_file::{
+    prepare_diff, write_diff, write_full, DiffStats, LiveDiff, MemoryFileError, PreparedDiff,
+    WriteStats,
+};

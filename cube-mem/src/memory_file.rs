@@ -7,8 +7,12 @@
 //!   and writes only the dirty pages over it: the result is a complete, independent
 //!   memory file that shares unchanged blocks with its parent.
 //!
-//! Both read guest memory while writing it out: stop the vCPUs (and device emulation)
-//! first, or the file is a blend of before and after.
+//! - [`prepare_diff`] is its first half (the clone), which needs no stopped guest; its
+//!   [`PreparedDiff::protect`] then lets the guest run on while the dirty pages are
+//!   copied ([`LiveDiff::finish`], through [`crate::live_copy`]).
+//!
+//! Otherwise they read guest memory while writing it out: stop the vCPUs (and device
+//! emulation) first, or the file is a blend of before and after.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
@@ -20,6 +24,7 @@ use nix::unistd::{lseek, Whence};
 
 use crate::dirty::DirtyBitmap;
 use crate::guest_memory::{GuestMemory, PAGE_SIZE};
+use crate::live_copy::{LiveCopy, LiveCopyError};
 
 /// Largest single `pwrite`; Linux caps one call near 2 GiB anyway.
 const MAX_WRITE: usize = 1 << 30;
@@ -27,6 +32,9 @@ const MAX_WRITE: usize = 1 << 30;
 /// Errors from writing memory files.
 #[derive(Debug, thiserror::Error)]
 pub enum MemoryFileError {
+    /// Copying pages while the guest runs on failed.
+    #[error("Live copy")]
+    Live(#[from] LiveCopyError),
     /// The dirty bitmap was made for a different memory layout.
     #[error("Dirty bitmap does not match the guest memory layout")]
     DirtyShape,
@@ -226,6 +234,17 @@ pub fn write_diff(
     durability: Durability,
 ) -> Result<DiffStats, MemoryFileError> {
     check_shape(mem, dirty)?;
+    prepare_diff(parent, dest, mem)?.write(mem, dirty, durability)
+}
+
+/// Clones `parent` into the new memory file `dest` (which must not exist) for a diff
+/// of `mem`'s pages over it: the half of [`write_diff`] that needs no stopped guest.
+/// Until the diff is written, dropping the result removes `dest`.
+pub fn prepare_diff(
+    parent: &Path,
+    dest: &Path,
+    mem: &GuestMemory,
+) -> Result<PreparedDiff, MemoryFileError> {
     let start = std::time::Instant::now();
     let clone_method = clone_file(parent, dest).map_err(|source| MemoryFileError::Clone {
         parent: parent.to_path_buf(),
@@ -254,19 +273,103 @@ pub fn write_diff(
             actual,
         });
     }
-    let cloned = start.elapsed();
-    let stats = write_extents(&file, dest, mem, &dirty_extents(dirty))?;
-    tracing::debug!(?cloned, written = ?start.elapsed(), runs = stats.runs, "write_diff");
-    if durability == Durability::Synced {
-        sync(&file, dest)?;
-    }
     guard.disarm();
-    Ok(DiffStats {
-        pages_written: stats.pages_written,
-        bytes_written: stats.bytes_written,
-        runs: stats.runs,
+    tracing::debug!(cloned = ?start.elapsed(), "prepare_diff");
+    // From here the PreparedDiff removes the clone unless it is finished.
+    Ok(PreparedDiff {
+        file: Some(file),
+        dest: dest.to_path_buf(),
         clone_method,
     })
+}
+
+/// A memory file cloned from its parent, waiting for the pages that differ (see
+/// [`prepare_diff`]). Dropped unfinished, it removes the file.
+#[derive(Debug)]
+pub struct PreparedDiff {
+    /// None once finished.
+    file: Option<File>,
+    dest: PathBuf,
+    clone_method: CloneMethod,
+}
+
+impl PreparedDiff {
+    /// Writes the `dirty` pages of `mem` over the clone: the guest must be stopped (or
+    /// not write those pages) meanwhile.
+    pub fn write(
+        mut self,
+        mem: &GuestMemory,
+        dirty: &DirtyBitmap,
+        durability: Durability,
+    ) -> Result<DiffStats, MemoryFileError> {
+        check_shape(mem, dirty)?;
+        let file = self.file.as_ref().ok_or(MemoryFileError::DirtyShape)?;
+        let stats = write_extents(file, &self.dest, mem, &dirty_extents(dirty))?;
+        if durability == Durability::Synced {
+            sync(file, &self.dest)?;
+        }
+        self.file = None;
+        Ok(DiffStats {
+            pages_written: stats.pages_written,
+            bytes_written: stats.bytes_written,
+            runs: stats.runs,
+            clone_method: self.clone_method,
+        })
+    }
+
+    /// Turns into a diff whose pages `copy` (made with the vCPUs stopped, over the
+    /// same `dirty` pages) write-protected: the guest may run on while they are
+    /// copied over the clone ([`LiveDiff::finish`]).
+    pub fn live(self, copy: LiveCopy, dirty: &DirtyBitmap) -> LiveDiff {
+        LiveDiff {
+            prepared: self,
+            copy,
+            pages: dirty.count() as u64,
+            runs: dirty.runs().count() as u64,
+        }
+    }
+}
+
+impl Drop for PreparedDiff {
+    fn drop(&mut self) {
+        if self.file.take().is_some() {
+            if let Err(e) = std::fs::remove_file(&self.dest) {
+                tracing::warn!(path = %self.dest.display(), error = %e, "failed to remove partial memory file");
+            }
+        }
+    }
+}
+
+/// A diff whose pages are write-protected in guest memory, copied while the guest
+/// runs on (see [`crate::live_copy`]).
+#[derive(Debug)]
+pub struct LiveDiff {
+    prepared: PreparedDiff,
+    copy: LiveCopy,
+    pages: u64,
+    runs: u64,
+}
+
+impl LiveDiff {
+    /// Copies the protected pages over the clone, the ones the guest writes first.
+    pub fn finish(mut self, durability: Durability) -> Result<DiffStats, MemoryFileError> {
+        let file = self
+            .prepared
+            .file
+            .as_ref()
+            .ok_or(MemoryFileError::DirtyShape)?;
+        let bytes_written = self.copy.copy_into(file)?;
+        if durability == Durability::Synced {
+            sync(file, &self.prepared.dest)?;
+        }
+        self.prepared.file = None;
+        Ok(DiffStats {
+            pages_written: self.pages,
+            bytes_written,
+            runs: self.runs,
+            clone_method: self.prepared.clone_method,
+        })
+    }
 }
 
 fn check_shape(mem: &GuestMemory, dirty: &DirtyBitmap) -> Result<(), MemoryFileError> {

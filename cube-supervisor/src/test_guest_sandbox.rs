@@ -130,37 +130,18 @@ impl SandboxBackend for TestGuestSandbox {
         self.machine()?.resume().map_err(machine_failure)
     }
 
-    /// Memory, vCPUs and the rootfs (cloned) of one instant; the machine runs on
-    /// before the record is written.
+    /// Memory, vCPUs and the rootfs (cloned) of one instant. A running machine's
+    /// vCPUs stop only while that instant is taken: its memory is copied while it runs
+    /// on (a live snapshot), and the record says how long it was stopped.
     fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure> {
         let rootfs = self.dir.rootfs();
         let m = awake(&mut self.machine, self.hibernated, NO_MACHINE)?;
         let tx = SnapshotTransaction::begin(staging, dest)?;
         let staged_dir = tx.create_staging()?;
-        let was_running = m.is_running();
-        let stopped = std::time::Instant::now();
-        let written = (|| {
-            m.pause().map_err(|e| error_chain(&e))?;
-            let mut stats = m.snapshot(&staged_dir).map_err(|e| error_chain(&e))?;
-            if rootfs.exists() {
-                cube_storage::clone_file(&rootfs, &staged_dir.rootfs())
-                    .map_err(|e| error_chain(&e))?;
-            }
-            if was_running {
-                m.resume().map_err(|e| error_chain(&e))?;
-                stats.paused_us = stopped.elapsed().as_micros() as u64;
-            }
-            Ok::<_, String>(stats)
-        })();
-        let stats = match written {
-            Ok(stats) => stats,
-            Err(e) => {
-                if was_running {
-                    let _ = m.resume();
-                }
-                return Err(e.into());
-            }
-        };
+        let disk = rootfs.exists().then_some(rootfs.as_path());
+        let stats = m
+            .snapshot(&staged_dir, disk)
+            .map_err(|e| Failure::from(error_chain(&e)))?;
         let committed = |dest: &Path| m.snapshot_committed(dest).map_err(snapshot_failure);
         let flushes = Some(&mut self.flushes);
         tx.commit(
@@ -209,9 +190,21 @@ impl SandboxBackend for TestGuestSandbox {
     fn hibernate(&mut self) -> Result<(), Failure> {
         let dir = self.dir.clone();
         let m = awake(&mut self.machine, self.hibernated, NO_MACHINE)?;
-        write_hibernation_image(&dir, &mut self.flushes, |staging| {
-            m.snapshot(staging).map(drop).map_err(snapshot_failure)
-        })?;
+        let was_running = m.is_running();
+        let written = write_hibernation_image(&dir, &mut self.flushes, |staging| {
+            // Stopped first: the image is the machine's last instant, so nothing it
+            // does after the image is taken may be lost on wake.
+            m.pause().map_err(snapshot_failure)?;
+            m.snapshot(staging, None)
+                .map(drop)
+                .map_err(snapshot_failure)
+        });
+        if let Err(e) = written {
+            if was_running {
+                let _ = m.resume();
+            }
+            return Err(e);
+        }
         m.snapshot_committed(&dir.hibernation())
             .map_err(snapshot_failure)?;
         self.machine = None;

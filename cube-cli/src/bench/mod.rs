@@ -438,8 +438,10 @@ fn run_plan(
         create_from_template: create_rows,
         create_vs_guest_size: size_rows,
         snapshot_vs_dirty: snapshot_rows,
-        source_paused_means: "vCPUs stopped: the whole snapshot (dirty set, memory \
-            written, vCPU state); live snapshots are not in this build",
+        source_paused_means: "vCPUs stopped: the dirty set, vCPU/VM state, the disk \
+            clone and the dirty pages write-protected (a live snapshot: memory is copied \
+            after they continue; where the host cannot write-protect guest memory, the \
+            whole write)",
         rollback_ms: lifecycle.rollback.0,
         rollback_p95_ms: lifecycle.rollback.1,
         clone: clone_rows,

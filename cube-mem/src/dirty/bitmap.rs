@@ -139,6 +139,13 @@ impl DirtyBitmap {
         Ok(())
     }
 
+    /// Marks `page` of `region` clean; a page that does not exist is left alone.
+    pub fn clear_page(&mut self, region: usize, page: usize) {
+        if let Some(bits) = self.regions.get_mut(region).filter(|r| page < r.pages) {
+            bits.words[page / 64] &= !(1 << (page % 64));
+        }
+    }
+
     /// Whether `page` of `region` is dirty; false for pages that do not exist.
     pub fn get(&self, region: usize, page: usize) -> bool {
         self.regions

@@ -12,127 +12,12 @@
 
 use std::fs::File;
 use std::mem::size_of;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 
 use super::{DirtyBitmap, DirtyError, DirtyTracker, DirtyTrackerKind, UffdError};
 use crate::guest_memory::{GuestMemory, MemoryLayout, PAGE_SIZE};
 
-// Definitions from the kernel's uapi headers, which the libc crate lacks:
-// include/uapi/linux/userfaultfd.h and include/uapi/linux/fs.h (PAGEMAP_SCAN, 6.7+).
-
-/// `_IOC(dir, type, nr, size)` from include/uapi/asm-generic/ioctl.h.
-const fn ioc(dir: u64, ty: u64, nr: u64, size: usize) -> u64 {
-    (dir << 30) | ((size as u64) << 16) | (ty << 8) | nr
-}
-const IOC_NONE: u64 = 0;
-const IOC_WRITE: u64 = 1;
-const IOC_READ: u64 = 2;
-
-const UFFD_API: u64 = 0xAA;
-const UFFDIO: u64 = 0xAA;
-const UFFDIO_API: u64 = ioc(IOC_READ | IOC_WRITE, UFFDIO, 0x3F, size_of::<UffdioApi>());
-const UFFDIO_REGISTER: u64 = ioc(
-    IOC_READ | IOC_WRITE,
-    UFFDIO,
-    0x00,
-    size_of::<UffdioRegister>(),
-);
-const UFFDIO_UNREGISTER: u64 = ioc(IOC_READ, UFFDIO, 0x01, size_of::<UffdioRange>());
-const UFFDIO_WRITEPROTECT: u64 = ioc(
-    IOC_READ | IOC_WRITE,
-    UFFDIO,
-    0x06,
-    size_of::<UffdioWriteprotect>(),
-);
-/// Bit of `_UFFDIO_WRITEPROTECT` in `uffdio_register.ioctls`.
-const UFFDIO_WRITEPROTECT_BIT: u64 = 1 << 0x06;
-/// `USERFAULTFD_IOC_NEW` on /dev/userfaultfd.
-const USERFAULTFD_IOC_NEW: u64 = ioc(IOC_NONE, 0xAA, 0x00, 0);
-const UFFD_USER_MODE_ONLY: libc::c_int = 1;
-const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
-const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
-const UFFD_FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
-const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
-const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
-
-const PAGEMAP_SCAN: u64 = ioc(
-    IOC_READ | IOC_WRITE,
-    b'f' as u64,
-    16,
-    size_of::<PmScanArg>(),
-);
-const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
-const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
-const PAGE_IS_WRITTEN: u64 = 1 << 1;
-
-// The numbers the kernel headers produce, checked at compile time.
-const _: () = assert!(UFFDIO_API == 0xC018_AA3F);
-const _: () = assert!(UFFDIO_REGISTER == 0xC020_AA00);
-const _: () = assert!(UFFDIO_UNREGISTER == 0x8010_AA01);
-const _: () = assert!(UFFDIO_WRITEPROTECT == 0xC018_AA06);
-const _: () = assert!(USERFAULTFD_IOC_NEW == 0xAA00);
-const _: () = assert!(PAGEMAP_SCAN == 0xC060_6610);
-
-/// `struct uffdio_api`.
-#[repr(C)]
-#[derive(Default)]
-struct UffdioApi {
-    api: u64,
-    features: u64,
-    ioctls: u64,
-}
-
-/// `struct uffdio_range`.
-#[repr(C)]
-#[derive(Default, Clone, Copy)]
-struct UffdioRange {
-    start: u64,
-    len: u64,
-}
-
-/// `struct uffdio_register`.
-#[repr(C)]
-#[derive(Default)]
-struct UffdioRegister {
-    range: UffdioRange,
-    mode: u64,
-    ioctls: u64,
-}
-
-/// `struct uffdio_writeprotect`.
-#[repr(C)]
-#[derive(Default)]
-struct UffdioWriteprotect {
-    range: UffdioRange,
-    mode: u64,
-}
-
-/// `struct page_region` (include/uapi/linux/fs.h).
-#[repr(C)]
-#[derive(Debug, Default, Clone, Copy)]
-struct PageRegion {
-    start: u64,
-    end: u64,
-    categories: u64,
-}
-
-/// `struct pm_scan_arg` (include/uapi/linux/fs.h).
-#[repr(C)]
-#[derive(Default)]
-struct PmScanArg {
-    size: u64,
-    flags: u64,
-    start: u64,
-    end: u64,
-    walk_end: u64,
-    vec: u64,
-    vec_len: u64,
-    max_pages: u64,
-    category_inverted: u64,
-    category_mask: u64,
-    category_anyof_mask: u64,
-    return_mask: u64,
-}
+use crate::uffd_sys::*;
 
 /// Ranges fetched per `PAGEMAP_SCAN` call; more ranges just take more calls.
 const SCAN_VEC_LEN: usize = 1024;
@@ -156,13 +41,13 @@ impl UffdWriteProtect {
     /// Creates a userfaultfd in asynchronous write-protect mode and registers every
     /// region of `mem` on it. Tracking begins with [`DirtyTracker::start`].
     pub fn new(mem: &GuestMemory) -> Result<Self, UffdError> {
-        let supported = api(&open_uffd()?, 0)?;
+        let supported = api(&open_uffd(true)?, 0)?;
         if supported & UFFD_FEATURE_WP_ASYNC == 0 {
             return Err(UffdError::MissingFeatures { supported });
         }
         let wanted = UFFD_FEATURE_WP_ASYNC
             | (supported & (UFFD_FEATURE_WP_UNPOPULATED | UFFD_FEATURE_WP_HUGETLBFS_SHMEM));
-        let uffd = open_uffd()?;
+        let uffd = open_uffd(true)?;
         // The reply lists everything the kernel supports; `wanted` is what is enabled.
         api(&uffd, wanted)?;
         let pagemap = File::open("/proc/self/pagemap").map_err(UffdError::OpenPagemap)?;
@@ -174,29 +59,7 @@ impl UffdWriteProtect {
             scan_out: vec![PageRegion::default(); SCAN_VEC_LEN],
             features: wanted,
         };
-        for (index, region) in mem.regions().iter().enumerate() {
-            let mut reg = UffdioRegister {
-                range: UffdioRange {
-                    start: region.host_addr,
-                    len: region.size as u64,
-                },
-                mode: UFFDIO_REGISTER_MODE_WP,
-                ioctls: 0,
-            };
-            // SAFETY: `reg` is a properly laid out `struct uffdio_register` that lives
-            // across the call; the kernel only writes its `ioctls` field.
-            let rc = unsafe { libc::ioctl(tracker.uffd.as_raw_fd(), UFFDIO_REGISTER, &mut reg) };
-            if rc < 0 {
-                // Drop unregisters whatever was registered so far.
-                return Err(UffdError::Register {
-                    region: index,
-                    source: std::io::Error::last_os_error(),
-                });
-            }
-            if reg.ioctls & UFFDIO_WRITEPROTECT_BIT == 0 {
-                return Err(UffdError::NoWriteProtect { region: index });
-            }
-        }
+        register_wp(&tracker.uffd, mem)?;
         Ok(tracker)
     }
 
@@ -328,67 +191,8 @@ impl DirtyTracker for UffdWriteProtect {
 
 impl Drop for UffdWriteProtect {
     fn drop(&mut self) {
-        for region in self.mem.regions() {
-            let mut range = UffdioRange {
-                start: region.host_addr,
-                len: region.size as u64,
-            };
-            // SAFETY: `range` is a valid `struct uffdio_range` that outlives the call;
-            // unregistering a range that was never registered is a harmless error.
-            unsafe { libc::ioctl(self.uffd.as_raw_fd(), UFFDIO_UNREGISTER, &mut range) };
-        }
+        unregister_all(&self.uffd, &self.mem);
     }
-}
-
-/// Opens a userfaultfd that may also handle faults the kernel takes on the guest's
-/// behalf (KVM), falling back to /dev/userfaultfd and then user-mode-only.
-fn open_uffd() -> Result<OwnedFd, UffdError> {
-    let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
-    let from_raw = |fd: libc::c_long| -> Result<OwnedFd, std::io::Error> {
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        let fd = i32::try_from(fd).map_err(|_| std::io::Error::from_raw_os_error(libc::EBADF))?;
-        // SAFETY: `fd` is a fresh descriptor just returned by the kernel; we own it.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-    };
-    // SAFETY: userfaultfd takes only a flags integer.
-    let first = from_raw(unsafe { libc::syscall(libc::SYS_userfaultfd, flags) });
-    if let Ok(fd) = first {
-        return Ok(fd);
-    }
-    if let Ok(dev) = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/userfaultfd")
-    {
-        // SAFETY: USERFAULTFD_IOC_NEW takes the new descriptor's flags by value.
-        let fd = unsafe { libc::ioctl(dev.as_raw_fd(), USERFAULTFD_IOC_NEW, flags) };
-        if let Ok(fd) = from_raw(fd.into()) {
-            return Ok(fd);
-        }
-    }
-    // Asynchronous write-protect never delivers a fault to user space, so a
-    // user-mode-only descriptor still tracks writes the kernel makes (KVM).
-    // SAFETY: userfaultfd takes only a flags integer.
-    from_raw(unsafe { libc::syscall(libc::SYS_userfaultfd, flags | UFFD_USER_MODE_ONLY) })
-        .map_err(UffdError::Open)
-}
-
-/// `UFFDIO_API` handshake enabling `features`; returns every feature the kernel
-/// supports. A descriptor accepts only one handshake.
-fn api(uffd: &OwnedFd, features: u64) -> Result<u64, UffdError> {
-    let mut api = UffdioApi {
-        api: UFFD_API,
-        features,
-        ioctls: 0,
-    };
-    // SAFETY: `api` is a valid `struct uffdio_api` that outlives the call.
-    let rc = unsafe { libc::ioctl(uffd.as_raw_fd(), UFFDIO_API, &mut api) };
-    if rc < 0 {
-        return Err(UffdError::Api(std::io::Error::last_os_error()));
-    }
-    Ok(api.features)
 }
 
 #[cfg(test)]

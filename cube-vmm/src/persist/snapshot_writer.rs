@@ -5,11 +5,25 @@
 //! writes and what makes them safe are the same for the test guest and Linux guests:
 //! the memory file and disk are written first and the checksummed state file last, so
 //! a directory without a valid state file is never mistaken for a snapshot.
+//!
+//! Two ways to take one:
+//! - [`MicroVm::write_snapshot`]: the machine is stopped and stays so while everything
+//!   is written (a Linux guest's, whose devices are held still until commit).
+//! - [`MicroVm::snapshot_running`]: a live snapshot. The parent memory file is cloned
+//!   while the guest runs; the vCPUs stop only while the dirty set, the vCPU and VM
+//!   state and the disk clone are taken and the dirty pages are write-protected
+//!   ([`cube_mem::live_copy`]); the pages are copied after the vCPUs continue, a page
+//!   the guest writes first. The file holds guest memory exactly as it was when the
+//!   vCPUs stopped. Where the host cannot write-protect guest memory, or the machine
+//!   has no parent memory file yet, the pages are written before the vCPUs continue.
 
 use std::path::Path;
+use std::time::Instant;
 
 use cube_devices::records::{DeviceRecord, SerialRecord};
 use cube_mem::dirty::DirtyBitmap;
+use cube_mem::live_copy::LiveCopy;
+use cube_mem::memory_file::{prepare_diff, PreparedDiff};
 use cube_storage::durable_marker as durability;
 use cube_storage::{Durability, SnapshotDir};
 
@@ -42,17 +56,118 @@ impl<G> MicroVm<G> {
         dirty: &DirtyBitmap,
         contents: GuestContents<'_>,
     ) -> Result<SnapshotStats, MicroVmError> {
+        let prepared = self.prepare_memory(dir)?;
+        let stats = self.write_memory(dir, dirty, prepared)?;
+        let state = self.capture(dir, contents)?;
+        format::write_state(dir, &state)?;
+        Ok(stats)
+    }
+
+    /// Takes a live snapshot into the empty directory `dir` (see the module docs) and
+    /// leaves the vCPUs as they were. `stats.paused_us` is how long they were stopped
+    /// (0 for a machine that was paused already). The pages it takes stay pending
+    /// until [`MicroVm::snapshot_committed`].
+    pub(crate) fn snapshot_running(
+        &mut self,
+        dir: &Path,
+        contents: GuestContents<'_>,
+    ) -> Result<SnapshotStats, MicroVmError> {
+        // The clone of the parent needs no stopped guest.
+        let prepared = self.prepare_memory(dir)?;
+        let was_running = self.running;
+        let stopped = Instant::now();
+        self.pause()?;
+        let result = self.diff.take_pending().and_then(|dirty| {
+            let written = self.snapshot_stopped(dir, &dirty, prepared, contents, was_running);
+            // Until committed these pages are only in guest memory.
+            self.diff.keep_pending(dirty);
+            written
+        });
+        let result = result.and_then(|(state, memory)| {
+            let paused_us = if was_running {
+                self.resume()?;
+                stopped.elapsed().as_micros() as u64
+            } else {
+                0
+            };
+            let stats = match memory {
+                Memory::Written(stats) => stats,
+                Memory::Live(live, mut stats) => {
+                    let diff = live.finish(Durability::Deferred)?;
+                    stats.bytes_written = diff.bytes_written;
+                    stats.reflinked = diff.clone_method == cube_storage::CloneMethod::Reflink;
+                    stats
+                }
+            };
+            format::write_state(dir, &state)?;
+            Ok(SnapshotStats { paused_us, ..stats })
+        });
+        if was_running && !self.running {
+            // A failure before the vCPUs continued: they continue now.
+            self.resume()?;
+        }
+        result
+    }
+
+    /// The part of a live snapshot that needs the vCPUs stopped: the state, the disk
+    /// clone, and the dirty pages write-protected (or written, where no live copy can
+    /// be made or the machine was not running anyway).
+    fn snapshot_stopped(
+        &self,
+        dir: &Path,
+        dirty: &DirtyBitmap,
+        prepared: Option<PreparedDiff>,
+        contents: GuestContents<'_>,
+        was_running: bool,
+    ) -> Result<(MachineState, Memory), MicroVmError> {
+        let state = self.capture(dir, contents)?;
+        let memory = match prepared {
+            Some(prepared) if was_running => match LiveCopy::protect(&self.memory, dirty) {
+                Ok(copy) => Memory::Live(
+                    prepared.live(copy, dirty),
+                    SnapshotStats {
+                        dirty_pages: dirty.count() as u64,
+                        bytes_written: 0,
+                        reflinked: false,
+                        paused_us: 0,
+                    },
+                ),
+                Err(e) => {
+                    tracing::debug!(error = %e, "no live copy here: writing with the vCPUs stopped");
+                    Memory::Written(self.write_memory(dir, dirty, Some(prepared))?)
+                }
+            },
+            prepared => Memory::Written(self.write_memory(dir, dirty, prepared)?),
+        };
+        Ok((state, memory))
+    }
+
+    /// The clone of the parent memory file into `dir`, for a diff over it; None for a
+    /// machine with no parent (a fresh boot).
+    fn prepare_memory(&self, dir: &Path) -> Result<Option<PreparedDiff>, MicroVmError> {
         let memory_path = SnapshotDir::new(dir).memory();
+        match self.diff.parent() {
+            Some(parent) => Ok(Some(prepare_diff(
+                &fd_path(parent),
+                &memory_path,
+                &self.memory,
+            )?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Writes the memory file with the guest stopped: `dirty` over the prepared clone,
+    /// or, with none, the pages ever written.
+    fn write_memory(
+        &self,
+        dir: &Path,
+        dirty: &DirtyBitmap,
+        prepared: Option<PreparedDiff>,
+    ) -> Result<SnapshotStats, MicroVmError> {
         let dirty_pages = dirty.count() as u64;
-        let stats = match self.diff.parent() {
-            Some(parent) => {
-                let diff = cube_mem::memory_file::write_diff(
-                    &fd_path(parent),
-                    &memory_path,
-                    &self.memory,
-                    dirty,
-                    Durability::Deferred,
-                )?;
+        let stats = match prepared {
+            Some(prepared) => {
+                let diff = prepared.write(&self.memory, dirty, Durability::Deferred)?;
                 SnapshotStats {
                     dirty_pages,
                     bytes_written: diff.bytes_written,
@@ -62,7 +177,7 @@ impl<G> MicroVm<G> {
             }
             None => {
                 let written = cube_mem::memory_file::write_full(
-                    &memory_path,
+                    &SnapshotDir::new(dir).memory(),
                     &self.memory,
                     None,
                     Durability::Deferred,
@@ -76,6 +191,16 @@ impl<G> MicroVm<G> {
             }
         };
         tracing::debug!(?stats, "snapshot: memory file written");
+        Ok(stats)
+    }
+
+    /// The machine's state with the guest's `contents`, and the disk cloned into
+    /// `dir`: what must be taken with the vCPUs stopped besides memory.
+    fn capture(
+        &self,
+        dir: &Path,
+        contents: GuestContents<'_>,
+    ) -> Result<MachineState, MicroVmError> {
         if let Some(disk) = contents.disk {
             cube_storage::clone_file(disk, &SnapshotDir::new(dir).rootfs())?;
         }
@@ -83,7 +208,7 @@ impl<G> MicroVm<G> {
         for vcpu in &self.vcpus {
             vcpus.push(vcpu.with_vcpu(|v| v.save_state())??);
         }
-        let state = MachineState {
+        Ok(MachineState {
             format_version: format::FORMAT_VERSION,
             config: self.config,
             ram: self.ram.clone(),
@@ -93,8 +218,140 @@ impl<G> MicroVm<G> {
             boot_id: durability::boot_id()?,
             devices: contents.devices,
             serial: contents.serial,
+        })
+    }
+}
+
+/// How a snapshot's memory file gets its pages.
+enum Memory {
+    /// Written already, with the vCPUs stopped.
+    Written(SnapshotStats),
+    /// Write-protected, to be copied once the vCPUs continue.
+    Live(cube_mem::memory_file::LiveDiff, SnapshotStats),
+}
+
+#[cfg(test)]
+// The test takes live snapshots of a real machine: the test guest's.
+#[cfg(feature = "test-guest")]
+mod tests {
+    use std::os::unix::fs::FileExt;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::persist::state::{read_state, MachineConfig, WorkingSet};
+    use crate::test_guest::machine::Machine;
+    use crate::test_guest::mailbox::{field, op, DIRTY_AREA_ADDR};
+    use crate::vstate::KvmContext;
+
+    /// Pages of the dirty area the guest rewrites during the snapshot.
+    const PAGES: u64 = 128 << 8;
+
+    /// The word the guest's dirty command wrote into page `page`.
+    fn word(file: &std::fs::File, page: u64) -> u64 {
+        let mut buf = [0u8; 8];
+        file.read_exact_at(&mut buf, DIRTY_AREA_ADDR + page * 4096)
+            .unwrap();
+        u64::from_le_bytes(buf)
+    }
+
+    /// The guest rewrites every page of the area while a live snapshot copies them
+    /// (each page is pending: all were written since the last committed snapshot). The memory
+    /// file holds the pages as they were when the vCPUs stopped: the new pattern below
+    /// the guest's write pointer in the snapshot's registers, the old one above it.
+    /// A copy that read pages after the guest went on writing would show the new
+    /// pattern above the pointer.
+    #[test]
+    fn a_live_snapshot_holds_memory_as_it_was_when_the_vcpus_stopped() {
+        let ctx = match KvmContext::open() {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                eprintln!("skipping: KVM unavailable: {e}");
+                return;
+            }
         };
-        format::write_state(dir, &state)?;
-        Ok(stats)
+        let config = MachineConfig {
+            vcpus: 1,
+            memory_bytes: 512 << 20,
+            irqchip: true,
+        };
+        let mut machine = Machine::boot_test_guest(&ctx, config, WorkingSet::default()).unwrap();
+        let store = tempfile::tempdir().unwrap();
+        let base = store.path().join("base");
+        std::fs::create_dir(&base).unwrap();
+        // A parent to diff against: live copies need one.
+        machine.snapshot(&base, None).unwrap();
+        machine.snapshot_committed(&base).unwrap();
+        let mut mid_command = 0;
+        for attempt in 0..8u64 {
+            let old = 0x1000_0000_0000 + (attempt << 32);
+            let new = 0x2000_0000_0000 + (attempt << 32);
+            // Every page pending, holding `old + page`.
+            machine.guest_command(op::DIRTY, PAGES, old).unwrap();
+            // A snapshot left uncommitted keeps those pages pending, and has the dirty
+            // log protect them again: the guest's next write to each one traps, which
+            // slows its next command enough for a snapshot to land in the middle.
+            let uncommitted = store.path().join(format!("uncommitted-{attempt}"));
+            std::fs::create_dir(&uncommitted).unwrap();
+            machine.snapshot(&uncommitted, None).unwrap();
+            // The guest starts writing `new + page` from page 0 upwards...
+            let seq = machine.mailbox().post(op::DIRTY, PAGES, new).unwrap();
+            machine.ring_doorbell();
+            // ...and is snapshotted while it writes.
+            let dir = store.path().join(format!("live-{attempt}"));
+            std::fs::create_dir(&dir).unwrap();
+            let stats = machine.snapshot(&dir, None).unwrap();
+            assert!(
+                stats.paused_us > 0,
+                "a running machine was stopped for a while"
+            );
+            machine.snapshot_committed(&dir).unwrap();
+            machine
+                .mailbox()
+                .wait_for(
+                    field::DONE_SEQ,
+                    seq,
+                    "finish",
+                    std::time::Duration::from_secs(60),
+                )
+                .unwrap();
+
+            let state = read_state(&dir).unwrap();
+            let pointer = state.vcpus[0].regs.rdi;
+            let at = pointer.saturating_sub(DIRTY_AREA_ADDR) / 4096;
+            let file = std::fs::File::open(SnapshotDir::new(&dir).memory()).unwrap();
+            let command_ran = state.vcpus[0].regs.rcx != 0 || word(&file, 0) == new;
+            for page in 0..PAGES {
+                let found = word(&file, page);
+                // The page the pointer is at may be written or not: the vCPU may have
+                // stopped between the store and the pointer's step.
+                let expected: &[u64] = if !command_ran || page > at {
+                    &[old + page]
+                } else if page < at {
+                    &[new + page]
+                } else {
+                    &[old + page, new + page]
+                };
+                assert!(
+                    expected.contains(&found),
+                    "attempt {attempt}: page {page} holds {found:#x}, expected {expected:x?} \
+                     (the vCPU stopped at page {at})"
+                );
+            }
+            eprintln!(
+                "attempt {attempt}: stopped at page {at} (command ran: {command_ran}), \
+                 vCPUs stopped {} us, {} bytes copied",
+                stats.paused_us, stats.bytes_written
+            );
+            if command_ran && at > 0 && at < PAGES {
+                mid_command += 1;
+                if mid_command == 2 {
+                    break;
+                }
+            }
+        }
+        assert!(
+            mid_command > 0,
+            "no snapshot caught the guest in the middle of its writes"
+        );
     }
 }

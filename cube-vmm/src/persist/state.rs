@@ -397,7 +397,7 @@ mod tests {
         };
         let mut machine = Machine::boot_test_guest(&ctx, config, WorkingSet::default()).unwrap();
         let dir = tempfile::tempdir().unwrap();
-        machine.snapshot(dir.path()).unwrap();
+        machine.snapshot(dir.path(), None).unwrap();
         Some(read_state(dir.path()).unwrap())
     }
 

@@ -292,32 +292,27 @@ impl MicroVm<TestGuest> {
     }
 
     /// Writes a complete snapshot into `dir` (an empty staging directory): only the
-    /// pages dirtied since the parent image are written, into a reflinked copy of it.
+    /// pages dirtied since the parent image are written, into a reflinked copy of it;
+    /// with `disk`, a clone of that file (the root disk) goes with it.
     ///
-    /// The vCPUs are stopped meanwhile and continue afterwards if they were running.
-    /// On failure the dirty pages are kept for the next attempt, so no write is lost.
-    /// Call [`MicroVm::snapshot_committed`] once `dir` has reached its final place.
-    pub fn snapshot(&mut self, dir: &Path) -> Result<SnapshotStats, MachineError> {
-        let was_running = self.running;
-        self.pause()?;
-        let start = std::time::Instant::now();
-        let dirty = self.diff.take_pending()?;
-        tracing::debug!(elapsed = ?start.elapsed(), pages = dirty.count(), "snapshot: dirty set collected");
+    /// A running machine's vCPUs stop only while its state is taken and the dirty
+    /// pages are write-protected, and continue while the pages are copied (a live
+    /// snapshot, see [`crate::persist::snapshot_writer`]); `paused_us` in the result
+    /// says for how long. On failure the dirty pages are kept for the next attempt,
+    /// so no write is lost. Call [`MicroVm::snapshot_committed`] once `dir` has
+    /// reached its final place.
+    pub fn snapshot(
+        &mut self,
+        dir: &Path,
+        disk: Option<&Path>,
+    ) -> Result<SnapshotStats, MachineError> {
         let contents = GuestContents {
             kind: self.guest.kind,
             // The test-guest machine has no virtio devices and no serial port.
             devices: Vec::new(),
             serial: None,
-            disk: None,
+            disk,
         };
-        let result = self.write_snapshot(dir, &dirty, contents);
-        tracing::debug!(elapsed = ?start.elapsed(), "snapshot: written");
-        // Whether writing failed or the caller has yet to commit the directory, these
-        // pages are not safely anywhere but guest memory: keep them for the next diff.
-        self.diff.keep_pending(dirty);
-        if was_running {
-            self.resume()?;
-        }
-        Ok(result?)
+        Ok(self.snapshot_running(dir, contents)?)
     }
 }
