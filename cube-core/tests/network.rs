@@ -1,6 +1,6 @@
-//! Jail sandbox networks through the Sandbox API, in a little internet this test
-//! builds from a network namespace on this machine ("outside", 198.51.100.2 and
-//! 203.0.113.2, behind a veth whose host end is 198.51.100.1): NAT to an outside
+//! Jail sandbox networks through the Sandbox API, in a little internet the test
+//! builds from a network namespace on this machine (`common::lab`: "outside",
+//! 198.51.100.2 and 203.0.113.2, behind a veth whose host end is 198.51.100.1): NAT to an outside
 //! HTTP server, a denied CIDR and the host's own address refused, a live policy
 //! change, a port exposed from a sandbox reachable from the host, two sandboxes kept
 //! apart unless allowed, and nothing left of a sandbox's network after destroy.
@@ -16,26 +16,20 @@ mod common;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::lab::{
+    self, ifindex, Lab, DEFAULT_DENIED_ADDR, FAR_ADDR, HOST_ADDR, HOST_PORT, OUT_ADDR,
+};
 use cube_agent::client::Client;
 use cube_agent::protocol::{ExecRequest, RequestBody};
 use cube_core::network::{NetworkOptions, NetworkPolicy, PortMapping};
-use cube_core::testing::{open_pool, pool_config, pool_name};
+use cube_core::testing::open_pool;
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
 
-const HOST_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 1);
-const OUT_ADDR: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 2);
-const FAR_ADDR: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 2);
-/// An outside address in a range every sandbox is refused by default (198.18.0.0/15,
-/// benchmarking), routed to the outside namespace this test makes.
-const DEFAULT_DENIED_ADDR: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 2);
-
 fn skip() -> bool {
-    // SAFETY: geteuid has no failure mode.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("skipping: sandbox networks need root (namespaces, netlink, eBPF)");
+    if let Some(reason) = lab::missing() {
+        eprintln!("skipping: {reason}");
         return true;
     }
     if cube_jail::CgroupLayout::detect().is_err() {
@@ -45,176 +39,7 @@ fn skip() -> bool {
     if !common::supervisor().with_file_name("cube-agent").is_file() {
         panic!("cube-agent is missing: cargo build -p cube-agent first");
     }
-    if Command::new("ip").arg("-V").output().is_err() {
-        eprintln!("skipping: iproute2 (`ip`) is missing");
-        return true;
-    }
     false
-}
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip").args(args).output().unwrap();
-    assert!(
-        out.status.success(),
-        "ip {}: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// The outside namespace, its servers, the host's own server and the test pool;
-/// all removed on drop.
-struct Lab {
-    ns: String,
-    uplink: String,
-    pool: String,
-    /// Whether the host's pool existed before the test (then it stays).
-    pool_existed: bool,
-    servers: Vec<Child>,
-    _www: tempfile::TempDir,
-    _store: tempfile::TempDir,
-    store_root: PathBuf,
-}
-
-impl Lab {
-    /// None (with the reason printed) where the datapath cannot load here.
-    fn new() -> Option<Lab> {
-        let tag = std::process::id() % 100_000;
-        let pool = pool_name().unwrap();
-        let pool_config = pool_config(&pool);
-        let pool_existed = pool_config.bpffs.join("cube-net").join(&pool).exists();
-        let www = tempfile::TempDir::new().unwrap();
-        std::fs::create_dir(www.path().join("out")).unwrap();
-        std::fs::write(www.path().join("out/index.html"), "outside").unwrap();
-        std::fs::create_dir(www.path().join("host")).unwrap();
-        std::fs::write(www.path().join("host/index.html"), "host").unwrap();
-        let store = tempfile::TempDir::new().unwrap();
-        let mut lab = Lab {
-            ns: format!("cnout{tag}"),
-            uplink: format!("cnu{tag}"),
-            pool,
-            pool_existed,
-            servers: Vec::new(),
-            store_root: store.path().canonicalize().unwrap(),
-            _www: www,
-            _store: store,
-        };
-        ip(&["netns", "add", &lab.ns]);
-        ip(&[
-            "link",
-            "add",
-            &lab.uplink,
-            "type",
-            "veth",
-            "peer",
-            "name",
-            "eth0",
-            "netns",
-            &lab.ns,
-        ]);
-        ip(&["addr", "add", "198.51.100.1/24", "dev", &lab.uplink]);
-        ip(&["link", "set", &lab.uplink, "up"]);
-        ip(&[
-            "-n",
-            &lab.ns,
-            "addr",
-            "add",
-            "198.51.100.2/24",
-            "dev",
-            "eth0",
-        ]);
-        ip(&["-n", &lab.ns, "addr", "add", "203.0.113.2/32", "dev", "lo"]);
-        ip(&["-n", &lab.ns, "addr", "add", "198.18.0.2/32", "dev", "lo"]);
-        ip(&["-n", &lab.ns, "link", "set", "eth0", "up"]);
-        ip(&["-n", &lab.ns, "link", "set", "lo", "up"]);
-        ip(&[
-            "-n",
-            &lab.ns,
-            "route",
-            "add",
-            "default",
-            "via",
-            "198.51.100.1",
-        ]);
-        ip(&["route", "add", "203.0.113.0/24", "via", "198.51.100.2"]);
-        // Goes with the uplink.
-        ip(&["route", "add", "198.18.0.2/32", "via", "198.51.100.2"]);
-        let www = lab._www.path().to_path_buf();
-        let out = Command::new("ip")
-            .args([
-                "netns",
-                "exec",
-                &lab.ns,
-                "python3",
-                "-m",
-                "http.server",
-                "80",
-            ])
-            .arg("--directory")
-            .arg(www.join("out"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        lab.servers.push(out);
-        let host = Command::new("python3")
-            .args(["-m", "http.server", "18081", "--bind", "198.51.100.1"])
-            .arg("--directory")
-            .arg(www.join("host"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        lab.servers.push(host);
-        for addr in [(OUT_ADDR, 80), (FAR_ADDR, 80), (HOST_ADDR, 18081)] {
-            wait_for(SocketAddr::from(addr));
-        }
-        // Opening the pool loads the datapath: the place to learn it cannot load here.
-        if let Err(e) = open_pool() {
-            eprintln!("skipping: the eBPF datapath cannot load here: {e}");
-            return None;
-        }
-        Some(lab)
-    }
-
-    fn runtime(&self) -> Runtime {
-        Runtime::open(RuntimeConfig {
-            store_root: self.store_root.clone(),
-            pool_size: 0,
-            network_pool_size: 0,
-            supervisor: Some(common::supervisor()),
-        })
-        .unwrap()
-    }
-}
-
-impl Drop for Lab {
-    fn drop(&mut self) {
-        for server in &mut self.servers {
-            let _ = server.kill();
-            let _ = server.wait();
-        }
-        let _ = Command::new("ip").args(["netns", "del", &self.ns]).status();
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.uplink])
-            .status();
-        if self.pool_existed {
-            return;
-        }
-        if let Ok((pool, _lock)) = open_pool() {
-            let _ = pool.destroy();
-        }
-        let config = pool_config(&self.pool);
-        let _ = std::fs::remove_file(config.run_dir.join(format!("{}.lock", self.pool)));
-    }
-}
-
-fn wait_for(addr: SocketAddr) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
-        assert!(Instant::now() < deadline, "{addr} never came up");
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// GET `http://addr:port/` from inside the sandbox; the body, or why it failed.
@@ -266,12 +91,6 @@ fn ephemeral_with_network(policy: NetworkPolicy, expose: Vec<PortMapping>) -> Cr
     }
 }
 
-fn ifindex(name: &str) -> Option<u32> {
-    std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-}
-
 /// The tests share the host's pool and the lab's names and ports: one at a time.
 static LAB: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
@@ -305,7 +124,7 @@ fn jail_sandboxes_reach_out_through_nat_under_live_policy_expose_ports_and_leave
         "denied CIDR reached"
     );
     assert!(
-        get_inside(&agent_a, HOST_ADDR, 18081).is_err(),
+        get_inside(&agent_a, HOST_ADDR, HOST_PORT).is_err(),
         "the host reached"
     );
     // The default deny list is in force besides the sandbox's own entries, and the
@@ -628,7 +447,7 @@ fn pooled_supervisors_attach_ahead_plain_creates_stay_offline_and_a_killed_one_i
         "denied CIDR reached"
     );
     assert!(
-        get_inside(&agent_a, HOST_ADDR, 18081).is_err(),
+        get_inside(&agent_a, HOST_ADDR, HOST_PORT).is_err(),
         "the host reached"
     );
     a.set_policy(&NetworkPolicy::default()).unwrap();

@@ -9,6 +9,7 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 pub mod engines;
+pub mod lab;
 pub mod linux;
 pub mod workload;
 
