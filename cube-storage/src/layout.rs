@@ -165,11 +165,6 @@ impl SnapshotDir {
         self.0.join(LAYER_DIR)
     }
 
-    /// The files a flush syncs besides the memory file, where present.
-    pub fn flushed_files(&self) -> [PathBuf; 3] {
-        [self.state(), self.rootfs(), self.record()]
-    }
-
     /// The sandbox that owns the snapshot, as its record names it; None when the
     /// record is missing or damaged. (Only the owner is read: the record's other
     /// fields belong to whoever writes it.)

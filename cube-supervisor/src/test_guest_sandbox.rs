@@ -161,7 +161,7 @@ impl SandboxBackend for TestGuestSandbox {
             }
         };
         let committed = |dest: &Path| m.snapshot_committed(dest).map_err(snapshot_failure);
-        let flushes = Some(&mut self.flushes);
+        let flushes = &mut self.flushes;
         tx.commit(
             &self.id,
             Engine::Vm,
