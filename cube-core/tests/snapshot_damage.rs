@@ -2,9 +2,11 @@
 //! turn truncated, bit-flipped and swapped with the same file of another snapshot of
 //! the sandbox: creating from it and rolling back to it must either fail with an error
 //! that says what is wrong (the sandbox rolled back staying as it was) or bring back
-//! exactly the snapshot's state; never another state. A store that runs out of space
-//! mid-snapshot fails the snapshot with ENOSPC, leaves no part of it listed or staged,
-//! and the sandbox goes on; once space is back, snapshots work again. A snapshot a
+//! exactly the snapshot's state; never another state. (The one exception, counted and
+//! printed: a flipped bit in the contents of a VM's guest memory, see `is_verified`.)
+//! A store that runs out of space mid-snapshot fails the snapshot with ENOSPC, leaves
+//! no part of it listed or staged, and the sandbox goes on; once space is back,
+//! snapshots work again. A snapshot a
 //! host crash may have left half-written (another boot's, never flushed) is refused.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -89,20 +91,21 @@ fn damage(file: &Path, other: &Path, damage: Damage, salt: u64) -> bool {
 struct Outcomes {
     refused: BTreeMap<String, usize>,
     restored_exactly: usize,
-    /// Damage to unverified bulk data that a restore took in.
+    /// Damage to unverified data (guest memory's contents) that a restore took in.
     undetected: Vec<String>,
 }
 
-/// Whether Cube checks file `rel` of a snapshot before restoring from it. Records,
-/// state files and CRIU's images are checked (checksums, lengths); bulk data is not:
-/// a jail's files (`layer/`, `tmpfs/`) and a VM's memory image (reading every byte of
-/// it at each restore would cost what lazy restores save), and CRIU's dump log, which
+/// Whether Cube notices `damage` to file `rel` of a snapshot before restoring from it.
+/// Records, state files and CRIU's images are checked (checksums, lengths); a jail's
+/// files (`layer/`, `tmpfs/`) against the snapshot's manifest of their lengths and
+/// CRC32s; a VM's memory image by its length and the seal that binds it to its state,
+/// so a truncated one or another snapshot's is refused. Left unchecked: the contents of
+/// guest memory (reading every byte of it at each restore would cost what lazy
+/// restores save), so a flipped bit in it is taken in, and CRIU's dump log, which
 /// nothing reads.
-fn is_verified(rel: &Path) -> bool {
-    !(rel.starts_with("layer")
-        || rel.starts_with("tmpfs")
-        || rel == Path::new("dump.log")
-        || rel == Path::new("memory.bin"))
+fn is_verified(rel: &Path, damage: Damage) -> bool {
+    !(rel == Path::new("dump.log")
+        || (rel == Path::new("memory.bin") && damage == Damage::BitFlipped))
 }
 
 fn damaged_snapshots_are_refused_or_exact(suite: Suite) {
@@ -126,11 +129,11 @@ fn damaged_snapshots_are_refused_or_exact(suite: Suite) {
             }
             let when = format!("{} {kind:?} {}", suite.name(), rel.display());
             let tally = outcomes.entry(kind).or_default();
-            let verified = is_verified(rel);
+            let verified = is_verified(rel, kind);
             // Created from: refused, or exactly s0.
             match suite.rt.create_from_snapshot(&a.id, EPHEMERAL) {
                 Ok(mut restored) if !verified => {
-                    // Bulk data nothing checks: counted, not asserted (a known gap).
+                    // Data nothing checks: counted, not asserted (a known gap).
                     if s0.holds(&mut restored) {
                         tally.restored_exactly += 1;
                     } else {

@@ -7,13 +7,15 @@
 //!   userfaultfd write-protect, and the VMM write log, and [`probe`] to find out which
 //!   of them work on this host.
 //! - [`memory_file`]: writing guest memory to a memory file, whole or as a reflinked copy
-//!   of the parent file plus the dirty pages.
+//!   of the parent file plus the dirty pages, sealed ([`memory_seal`]) to the snapshot
+//!   state written with it.
 
 // Tests may unwrap (CONTRIBUTING.md); library code may not.
 
 pub mod dirty;
 pub mod guest_memory;
 pub mod memory_file;
+pub mod memory_seal;
 
 pub use dirty::{
     probe, register_slots, CombinedTracker, DirtyBitmap, DirtyError, DirtyRun, DirtyRuns,
@@ -24,3 +26,4 @@ pub use guest_memory::{
     GuestMemory, LayoutRegion, MemoryBacking, MemoryError, MemoryLayout, RegionInfo, PAGE_SIZE,
 };
 pub use memory_file::{write_diff, write_full, DiffStats, MemoryFileError, WriteStats};
+pub use memory_seal::{Seal, SealError, SEAL_BYTES};

@@ -619,6 +619,7 @@ impl SandboxBackend for JailSandbox {
             kind,
             fallback,
         };
+        jail_snapshot::record_files(staging, tx.id())?;
         // Nothing to commit in a guest.
         tx.commit(
             &self.id,

@@ -1,12 +1,16 @@
 //! A jail snapshot on disk, checked before anything is restored from it (rollback,
-//! clone): its record must be whole and a jail's, and its files must have reached the
-//! disk (see [`cube_storage::durable_marker`]): a snapshot written in an earlier boot
+//! clone): its record must be whole and a jail's, its files must have reached the
+//! disk (see [`cube_storage::durable_marker`]: a snapshot written in an earlier boot
 //! and never flushed may hold half-written files after a host crash, and is refused
-//! as a VM snapshot would be.
+//! as a VM snapshot would be), and its layer and tmpfs contents must be what they were
+//! when it was written (see [`cube_storage::tree_manifest`]: sizes and CRC32s, bound
+//! to the snapshot's id). CRIU's images are checked by
+//! [`cube_jail::checkpoint::Checkpoint::open`].
 
 use std::path::Path;
 
 use cube_storage::durable_marker::{check_usable, DurabilityError};
+use cube_storage::tree_manifest::{self, TreeManifestError};
 use cube_storage::{MetadataError, SnapshotDir};
 
 use crate::error_report::chain as error_chain;
@@ -36,6 +40,24 @@ pub enum JailSnapshotError {
     /// The snapshot may be incomplete.
     #[error("Snapshot {0} cannot be trusted")]
     NotDurable(String, #[source] DurabilityError),
+    /// The manifest of its files could not be written.
+    #[error("Recording the files of snapshot {0}")]
+    Manifest(String, #[source] TreeManifestError),
+    /// Its files are not those it was written with.
+    #[error("Snapshot {0} is damaged")]
+    Damaged(String, #[source] TreeManifestError),
+}
+
+/// The trees of a jail snapshot its manifest covers: the writable layer, and the
+/// tmpfs contents of a full-state one.
+const TREES: &[&str] = &[
+    cube_storage::layout::LAYER_DIR,
+    cube_jail::checkpoint::TMPFS,
+];
+
+/// Records what the trees of jail snapshot `id`, staged in `dir`, hold.
+pub fn record_files(dir: &Path, id: &str) -> Result<(), JailSnapshotError> {
+    tree_manifest::write(dir, id, TREES).map_err(|e| JailSnapshotError::Manifest(id.to_string(), e))
 }
 
 impl From<JailSnapshotError> for Failure {
@@ -65,6 +87,8 @@ pub fn open(dir: &Path) -> Result<SnapshotMeta, JailSnapshotError> {
         return Err(JailSnapshotError::NoBootId(meta.id));
     };
     check_usable(dir, boot).map_err(|e| JailSnapshotError::NotDurable(meta.id.clone(), e))?;
+    tree_manifest::verify(dir, &meta.id, TREES)
+        .map_err(|e| JailSnapshotError::Damaged(meta.id.clone(), e))?;
     Ok(meta)
 }
 
@@ -89,7 +113,22 @@ mod tests {
         };
         let snapshot = SnapshotDir::new(dir);
         std::fs::create_dir_all(snapshot.layer()).unwrap();
+        std::fs::write(snapshot.layer().join("notes"), b"kept").unwrap();
         cube_storage::write_atomic(&snapshot.record(), SnapshotDir::RECORD_KIND, &meta).unwrap();
+        record_files(dir, "snap-1").unwrap();
+    }
+
+    #[test]
+    fn damaged_layer_files_are_refused_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        record(dir.path(), Engine::Jail, Some(&boot_id().unwrap()));
+        open(dir.path()).unwrap();
+        std::fs::write(SnapshotDir::new(dir.path()).layer().join("notes"), b"lost").unwrap();
+        let err = error_chain(&open(dir.path()).unwrap_err());
+        assert!(
+            err.contains("snap-1 is damaged") && err.contains("layer/notes is damaged"),
+            "{err}"
+        );
     }
 
     #[test]

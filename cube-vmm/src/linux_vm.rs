@@ -378,6 +378,8 @@ fn write_snapshot(
     let snapshot_err = |e: &dyn std::fmt::Display| BootError::Snapshot(e.to_string());
     let memory_path = SnapshotDir::new(dir).memory();
     let dirty_pages = dirty.count() as u64;
+    // Binds the memory file to this snapshot's state.
+    let seal = cube_mem::Seal::random().map_err(|e| snapshot_err(&e))?;
     let stats = match parts.parent {
         Some(parent) => {
             let diff = cube_mem::memory_file::write_diff(
@@ -385,6 +387,7 @@ fn write_snapshot(
                 &memory_path,
                 parts.memory,
                 dirty,
+                &seal,
                 Durability::Deferred,
             )?;
             SnapshotStats {
@@ -400,6 +403,7 @@ fn write_snapshot(
                 &memory_path,
                 parts.memory,
                 None,
+                &seal,
                 Durability::Deferred,
             )?;
             SnapshotStats {
@@ -431,6 +435,7 @@ fn write_snapshot(
         boot_id: durability::boot_id().map_err(|e| snapshot_err(&e))?,
         devices: devices()?,
         serial: Some(parts.ports.save_serial()),
+        memory_seal: Some(seal.0),
     };
     format::write_state(dir, &state).map_err(|e| snapshot_err(&e))?;
     Ok(stats)

@@ -62,6 +62,9 @@ pub enum MachineError {
     /// The snapshot on disk is unusable.
     #[error("Snapshot")]
     Format(#[from] format::FormatError),
+    /// No seal could be drawn for the memory file.
+    #[error("Sealing the memory file")]
+    Seal(#[from] cube_mem::SealError),
     /// The parent memory file cannot be opened.
     #[error("Opening memory file {0}")]
     Parent(String, #[source] std::io::Error),
@@ -440,6 +443,8 @@ impl Machine {
     ) -> Result<SnapshotStats, MachineError> {
         let memory_path = SnapshotDir::new(dir).memory();
         let dirty_pages = dirty.count() as u64;
+        // Binds the memory file to this snapshot's state.
+        let seal = cube_mem::Seal::random()?;
         let stats = match &self.parent {
             Some(parent) => {
                 let diff = cube_mem::memory_file::write_diff(
@@ -447,6 +452,7 @@ impl Machine {
                     &memory_path,
                     &self.memory,
                     dirty,
+                    &seal,
                     Durability::Deferred,
                 )?;
                 SnapshotStats {
@@ -461,6 +467,7 @@ impl Machine {
                     &memory_path,
                     &self.memory,
                     Some(dirty),
+                    &seal,
                     Durability::Deferred,
                 )?;
                 SnapshotStats {
@@ -487,6 +494,7 @@ impl Machine {
             // The test-guest machine has no virtio devices and no serial port.
             devices: Vec::new(),
             serial: None,
+            memory_seal: Some(seal.0),
         };
         format::write_state(dir, &state)?;
         Ok(stats)
