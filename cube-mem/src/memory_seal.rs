@@ -68,21 +68,7 @@ impl Seal {
     /// A fresh seal from the kernel's CSPRNG.
     pub fn random() -> Result<Seal, SealError> {
         let mut bytes = [0u8; 16];
-        let mut filled = 0;
-        while filled < bytes.len() {
-            let rest = &mut bytes[filled..];
-            // SAFETY: `rest` is a writable buffer of `rest.len()` bytes for the whole
-            // call; getrandom writes at most that many bytes into it.
-            let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
-            if n < 0 {
-                let err = std::io::Error::last_os_error();
-                if err.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(SealError::Random(err));
-            }
-            filled += n.unsigned_abs();
-        }
+        cube_storage::fill_random(&mut bytes).map_err(SealError::Random)?;
         Ok(Seal(bytes))
     }
 

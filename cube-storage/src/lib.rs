@@ -40,6 +40,7 @@ pub use metadata::{
     decode_envelope, encode_envelope, read_verified, read_verified_bytes, write_atomic,
     write_atomic_bytes, write_atomic_bytes_with, MetadataError,
 };
+pub use random_id::fill_random;
 pub use reflink::{
     clone_file, clone_tree, clone_tree_into, clone_tree_with, filesystem_name, supports_reflink,
     CloneError, CloneMethod, TreeCloneStats, TreeOptions,

@@ -184,6 +184,25 @@ struct MachineStateV4 {
     serial: Option<SerialRecord>,
 }
 
+impl MachineStateV4 {
+    /// The state in this build's layout (in memory): a memory file without a seal, as
+    /// it was.
+    fn upgrade(self) -> MachineState {
+        MachineState {
+            format_version: FORMAT_VERSION,
+            config: self.config,
+            ram: self.ram,
+            guest: self.guest,
+            vm: self.vm,
+            vcpus: self.vcpus,
+            boot_id: self.boot_id,
+            devices: self.devices,
+            serial: self.serial,
+            memory_seal: None,
+        }
+    }
+}
+
 /// [`MachineState`] as format version 2 wrote it.
 #[derive(Deserialize)]
 struct MachineStateV2 {
@@ -226,26 +245,14 @@ pub fn decode(bytes: &[u8]) -> Result<MachineState, FormatError> {
         FORMAT_VERSION_UNSEALED => {
             let old: MachineStateV4 = postcard::from_bytes(bytes).map_err(FormatError::Decode)?;
             debug_assert_eq!(old.format_version, FORMAT_VERSION_UNSEALED);
-            // Upgraded in memory: a memory file without a seal, as it was.
-            MachineState {
-                format_version: FORMAT_VERSION,
-                config: old.config,
-                ram: old.ram,
-                guest: old.guest,
-                vm: old.vm,
-                vcpus: old.vcpus,
-                boot_id: old.boot_id,
-                devices: old.devices,
-                serial: old.serial,
-                memory_seal: None,
-            }
+            old.upgrade()
         }
         FORMAT_VERSION_NO_DEVICES => {
             let old: MachineStateV2 = postcard::from_bytes(bytes).map_err(FormatError::Decode)?;
             debug_assert_eq!(old.format_version, FORMAT_VERSION_NO_DEVICES);
-            // Upgraded in memory: a VM without devices, as it was.
-            MachineState {
-                format_version: FORMAT_VERSION,
+            // A VM without devices, as it was.
+            MachineStateV4 {
+                format_version: FORMAT_VERSION_UNSEALED,
                 config: old.config,
                 ram: old.ram,
                 guest: old.guest,
@@ -254,8 +261,8 @@ pub fn decode(bytes: &[u8]) -> Result<MachineState, FormatError> {
                 boot_id: old.boot_id,
                 devices: Vec::new(),
                 serial: None,
-                memory_seal: None,
             }
+            .upgrade()
         }
         found => return Err(FormatError::Version { found }),
     };
