@@ -98,7 +98,8 @@ struct Outcomes {
 /// Whether Cube notices `damage` to file `rel` of a snapshot before restoring from it.
 /// Records, state files and CRIU's images are checked (checksums, lengths); a jail's
 /// files (`layer/`, `tmpfs/`) against the snapshot's manifest of their lengths and
-/// CRC32s; a VM's memory image by its length and the seal that binds it to its state,
+/// CRC32s (whole for the small files here; only the ends of large ones, see
+/// `cube_storage::tree_manifest`); a VM's memory image by its length and the seal that binds it to its state,
 /// so a truncated one or another snapshot's is refused. Left unchecked: the contents of
 /// guest memory (reading every byte of it at each restore would cost what lazy
 /// restores save), so a flipped bit in it is taken in, and CRIU's dump log, which

@@ -4,17 +4,21 @@
 //! A jail snapshot is its files: nothing else would notice a file of its layer that
 //! was truncated, bit-flipped, swapped with another snapshot's, removed or added, and
 //! a restore would take the damage in. The manifest lists every entry under the
-//! snapshot's trees with its kind, and for a regular file its length and CRC32; it
+//! snapshot's trees with its kind, and for a regular file its length and a CRC32; it
 //! names the snapshot it belongs to and sits in a checksummed envelope. A restore
 //! checks the trees against it before it applies anything ([`verify`]).
 //!
-//! Computing it reads every byte of the trees, at snapshot and at restore: CRC32 runs
-//! at several GB/s, and a typical layer (an agent's working files) is small, so this
-//! costs far less than the copy it guards. Directory metadata (modes, owners, times)
-//! is not covered.
+//! What the CRC32 covers is bounded, as it is computed at every snapshot and checked
+//! at every restore: a file of up to [`WHOLE_FILE_BYTES`] is covered whole; of a larger
+//! one, its first and last [`SAMPLE_BYTES`] (and its length). Reading whole files cost
+//! too much where it matters: on the reference host's loop-mounted XFS store, with
+//! 10 MiB of data in the layer a clone took 1.8 times as long, and with 100 MiB a
+//! snapshot 1.4 times (`cube bench --engine jail`). So damage inside a large file,
+//! away from its ends and keeping its length, is not noticed; a truncated or replaced
+//! file, and any change to a small one (an agent's working files, most files of a
+//! layer), is. Directory metadata (modes, owners, times) is not covered.
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::Path;
@@ -24,6 +28,11 @@ use serde::{Deserialize, Serialize};
 use crate::layout::SnapshotDir;
 use crate::metadata::MetadataError;
 use crate::Durability;
+
+/// Files up to this length are covered whole by their CRC32.
+pub const WHOLE_FILE_BYTES: u64 = 2 * SAMPLE_BYTES;
+/// Of a larger file, the CRC32 covers this many bytes at its start and at its end.
+pub const SAMPLE_BYTES: u64 = 64 << 10;
 
 /// Envelope kind of the manifest file.
 const MANIFEST_KIND: &str = "cube-tree-manifest";
@@ -85,7 +94,8 @@ pub enum TreeManifestError {
 enum Entry {
     /// A directory.
     Dir,
-    /// A regular file: its length and CRC32.
+    /// A regular file: its length and the CRC32 of its contents (of its ends only,
+    /// beyond [`WHOLE_FILE_BYTES`]).
     File { len: u64, crc32: u32 },
     /// A symbolic link and its target (escaped as names are).
     Symlink { target: String },
@@ -129,32 +139,41 @@ fn escape(bytes: &[u8]) -> String {
     out
 }
 
-fn crc32_of(path: &Path, len: u64) -> Result<(u64, u32), TreeManifestError> {
+/// The length of the regular file `path` and the CRC32 of its contents: all of them up
+/// to [`WHOLE_FILE_BYTES`], else its first and last [`SAMPLE_BYTES`].
+fn crc32_of(path: &Path) -> Result<(u64, u32), TreeManifestError> {
+    use std::os::unix::fs::FileExt;
     let read = |e| TreeManifestError::Read(path.display().to_string(), e);
-    let mut file = std::fs::OpenOptions::new()
+    let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NOATIME)
+        .custom_flags(libc::O_NOFOLLOW)
         .open(path)
-        .or_else(|_| {
-            // O_NOATIME needs ownership or CAP_FOWNER.
-            std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(path)
-        })
         .map_err(read)?;
+    // The length of the open file, which is what is read.
+    let len = file.metadata().map_err(read)?.len();
     let mut hasher = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; (len as usize).clamp(4096, 1 << 20)];
-    let mut total = 0u64;
-    loop {
-        let n = file.read(&mut buf).map_err(read)?;
-        if n == 0 {
-            break;
+    let mut buf = vec![0u8; SAMPLE_BYTES as usize];
+    let ranges = if len <= WHOLE_FILE_BYTES {
+        [(0, len), (len, 0)]
+    } else {
+        [(0, SAMPLE_BYTES), (len - SAMPLE_BYTES, SAMPLE_BYTES)]
+    };
+    for (start, count) in ranges {
+        let mut done = 0;
+        while done < count {
+            let chunk = (count - done).min(SAMPLE_BYTES) as usize;
+            let n = file
+                .read_at(&mut buf[..chunk], start + done)
+                .map_err(read)?;
+            if n == 0 {
+                // Shorter than its length said: changed while read.
+                return Err(read(std::io::ErrorKind::UnexpectedEof.into()));
+            }
+            hasher.update(&buf[..n]);
+            done += n as u64;
         }
-        hasher.update(&buf[..n]);
-        total += n as u64;
     }
-    Ok((total, hasher.finalize()))
+    Ok((len, hasher.finalize()))
 }
 
 /// Adds every entry under `dir` (named `rel` relative to the snapshot) to `out`.
@@ -171,7 +190,7 @@ fn walk(dir: &Path, rel: &str, out: &mut BTreeMap<String, Entry>) -> Result<(), 
             walk(&path, &name, out)?;
             Entry::Dir
         } else if kind.is_file() {
-            let (len, crc32) = crc32_of(&path, meta.len())?;
+            let (len, crc32) = crc32_of(&path)?;
             Entry::File { len, crc32 }
         } else if kind.is_symlink() {
             let target = std::fs::read_link(&path)
@@ -324,6 +343,27 @@ mod tests {
         verify(dir.path(), "snap-1", TREES).unwrap();
         // Names that are not UTF-8 are kept apart from their lossy look-alikes.
         assert!(escape(b"odd\xff%name") == "odd%FF%25name");
+    }
+
+    #[test]
+    fn a_large_file_is_covered_at_its_ends() {
+        let dir = snapshot();
+        let big = dir.path().join("layer/big");
+        let len = 3 * SAMPLE_BYTES + 5;
+        std::fs::write(&big, vec![7u8; len as usize]).unwrap();
+        write(dir.path(), "snap-1", TREES).unwrap();
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new().write(true).open(&big).unwrap();
+        for (at, covered) in [(0, true), (len - 1, true), (SAMPLE_BYTES + 9, false)] {
+            f.write_all_at(&[8], at).unwrap();
+            assert_eq!(
+                verify(dir.path(), "snap-1", TREES).is_err(),
+                covered,
+                "a change at {at}"
+            );
+            f.write_all_at(&[7], at).unwrap();
+        }
+        verify(dir.path(), "snap-1", TREES).unwrap();
     }
 
     #[test]
