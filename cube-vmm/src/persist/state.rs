@@ -165,8 +165,10 @@ pub struct MachineState {
     /// The COM1 UART's registers, for a guest that has one (Linux).
     pub serial: Option<SerialRecord>,
     /// The seal written after guest memory in the memory file (see
-    /// [`cube_mem::memory_seal`]), checked before the file is mapped. None only in
-    /// states of [`FORMAT_VERSION_UNSEALED`] and older, whose files have none.
+    /// [`cube_mem::memory_seal`]), checked before the file is mapped. None for a
+    /// memory file without one (written by a build of [`FORMAT_VERSION_UNSEALED`] or
+    /// older; its state keeps None when upgraded and written again), which must then
+    /// be guest memory alone.
     pub memory_seal: Option<[u8; 16]>,
 }
 
@@ -233,15 +235,7 @@ pub fn decode(bytes: &[u8]) -> Result<MachineState, FormatError> {
     // version gets a clear answer instead of a decoding error.
     let (found, _) = postcard::take_from_bytes::<u32>(bytes).map_err(FormatError::Decode)?;
     let state = match found {
-        FORMAT_VERSION => {
-            let state: MachineState = postcard::from_bytes(bytes).map_err(FormatError::Decode)?;
-            if state.memory_seal.is_none() {
-                return Err(FormatError::Invalid(
-                    "no memory seal (every snapshot of this format has one)".to_string(),
-                ));
-            }
-            state
-        }
+        FORMAT_VERSION => postcard::from_bytes(bytes).map_err(FormatError::Decode)?,
         FORMAT_VERSION_UNSEALED => {
             let old: MachineStateV4 = postcard::from_bytes(bytes).map_err(FormatError::Decode)?;
             debug_assert_eq!(old.format_version, FORMAT_VERSION_UNSEALED);
@@ -496,13 +490,8 @@ mod tests {
                 ..state.clone()
             }
         );
-        // A version 5 state without its seal is no state this build wrote.
-        let unsealed = MachineState {
-            memory_seal: None,
-            ..state.clone()
-        };
-        let err = decode(&encode(&unsealed).unwrap()).unwrap_err();
-        assert!(err.to_string().contains("memory seal"), "{err}");
+        // Written again, the upgraded state stays unsealed.
+        assert_eq!(decode(&encode(&loaded).unwrap()).unwrap(), loaded);
         // Other versions get a clear answer.
         let mut future = encode(&state).unwrap();
         future[0] = 9;
