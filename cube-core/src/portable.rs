@@ -329,7 +329,17 @@ pub(crate) fn import(store: &Store, source: &Path) -> Result<ImportReport, Sandb
         .into());
     }
     meta.template = template.clone();
+    if engine == Engine::Jail && meta.boot_id.is_none() {
+        // An archive of a build that did not flush jail snapshots: this import
+        // flushes it, in this boot.
+        meta.boot_id = Some(cube_storage::durable_marker::boot_id()?);
+    }
     cube_storage::write_atomic(&record, SnapshotDir::RECORD_KIND, &meta)?;
+    if let (Engine::Jail, Some(boot)) = (engine, &meta.boot_id) {
+        // The marker repeats the boot the record names, as a restore checks.
+        let _ = std::fs::remove_file(unpacked.durable_marker());
+        cube_storage::durable_marker::make_durable(&unpacked, boot)?;
+    }
     if engine == Engine::Vm {
         // The state is checked field by field when restored; here its envelope and the
         // boot it names, which the durability marker must repeat.

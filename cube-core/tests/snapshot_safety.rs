@@ -42,8 +42,11 @@ fn rollback_restores_memory_byte_for_byte() {
     let id = sb.id().to_string();
     let pid = env.track(&mut sb);
     let snapshot = sb.snapshot().unwrap();
-    let image = std::fs::read(memory_file(&snapshot)).unwrap();
-    assert_eq!(image.len() as u64, GUEST_MEMORY);
+    assert_eq!(
+        std::fs::metadata(memory_file(&snapshot)).unwrap().len(),
+        GUEST_MEMORY + cube_mem::SEAL_BYTES
+    );
+    let image = guest_image(&snapshot);
 
     let dirty_mib = 8;
     let pattern: u64 = 0x524f_4c4c_0000_0000;
@@ -152,8 +155,8 @@ fn snapshot_writes_only_dirty_pages() {
     assert_eq!(second.stats.bytes_written, second.stats.dirty_pages * PAGE);
     assert_eq!(second.stats.reflinked, reflinks);
 
-    let a = std::fs::read(memory_file(&first)).unwrap();
-    let b = std::fs::read(memory_file(&second)).unwrap();
+    let a = guest_image(&first);
+    let b = guest_image(&second);
     let differing = differing_pages(&a, &b);
     let mut expected: Vec<u64> = vec![MAILBOX_PAGE, PD0_PAGE];
     expected.extend(DIRTY_AREA_PAGE..DIRTY_AREA_PAGE + pages);
@@ -192,7 +195,7 @@ fn snapshot_writes_only_dirty_pages() {
     let third = sb.snapshot().unwrap();
     assert_eq!(third.stats.dirty_pages, 0, "{:?}", third.stats);
     assert_eq!(third.stats.bytes_written, 0);
-    assert_eq!(std::fs::read(memory_file(&third)).unwrap(), b);
+    assert_eq!(guest_image(&third), b);
 
     sb.destroy().unwrap();
     env.finish();
@@ -275,7 +278,10 @@ fn truncated_memory_file_is_rejected() {
     let text = error_chain(&err);
     assert!(
         text.contains("memory file")
-            && text.contains(&format!("is {half} bytes, expected {GUEST_MEMORY}")),
+            && text.contains(&format!(
+                "is {half} bytes, expected {}",
+                GUEST_MEMORY + cube_mem::SEAL_BYTES
+            )),
         "{text}"
     );
     let err = sb.rollback(&damaged.id).unwrap_err();

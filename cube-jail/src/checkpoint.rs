@@ -82,7 +82,7 @@ pub const MANIFEST: &str = "cube-checkpoint.json";
 pub const FORMAT: u32 = 1;
 const IMAGES: &str = "images";
 /// The saved contents of the sandbox's tmpfs mounts, one directory per mount.
-const TMPFS: &str = "tmpfs";
+pub const TMPFS: &str = "tmpfs";
 const LAYER: &str = "layer";
 /// The overlay directories in a sandbox directory, as `rootfs::prepare` makes them.
 const OVERLAY_UPPER: &str = "upper";

@@ -18,6 +18,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use vm_memory::bitmap::AtomicBitmap;
+
+use crate::memory_seal::SEAL_BYTES;
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{
     FileOffset, GuestAddress, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap, VolatileSlice,
@@ -299,7 +301,7 @@ impl GuestMemory {
     /// Maps `memory_file` `MAP_PRIVATE | MAP_NORESERVE`: nothing is read up front, pages
     /// are shared through the page cache with every other mapping of the file, and the
     /// guest's writes become private copies. The file's size must equal the layout's
-    /// total size. The file must not be truncated while mapped (accesses would fault).
+    /// total size, or that and a seal page ([`crate::memory_seal`]). The file must not be truncated while mapped (accesses would fault).
     pub fn restore_private(layout: MemoryLayout, memory_file: &Path) -> Result<Self, MemoryError> {
         check_host_page_size()?;
         let file = open_memory_file(memory_file, layout.total_size())?;
@@ -492,7 +494,9 @@ fn open_memory_file(memory_file: &Path, expected: u64) -> Result<File, MemoryErr
             path: memory_file.to_path_buf(),
         });
     }
-    if meta.len() != expected {
+    // Sealed files carry one page after guest memory (checked by whoever restores
+    // from them, before this: see `memory_seal`); older files hold guest memory alone.
+    if meta.len() != expected && meta.len() != expected.saturating_add(SEAL_BYTES) {
         return Err(MemoryError::SizeMismatch {
             path: memory_file.to_path_buf(),
             expected,

@@ -8,7 +8,8 @@
 //!   of them work on this host.
 //! - [`memory_file`]: writing guest memory to a memory file, whole or as a reflinked copy
 //!   of the parent file plus the dirty pages, with the guest stopped or (through
-//!   [`live_copy`]) running on.
+//!   [`live_copy`]) running on, sealed ([`memory_seal`]) to the snapshot state written
+//!   with it.
 
 // Tests may unwrap (CONTRIBUTING.md); library code may not.
 
@@ -16,6 +17,7 @@ pub mod dirty;
 pub mod guest_memory;
 pub mod live_copy;
 pub mod memory_file;
+pub mod memory_seal;
 mod uffd_sys;
 
 pub use dirty::{
@@ -30,3 +32,4 @@ pub use memory_file::{
     prepare_diff, write_diff, write_full, DiffStats, LiveDiff, MemoryFileError, PreparedDiff,
     WriteStats,
 };
+pub use memory_seal::{Seal, SealError, SEAL_BYTES};

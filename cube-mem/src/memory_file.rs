@@ -8,8 +8,11 @@
 //!   memory file that shares unchanged blocks with its parent.
 //!
 //! - [`prepare_diff`] is its first half (the clone), which needs no stopped guest; its
-//!   [`PreparedDiff::protect`] then lets the guest run on while the dirty pages are
+//!   [`PreparedDiff::live`] then lets the guest run on while the dirty pages are
 //!   copied ([`LiveDiff::finish`], through [`crate::live_copy`]).
+//!
+//! Each file ends with the snapshot's seal (see [`crate::memory_seal`]), one page after
+//! guest memory.
 //!
 //! Otherwise they read guest memory while writing it out: stop the vCPUs (and device
 //! emulation) first, or the file is a blend of before and after.
@@ -25,6 +28,7 @@ use nix::unistd::{lseek, Whence};
 use crate::dirty::DirtyBitmap;
 use crate::guest_memory::{GuestMemory, PAGE_SIZE};
 use crate::live_copy::{LiveCopy, LiveCopyError};
+use crate::memory_seal::{Seal, SEAL_BYTES};
 
 /// Largest single `pwrite`; Linux caps one call near 2 GiB anyway.
 const MAX_WRITE: usize = 1 << 30;
@@ -102,6 +106,15 @@ pub enum MemoryFileError {
         /// Size of the parent.
         actual: u64,
     },
+    /// Writing the seal page failed.
+    #[error("Failed to seal memory file {}", path.display())]
+    Seal {
+        /// The destination.
+        path: PathBuf,
+        /// What the kernel said.
+        #[source]
+        source: std::io::Error,
+    },
     /// The clone of the parent could not be opened for writing.
     #[error("Failed to open memory file {} for writing", path.display())]
     OpenClone {
@@ -171,8 +184,9 @@ impl Drop for RemoveOnError<'_> {
     }
 }
 
-/// Writes all of `mem` to a new memory file `dest` (which must not exist), then
-/// `fdatasync`s it. The file is [`GuestMemory::total_size`] bytes.
+/// Writes all of `mem` to a new memory file `dest` (which must not exist) with `seal`
+/// after it, then `fdatasync`s it when `durability` asks. The file is
+/// [`GuestMemory::total_size`] bytes and the seal page ([`SEAL_BYTES`]).
 ///
 /// For fresh memory ([`GuestMemory::anonymous`]) only written pages are copied and the
 /// rest left as holes: the pages in `dirty` when given (it must cover every write since
@@ -183,6 +197,7 @@ pub fn write_full(
     dest: &Path,
     mem: &GuestMemory,
     dirty: Option<&DirtyBitmap>,
+    seal: &Seal,
     durability: Durability,
 ) -> Result<WriteStats, MemoryFileError> {
     if let Some(dirty) = dirty {
@@ -209,12 +224,13 @@ pub fn write_full(
             source,
         })?;
     let guard = RemoveOnError::new(dest);
-    file.set_len(mem.total_size())
+    file.set_len(mem.total_size() + SEAL_BYTES)
         .map_err(|source| MemoryFileError::SetLen {
             path: dest.to_path_buf(),
             source,
         })?;
     let stats = write_extents(&file, dest, mem, &extents)?;
+    write_seal(&file, dest, mem, seal)?;
     if durability == Durability::Synced {
         sync(&file, dest)?;
     }
@@ -224,17 +240,20 @@ pub fn write_full(
 
 /// Writes a new memory file `dest` (which must not exist) as a clone of `parent` (a
 /// reflink where the filesystem can, else a sparse copy) with the `dirty` pages of
-/// `mem` written over it, then `fdatasync`s it. `dirty` must hold every page that
-/// differs from `parent`. The parent is never modified. On error `dest` is removed.
+/// `mem` and `seal` written over it, then `fdatasync`s it when `durability` asks.
+/// `dirty` must hold every page that differs from `parent`; `parent` is sealed or (as
+/// older builds wrote it) guest memory alone. The parent is never modified. On error
+/// `dest` is removed.
 pub fn write_diff(
     parent: &Path,
     dest: &Path,
     mem: &GuestMemory,
     dirty: &DirtyBitmap,
+    seal: &Seal,
     durability: Durability,
 ) -> Result<DiffStats, MemoryFileError> {
     check_shape(mem, dirty)?;
-    prepare_diff(parent, dest, mem)?.write(mem, dirty, durability)
+    prepare_diff(parent, dest, mem)?.write(mem, dirty, seal, durability)
 }
 
 /// Clones `parent` into the new memory file `dest` (which must not exist) for a diff
@@ -266,7 +285,7 @@ pub fn prepare_diff(
             source,
         })?
         .len();
-    if actual != mem.total_size() {
+    if actual != mem.total_size() && actual != mem.total_size() + SEAL_BYTES {
         return Err(MemoryFileError::ParentSize {
             path: parent.to_path_buf(),
             expected: mem.total_size(),
@@ -300,11 +319,14 @@ impl PreparedDiff {
         mut self,
         mem: &GuestMemory,
         dirty: &DirtyBitmap,
+        seal: &Seal,
         durability: Durability,
     ) -> Result<DiffStats, MemoryFileError> {
         check_shape(mem, dirty)?;
         let file = self.file.as_ref().ok_or(MemoryFileError::DirtyShape)?;
         let stats = write_extents(file, &self.dest, mem, &dirty_extents(dirty))?;
+        // Over the parent's seal, or after an unsealed parent's last page.
+        write_seal(file, &self.dest, mem, seal)?;
         if durability == Durability::Synced {
             sync(file, &self.dest)?;
         }
@@ -352,13 +374,19 @@ pub struct LiveDiff {
 
 impl LiveDiff {
     /// Copies the protected pages over the clone, the ones the guest writes first.
-    pub fn finish(mut self, durability: Durability) -> Result<DiffStats, MemoryFileError> {
+    pub fn finish(
+        mut self,
+        mem: &GuestMemory,
+        seal: &Seal,
+        durability: Durability,
+    ) -> Result<DiffStats, MemoryFileError> {
         let file = self
             .prepared
             .file
             .as_ref()
             .ok_or(MemoryFileError::DirtyShape)?;
         let bytes_written = self.copy.copy_into(file)?;
+        write_seal(file, &self.prepared.dest, mem, seal)?;
         if durability == Durability::Synced {
             sync(file, &self.prepared.dest)?;
         }
@@ -370,6 +398,19 @@ impl LiveDiff {
             clone_method: self.prepared.clone_method,
         })
     }
+}
+
+fn write_seal(
+    file: &File,
+    path: &Path,
+    mem: &GuestMemory,
+    seal: &Seal,
+) -> Result<(), MemoryFileError> {
+    seal.write(file, mem.total_size())
+        .map_err(|source| MemoryFileError::Seal {
+            path: path.to_path_buf(),
+            source,
+        })
 }
 
 fn check_shape(mem: &GuestMemory, dirty: &DirtyBitmap) -> Result<(), MemoryFileError> {
@@ -563,6 +604,10 @@ mod tests {
         }
     }
 
+    /// The seal of every file these tests write: files of the same contents compare
+    /// equal.
+    const SEAL: Seal = Seal([0x5e; 16]);
+
     const FIRST: [(usize, usize); 6] = [(0, 0), (0, 1), (0, 2), (0, 300), (0, 511), (1, 17)];
 
     #[test]
@@ -572,8 +617,12 @@ mod tests {
         scribble(&mem, 1, &FIRST);
 
         let path = dir.path().join("full");
-        let stats = write_full(&path, &mem, None, Durability::Synced).unwrap();
-        assert_eq!(std::fs::metadata(&path).unwrap().len(), mem.total_size());
+        let stats = write_full(&path, &mem, None, &SEAL, Durability::Synced).unwrap();
+        assert_eq!(
+            std::fs::metadata(&path).unwrap().len(),
+            mem.total_size() + SEAL_BYTES
+        );
+        SEAL.check(&path, mem.total_size()).unwrap();
         assert!(stats.pages_written >= FIRST.len() as u64);
         assert!(stats.bytes_written < mem.total_size() / 2, "{stats:?}");
         let allocated = std::fs::metadata(&path).unwrap().blocks() * 512;
@@ -588,7 +637,7 @@ mod tests {
         scribble(&mem2, 1, &FIRST);
         let dirty = log.collect().unwrap();
         let path2 = dir.path().join("full2");
-        let stats = write_full(&path2, &mem2, Some(&dirty), Durability::Synced).unwrap();
+        let stats = write_full(&path2, &mem2, Some(&dirty), &SEAL, Durability::Synced).unwrap();
         assert_eq!(
             stats,
             WriteStats {
@@ -604,7 +653,7 @@ mod tests {
 
         // A restored memory written in full is the same file again.
         let path3 = dir.path().join("full3");
-        let stats = write_full(&path3, &restored, Some(&dirty), Durability::Synced).unwrap();
+        let stats = write_full(&path3, &restored, Some(&dirty), &SEAL, Durability::Synced).unwrap();
         assert_eq!(stats.bytes_written, mem.total_size());
         assert_eq!(
             std::fs::read(&path3).unwrap(),
@@ -619,14 +668,14 @@ mod tests {
         let path = dir.path().join("exists");
         std::fs::write(&path, b"keep").unwrap();
         assert!(matches!(
-            write_full(&path, &mem, None, Durability::Synced),
+            write_full(&path, &mem, None, &SEAL, Durability::Synced),
             Err(MemoryFileError::Create { .. })
         ));
         assert_eq!(std::fs::read(&path).unwrap(), b"keep");
         let wrong = DirtyBitmap::new(&[1]);
         let other = dir.path().join("other");
         assert!(matches!(
-            write_full(&other, &mem, Some(&wrong), Durability::Synced),
+            write_full(&other, &mem, Some(&wrong), &SEAL, Durability::Synced),
             Err(MemoryFileError::DirtyShape)
         ));
         assert!(!other.exists());
@@ -638,7 +687,7 @@ mod tests {
         let parent = dir.path().join("parent");
         let original = GuestMemory::anonymous(layout()).unwrap();
         scribble(&original, 1, &FIRST);
-        write_full(&parent, &original, None, Durability::Synced).unwrap();
+        write_full(&parent, &original, None, &SEAL, Durability::Synced).unwrap();
         let parent_bytes = std::fs::read(&parent).unwrap();
 
         let mem = GuestMemory::restore_private(layout(), &parent).unwrap();
@@ -650,7 +699,7 @@ mod tests {
         assert!(dirty.iter().eq(second));
 
         let child = dir.path().join("child");
-        let stats = write_diff(&parent, &child, &mem, &dirty, Durability::Synced).unwrap();
+        let stats = write_diff(&parent, &child, &mem, &dirty, &SEAL, Durability::Synced).unwrap();
         println!("diff: {stats:?}");
         assert_eq!(stats.pages_written, 6);
         assert_eq!(stats.bytes_written, 6 * PAGE_SIZE as u64);
@@ -659,10 +708,36 @@ mod tests {
         let restored = GuestMemory::restore_private(layout(), &child).unwrap();
         let expected = contents(&mem);
         assert!(contents(&restored) == expected);
-        assert!(std::fs::read(&child).unwrap() == expected);
+        let total = mem.total_size() as usize;
+        assert!(std::fs::read(&child).unwrap()[..total] == expected);
         assert!(std::fs::read(&parent).unwrap() == parent_bytes);
         // The child really differs from the parent where the pages changed.
-        assert!(expected != parent_bytes);
+        assert!(expected != parent_bytes[..total]);
+
+        // Each file carries its own seal: the child's over the parent's.
+        let grandchild = dir.path().join("grandchild");
+        let own = Seal([0x6f; 16]);
+        let empty = DirtyBitmap::for_memory(&mem);
+        write_diff(
+            &child,
+            &grandchild,
+            &mem,
+            &empty,
+            &own,
+            Durability::Deferred,
+        )
+        .unwrap();
+        own.check(&grandchild, mem.total_size()).unwrap();
+        assert!(SEAL.check(&grandchild, mem.total_size()).is_err());
+        SEAL.check(&child, mem.total_size()).unwrap();
+
+        // A parent of an older build (guest memory alone) gets a sealed child.
+        let unsealed = dir.path().join("unsealed");
+        std::fs::write(&unsealed, &expected).unwrap();
+        let sealed = dir.path().join("sealed");
+        write_diff(&unsealed, &sealed, &mem, &empty, &own, Durability::Deferred).unwrap();
+        own.check(&sealed, mem.total_size()).unwrap();
+        assert!(contents(&GuestMemory::restore_private(layout(), &sealed).unwrap()) == expected);
     }
 
     #[test]
@@ -675,7 +750,7 @@ mod tests {
         let parent = dir.path().join("parent");
         let original = GuestMemory::anonymous(layout()).unwrap();
         scribble(&original, 3, &FIRST);
-        write_full(&parent, &original, None, Durability::Synced).unwrap();
+        write_full(&parent, &original, None, &SEAL, Durability::Synced).unwrap();
 
         let mem = GuestMemory::restore_private(layout(), &parent).unwrap();
         let mut tracker = UffdWriteProtect::new(&mem).unwrap();
@@ -693,7 +768,7 @@ mod tests {
         let dirty = tracker.collect().unwrap();
         assert!(dirty.iter().eq([(0, 5), (0, 6), (1, 64)]));
         let child = dir.path().join("child");
-        let stats = write_diff(&parent, &child, &mem, &dirty, Durability::Synced).unwrap();
+        let stats = write_diff(&parent, &child, &mem, &dirty, &SEAL, Durability::Synced).unwrap();
         assert_eq!((stats.pages_written, stats.runs), (3, 2));
         let restored = GuestMemory::restore_private(layout(), &child).unwrap();
         assert!(contents(&restored) == contents(&mem));
@@ -710,7 +785,7 @@ mod tests {
         std::fs::write(&small, vec![0u8; PAGE_SIZE]).unwrap();
         let dest = dir.path().join("dest");
         assert!(matches!(
-            write_diff(&small, &dest, &mem, &dirty, Durability::Synced),
+            write_diff(&small, &dest, &mem, &dirty, &SEAL, Durability::Synced),
             Err(MemoryFileError::ParentSize { actual: 4096, .. })
         ));
         assert!(!dest.exists());
@@ -722,6 +797,7 @@ mod tests {
                 &dest,
                 &mem,
                 &dirty,
+                &SEAL,
                 Durability::Synced
             ),
             Err(MemoryFileError::Clone { .. })
@@ -730,10 +806,10 @@ mod tests {
 
         // Existing destination: refused and left alone.
         let parent = dir.path().join("parent");
-        write_full(&parent, &mem, None, Durability::Synced).unwrap();
+        write_full(&parent, &mem, None, &SEAL, Durability::Synced).unwrap();
         std::fs::write(&dest, b"keep").unwrap();
         assert!(matches!(
-            write_diff(&parent, &dest, &mem, &dirty, Durability::Synced),
+            write_diff(&parent, &dest, &mem, &dirty, &SEAL, Durability::Synced),
             Err(MemoryFileError::Clone { .. })
         ));
         assert_eq!(std::fs::read(&dest).unwrap(), b"keep");
@@ -745,7 +821,7 @@ mod tests {
         let path = dir.path().join("mem");
         let original = GuestMemory::anonymous(layout()).unwrap();
         scribble(&original, 4, &FIRST);
-        write_full(&path, &original, None, Durability::Synced).unwrap();
+        write_full(&path, &original, None, &SEAL, Durability::Synced).unwrap();
 
         let a = GuestMemory::restore_private(layout(), &path).unwrap();
         let b = GuestMemory::restore_private(layout(), &path).unwrap();

@@ -41,31 +41,50 @@ pub fn boot_id() -> Result<String, DurabilityError> {
 }
 
 fn sync_path(path: &Path) -> Result<(), DurabilityError> {
+    use std::os::unix::fs::OpenOptionsExt;
     let describe = |e| DurabilityError::Sync(path.display().to_string(), e);
-    std::fs::File::open(path)
+    // Not through a symlink: only what the snapshot itself holds is synced.
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
         .and_then(|f| f.sync_all())
         .map_err(describe)
 }
 
-/// Flushes the snapshot in `dir` and its directory entry to disk, then marks it durable.
-pub fn make_durable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityError> {
-    let snapshot = SnapshotDir::new(dir);
-    sync_path(&snapshot.memory())?;
-    for path in snapshot.flushed_files() {
-        if path.exists() {
+/// Syncs every regular file and directory under `dir` (not `dir` itself), files
+/// before the directory that names them. A VM's snapshot is a few flat files; a
+/// jail's holds its writable layer (and CRIU's images) as whole trees. Symlinks,
+/// FIFOs and device nodes have no data: their directory's sync keeps them. The
+/// marker itself is left out, as it is written after.
+fn sync_tree(dir: &Path, marker: &Path) -> Result<(), DurabilityError> {
+    let describe = |e| DurabilityError::Sync(dir.display().to_string(), e);
+    for entry in std::fs::read_dir(dir).map_err(describe)? {
+        let entry = entry.map_err(describe)?;
+        let path = entry.path();
+        let kind = entry.file_type().map_err(describe)?;
+        if kind.is_dir() {
+            sync_tree(&path, marker)?;
+            sync_path(&path)?;
+        } else if kind.is_file() && path != marker {
             sync_path(&path)?;
         }
     }
+    Ok(())
+}
+
+/// Flushes the snapshot in `dir` (every file under it), its directory entry and its
+/// parent's to disk, then marks it durable.
+pub fn make_durable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityError> {
+    let snapshot = SnapshotDir::new(dir);
+    let marker = snapshot.durable_marker();
+    sync_tree(dir, &marker)?;
     sync_path(dir)?;
     if let Some(parent) = dir.parent() {
         sync_path(parent)?;
     }
-    crate::metadata::write_atomic_bytes(
-        &snapshot.durable_marker(),
-        DURABLE_KIND,
-        written_in_boot.as_bytes(),
-    )
-    .map_err(DurabilityError::Marker)
+    crate::metadata::write_atomic_bytes(&marker, DURABLE_KIND, written_in_boot.as_bytes())
+        .map_err(DurabilityError::Marker)
 }
 
 /// Whether the snapshot in `dir`, written during boot `written_in_boot`, can be used.
@@ -101,5 +120,29 @@ mod tests {
         // A marker for another boot does not vouch for this snapshot.
         make_durable(dir.path(), &now).unwrap();
         assert!(check_usable(dir.path(), other).is_err());
+    }
+
+    #[test]
+    fn a_jail_snapshots_whole_tree_is_flushed_and_links_are_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        let snapshot = SnapshotDir::new(dir.path().join("snap"));
+        let deep = snapshot.layer().join("home/user");
+        std::fs::create_dir_all(&deep).unwrap();
+        std::fs::write(deep.join("notes.txt"), b"kept").unwrap();
+        std::os::unix::fs::symlink(outside.path(), snapshot.layer().join("out")).unwrap();
+        std::os::unix::fs::symlink("/nonexistent", deep.join("dangling")).unwrap();
+        nix::unistd::mkfifo(&deep.join("pipe"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let other = "00000000-0000-0000-0000-000000000000";
+        make_durable(&snapshot, other).unwrap();
+        assert!(check_usable(&snapshot, other).is_ok());
+        // A file that cannot be read stops the flush short of the marker.
+        let unreadable = tempfile::tempdir().unwrap();
+        let missing = SnapshotDir::new(unreadable.path().join("gone"));
+        assert!(matches!(
+            make_durable(&missing, other),
+            Err(DurabilityError::Sync(..))
+        ));
+        assert!(!missing.durable_marker().exists());
     }
 }

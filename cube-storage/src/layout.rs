@@ -7,6 +7,7 @@
 //!                    hibernate/    (a snapshot directory: the VM's hibernation image)
 //!                    jail/  layer/  layer.hibernated  layer.seed  hibernated/
 //! snapshots/<id>/    memory.bin  state.bin  rootfs.img  snapshot.meta  durable  layer/
+//!                    files.manifest (a jail's)
 //! templates/<name>/  template.meta  rootfs/ (a jail template's tree)
 //!                    memory.bin  state.bin  rootfs.img  durable (a VM template)
 //! ```
@@ -39,6 +40,8 @@ const SANDBOX_RECORD: &str = "sandbox.meta";
 const TEMPLATE_RECORD: &str = "template.meta";
 /// The marker a completed background flush leaves (see [`crate::durable_marker`]).
 const DURABLE_MARKER: &str = "durable";
+/// What a jail snapshot's trees held (see [`crate::tree_manifest`]).
+const FILE_MANIFEST: &str = "files.manifest";
 /// The socket a sandbox's supervisor listens on.
 const SUPERVISOR_SOCKET: &str = "supervisor.sock";
 /// The link to a jail sandbox's agent socket.
@@ -61,7 +64,7 @@ const NETWORK_RECORD: &str = "network.device";
 /// A jail's state directory (mounts, cgroup names).
 const JAIL_DIR: &str = "jail";
 /// A jail's writable layer (also inside a jail snapshot).
-const LAYER_DIR: &str = "layer";
+pub const LAYER_DIR: &str = "layer";
 /// A hibernated jail's layer, when it hibernated without a checkpoint.
 const HIBERNATED_LAYER: &str = "layer.hibernated";
 /// A layer copied in from a snapshot, which the next jail starts on.
@@ -160,14 +163,14 @@ impl SnapshotDir {
         self.0.join(DURABLE_MARKER)
     }
 
+    /// What a jail snapshot's trees (its layer, its tmpfs contents) held when written.
+    pub fn file_manifest(&self) -> PathBuf {
+        self.0.join(FILE_MANIFEST)
+    }
+
     /// A jail snapshot's writable layer (a checkpoint's layer, for a full one).
     pub fn layer(&self) -> PathBuf {
         self.0.join(LAYER_DIR)
-    }
-
-    /// The files a flush syncs besides the memory file, where present.
-    pub fn flushed_files(&self) -> [PathBuf; 3] {
-        [self.state(), self.rootfs(), self.record()]
     }
 
     /// The sandbox that owns the snapshot, as its record names it; None when the

@@ -13,6 +13,8 @@
 //! - [`loop_store`]: a reflink-capable XFS filesystem on a loop device, for hosts
 //!   whose root filesystem (ext4) cannot reflink.
 //! - [`project_quota`]: XFS project quotas, the disk limits of directories.
+//! - [`tree_manifest`]: what a jail snapshot's trees held, and the check before a
+//!   restore that they still hold it.
 //!
 //! This crate knows nothing about KVM or engines: it moves bytes and directories
 //! safely and cheaply, and names the files the engines keep in them.
@@ -25,6 +27,7 @@ pub mod metadata;
 pub mod project_quota;
 pub mod reflink;
 pub mod store;
+pub mod tree_manifest;
 
 mod random_id;
 mod removal_guard;
@@ -37,6 +40,7 @@ pub use metadata::{
     decode_envelope, encode_envelope, read_verified, read_verified_bytes, write_atomic,
     write_atomic_bytes, write_atomic_bytes_with, MetadataError,
 };
+pub use random_id::fill_random;
 pub use reflink::{
     clone_file, clone_tree, clone_tree_into, clone_tree_with, filesystem_name, supports_reflink,
     CloneError, CloneMethod, TreeCloneStats, TreeOptions,

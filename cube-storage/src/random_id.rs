@@ -9,7 +9,7 @@ use std::io::{self, Read};
 
 /// Fills `buf` with random bytes from `getrandom(2)`, or from `/dev/urandom` on a
 /// kernel too old to have the system call.
-pub(crate) fn fill_random(buf: &mut [u8]) -> io::Result<()> {
+pub fn fill_random(buf: &mut [u8]) -> io::Result<()> {
     let mut filled = 0;
     while filled < buf.len() {
         let rest = &mut buf[filled..];

@@ -28,6 +28,21 @@ impl Flushes {
     }
 }
 
+/// The nice value of a flush thread: the requests of this and other sandboxes (a
+/// rollback right after the snapshot, a clone of it) should win the CPU from it, as
+/// its work is off their path.
+const FLUSH_NICE: i32 = 19;
+
+/// Sets the calling thread's nice value to [`FLUSH_NICE`] (a thread's nice value is
+/// its own on Linux).
+fn lower_own_priority() {
+    // SAFETY: gettid and setpriority take and return integers only.
+    unsafe {
+        let tid = libc::gettid();
+        libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, FLUSH_NICE);
+    }
+}
+
 fn flush_in_background(dir: PathBuf) -> Option<JoinHandle<()>> {
     let boot = match boot_id() {
         Ok(b) => b,
@@ -39,6 +54,7 @@ fn flush_in_background(dir: PathBuf) -> Option<JoinHandle<()>> {
     let spawned = std::thread::Builder::new()
         .name("flush".into())
         .spawn(move || {
+            lower_own_priority();
             if let Err(e) = make_durable(&dir, &boot) {
                 tracing::warn!("flushing snapshot {}: {e}", dir.display());
             }

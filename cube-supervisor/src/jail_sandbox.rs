@@ -18,6 +18,10 @@
 //! [`SnapshotKind::Filesystem`] with the reason in the snapshot's record and the
 //! supervisor's log: the layer is cloned while the processes are frozen, and a
 //! rollback or wake starts a new jail on a copy, so processes start afresh.
+//!
+//! Either kind is written to the page cache and flushed in the background, as a VM's
+//! snapshot is: its record names the boot it was written in, and a restore in a later
+//! boot needs the durability marker the flush leaves (see [`crate::jail_snapshot`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -31,7 +35,9 @@ use cube_vmm::persist::SnapshotStats;
 
 use crate::backend::{held_network, Networked, SandboxBackend};
 use crate::error_report::chain as error_chain;
+use crate::flush::Flushes;
 use crate::jail_network::{JailNetwork, JailNetworkError};
+use crate::jail_snapshot;
 use crate::jail_spec::{locate_agent, JailSpec, AGENT_PATH};
 use crate::network::NetnsChoice;
 use crate::protocol::{ErrorKind, Failure, JailStatus, MachineStatus, Settings, StatusReport};
@@ -86,12 +92,15 @@ pub struct JailSandbox {
     retiring: Vec<std::thread::JoinHandle<()>>,
     /// The sandbox's network, when it asked for one (see [`JailNetwork`]).
     network: Option<Box<JailNetwork>>,
+    /// Background flushes of the snapshots this sandbox wrote; joined by destroy.
+    flushes: Flushes,
 }
 
 impl JailSandbox {
     /// Starts the jail on the template tree `tree` (the host's userland when None): on a
-    /// copy of `layer` when given, restoring its processes too when `layer` is the layer
-    /// of a full-state snapshot (a clone).
+    /// copy of `layer` when given, the layer of a snapshot (a clone), restoring its
+    /// processes too when that snapshot is a full-state one. The snapshot is checked
+    /// first (see [`jail_snapshot::open`]).
     pub fn start(
         id: &str,
         dir: &Path,
@@ -99,6 +108,12 @@ impl JailSandbox {
         layer: Option<&Path>,
         settings: Settings,
     ) -> Result<JailSandbox, Failure> {
+        if let Some(layer) = layer {
+            let snapshot = layer.parent().ok_or_else(|| {
+                Failure::invalid(format!("{} is no snapshot's layer", layer.display()))
+            })?;
+            jail_snapshot::open(snapshot)?;
+        }
         let agent = locate_agent()?;
         let mut sandbox = JailSandbox {
             id: id.to_string(),
@@ -112,6 +127,7 @@ impl JailSandbox {
             generation: 0,
             retiring: Vec::new(),
             network: None,
+            flushes: Flushes::default(),
         };
         let snapshot = layer.and_then(Path::parent).filter(|s| is_checkpoint(s));
         if let Some(snapshot) = snapshot {
@@ -186,6 +202,7 @@ impl JailSandbox {
             generation: 0,
             retiring: Vec::new(),
             network: None,
+            flushes: Flushes::default(),
         };
         match (standby, sandbox.settings.network.clone()) {
             // The device attached while the jail waited: only its policy and ports
@@ -602,24 +619,21 @@ impl SandboxBackend for JailSandbox {
             kind,
             fallback,
         };
-        // Nothing to commit in a guest; no flush (see SnapshotTransaction::commit).
-        tx.commit(&self.id, Engine::Jail, staged, |_| Ok(()), None)
+        jail_snapshot::record_files(staging, tx.id())?;
+        // Nothing to commit in a guest.
+        tx.commit(
+            &self.id,
+            Engine::Jail,
+            staged,
+            |_| Ok(()),
+            &mut self.flushes,
+        )
     }
 
     /// Puts the snapshot back: a full-state one restores the processes, a filesystem
     /// one restarts them on a copy of its layer.
     fn rollback(&mut self, snapshot: &Path) -> Result<(), Failure> {
-        let meta: SnapshotMeta = cube_storage::read_verified(
-            &SnapshotDir::new(snapshot).record(),
-            SnapshotDir::RECORD_KIND,
-        )
-        .map_err(|e| error_chain(&e))?;
-        if meta.engine != Engine::Jail {
-            return Err(Failure::invalid(format!(
-                "snapshot {} is a {} snapshot; this is a jail sandbox",
-                meta.id, meta.engine
-            )));
-        }
+        let meta = jail_snapshot::open(snapshot)?;
         let start = Instant::now();
         let criu = match meta.kind {
             SnapshotKind::Full => Some(criu().map_err(|why| {
@@ -711,11 +725,12 @@ impl SandboxBackend for JailSandbox {
     }
 
     /// Ends every process and removes the jail, its cgroups and its layer; the agent
-    /// socket goes too.
+    /// socket goes too. Waits for the snapshots' flushes.
     fn destroy(&mut self) {
         for handle in std::mem::take(&mut self.retiring) {
             let _ = handle.join();
         }
+        self.flushes.join();
         if let Some(jail) = self.jail.take() {
             if let Err(e) = jail.destroy() {
                 tracing::warn!(sandbox = %self.id, "destroying the jail: {}", error_chain(&e));

@@ -10,7 +10,8 @@
 //!   [`test_guest_sandbox`] (Cube's test guest in a VM), [`linux_sandbox`] (a Linux
 //!   guest) or [`jail_sandbox`] (a jail, see [`jail_spec`]), with
 //!   [`jail_network`] for a sandbox's network. Every one writes its snapshots through
-//!   [`snapshot_transaction`].
+//!   [`snapshot_transaction`] and has them [`flush`]ed; [`jail_snapshot`] checks a jail
+//!   snapshot before it is restored.
 //! - [`templates`]: building jail trees, Debian root filesystems and VM templates.
 //! - [`records`]: what the store records about sandboxes, snapshots and templates.
 //! - [`host`]: what this host can do, for `cube doctor` and the engines' checks.
@@ -24,6 +25,7 @@ pub mod flush;
 pub mod host;
 pub mod jail_network;
 pub mod jail_sandbox;
+pub mod jail_snapshot;
 pub mod jail_spec;
 pub mod linux_sandbox;
 pub mod network;

@@ -282,7 +282,7 @@ impl SandboxBackend for LinuxSandbox {
                 vm.snapshot_committed(dest)
                     .map_err(|e| error_chain(&e).into())
             };
-            let flushes = Some(&mut self.flushes);
+            let flushes = &mut self.flushes;
             tx.commit(
                 &sandbox_id,
                 Engine::Vm,

@@ -110,6 +110,12 @@ pub struct SnapshotMeta {
     /// sandbox's record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<String>,
+    /// The host boot during which the snapshot was written (see
+    /// [`cube_storage::durable_marker`]): a jail snapshot from another boot is
+    /// restored only with the durability marker that repeats it. None in records of
+    /// builds that did not flush jail snapshots; such a jail snapshot is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_id: Option<String>,
 }
 
 /// A template's record in the store.

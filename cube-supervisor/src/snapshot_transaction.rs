@@ -1,17 +1,20 @@
 //! The one way a snapshot or hibernation image comes into being, for every backend:
 //! staged in a directory of its own, its record written, renamed into place, the
-//! guest told it is committed, then flushed in the background.
+//! guest told it is committed, then flushed in the background (a jail's layer and
+//! checkpoint as a VM's memory and disk).
 //!
 //! A snapshot is whole or absent: until the rename nothing is at `dest`, and a
 //! failure anywhere before it removes the staging directory (on every path, by
 //! [`Drop`]), so the sandbox's earlier snapshots stay as they were. A VM's diff
 //! snapshot is two-phase: its dirty pages stay pending in the VM until the commit
-//! step, after the rename, says the snapshot is in place. The flush leaves the
-//! boot-id durability marker (see [`cube_storage::durable_marker`]) that restores
-//! check before they apply a snapshot.
+//! step, after the rename, says the snapshot is in place. The record names the boot
+//! it was written in; the flush leaves the boot-id durability marker (see
+//! [`cube_storage::durable_marker`]) that restores check before they apply a snapshot
+//! from another boot.
 
 use std::path::{Path, PathBuf};
 
+use cube_storage::durable_marker::boot_id;
 use cube_storage::{Durability, SandboxDir, SnapshotDir};
 use cube_vmm::persist::SnapshotStats;
 
@@ -84,20 +87,18 @@ impl SnapshotTransaction {
         Ok(SnapshotDir::new(&self.staging))
     }
 
-    /// Writes the record of `sandbox`'s snapshot of `staged` into the staging
-    /// directory, renames it into place, runs `committed` (a VM forgets the dirty pages
-    /// the snapshot now holds), then has it flushed into `flushes` where given.
-    ///
-    /// The jail passes no `flushes`: its snapshots carry no durability marker (no
-    /// restore of one checks for it), so there is nothing to flush for.
+    /// Writes the record of `sandbox`'s snapshot of `staged` (naming this boot) into
+    /// the staging directory, renames it into place, runs `committed` (a VM forgets the
+    /// dirty pages the snapshot now holds), then has it flushed into `flushes`.
     pub fn commit(
         mut self,
         sandbox: &str,
         engine: Engine,
         staged: Staged,
         committed: impl FnOnce(&Path) -> Result<(), Failure>,
-        flushes: Option<&mut Flushes>,
+        flushes: &mut Flushes,
     ) -> Result<SnapshotMeta, Failure> {
+        let boot_id = boot_id().map_err(|e| error_chain(&e))?;
         let meta = SnapshotMeta {
             id: std::mem::take(&mut self.id),
             sandbox: sandbox.to_string(),
@@ -107,6 +108,7 @@ impl SnapshotTransaction {
             engine,
             fallback: staged.fallback,
             template: None,
+            boot_id: Some(boot_id),
         };
         let bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
         cube_storage::write_atomic_bytes_with(
@@ -120,9 +122,7 @@ impl SnapshotTransaction {
             .map_err(|e| format!("committing snapshot: {e}"))?;
         self.committed = true;
         committed(&self.dest)?;
-        if let Some(flushes) = flushes {
-            flushes.start(self.dest.clone());
-        }
+        flushes.start(self.dest.clone());
         Ok(meta)
     }
 }

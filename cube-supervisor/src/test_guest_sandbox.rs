@@ -143,7 +143,7 @@ impl SandboxBackend for TestGuestSandbox {
             .snapshot(&staged_dir, disk)
             .map_err(|e| Failure::from(error_chain(&e)))?;
         let committed = |dest: &Path| m.snapshot_committed(dest).map_err(snapshot_failure);
-        let flushes = Some(&mut self.flushes);
+        let flushes = &mut self.flushes;
         tx.commit(
             &self.id,
             Engine::Vm,

@@ -94,6 +94,7 @@ fn main() {
                     &image,
                     vm.memory(),
                     None,
+                    &cube_mem::Seal([0; 16]),
                     cube_storage::Durability::Deferred,
                 );
                 let took = start.elapsed();

@@ -62,6 +62,9 @@ pub enum MicroVmError {
     /// The snapshot's durability could not be recorded.
     #[error("Snapshot durability")]
     Durability(#[from] DurabilityError),
+    /// No seal could be drawn for the memory file.
+    #[error("Sealing the memory file")]
+    Seal(#[from] cube_mem::SealError),
     /// The root disk could not be copied into the snapshot.
     #[error("Copying the root disk into the snapshot")]
     Disk(#[source] Box<cube_storage::CloneError>),

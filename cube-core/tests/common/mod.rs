@@ -417,6 +417,15 @@ pub fn memory_file(snapshot: &Snapshot) -> PathBuf {
     snapshot.dir.join("memory.bin")
 }
 
+/// Guest RAM as snapshot `snapshot`'s memory file holds it (without the seal page after
+/// it, see [`cube_mem::memory_seal`]).
+pub fn guest_image(snapshot: &Snapshot) -> Vec<u8> {
+    let mut image = std::fs::read(memory_file(snapshot)).expect("read memory file");
+    let guest = image.len() as u64 - cube_mem::SEAL_BYTES;
+    image.truncate(guest as usize);
+    image
+}
+
 /// The test guest's counter as the mailbox shows it.
 pub fn counter(sb: &mut Sandbox) -> u64 {
     sb.status().expect("status").counter

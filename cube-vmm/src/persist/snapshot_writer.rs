@@ -24,6 +24,7 @@ use cube_devices::records::{DeviceRecord, SerialRecord};
 use cube_mem::dirty::DirtyBitmap;
 use cube_mem::live_copy::LiveCopy;
 use cube_mem::memory_file::{prepare_diff, PreparedDiff};
+use cube_mem::Seal;
 use cube_storage::durable_marker as durability;
 use cube_storage::{Durability, SnapshotDir};
 
@@ -56,9 +57,11 @@ impl<G> MicroVm<G> {
         dirty: &DirtyBitmap,
         contents: GuestContents<'_>,
     ) -> Result<SnapshotStats, MicroVmError> {
+        // Binds the memory file to this snapshot's state.
+        let seal = Seal::random()?;
         let prepared = self.prepare_memory(dir)?;
-        let stats = self.write_memory(dir, dirty, prepared)?;
-        let state = self.capture(dir, contents)?;
+        let stats = self.write_memory(dir, dirty, prepared, &seal)?;
+        let state = self.capture(dir, contents, &seal)?;
         format::write_state(dir, &state)?;
         Ok(stats)
     }
@@ -72,13 +75,16 @@ impl<G> MicroVm<G> {
         dir: &Path,
         contents: GuestContents<'_>,
     ) -> Result<SnapshotStats, MicroVmError> {
+        // Binds the memory file to this snapshot's state.
+        let seal = Seal::random()?;
         // The clone of the parent needs no stopped guest.
         let prepared = self.prepare_memory(dir)?;
         let was_running = self.running;
         let stopped = Instant::now();
         self.pause()?;
         let result = self.diff.take_pending().and_then(|dirty| {
-            let written = self.snapshot_stopped(dir, &dirty, prepared, contents, was_running);
+            let written =
+                self.snapshot_stopped(dir, &dirty, prepared, contents, &seal, was_running);
             // Until committed these pages are only in guest memory.
             self.diff.keep_pending(dirty);
             written
@@ -93,7 +99,7 @@ impl<G> MicroVm<G> {
             let stats = match memory {
                 Memory::Written(stats) => stats,
                 Memory::Live(live, mut stats) => {
-                    let diff = live.finish(Durability::Deferred)?;
+                    let diff = live.finish(&self.memory, &seal, Durability::Deferred)?;
                     stats.bytes_written = diff.bytes_written;
                     stats.reflinked = diff.clone_method == cube_storage::CloneMethod::Reflink;
                     stats
@@ -118,9 +124,10 @@ impl<G> MicroVm<G> {
         dirty: &DirtyBitmap,
         prepared: Option<PreparedDiff>,
         contents: GuestContents<'_>,
+        seal: &Seal,
         was_running: bool,
     ) -> Result<(MachineState, Memory), MicroVmError> {
-        let state = self.capture(dir, contents)?;
+        let state = self.capture(dir, contents, seal)?;
         let memory = match prepared {
             Some(prepared) if was_running => match LiveCopy::protect(&self.memory, dirty) {
                 Ok(copy) => Memory::Live(
@@ -134,10 +141,10 @@ impl<G> MicroVm<G> {
                 ),
                 Err(e) => {
                     tracing::debug!(error = %e, "no live copy here: writing with the vCPUs stopped");
-                    Memory::Written(self.write_memory(dir, dirty, Some(prepared))?)
+                    Memory::Written(self.write_memory(dir, dirty, Some(prepared), seal)?)
                 }
             },
-            prepared => Memory::Written(self.write_memory(dir, dirty, prepared)?),
+            prepared => Memory::Written(self.write_memory(dir, dirty, prepared, seal)?),
         };
         Ok((state, memory))
     }
@@ -163,11 +170,12 @@ impl<G> MicroVm<G> {
         dir: &Path,
         dirty: &DirtyBitmap,
         prepared: Option<PreparedDiff>,
+        seal: &Seal,
     ) -> Result<SnapshotStats, MicroVmError> {
         let dirty_pages = dirty.count() as u64;
         let stats = match prepared {
             Some(prepared) => {
-                let diff = prepared.write(&self.memory, dirty, Durability::Deferred)?;
+                let diff = prepared.write(&self.memory, dirty, seal, Durability::Deferred)?;
                 SnapshotStats {
                     dirty_pages,
                     bytes_written: diff.bytes_written,
@@ -180,6 +188,7 @@ impl<G> MicroVm<G> {
                     &SnapshotDir::new(dir).memory(),
                     &self.memory,
                     None,
+                    seal,
                     Durability::Deferred,
                 )?;
                 SnapshotStats {
@@ -194,12 +203,14 @@ impl<G> MicroVm<G> {
         Ok(stats)
     }
 
-    /// The machine's state with the guest's `contents`, and the disk cloned into
+    /// The machine's state with the guest's `contents` and the memory file's `seal`,
+    /// and the disk cloned into
     /// `dir`: what must be taken with the vCPUs stopped besides memory.
     fn capture(
         &self,
         dir: &Path,
         contents: GuestContents<'_>,
+        seal: &Seal,
     ) -> Result<MachineState, MicroVmError> {
         if let Some(disk) = contents.disk {
             cube_storage::clone_file(disk, &SnapshotDir::new(dir).rootfs())?;
@@ -218,6 +229,7 @@ impl<G> MicroVm<G> {
             boot_id: durability::boot_id()?,
             devices: contents.devices,
             serial: contents.serial,
+            memory_seal: Some(seal.0),
         })
     }
 }

@@ -20,11 +20,14 @@ use crate::vstate::vm::VmState;
 
 /// Envelope kind of the state file.
 pub const STATE_KIND: &str = "cube-vm-state";
-/// Version of the state layout this build writes (it reads this one and
-/// [`FORMAT_VERSION_NO_DEVICES`]). Version 3 kept each device's state as bare bytes
-/// without its kind and version; those files are refused, as their device states
-/// cannot be checked.
-pub const FORMAT_VERSION: u32 = 4;
+/// Version of the state layout this build writes (it reads this one,
+/// [`FORMAT_VERSION_UNSEALED`] and [`FORMAT_VERSION_NO_DEVICES`]). Version 3 kept each
+/// device's state as bare bytes without its kind and version; those files are refused,
+/// as their device states cannot be checked.
+pub const FORMAT_VERSION: u32 = 5;
+/// The previous layout: the same state without the memory file's seal (see
+/// [`cube_mem::memory_seal`]), whose memory file is guest memory alone.
+pub const FORMAT_VERSION_UNSEALED: u32 = 4;
 /// The previous layout: the same state without virtio devices.
 pub const FORMAT_VERSION_NO_DEVICES: u32 = 2;
 /// Largest encoded device-specific state accepted for one virtio device.
@@ -73,6 +76,9 @@ pub enum FormatError {
     /// The memory file cannot be inspected.
     #[error("Snapshot memory file {0} is missing")]
     MemoryFileMissing(String, #[source] std::io::Error),
+    /// The memory file is not the one written with this state.
+    #[error("Snapshot memory file does not match its state")]
+    MemorySeal(#[from] cube_mem::SealError),
 }
 
 /// Largest working set either pass of the test guest may touch (its read and write
@@ -158,6 +164,45 @@ pub struct MachineState {
     pub devices: Vec<DeviceRecord>,
     /// The COM1 UART's registers, for a guest that has one (Linux).
     pub serial: Option<SerialRecord>,
+    /// The seal written after guest memory in the memory file (see
+    /// [`cube_mem::memory_seal`]), checked before the file is mapped. None for a
+    /// memory file without one (written by a build of [`FORMAT_VERSION_UNSEALED`] or
+    /// older; its state keeps None when upgraded and written again), which must then
+    /// be guest memory alone.
+    pub memory_seal: Option<[u8; 16]>,
+}
+
+/// [`MachineState`] as format version 4 wrote it.
+#[derive(Deserialize)]
+struct MachineStateV4 {
+    format_version: u32,
+    config: MachineConfig,
+    ram: Vec<RamRange>,
+    guest: GuestKind,
+    vm: VmState,
+    vcpus: Vec<VcpuState>,
+    boot_id: String,
+    devices: Vec<DeviceRecord>,
+    serial: Option<SerialRecord>,
+}
+
+impl MachineStateV4 {
+    /// The state in this build's layout (in memory): a memory file without a seal, as
+    /// it was.
+    fn upgrade(self) -> MachineState {
+        MachineState {
+            format_version: FORMAT_VERSION,
+            config: self.config,
+            ram: self.ram,
+            guest: self.guest,
+            vm: self.vm,
+            vcpus: self.vcpus,
+            boot_id: self.boot_id,
+            devices: self.devices,
+            serial: self.serial,
+            memory_seal: None,
+        }
+    }
 }
 
 /// [`MachineState`] as format version 2 wrote it.
@@ -191,12 +236,17 @@ pub fn decode(bytes: &[u8]) -> Result<MachineState, FormatError> {
     let (found, _) = postcard::take_from_bytes::<u32>(bytes).map_err(FormatError::Decode)?;
     let state = match found {
         FORMAT_VERSION => postcard::from_bytes(bytes).map_err(FormatError::Decode)?,
+        FORMAT_VERSION_UNSEALED => {
+            let old: MachineStateV4 = postcard::from_bytes(bytes).map_err(FormatError::Decode)?;
+            debug_assert_eq!(old.format_version, FORMAT_VERSION_UNSEALED);
+            old.upgrade()
+        }
         FORMAT_VERSION_NO_DEVICES => {
             let old: MachineStateV2 = postcard::from_bytes(bytes).map_err(FormatError::Decode)?;
             debug_assert_eq!(old.format_version, FORMAT_VERSION_NO_DEVICES);
-            // Upgraded in memory: a VM without devices, as it was.
-            MachineState {
-                format_version: FORMAT_VERSION,
+            // A VM without devices, as it was.
+            MachineStateV4 {
+                format_version: FORMAT_VERSION_UNSEALED,
                 config: old.config,
                 ram: old.ram,
                 guest: old.guest,
@@ -206,6 +256,7 @@ pub fn decode(bytes: &[u8]) -> Result<MachineState, FormatError> {
                 devices: Vec::new(),
                 serial: None,
             }
+            .upgrade()
         }
         found => return Err(FormatError::Version { found }),
     };
@@ -336,7 +387,9 @@ pub fn write_state(dir: &Path, state: &MachineState) -> Result<(), FormatError> 
     .map_err(FormatError::Envelope)
 }
 
-/// Reads and validates the state in `dir`, and checks the memory file beside it.
+/// Reads and validates the state in `dir`, and checks the memory file beside it: its
+/// size, and its seal where the state has one (the file is the one written with this
+/// state, not another snapshot's).
 pub fn read_state(dir: &Path) -> Result<MachineState, FormatError> {
     let snapshot = SnapshotDir::new(dir);
     let payload = cube_storage::read_verified_bytes(&snapshot.state(), STATE_KIND, MAX_STATE_BYTES)
@@ -344,6 +397,10 @@ pub fn read_state(dir: &Path) -> Result<MachineState, FormatError> {
     let state = decode(&payload)?;
     durable_marker::check_usable(dir, &state.boot_id)?;
     let memory = snapshot.memory();
+    if let Some(seal) = state.memory_seal {
+        cube_mem::Seal(seal).check(&memory, state.memory_bytes())?;
+        return Ok(state);
+    }
     let found = std::fs::metadata(&memory)
         .map_err(|e| FormatError::MemoryFileMissing(memory.display().to_string(), e))?
         .len();
@@ -426,7 +483,15 @@ mod tests {
         })
         .unwrap();
         let loaded = decode(&old).unwrap();
-        assert_eq!(loaded, state);
+        assert_eq!(
+            loaded,
+            MachineState {
+                memory_seal: None,
+                ..state.clone()
+            }
+        );
+        // Written again, the upgraded state stays unsealed.
+        assert_eq!(decode(&encode(&loaded).unwrap()).unwrap(), loaded);
         // Other versions get a clear answer.
         let mut future = encode(&state).unwrap();
         future[0] = 9;
