@@ -27,6 +27,7 @@ pub mod jail_sandbox;
 pub mod jail_spec;
 pub mod linux_sandbox;
 pub mod network;
+pub mod overlay_tree;
 pub mod pool;
 pub mod priority;
 pub mod protocol;
