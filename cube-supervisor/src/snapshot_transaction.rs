@@ -107,6 +107,7 @@ impl SnapshotTransaction {
             engine,
             fallback: staged.fallback,
             template: None,
+            rootfs: None,
         };
         let bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
         cube_storage::write_atomic_bytes_with(
