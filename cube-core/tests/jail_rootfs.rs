@@ -13,7 +13,7 @@ use common::sh;
 use std::path::{Path, PathBuf};
 
 use cube_core::templates::TreeSource;
-use cube_core::testing::oci_image::{self, Entry};
+use cube_core::testing::oci_image::{self, Compression::*, Entry};
 use cube_core::{
     CreateOptions, ErrorKind, Runtime, RuntimeConfig, Sandbox, Snapshot, HOST_TEMPLATE,
 };
@@ -218,7 +218,7 @@ fn templates_from_container_images_run_with_the_images_files_env_and_workdir() {
     let layers = vec![busybox_layer(), top_layer()];
     let config = image_config(&layers);
     let layout = files.path().join("layout");
-    oci_image::oci_layout(&layout, &config, &layers, &[true, false]).unwrap();
+    oci_image::oci_layout(&layout, &config, &layers, &[Gzip, Plain]).unwrap();
     let saved = files.path().join("saved.tar");
     oci_image::docker_save(&saved, &config, &layers).unwrap();
 
@@ -279,7 +279,7 @@ fn a_malformed_image_is_refused_and_leaves_no_template() {
         &layout,
         &image_config(std::slice::from_ref(&escape)),
         &[escape],
-        &[false],
+        &[Plain],
     )
     .unwrap();
     let err = rt
