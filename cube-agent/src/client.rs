@@ -285,6 +285,13 @@ impl Client {
         Err(ClientError::Disconnected)
     }
 
+    /// Follows a running exec by its pid in the sandbox (one started on another
+    /// connection, or restored with the sandbox): the call gets `Started`, the output
+    /// from now on, then `Exited`; [`Client::kill`] with the call's id signals it.
+    pub fn attach(&self, pid: u32) -> Result<Call, ClientError> {
+        self.start(RequestBody::Attach { pid })
+    }
+
     /// Sends a signal to a running exec's process group.
     pub fn kill(&self, exec_id: u64, signal: i32) -> Result<(), ClientError> {
         self.call_done(RequestBody::Kill { exec_id, signal })

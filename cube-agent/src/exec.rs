@@ -4,6 +4,11 @@
 //! Every exec leads a new process group (its pid is the group id), so a kill reaches the
 //! children it started too. One thread per exec multiplexes its stdout and stderr pipes
 //! with `poll` and watches for the exit and the timeout.
+//!
+//! An exec outlives the connection that started it. Another connection can follow it
+//! by its pid ([`ExecTable::attach`]): what a host does after its connections were
+//! dropped for a checkpoint, or in a sandbox restored from one, whose execs came back
+//! with the agent.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -11,6 +16,7 @@ use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{ChildStdin, Command, Stdio};
+use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -46,6 +52,9 @@ pub enum ExecError {
     /// No exec has this id.
     #[error("no exec with id {0}")]
     NoSuchExec(u64),
+    /// No running exec has this pid.
+    #[error("no running exec has pid {0}")]
+    NoSuchProcess(u32),
     /// The exec has already ended.
     #[error("exec {0} has already ended")]
     NotRunning(u64),
@@ -102,7 +111,9 @@ impl ExecError {
                 ErrorReply::new(ErrorCode::InvalidArgument, message)
             }
             ExecError::IdInUse(_) => ErrorReply::new(ErrorCode::AlreadyExists, message),
-            ExecError::NoSuchExec(_) => ErrorReply::new(ErrorCode::NoSuchExec, message),
+            ExecError::NoSuchExec(_) | ExecError::NoSuchProcess(_) => {
+                ErrorReply::new(ErrorCode::NoSuchExec, message)
+            }
             ExecError::NotRunning(_) | ExecError::StdinClosed(_) => {
                 ErrorReply::new(ErrorCode::NotRunning, message)
             }
@@ -140,6 +151,19 @@ struct Entry {
     stdin: Mutex<Option<ChildStdin>>,
     exit: Mutex<Option<ExitInfo>>,
     ended: Condvar,
+    /// Connections following the exec ([`ExecTable::attach`]): its output from then
+    /// on, and `Exited` at the end.
+    followers: Mutex<Vec<Sender<ResponseBody>>>,
+}
+
+impl Entry {
+    /// Passes an output event to the followers, forgetting those that went away.
+    fn forward(&self, body: &ResponseBody) {
+        let mut followers = lock(&self.followers);
+        if !followers.is_empty() {
+            followers.retain(|f| f.send(body.clone()).is_ok());
+        }
+    }
 }
 
 /// What an exec is known by: the connection that started it (a number the server
@@ -277,6 +301,7 @@ impl ExecTable {
                 stdin: Mutex::new(if keep_stdin { child.stdin.take() } else { None }),
                 exit: Mutex::new(None),
                 ended: Condvar::new(),
+                followers: Mutex::default(),
             });
             entries.insert(key, Arc::clone(&entry));
             (child, status, entry)
@@ -305,6 +330,7 @@ impl ExecTable {
             pipes,
             req.timeout_ms.map(Duration::from_millis),
             &mut |body| {
+                entry.forward(&body);
                 if listening {
                     listening = emit(body);
                 }
@@ -316,16 +342,16 @@ impl ExecTable {
                 // Never leave a process running that nobody can see any more.
                 let _ = killpg(entry.pgid, Signal::SIGKILL);
                 let _ = status.wait_timeout(Duration::from_secs(5));
-                self.finish(key, &entry, None);
+                self.finish(&entry, None);
                 return Err(e);
             }
         };
-        self.finish(key, &entry, Some(exit));
+        self.finish(&entry, Some(exit));
         Ok(exit)
     }
 
     /// Records how an exec ended and forgets it unless it is a background exec.
-    fn finish(&self, key: ExecKey, entry: &Arc<Entry>, exit: Option<ExitInfo>) {
+    fn finish(&self, entry: &Arc<Entry>, exit: Option<ExitInfo>) {
         let info = exit.unwrap_or(ExitInfo {
             code: None,
             signal: None,
@@ -333,10 +359,45 @@ impl ExecTable {
         });
         *lock(&entry.exit) = Some(info);
         entry.ended.notify_all();
+        // After the exit is recorded: a follower attaching from now on reads it there.
+        for follower in lock(&entry.followers).drain(..) {
+            let _ = follower.send(ResponseBody::Exited(info));
+        }
         lock(&entry.stdin).take();
         if !entry.background || exit.is_none() {
-            self.entries().remove(&key);
+            // The exec's own key and those it was attached under.
+            self.entries().retain(|_, e| !Arc::ptr_eq(e, entry));
         }
+    }
+
+    /// Follows the running exec whose pid is `pid`, started on any connection, under
+    /// `key` from now on (`kill` and `wait` reach it by `key` too). The receiver gets
+    /// its output from now on, then `Exited` (at once when it has ended already and
+    /// is still known).
+    pub fn attach(&self, key: ExecKey, pid: u32) -> Result<Receiver<ResponseBody>, ExecError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut entries = self.entries();
+        if entries.contains_key(&key) {
+            return Err(ExecError::IdInUse(key.1));
+        }
+        let entry = entries
+            .values()
+            .find(|e| e.pgid.as_raw() as u32 == pid)
+            .cloned()
+            .ok_or(ExecError::NoSuchProcess(pid))?;
+        // Under the exit's lock: `finish` records the exit before it takes the
+        // followers, so the follower either sees the exit here or gets `Exited`.
+        let exit = lock(&entry.exit);
+        match *exit {
+            Some(info) => {
+                let _ = tx.send(ResponseBody::Exited(info));
+            }
+            None => {
+                lock(&entry.followers).push(tx);
+                entries.insert(key, Arc::clone(&entry));
+            }
+        }
+        Ok(rx)
     }
 
     /// Sends `signal` to the process group of a running exec.

@@ -20,7 +20,7 @@ pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// How many [`RequestBody`] variants this version knows; a larger variant index is an
 /// unknown message rather than a malformed one.
-pub const REQUEST_KINDS: u32 = 27;
+pub const REQUEST_KINDS: u32 = 28;
 
 /// One request from the host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -205,6 +205,15 @@ pub enum RequestBody {
         /// The bytes.
         #[serde(with = "serde_bytes")]
         data: Vec<u8>,
+    },
+    /// Follows a running exec started on any connection, known by its pid: one whose
+    /// connection was dropped for a checkpoint, or that came back with a sandbox
+    /// restored from one. Answered like [`RequestBody::Exec`] from then on: `Started`,
+    /// the output it writes from now on, then `Exited`; `Kill` and `Wait` with this
+    /// request's id reach it.
+    Attach {
+        /// The exec's pid in the sandbox (its `Started` pid).
+        pid: u32,
     },
 }
 
@@ -608,7 +617,7 @@ mod tests {
     fn request_kinds_matches_the_last_variant() {
         let last = Request {
             id: 1,
-            body: RequestBody::TcpSend { data: vec![] },
+            body: RequestBody::Attach { pid: 1 },
         };
         let bytes = postcard::to_allocvec(&last).unwrap();
         // id 1 is one varint byte; the variant index follows.

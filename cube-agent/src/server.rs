@@ -559,6 +559,23 @@ impl Agent {
                     Err(e) => ResponseBody::Error(e.to_reply()),
                 }
             }
+            RequestBody::Attach { pid } => match self.inner.execs.attach((connection, id), pid) {
+                Ok(events) => {
+                    emit(ResponseBody::Started { pid });
+                    for body in events {
+                        if matches!(body, ResponseBody::Exited(_)) {
+                            return body;
+                        }
+                        emit(body);
+                    }
+                    // The exec's entry went without an end (it cannot: see finish).
+                    ResponseBody::Error(ErrorReply::new(
+                        ErrorCode::NotRunning,
+                        format!("exec {pid} ended without a status"),
+                    ))
+                }
+                Err(e) => ResponseBody::Error(e.to_reply()),
+            },
             RequestBody::Wait { exec_id } => match self.inner.execs.wait((connection, exec_id)) {
                 Ok(exit) => ResponseBody::Exited(exit),
                 Err(e) => ResponseBody::Error(e.to_reply()),

@@ -937,3 +937,70 @@ fn tcp_connect_carries_a_connection_to_a_local_port() {
     let err = agent_error(client.call(RequestBody::TcpConnect { port: closed_port }));
     assert!(err.message.contains("connecting"), "{}", err.message);
 }
+
+/// An exec outlives its connection; another connection follows it by pid (what a host
+/// does after a checkpoint dropped its connections), gets its later output and its
+/// exit, and signals it under the attach's id.
+#[test]
+fn attach_follows_an_exec_of_a_closed_connection() {
+    let agent = AgentProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let go = dir.path().join("go");
+    let script = format!(
+        "echo before; while [ ! -e {} ]; do sleep 0.02; done; echo after; exit 5",
+        go.display()
+    );
+    let pid = {
+        let first = agent.client();
+        let mut call = first.start(RequestBody::Exec(sh(&script))).unwrap();
+        let pid = match call.recv().unwrap() {
+            Some(ResponseBody::Started { pid }) => pid,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            call.recv().unwrap(),
+            Some(ResponseBody::Stdout(b"before\n".to_vec()))
+        );
+        pid
+        // The first connection closes here; the exec runs on.
+    };
+    let second = agent.client();
+    let mut follow = second.attach(pid).unwrap();
+    assert_eq!(follow.recv().unwrap(), Some(ResponseBody::Started { pid }));
+    std::fs::write(&go, b"").unwrap();
+    let mut out = Vec::new();
+    let exit = loop {
+        match follow.recv().unwrap() {
+            Some(ResponseBody::Stdout(b)) => out.extend(b),
+            Some(ResponseBody::Exited(e)) => break e,
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(out, b"after\n");
+    assert_eq!(exit.code, Some(5));
+    // Ended and forgotten: nothing to follow under its pid any more.
+    assert_eq!(
+        agent_error(second.attach(pid).and_then(|c| c.finish())).code,
+        ErrorCode::NoSuchExec
+    );
+
+    // A kill under the attach's id reaches the followed exec's group.
+    let sleeper = {
+        let first = agent.client();
+        let mut call = first.start(RequestBody::Exec(sh("sleep 30"))).unwrap();
+        match call.recv().unwrap() {
+            Some(ResponseBody::Started { pid }) => pid,
+            other => panic!("{other:?}"),
+        }
+    };
+    let follow = second.attach(sleeper).unwrap();
+    let id = follow.id;
+    let waiter = std::thread::spawn(move || follow.finish());
+    wait_until("the attach is in place", || {
+        second.kill(id, libc::SIGTERM).is_ok()
+    });
+    match waiter.join().unwrap().unwrap() {
+        ResponseBody::Exited(e) => assert_eq!(e.signal, Some(libc::SIGTERM)),
+        other => panic!("{other:?}"),
+    }
+}

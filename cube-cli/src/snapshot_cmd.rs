@@ -53,17 +53,13 @@ pub fn run(store: Option<&Path>, command: SnapshotCommand) -> Result<(), CliErro
             let r = rt.export_snapshot(&id, &output)?;
             let secs = start.elapsed().as_secs_f64();
             eprintln!(
-                "{}: {} MiB of files, {} MiB of data, archive {} MiB ({:.0} MiB/s of data){}",
+                "{}: {} MiB of files, {} MiB of data, archive {} MiB ({:.0} MiB/s of data); {}",
                 output.display(),
                 r.file_bytes >> 20,
                 r.data_bytes >> 20,
                 r.archive_bytes >> 20,
                 r.data_bytes as f64 / f64::from(1 << 20) / secs.max(1e-9),
-                match (r.required_template(), &r.template) {
-                    (Some(t), _) => format!("; needs template {t} where it is imported"),
-                    (None, Some(_)) => "; lies over the importing host's userland".to_string(),
-                    (None, None) => String::new(),
-                }
+                r.requirement()
             );
         }
         SnapshotCommand::Import { file } => {
@@ -72,9 +68,14 @@ pub fn run(store: Option<&Path>, command: SnapshotCommand) -> Result<(), CliErro
                 "imported a {} {} snapshot{}",
                 r.kind,
                 r.engine,
-                r.template
-                    .map(|t| format!(" over template {t}"))
-                    .unwrap_or_default()
+                match (&r.template, &r.rootfs) {
+                    (Some(t), _) => format!(" over template {t}"),
+                    (None, Some(tree)) => format!(
+                        " over a root directory it does not hold ({} where it was taken): create from it with a tree like it",
+                        tree.display()
+                    ),
+                    (None, None) => String::new(),
+                }
             );
             println!("{}", r.snapshot);
         }

@@ -381,7 +381,7 @@ fn a_template_from_a_docker_save_archive_keeps_the_images_env_and_workdir() {
         println!("skipped: /bin/busybox is missing (scripts/setup.sh installs busybox-static)");
         return;
     }
-    use cube_core::testing::oci_image::{self, Entry};
+    use cube_core::testing::oci_image::{self, Compression::Plain, Entry};
     let store = tempfile::tempdir().unwrap();
     let s = store.path();
     let files = tempfile::tempdir().unwrap();
@@ -431,7 +431,7 @@ fn a_template_from_a_docker_save_archive_keeps_the_images_env_and_workdir() {
     // An image whose layer is not what its digest says: refused as bad input (exit 2),
     // nothing kept.
     let layout = files.path().join("layout");
-    let digests = oci_image::oci_layout(&layout, &config, &layers, &[false, false]).unwrap();
+    let digests = oci_image::oci_layout(&layout, &config, &layers, &[Plain, Plain]).unwrap();
     let blob = layout
         .join("blobs/sha256")
         .join(digests[1].trim_start_matches("sha256:"));

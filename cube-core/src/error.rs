@@ -75,6 +75,19 @@ pub enum SandboxError {
     /// No snapshot with this id.
     #[error("No snapshot named {0}")]
     UnknownSnapshot(String),
+    /// The snapshot's files lie over a directory its sandbox was created on (a
+    /// container's root filesystem), which it does not hold: a create from it gives
+    /// the tree (`CreateOptions::rootfs`).
+    #[error(
+        "Snapshot {snapshot} lies over a root directory of its own ({}), which it does not hold: create from it with that tree (CreateOptions::rootfs)",
+        tree.display()
+    )]
+    NeedsRootfs {
+        /// The snapshot.
+        snapshot: String,
+        /// The directory it was taken over, on the host it was taken on.
+        tree: std::path::PathBuf,
+    },
     /// The snapshot belongs to another sandbox.
     #[error("Snapshot {snapshot} belongs to sandbox {owner}, not {sandbox}")]
     NotOwner {
@@ -162,9 +175,10 @@ impl SandboxError {
             }
             E::TemplateExists(_) => ErrorKind::AlreadyExists,
             E::TemplateInUse { .. } => ErrorKind::Busy,
-            E::NotOwner { .. } | E::EngineMismatch { .. } | E::BuiltInTemplate(_) => {
-                ErrorKind::InvalidArgument
-            }
+            E::NotOwner { .. }
+            | E::EngineMismatch { .. }
+            | E::BuiltInTemplate(_)
+            | E::NeedsRootfs { .. } => ErrorKind::InvalidArgument,
             E::Store(e) => store_kind(e),
             E::Hibernated(_) => ErrorKind::BadState,
             E::NoAgent(_) => ErrorKind::Unsupported,

@@ -44,6 +44,9 @@ const P_KIND: &str = "cube.kind";
 const P_TEMPLATE: &str = "cube.template";
 /// Property: that template's fingerprint (see [`template_fingerprint`]).
 const P_FINGERPRINT: &str = "cube.template.fingerprint";
+/// Property: the directory its files lie over instead of a template's tree (see
+/// [`SandboxMeta::rootfs`]), as a path on the host it was taken on.
+const P_ROOTFS: &str = "cube.rootfs";
 /// Property: the machine architecture it was taken on.
 const P_ARCH: &str = "cube.arch";
 /// Write buffer for the archive.
@@ -62,14 +65,33 @@ pub struct ExportReport {
     pub data_bytes: u64,
     /// The template named in the archive.
     pub template: Option<String>,
+    /// The directory the snapshot's files lie over instead of a template's tree (its
+    /// sandbox was created on it, [`crate::CreateOptions::rootfs`]: a container's root
+    /// filesystem), as a path on this host. The archive does not hold that tree: a
+    /// create from the imported snapshot gives one like it.
+    pub rootfs: Option<PathBuf>,
 }
 
 impl ExportReport {
     /// The template a store must hold to import the archive: the one it names, unless
     /// that is the built-in [`HOST_TEMPLATE`], which every store has (a jail's layer
-    /// then lies over the importing host's own userland).
+    /// then lies over the importing host's own userland). None too for a snapshot
+    /// over a directory ([`ExportReport::rootfs`]), which needs a tree, not a template.
     pub fn required_template(&self) -> Option<&str> {
         self.template.as_deref().filter(|t| *t != HOST_TEMPLATE)
+    }
+
+    /// What a host needs to create from the archive once imported, in words.
+    pub fn requirement(&self) -> String {
+        match (&self.rootfs, self.required_template(), &self.template) {
+            (Some(tree), _, _) => format!(
+                "lies over a root directory that is not in the archive ({}): create from it with a tree like it",
+                tree.display()
+            ),
+            (None, Some(t), _) => format!("needs template {t} where it is imported"),
+            (None, None, Some(_)) => "lies over the importing host's userland".to_string(),
+            (None, None, None) => "needs no template".to_string(),
+        }
     }
 }
 
@@ -84,6 +106,9 @@ pub struct ImportReport {
     pub kind: SnapshotKind,
     /// The template it lies over.
     pub template: Option<String>,
+    /// The directory it lies over instead ([`ExportReport::rootfs`]), a path on the
+    /// host it was taken on: a create from it gives a tree like it.
+    pub rootfs: Option<PathBuf>,
     /// The archive's length, bytes.
     pub archive_bytes: u64,
 }
@@ -127,17 +152,41 @@ fn diffed_base(snapshot: &SnapshotDir, relative: &str, template: &SnapshotDir) -
     .filter(|base| base.is_file())
 }
 
+/// The record of the sandbox that owns snapshot `meta`, where it is in `store`.
+fn owner(store: &Store, meta: &SnapshotMeta) -> Option<SandboxMeta> {
+    store
+        .sandbox(&meta.sandbox)
+        .ok()
+        .and_then(|d| cube_storage::read_verified(&d.record(), SandboxDir::RECORD_KIND).ok())
+}
+
+/// The directory snapshot `meta`'s files lie over instead of a template's tree (its
+/// sandbox was created on it): recorded in the snapshot (an imported one), else in
+/// its sandbox's record.
+pub(crate) fn snapshot_rootfs(store: &Store, meta: &SnapshotMeta) -> Option<PathBuf> {
+    if meta.template.is_some() {
+        return None;
+    }
+    meta.rootfs
+        .clone()
+        .or_else(|| owner(store, meta).and_then(|o| o.rootfs))
+}
+
 /// The template snapshot `meta`'s files lie over: recorded in the snapshot (an
 /// imported one), else in its sandbox's record; [`HOST_TEMPLATE`] for a jail that
-/// names none.
+/// names none and was not created on a directory of its own (see
+/// [`snapshot_rootfs`]).
 pub(crate) fn snapshot_template(store: &Store, meta: &SnapshotMeta) -> Option<String> {
     if let Some(t) = &meta.template {
         return Some(t.clone());
     }
-    let owner: Option<SandboxMeta> = store
-        .sandbox(&meta.sandbox)
-        .ok()
-        .and_then(|d| cube_storage::read_verified(&d.record(), SandboxDir::RECORD_KIND).ok());
+    if meta.rootfs.is_some() {
+        return None;
+    }
+    let owner = owner(store, meta);
+    if owner.as_ref().is_some_and(|o| o.rootfs.is_some()) {
+        return None;
+    }
     match meta.engine {
         Engine::Jail => Some(
             owner
@@ -167,6 +216,7 @@ pub(crate) fn export(
         other => other.into(),
     })?;
     let template = snapshot_template(store, &meta);
+    let rootfs = snapshot_rootfs(store, &meta);
     let mut properties = BTreeMap::from([
         (P_LAYOUT.to_string(), LAYOUT.to_string()),
         (P_ID.to_string(), meta.id.clone()),
@@ -174,6 +224,9 @@ pub(crate) fn export(
         (P_KIND.to_string(), meta.kind.to_string()),
         (P_ARCH.to_string(), std::env::consts::ARCH.to_string()),
     ]);
+    if let Some(tree) = &rootfs {
+        properties.insert(P_ROOTFS.to_string(), tree.display().to_string());
+    }
     let mut template_image = None;
     if let Some(name) = &template {
         properties.insert(P_TEMPLATE.to_string(), name.clone());
@@ -229,6 +282,7 @@ pub(crate) fn export(
         file_bytes: stats.file_bytes,
         data_bytes: stats.data_bytes,
         template,
+        rootfs,
     })
 }
 
@@ -328,12 +382,14 @@ pub(crate) fn import(store: &Store, source: &Path) -> Result<ImportReport, Sandb
         ))
         .into());
     }
+    let rootfs = manifest.properties.get(P_ROOTFS).map(PathBuf::from);
     meta.template = template.clone();
     if engine == Engine::Jail && meta.boot_id.is_none() {
         // An archive of a build that did not flush jail snapshots: this import
         // flushes it, in this boot.
         meta.boot_id = Some(cube_storage::durable_marker::boot_id()?);
     }
+    meta.rootfs = rootfs.clone();
     cube_storage::write_atomic(&record, SnapshotDir::RECORD_KIND, &meta)?;
     if let (Engine::Jail, Some(boot)) = (engine, &meta.boot_id) {
         // The marker repeats the boot the record names, as a restore checks.
@@ -356,6 +412,7 @@ pub(crate) fn import(store: &Store, source: &Path) -> Result<ImportReport, Sandb
         engine,
         kind: meta.kind,
         template,
+        rootfs,
         archive_bytes: stats.archive_bytes,
     })
 }

@@ -494,6 +494,14 @@ impl Runtime {
                     |_| Ok(()),
                 );
             }
+            // Written over a directory of its sandbox's, which no template holds: a
+            // create from it names the tree to lie over (a restored container's).
+            if let Some(tree) = portable::snapshot_rootfs(&self.store, &meta) {
+                return Err(SandboxError::NeedsRootfs {
+                    snapshot: snapshot.to_string(),
+                    tree,
+                });
+            }
             // The template tree its layer was written over: named by its sandbox's
             // record, or by the snapshot itself when imported.
             let template =
@@ -623,6 +631,7 @@ impl Runtime {
                 ephemeral: options.ephemeral,
                 metadata: options.metadata.clone(),
                 template: template.map(str::to_string),
+                rootfs: options.rootfs.clone(),
             };
             // A sandbox does not outlive a host restart (its supervisor does not), so
             // its record needs no sync on the create path.

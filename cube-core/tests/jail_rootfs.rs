@@ -1,7 +1,8 @@
 //! Jail sandboxes on root filesystems that are not the host's: a directory of the
 //! caller's (a container's rootfs as containerd's snapshotter mounts it), snapshots of
-//! them created from again on the directory asked for, and templates built from
-//! container images (OCI layouts and `docker save` archives the test writes).
+//! them created from again on the directory asked for (exported, they say they need
+//! such a tree), and templates built from container images (OCI layouts and `docker
+//! save` archives the test writes).
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -12,8 +13,10 @@ use common::sh;
 use std::path::{Path, PathBuf};
 
 use cube_core::templates::TreeSource;
-use cube_core::testing::oci_image::{self, Entry};
-use cube_core::{CreateOptions, ErrorKind, Runtime, RuntimeConfig, HOST_TEMPLATE};
+use cube_core::testing::oci_image::{self, Compression::*, Entry};
+use cube_core::{
+    CreateOptions, ErrorKind, Runtime, RuntimeConfig, Sandbox, Snapshot, HOST_TEMPLATE,
+};
 
 /// Whether this host cannot run these tests; prints why. Points the supervisors this
 /// test starts at the static agent.
@@ -68,6 +71,31 @@ fn runtime(store: &Path) -> Runtime {
     .unwrap()
 }
 
+/// A sandbox on `tree` (whose marker it checks) with a note written in its home,
+/// and a snapshot of it.
+fn noted_snapshot(rt: &Runtime, tree: PathBuf) -> (Sandbox, Snapshot) {
+    let marker = std::fs::read_to_string(tree.join("marker")).unwrap();
+    let mut sb = rt.create(HOST_TEMPLATE, on_tree(tree)).unwrap();
+    let agent = sb.agent().unwrap();
+    assert_eq!(sh(&agent, "cat /marker").1, marker);
+    let (code, _, err) = sh(&agent, "echo kept > $HOME/note");
+    assert_eq!(code, 0, "{err}");
+    drop(agent);
+    let snap = sb.snapshot().unwrap();
+    (sb, snap)
+}
+
+/// Checks that `sandbox` has the note of [`noted_snapshot`] and runs on the tree
+/// marked `marker`.
+fn assert_noted_on(sandbox: &Sandbox, marker: &str) {
+    let (code, out, err) = sh(&sandbox.agent().unwrap(), "cat $HOME/note /marker");
+    assert_eq!(
+        (code, out.as_str()),
+        (0, format!("kept\n{marker}").as_str()),
+        "{err}"
+    );
+}
+
 #[test]
 fn a_snapshot_is_created_from_on_the_root_filesystem_asked_for() {
     if skip() {
@@ -77,20 +105,70 @@ fn a_snapshot_is_created_from_on_the_root_filesystem_asked_for() {
     let rt = runtime(store.path());
     let trees = tempfile::TempDir::new().unwrap();
     let first = busybox_tree(&trees.path().join("first"), "first");
-    let mut sb = rt.create(HOST_TEMPLATE, on_tree(first)).unwrap();
-    let agent = sb.agent().unwrap();
-    assert_eq!(sh(&agent, "cat /marker").1, "first");
-    let (code, _, err) = sh(&agent, "echo kept > $HOME/note");
-    assert_eq!(code, 0, "{err}");
-    let snap = sb.snapshot().unwrap();
+    let (sb, snap) = noted_snapshot(&rt, first);
     // A container restored elsewhere: the same files under another directory, told
     // apart by the marker.
     let second = busybox_tree(&trees.path().join("second"), "second");
     let restored = rt.create_from_snapshot(&snap.id, on_tree(second)).unwrap();
-    let (code, out, err) = sh(&restored.agent().unwrap(), "cat $HOME/note /marker");
-    assert_eq!((code, out.as_str()), (0, "kept\nsecond"), "{err}");
+    assert_noted_on(&restored, "second");
     restored.destroy().unwrap();
     sb.destroy().unwrap();
+    assert!(rt.list().unwrap().is_empty());
+}
+
+/// A snapshot of a sandbox made on a directory lies over that tree, which no template
+/// and no archive holds: its export says so (no template is named), its import records
+/// it, and a create from it without a tree of its own is refused with the reason
+/// instead of laying the layer over the host's userland.
+#[test]
+fn a_snapshot_over_a_directory_says_it_needs_a_tree() {
+    if skip() {
+        return;
+    }
+    let store = tempfile::TempDir::new().unwrap();
+    let rt = runtime(store.path());
+    let trees = tempfile::TempDir::new().unwrap();
+    let first = busybox_tree(&trees.path().join("first"), "first");
+    let (sb, snap) = noted_snapshot(&rt, first.clone());
+
+    let archive = trees.path().join("snap.cube");
+    let exported = rt.export_snapshot(&snap.id, &archive).unwrap();
+    assert_eq!(exported.rootfs.as_deref(), Some(first.as_path()));
+    assert_eq!(exported.template, None);
+    assert_eq!(exported.required_template(), None);
+    let said = exported.requirement();
+    assert!(
+        said.contains("not in the archive") && said.contains(&first.display().to_string()),
+        "{said}"
+    );
+    assert!(!said.contains("userland"), "{said}");
+
+    let refused = |rt: &Runtime, id: &str| {
+        let err = rt
+            .create_from_snapshot(id, CreateOptions::new(false))
+            .err()
+            .expect("a create without a tree is refused");
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+        assert!(err.to_string().contains("root directory"), "{err}");
+    };
+    refused(&rt, &snap.id);
+    // Its snapshots go with it: the archive and its import stand alone from here.
+    sb.destroy().unwrap();
+
+    let other_store = tempfile::TempDir::new().unwrap();
+    let other = runtime(other_store.path());
+    let imported = other.import_snapshot(&archive).unwrap();
+    assert_eq!(imported.rootfs.as_deref(), Some(first.as_path()));
+    assert_eq!(imported.template, None);
+    refused(&other, &imported.snapshot);
+    assert!(other.list().unwrap().is_empty());
+    let second = busybox_tree(&trees.path().join("second"), "second");
+    let restored = other
+        .create_from_snapshot(&imported.snapshot, on_tree(second))
+        .unwrap();
+    assert_noted_on(&restored, "second");
+    restored.destroy().unwrap();
+    assert!(other.list().unwrap().is_empty());
     assert!(rt.list().unwrap().is_empty());
 }
 
@@ -140,7 +218,7 @@ fn templates_from_container_images_run_with_the_images_files_env_and_workdir() {
     let layers = vec![busybox_layer(), top_layer()];
     let config = image_config(&layers);
     let layout = files.path().join("layout");
-    oci_image::oci_layout(&layout, &config, &layers, &[true, false]).unwrap();
+    oci_image::oci_layout(&layout, &config, &layers, &[Gzip, Plain]).unwrap();
     let saved = files.path().join("saved.tar");
     oci_image::docker_save(&saved, &config, &layers).unwrap();
 
@@ -201,7 +279,7 @@ fn a_malformed_image_is_refused_and_leaves_no_template() {
         &layout,
         &image_config(std::slice::from_ref(&escape)),
         &[escape],
-        &[false],
+        &[Plain],
     )
     .unwrap();
     let err = rt

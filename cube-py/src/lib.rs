@@ -176,6 +176,10 @@ mod _native {
         d.set_item("data_bytes", report.data_bytes)?;
         d.set_item("required_template", report.required_template())?;
         d.set_item("template", report.template)?;
+        d.set_item(
+            "rootfs",
+            report.rootfs.map(|tree| tree.display().to_string()),
+        )?;
         Ok(d)
     }
 

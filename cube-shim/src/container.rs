@@ -11,7 +11,7 @@ use cube_agent::client::Client;
 use cube_core::JailStatus;
 use cube_core::{CreateOptions, Runtime, Sandbox, SandboxError};
 
-use crate::process::{Process, ProcessError};
+use crate::process::{AgentLink, Process, ProcessError};
 use crate::spec::{Spec, SpecError};
 
 /// The bundle directory containerd's snapshot is mounted on.
@@ -19,6 +19,9 @@ pub const ROOTFS: &str = "rootfs";
 /// Where a checkpoint's Cube snapshot archive goes inside containerd's checkpoint
 /// directory.
 pub const CHECKPOINT_ARCHIVE: &str = "cube-snapshot.cube";
+/// Beside it: the main process's pid in the sandbox, for the restored container to
+/// take it back (absent when the main process was not running).
+pub const CHECKPOINT_INIT_PID: &str = "cube-init-pid";
 
 /// Why a container operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -50,6 +53,12 @@ pub enum ContainerError {
     /// The operation needs a sandbox, and a pause container has none.
     #[error("A pod's pause container runs nothing in Cube")]
     Placeholder,
+    /// A checkpoint's files could not be written or read.
+    #[error("Checkpoint file {0}")]
+    CheckpointFile(PathBuf, #[source] std::io::Error),
+    /// A checkpoint names its main process with something else than a pid.
+    #[error("Checkpoint file {0} holds no pid")]
+    CheckpointPid(PathBuf),
 }
 
 /// containerd's snapshot mounted on the bundle's rootfs; unmounted on drop.
@@ -84,6 +93,59 @@ impl Drop for RootfsMount {
     }
 }
 
+/// A container's sandbox and the agent connection its processes share.
+struct SandboxLink {
+    /// None for a pause container, and after delete.
+    sandbox: Mutex<Option<Sandbox>>,
+    agent: Mutex<Option<Arc<Client>>>,
+    /// The jail's PID 1 on the host (0 for a pause container).
+    jail_pid: u32,
+}
+
+impl SandboxLink {
+    fn connect(&self) -> Result<Arc<Client>, ProcessError> {
+        let sandbox = lock(&self.sandbox);
+        let sandbox = sandbox.as_ref().ok_or(ProcessError::SandboxGone)?;
+        Ok(Arc::new(sandbox.agent().map_err(ProcessError::Connect)?))
+    }
+}
+
+impl AgentLink for SandboxLink {
+    /// One connection per container, shared by its processes (signals reach only
+    /// the execs of the connection they come on).
+    fn current(&self) -> Result<Arc<Client>, ProcessError> {
+        let mut cached = lock(&self.agent);
+        if let Some(c) = cached.as_ref() {
+            return Ok(Arc::clone(c));
+        }
+        let client = self.connect()?;
+        *cached = Some(Arc::clone(&client));
+        Ok(client)
+    }
+
+    fn reconnect(&self, lost: &Arc<Client>) -> Result<Option<Arc<Client>>, ProcessError> {
+        let mut cached = lock(&self.agent);
+        if let Some(c) = cached.as_ref().filter(|c| !Arc::ptr_eq(c, lost)) {
+            return Ok(Some(Arc::clone(c)));
+        }
+        // Waits for the sandbox's lock: a snapshot under way (the reason connections
+        // are dropped) ends first.
+        match self.connect() {
+            Ok(client) => {
+                *cached = Some(Arc::clone(&client));
+                Ok(Some(client))
+            }
+            Err(ProcessError::SandboxGone) => Ok(None),
+            // The agent ended with its jail: nobody is there to answer.
+            Err(_) if !Path::new(&format!("/proc/{}", self.jail_pid)).exists() => Ok(None),
+            Err(e) => {
+                cached.take();
+                Err(e)
+            }
+        }
+    }
+}
+
 /// One container.
 pub struct Container {
     /// Its id.
@@ -93,12 +155,13 @@ pub struct Container {
     /// Its main process.
     pub init: Arc<Process>,
     execs: Mutex<HashMap<String, Arc<Process>>>,
-    /// None for a pause container, and after delete.
-    sandbox: Mutex<Option<Sandbox>>,
-    agent: Mutex<Option<Arc<Client>>>,
+    link: Arc<SandboxLink>,
     /// The jail's PID 1 on the host (0 for a pause container).
     jail_pid: u32,
-    /// Declared after `sandbox`: the sandbox (its overlay on the rootfs) goes first.
+    /// Restored from a checkpoint: the main process's pid in the sandbox, running
+    /// already, which start takes back instead of running the command.
+    restored_init: Option<u32>,
+    /// Declared after `link`: the sandbox (its overlay on the rootfs) goes first.
     rootfs: Mutex<Option<RootfsMount>>,
 }
 
@@ -130,9 +193,13 @@ impl Container {
             bundle: bundle.to_path_buf(),
             init: Arc::new(Process::placeholder(std::process::id())),
             execs: Mutex::new(HashMap::new()),
-            sandbox: Mutex::new(None),
-            agent: Mutex::new(None),
+            link: Arc::new(SandboxLink {
+                sandbox: Mutex::new(None),
+                agent: Mutex::new(None),
+                jail_pid: 0,
+            }),
             jail_pid: 0,
+            restored_init: None,
             rootfs: Mutex::new(None),
         }
     }
@@ -166,15 +233,25 @@ impl Container {
             rootfs: Some(target),
             ..CreateOptions::new(true)
         };
+        let mut restored_init = None;
         let sandbox = if !request.checkpoint.is_empty() {
-            let archive = Path::new(request.checkpoint).join(CHECKPOINT_ARCHIVE);
-            let imported = match runtime.import_snapshot(&archive) {
-                Ok(r) => r.snapshot,
-                // Restored on the node it was taken on: the snapshot is here already.
-                Err(SandboxError::Portable(cube_core::PortableError::Exists(id))) => id,
+            let dir = Path::new(request.checkpoint);
+            restored_init = read_init_pid(dir)?;
+            let archive = dir.join(CHECKPOINT_ARCHIVE);
+            let (snapshot, imported) = match runtime.import_snapshot(&archive) {
+                Ok(r) => (r.snapshot, true),
+                // The snapshot is in this store already (kept by whoever made it).
+                Err(SandboxError::Portable(cube_core::PortableError::Exists(id))) => (id, false),
                 Err(e) => return Err(e.into()),
             };
-            runtime.create_from_snapshot(&imported, options)?
+            let created = runtime.create_from_snapshot(&snapshot, options);
+            if imported {
+                // Only the vehicle of the checkpoint: the sandbox has its own copy.
+                if let Err(e) = runtime.remove_snapshot(&snapshot) {
+                    log::warn!("removing imported snapshot {snapshot}: {e}");
+                }
+            }
+            created?
         } else if let Some(snapshot) = spec.snapshot() {
             runtime.create_from_snapshot(snapshot, options)?
         } else {
@@ -187,9 +264,13 @@ impl Container {
             bundle: request.bundle.to_path_buf(),
             init: Arc::new(init),
             execs: Mutex::new(HashMap::new()),
-            sandbox: Mutex::new(Some(sandbox)),
-            agent: Mutex::new(None),
+            link: Arc::new(SandboxLink {
+                sandbox: Mutex::new(Some(sandbox)),
+                agent: Mutex::new(None),
+                jail_pid,
+            }),
             jail_pid,
+            restored_init,
             rootfs: Mutex::new(mount),
         })
     }
@@ -237,20 +318,8 @@ impl Container {
         lock(&self.execs).remove(exec_id)
     }
 
-    /// An agent connection (one per container, shared by its processes: signals
-    /// reach only the execs of the connection they come on).
-    fn agent(&self) -> Result<Arc<Client>, ContainerError> {
-        let mut cached = lock(&self.agent);
-        if let Some(c) = cached.as_ref() {
-            return Ok(Arc::clone(c));
-        }
-        let sandbox = lock(&self.sandbox);
-        let client = Arc::new(sandbox.as_ref().ok_or(ContainerError::Gone)?.agent()?);
-        *cached = Some(Arc::clone(&client));
-        Ok(client)
-    }
-
-    /// Starts process `exec_id`; `on_exit` runs when it ends. Returns its host pid.
+    /// Starts process `exec_id` (takes back the restored main process of a container
+    /// restored from a checkpoint); `on_exit` runs when it ends. Returns its host pid.
     pub fn start(
         &self,
         exec_id: &str,
@@ -260,14 +329,57 @@ impl Container {
         if self.is_placeholder() {
             return Ok(process.start_placeholder());
         }
-        let agent = self.agent()?;
+        let link: Arc<dyn AgentLink> = self.link.clone();
         let jail_pid = self.jail_pid;
-        Ok(process.start(agent, |inner| host_pid(jail_pid, inner), on_exit)?)
+        let host = move |inner| host_pid(jail_pid, inner);
+        Ok(match self.restored_init.filter(|_| exec_id.is_empty()) {
+            Some(pid) => process.adopt(link, pid, host, on_exit)?,
+            None => process.start(link, host, on_exit)?,
+        })
+    }
+
+    /// Checkpoints the container into containerd's checkpoint directory `dir`: a Cube
+    /// snapshot of the sandbox exported there as a portable archive, with the main
+    /// process's pid for the restored container. The container runs on; its
+    /// processes' relays connect again (the snapshot drops the agent's connections).
+    pub fn checkpoint(
+        &self,
+        runtime: &Runtime,
+        dir: &Path,
+    ) -> Result<cube_core::Snapshot, ContainerError> {
+        let before = lock(&self.link.agent).clone();
+        let snapshot = self.with_sandbox(|sb| sb.snapshot())?;
+        {
+            // That connection ended with the snapshot (a relay may have replaced it).
+            let mut cached = lock(&self.link.agent);
+            if let (Some(c), Some(b)) = (cached.as_ref(), before.as_ref()) {
+                if Arc::ptr_eq(c, b) {
+                    cached.take();
+                }
+            }
+        }
+        std::fs::create_dir_all(dir)
+            .map_err(|e| ContainerError::CheckpointFile(dir.to_path_buf(), e))?;
+        let exported = runtime.export_snapshot(&snapshot.id, &dir.join(CHECKPOINT_ARCHIVE));
+        // The archive is the checkpoint; the store keeps no copy of each one.
+        if let Err(e) = runtime.remove_snapshot(&snapshot.id) {
+            log::warn!("removing checkpoint snapshot {}: {e}", snapshot.id);
+        }
+        exported?;
+        // Only a snapshot with the processes restores the main process; one of the
+        // files alone starts the command again.
+        let init = self.init.sandbox_pid();
+        if init != 0 && snapshot.kind == cube_core::SnapshotKind::Full {
+            let path = dir.join(CHECKPOINT_INIT_PID);
+            std::fs::write(&path, init.to_string())
+                .map_err(|e| ContainerError::CheckpointFile(path, e))?;
+        }
+        Ok(snapshot)
     }
 
     /// The sandbox's host-side facts (cgroups, PID 1).
     pub fn jail(&self) -> Result<Option<JailStatus>, ContainerError> {
-        let mut sandbox = lock(&self.sandbox);
+        let mut sandbox = lock(&self.link.sandbox);
         match sandbox.as_mut() {
             Some(sb) => Ok(sb.status()?.jail),
             None => Ok(None),
@@ -279,7 +391,7 @@ impl Container {
         &self,
         f: impl FnOnce(&mut Sandbox) -> Result<T, SandboxError>,
     ) -> Result<T, ContainerError> {
-        let mut sandbox = lock(&self.sandbox);
+        let mut sandbox = lock(&self.link.sandbox);
         match sandbox.as_mut() {
             Some(sb) => Ok(f(sb)?),
             None if self.is_placeholder() => Err(ContainerError::Placeholder),
@@ -289,8 +401,8 @@ impl Container {
 
     /// Ends the sandbox (every process in it) and unmounts the rootfs. Idempotent.
     pub fn destroy(&self) -> Result<(), ContainerError> {
-        lock(&self.agent).take();
-        let sandbox = lock(&self.sandbox).take();
+        lock(&self.link.agent).take();
+        let sandbox = lock(&self.link.sandbox).take();
         let result = match sandbox {
             Some(sb) => sb.destroy().map_err(ContainerError::from),
             None => Ok(()),
@@ -307,6 +419,20 @@ impl Container {
         }
         lock(&self.rootfs).take();
         result
+    }
+}
+
+/// The main process's pid a checkpoint directory records, if any.
+fn read_init_pid(dir: &Path) -> Result<Option<u32>, ContainerError> {
+    let path = dir.join(CHECKPOINT_INIT_PID);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => text
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| ContainerError::CheckpointPid(path)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(ContainerError::CheckpointFile(path, e)),
     }
 }
 

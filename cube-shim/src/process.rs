@@ -1,17 +1,37 @@
 //! One process of a container (its main process or an exec), run inside the Cube
 //! sandbox by the sandbox's agent. Its output is relayed from the agent's stream to the
 //! FIFOs containerd handed over; its exit is recorded once and wakes every waiter.
+//!
+//! A snapshot of the sandbox (a checkpoint) has the agent drop every host connection;
+//! the process runs on, so the relay connects again and follows it by its pid
+//! ([`AgentLink`]). A container restored from a checkpoint takes its main process
+//! back the same way ([`Process::adopt`]) instead of starting its command again.
 
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::time::SystemTime;
+use std::time::{Duration, Instant, SystemTime};
 
 use cube_agent::client::{Call, Client, ClientError};
 use cube_agent::protocol::{ExecRequest, RequestBody, ResponseBody};
 
 use crate::spec::ProcessSpec;
+
+/// How long a relay whose connection was lost tries to reach the agent again (a
+/// snapshot of a large sandbox holds it frozen for a while).
+const REFOLLOW_TIMEOUT: Duration = Duration::from_secs(60);
+/// Between those tries.
+const REFOLLOW_STEP: Duration = Duration::from_millis(100);
+
+/// How a process reaches its sandbox's agent, again after its connection was lost.
+pub trait AgentLink: Send + Sync {
+    /// The connection processes are started on.
+    fn current(&self) -> Result<Arc<Client>, ProcessError>;
+    /// A connection to use instead of `lost`, which ended: a new one, or one another
+    /// process made already. `Ok(None)` when the sandbox is gone.
+    fn reconnect(&self, lost: &Arc<Client>) -> Result<Option<Arc<Client>>, ProcessError>;
+}
 
 /// Why a process could not be started or signalled.
 #[derive(Debug, thiserror::Error)]
@@ -22,9 +42,23 @@ pub enum ProcessError {
     /// The agent refused or lost the request.
     #[error("The sandbox's agent")]
     Agent(#[from] ClientError),
+    /// The sandbox's agent could not be reached.
+    #[error("Connecting to the sandbox's agent")]
+    Connect(#[source] cube_core::SandboxError),
+    /// The container's sandbox is gone.
+    #[error("The container's sandbox was deleted")]
+    SandboxGone,
     /// The agent answered something else than a started process.
     #[error("The agent did not start the process: {0}")]
     NotStarted(String),
+    /// The agent has no running process of this pid to follow.
+    #[error("The sandbox has no process {pid} to take back: {message}")]
+    NotAdopted {
+        /// The process's pid in the sandbox.
+        pid: u32,
+        /// The agent's answer.
+        message: String,
+    },
     /// The process was started already.
     #[error("The process was started already")]
     AlreadyStarted,
@@ -70,6 +104,8 @@ struct State {
     phase: Phase,
     /// The host pid (0 until started).
     pid: u32,
+    /// The pid in the sandbox (0 until started).
+    inner: u32,
     exit: Option<Exit>,
     /// The agent connection and the exec's request id on it (for signals).
     agent: Option<(Arc<Client>, u64)>,
@@ -130,6 +166,7 @@ impl Process {
             state: Mutex::new(State {
                 phase: Phase::Created,
                 pid: 0,
+                inner: 0,
                 exit: None,
                 agent: None,
             }),
@@ -147,6 +184,7 @@ impl Process {
             state: Mutex::new(State {
                 phase: Phase::Created,
                 pid,
+                inner: 0,
                 exit: None,
                 agent: None,
             }),
@@ -169,11 +207,50 @@ impl Process {
         (s.phase, s.pid, s.exit)
     }
 
-    /// Starts the process through `agent`; `host_pid` turns the sandbox's pid into the
-    /// host's; `on_exit` runs once when it ends. Returns the host pid.
+    /// Its pid in the sandbox while it runs (0 before it starts and after it ends).
+    pub fn sandbox_pid(&self) -> u32 {
+        let s = lock(&self.state);
+        if s.exit.is_some() {
+            0
+        } else {
+            s.inner
+        }
+    }
+
+    /// Starts the process through `link`'s agent; `host_pid` turns the sandbox's pid
+    /// into the host's; `on_exit` runs once when it ends. Returns the host pid.
     pub fn start(
         self: &Arc<Self>,
-        agent: Arc<Client>,
+        link: Arc<dyn AgentLink>,
+        host_pid: impl FnOnce(u32) -> u32,
+        on_exit: impl FnOnce(&Process, Exit) + Send + 'static,
+    ) -> Result<u32, ProcessError> {
+        let request = RequestBody::Exec(ExecRequest {
+            argv: self.spec.args.clone(),
+            env: self.spec.env_pairs(),
+            cwd: (!self.spec.cwd.is_empty()).then(|| self.spec.cwd.clone()),
+            ..ExecRequest::default()
+        });
+        self.begin(link, request, host_pid, on_exit)
+    }
+
+    /// Takes back process `pid` of the sandbox, which runs already (restored with the
+    /// sandbox from a checkpoint), instead of starting the command: its output from
+    /// now on, its signals and its exit are this process's. Returns the host pid.
+    pub fn adopt(
+        self: &Arc<Self>,
+        link: Arc<dyn AgentLink>,
+        pid: u32,
+        host_pid: impl FnOnce(u32) -> u32,
+        on_exit: impl FnOnce(&Process, Exit) + Send + 'static,
+    ) -> Result<u32, ProcessError> {
+        self.begin(link, RequestBody::Attach { pid }, host_pid, on_exit)
+    }
+
+    fn begin(
+        self: &Arc<Self>,
+        link: Arc<dyn AgentLink>,
+        request: RequestBody,
         host_pid: impl FnOnce(u32) -> u32,
         on_exit: impl FnOnce(&Process, Exit) + Send + 'static,
     ) -> Result<u32, ProcessError> {
@@ -182,30 +259,60 @@ impl Process {
         }
         let stdout = open_output(&self.stdio.stdout)?;
         let stderr = open_output(&self.stdio.stderr)?;
-        let request = ExecRequest {
-            argv: self.spec.args.clone(),
-            env: self.spec.env_pairs(),
-            cwd: (!self.spec.cwd.is_empty()).then(|| self.spec.cwd.clone()),
-            ..ExecRequest::default()
+        let adopting = match &request {
+            RequestBody::Attach { pid } => Some(*pid),
+            _ => None,
         };
-        let mut call = agent.start(RequestBody::Exec(request))?;
-        let inner = match call.recv()? {
-            Some(ResponseBody::Started { pid }) => pid,
-            Some(ResponseBody::Error(e)) => return Err(ProcessError::NotStarted(e.message)),
-            other => return Err(ProcessError::NotStarted(format!("{other:?}"))),
+        let mut agent = link.current()?;
+        let mut call = match agent.start(request.clone()) {
+            Ok(call) => call,
+            // Nothing was sent: the connection had ended (a snapshot drops them all).
+            // Once more on a new one.
+            Err(_) => {
+                agent = link.reconnect(&agent)?.ok_or(ProcessError::SandboxGone)?;
+                agent.start(request)?
+            }
+        };
+        let inner = match (call.recv()?, adopting) {
+            (Some(ResponseBody::Started { pid }), _) => pid,
+            (Some(ResponseBody::Error(e)), Some(pid)) => {
+                return Err(ProcessError::NotAdopted {
+                    pid,
+                    message: e.message,
+                })
+            }
+            (Some(ResponseBody::Error(e)), None) => {
+                return Err(ProcessError::NotStarted(e.message))
+            }
+            (other, _) => return Err(ProcessError::NotStarted(format!("{other:?}"))),
         };
         let pid = host_pid(inner);
         {
             let mut s = lock(&self.state);
             s.phase = Phase::Running;
             s.pid = pid;
+            s.inner = inner;
             s.agent = Some((Arc::clone(&agent), call.id));
         }
         let me = Arc::clone(self);
         std::thread::Builder::new()
             .name(format!("relay-{}", self.exec_id))
             .spawn(move || {
-                let status = relay(&mut call, stdout, stderr);
+                let mut output = Output { stdout, stderr };
+                let mut agent = agent;
+                let status = loop {
+                    match output.relay(&mut call) {
+                        Relayed::Exited(status) => break status,
+                        Relayed::Lost => match me.follow_again(&*link, &agent, inner) {
+                            Some((again, follow)) => {
+                                agent = again;
+                                call = follow;
+                            }
+                            // The sandbox is gone, or the process ended unseen.
+                            None => break 128 + libc::SIGKILL as u32,
+                        },
+                    }
+                };
                 let exit = Exit {
                     status,
                     at: SystemTime::now(),
@@ -215,6 +322,47 @@ impl Process {
             })
             .map_err(|e| ProcessError::Fifo("a relay thread".into(), e))?;
         Ok(pid)
+    }
+
+    /// After the connection to the agent was lost (`lost`), connects again and
+    /// follows the process (sandbox pid `inner`) on the new connection. None when the
+    /// sandbox is gone or the process is no longer there to follow.
+    fn follow_again(
+        &self,
+        link: &dyn AgentLink,
+        lost: &Arc<Client>,
+        inner: u32,
+    ) -> Option<(Arc<Client>, Call)> {
+        let deadline = Instant::now() + REFOLLOW_TIMEOUT;
+        let mut lost = Arc::clone(lost);
+        loop {
+            match link.reconnect(&lost) {
+                Ok(Some(agent)) => match agent.attach(inner) {
+                    Ok(mut call) => match call.recv() {
+                        Ok(Some(ResponseBody::Started { .. })) => {
+                            lock(&self.state).agent = Some((Arc::clone(&agent), call.id));
+                            log::info!(
+                                "process {inner} followed again after its connection was lost"
+                            );
+                            return Some((agent, call));
+                        }
+                        Ok(Some(ResponseBody::Error(e))) => {
+                            log::warn!("process {inner} cannot be followed again: {}", e.message);
+                            return None;
+                        }
+                        _ => lost = agent,
+                    },
+                    Err(_) => lost = agent,
+                },
+                Ok(None) => return None,
+                Err(e) => log::debug!("reconnecting to follow process {inner}: {e}"),
+            }
+            if Instant::now() >= deadline {
+                log::warn!("process {inner}: the sandbox's agent did not answer again");
+                return None;
+            }
+            std::thread::sleep(REFOLLOW_STEP);
+        }
     }
 
     /// Records the end and wakes the waiters (the first end counts).
@@ -262,30 +410,45 @@ impl Process {
     }
 }
 
-/// Copies the exec's output to the FIFOs until it ends; returns its status. A lost
-/// agent reads as SIGKILL: the sandbox is gone.
-fn relay(call: &mut Call, mut stdout: Option<File>, mut stderr: Option<File>) -> u32 {
-    let write = |f: &mut Option<File>, bytes: &[u8]| {
-        // A reader that went away (`ctr` killed) must not stop the process.
-        if let Some(file) = f {
-            if file.write_all(bytes).is_err() {
-                *f = None;
+/// Where a process's output goes.
+struct Output {
+    stdout: Option<File>,
+    stderr: Option<File>,
+}
+
+/// How relaying a call ended.
+enum Relayed {
+    /// The process ended with this status.
+    Exited(u32),
+    /// The connection ended first (a checkpoint drops it; so does the sandbox's end).
+    Lost,
+}
+
+impl Output {
+    /// Copies the process's output to the FIFOs until it ends or the call is lost.
+    fn relay(&mut self, call: &mut Call) -> Relayed {
+        let write = |f: &mut Option<File>, bytes: &[u8]| {
+            // A reader that went away (`ctr` killed) must not stop the process.
+            if let Some(file) = f {
+                if file.write_all(bytes).is_err() {
+                    *f = None;
+                }
             }
-        }
-    };
-    loop {
-        match call.recv() {
-            Ok(Some(ResponseBody::Stdout(b))) => write(&mut stdout, &b),
-            Ok(Some(ResponseBody::Stderr(b))) => write(&mut stderr, &b),
-            Ok(Some(ResponseBody::Exited(exit))) => {
-                return match (exit.code, exit.signal) {
-                    (Some(code), _) => code as u32,
-                    (None, Some(signal)) => 128 + signal as u32,
-                    (None, None) => 255,
-                };
+        };
+        loop {
+            match call.recv() {
+                Ok(Some(ResponseBody::Stdout(b))) => write(&mut self.stdout, &b),
+                Ok(Some(ResponseBody::Stderr(b))) => write(&mut self.stderr, &b),
+                Ok(Some(ResponseBody::Exited(exit))) => {
+                    return Relayed::Exited(match (exit.code, exit.signal) {
+                        (Some(code), _) => code as u32,
+                        (None, Some(signal)) => 128 + signal as u32,
+                        (None, None) => 255,
+                    });
+                }
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => return Relayed::Lost,
             }
-            Ok(Some(_)) => {}
-            Ok(None) | Err(_) => return 128 + libc::SIGKILL as u32,
         }
     }
 }

@@ -371,20 +371,26 @@ impl Task for Service {
 
     fn checkpoint(&self, _ctx: &TtrpcContext, req: CheckpointTaskRequest) -> ttrpc::Result<Empty> {
         let container = self.container(&req.id)?;
-        let snapshot = container.with_sandbox(|sb| sb.snapshot()).map_err(failed)?;
-        std::fs::create_dir_all(&req.path)
-            .map_err(|e| status(Code::INTERNAL, format!("creating {}: {e}", req.path)))?;
         let archive = Path::new(&req.path).join(CHECKPOINT_ARCHIVE);
-        self.runtime
-            .export_snapshot(&snapshot.id, &archive)
-            .map_err(|e| failed(e.into()))?;
-        log::info!(
-            "checkpoint of {}: Cube snapshot {} ({}) exported to {}",
-            req.id,
-            snapshot.id,
-            snapshot.kind,
-            archive.display()
-        );
+        let snapshot = container
+            .checkpoint(&self.runtime, Path::new(&req.path))
+            .map_err(failed)?;
+        match &snapshot.fallback {
+            None => log::info!(
+                "checkpoint of {}: Cube snapshot {} ({}) exported to {}",
+                req.id,
+                snapshot.id,
+                snapshot.kind,
+                archive.display()
+            ),
+            // The restored container starts its command again on the files.
+            Some(why) => log::warn!(
+                "checkpoint of {}: Cube snapshot {} holds the files only ({why}); exported to {}",
+                req.id,
+                snapshot.id,
+                archive.display()
+            ),
+        }
         self.events.send(
             topics::TASK_CHECKPOINTED_EVENT_TOPIC,
             Box::new(TaskCheckpointed {

@@ -200,13 +200,7 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
             out.contains("cube-agent"),
             "PID 1 is not Cube's agent: {out}"
         );
-        let cube = cube_core::Runtime::open(cube_core::RuntimeConfig {
-            store_root: c.store.clone(),
-            pool_size: 0,
-            network_pool_size: 0,
-            supervisor: Some("/nonexistent".into()),
-        })
-        .unwrap();
+        let cube = c.cube_store();
         let sandboxes = cube.list().unwrap();
         assert_eq!(
             sandboxes.len(),

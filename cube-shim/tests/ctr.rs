@@ -8,6 +8,7 @@
 
 mod common;
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{mounts_under, skip, wait_until, Containerd, IMAGE, RUNTIME};
@@ -19,6 +20,113 @@ fn net_devices() -> Vec<String> {
         .collect();
     v.sort();
     v
+}
+
+/// What a running container holds on the host, to find released after its delete.
+struct Held {
+    /// Its processes' host pids.
+    pids: Vec<u32>,
+    /// Its sandbox's cgroups.
+    cgroups: Vec<PathBuf>,
+    /// Its bundle (its rootfs is mounted under it).
+    bundle: PathBuf,
+    /// The store, to find its sandbox gone.
+    runtime: cube_core::Runtime,
+}
+
+impl Held {
+    /// What container `id` (a Cube sandbox of the store, its only one) holds; `pids`
+    /// are its processes as `ctr task ps` lists them.
+    fn of(c: &Containerd, id: &str, pids: Vec<u32>) -> Held {
+        let runtime = c.cube_store();
+        let sandboxes = runtime.list().unwrap();
+        assert_eq!(sandboxes.len(), 1, "{sandboxes:?}");
+        assert_eq!(
+            sandboxes[0]
+                .metadata
+                .get("containerd.id")
+                .map(String::as_str),
+            Some(id)
+        );
+        let jail = runtime
+            .attach(&sandboxes[0].id)
+            .unwrap()
+            .status()
+            .unwrap()
+            .jail
+            .unwrap();
+        assert!(!jail.cgroups.is_empty());
+        let bundle = c
+            .dir
+            .path()
+            .join("state/io.containerd.runtime.v2.task")
+            .join(common::NAMESPACE)
+            .join(id);
+        assert!(
+            !mounts_under(&bundle.display().to_string()).is_empty(),
+            "rootfs not mounted"
+        );
+        Held {
+            pids,
+            cgroups: jail.cgroups,
+            bundle,
+            runtime,
+        }
+    }
+
+    /// Checks that no process, cgroup, mount or Cube sandbox of the container is left.
+    fn assert_released(&self) {
+        for pid in &self.pids {
+            assert!(
+                wait_until(Duration::from_secs(10), || !Path::new(&format!(
+                    "/proc/{pid}"
+                ))
+                .exists()),
+                "process {pid} outlived delete"
+            );
+        }
+        for dir in &self.cgroups {
+            assert!(
+                wait_until(Duration::from_secs(10), || !dir.exists()),
+                "cgroup {} left",
+                dir.display()
+            );
+        }
+        assert!(
+            mounts_under(&self.bundle.display().to_string()).is_empty(),
+            "mounts left under {}",
+            self.bundle.display()
+        );
+        assert!(
+            wait_until(Duration::from_secs(10), || self
+                .runtime
+                .list()
+                .unwrap()
+                .is_empty()),
+            "Cube sandbox left"
+        );
+    }
+}
+
+/// The host pids `ctr task ps` lists for `id`.
+fn task_pids(c: &Containerd, id: &str) -> Vec<u32> {
+    c.ctr_ok(&["task", "ps", id])
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect()
+}
+
+/// Waits until task `id` is stopped.
+fn wait_stopped(c: &Containerd, id: &str) {
+    assert!(
+        wait_until(Duration::from_secs(10), || c
+            .ctr_ok(&["task", "ls"])
+            .lines()
+            .any(|l| l.starts_with(id) && l.contains("STOPPED"))),
+        "task {id} did not stop: {}",
+        c.ctr_ok(&["task", "ls"])
+    );
 }
 
 #[test]
@@ -88,83 +196,17 @@ fn ctr_runs_execs_measures_kills_and_deletes_a_cube_container() {
     let metrics = c.ctr_ok(&["task", "metrics", "c2"]);
     assert!(metrics.contains("pids.current"), "{metrics}");
     assert!(metrics.contains("memory.usage_in_bytes"), "{metrics}");
-    let ps = c.ctr_ok(&["task", "ps", "c2"]);
-    let pids: Vec<u32> = ps
-        .lines()
-        .skip(1)
-        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
-        .collect();
-    assert!(pids.len() >= 2, "agent and sleep: {ps}");
+    let pids = task_pids(&c, "c2");
+    assert!(pids.len() >= 2, "agent and sleep: {pids:?}");
 
     // What the container holds on the host, to check after delete.
-    let rt = cube_core::Runtime::open(cube_core::RuntimeConfig {
-        store_root: c.store.clone(),
-        pool_size: 0,
-        network_pool_size: 0,
-        supervisor: Some("/nonexistent".into()),
-    })
-    .unwrap();
-    let sandboxes = rt.list().unwrap();
-    assert_eq!(sandboxes.len(), 1, "{sandboxes:?}");
-    assert_eq!(
-        sandboxes[0]
-            .metadata
-            .get("containerd.id")
-            .map(String::as_str),
-        Some("c2")
-    );
-    let jail = rt
-        .attach(&sandboxes[0].id)
-        .unwrap()
-        .status()
-        .unwrap()
-        .jail
-        .unwrap();
-    assert!(!jail.cgroups.is_empty());
-    let bundle = c
-        .dir
-        .path()
-        .join("state/io.containerd.runtime.v2.task")
-        .join(common::NAMESPACE)
-        .join("c2");
-    assert!(
-        !mounts_under(&bundle.display().to_string()).is_empty(),
-        "rootfs not mounted"
-    );
+    let held = Held::of(&c, "c2", pids);
 
     c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "c2"]);
-    assert!(wait_until(Duration::from_secs(10), || c
-        .ctr_ok(&["task", "ls"])
-        .lines()
-        .any(|l| l.starts_with("c2") && l.contains("STOPPED"))));
+    wait_stopped(&c, "c2");
     c.ctr_ok(&["task", "delete", "c2"]);
     c.ctr_ok(&["container", "rm", "c2"]);
-
-    for pid in &pids {
-        assert!(
-            wait_until(Duration::from_secs(10), || !std::path::Path::new(&format!(
-                "/proc/{pid}"
-            ))
-            .exists()),
-            "process {pid} outlived delete"
-        );
-    }
-    for dir in &jail.cgroups {
-        assert!(
-            wait_until(Duration::from_secs(10), || !dir.exists()),
-            "cgroup {} left",
-            dir.display()
-        );
-    }
-    assert!(
-        mounts_under(&bundle.display().to_string()).is_empty(),
-        "mounts left under {}",
-        bundle.display()
-    );
-    assert!(
-        wait_until(Duration::from_secs(10), || rt.list().unwrap().is_empty()),
-        "Cube sandbox left"
-    );
+    held.assert_released();
     assert_eq!(net_devices(), devices_before, "network devices changed");
     // The shim exits once its last container is gone.
     assert!(
@@ -180,4 +222,178 @@ fn ctr_runs_execs_measures_kills_and_deletes_a_cube_container() {
         .success()),
         "shim still running"
     );
+}
+
+/// The process of the checkpoint test: a secret drawn at start and a counter, both
+/// held in shell variables only. The secret goes to the container's log at start;
+/// `/tmp/tick` has it print the counter there, `/tmp/ask` has it write both to
+/// `/tmp/answer`.
+/// Every start of the command adds a line to `/tmp/starts`.
+const REMEMBERING: &str = "secret=$(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'); \
+    echo start >> /tmp/starts; echo \"secret $secret\"; n=0; \
+    while :; do n=$((n+1)); \
+    if [ -e /tmp/tick ]; then rm /tmp/tick; echo \"tick $n\"; fi; \
+    if [ -e /tmp/ask ]; then rm /tmp/ask; echo \"$secret $n\" > /tmp/answer.new; mv /tmp/answer.new /tmp/answer; fi; \
+    sleep 0.1; done";
+
+/// The first line of `path` that starts with `prefix`, its rest; waits up to 30 s.
+fn log_line(path: &Path, prefix: &str) -> String {
+    let mut found = None;
+    wait_until(Duration::from_secs(30), || {
+        found = std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix).map(str::to_string));
+        found.is_some()
+    });
+    found.unwrap_or_else(|| {
+        panic!(
+            "no {prefix:?} in {}: {:?}",
+            path.display(),
+            std::fs::read_to_string(path)
+        )
+    })
+}
+
+/// Runs `sh -c script` in task `id` through `ctr task exec`; its standard output.
+fn exec_sh(c: &Containerd, id: &str, exec_id: &str, script: &str) -> String {
+    c.ctr_ok(&["task", "exec", "--exec-id", exec_id, id, "sh", "-c", script])
+}
+
+/// Has the checkpoint test's process print its counter to the log; returns it.
+fn tick(c: &Containerd, id: &str, exec_id: &str, log: &Path, seen: usize) -> u64 {
+    exec_sh(c, id, exec_id, "touch /tmp/tick");
+    let mut ticks = Vec::new();
+    wait_until(Duration::from_secs(30), || {
+        ticks = std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.strip_prefix("tick ")?.parse::<u64>().ok())
+            .collect();
+        ticks.len() > seen
+    });
+    *ticks
+        .get(seen)
+        .unwrap_or_else(|| panic!("no tick {seen} in {}", log.display()))
+}
+
+#[test]
+fn checkpoint_and_restore_into_a_new_container_keep_a_process_memory() {
+    if skip() {
+        return;
+    }
+    if !cube_core::testing::criu_works() {
+        println!("skipped: no working CRIU (scripts/setup.sh installs it)");
+        return;
+    }
+    let c = Containerd::start();
+    c.import_images(common::NAMESPACE);
+    let devices_before = net_devices();
+    let log = c.dir.path().join("c1.log");
+    let log_uri = format!("file://{}", log.display());
+    c.ctr_ok(&[
+        "run",
+        "-d",
+        "--log-uri",
+        &log_uri,
+        "--runtime",
+        RUNTIME,
+        IMAGE,
+        "c1",
+        "sh",
+        "-c",
+        REMEMBERING,
+    ]);
+    let secret = log_line(&log, "secret ");
+    assert_eq!(secret.len(), 32, "{secret:?}");
+    // Let the counter climb well above what a fresh start would reach by the end.
+    std::thread::sleep(Duration::from_secs(3));
+    let before = tick(&c, "c1", "t1", &log, 0);
+    assert!(before >= 10, "counter {before}");
+
+    // `ctr c checkpoint --task`: the shim's Checkpoint writes a Cube snapshot archive
+    // into containerd's checkpoint image.
+    let out = c.ctr(&["container", "checkpoint", "--task", "c1", "checkpoint/c1:1"]);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        c.log()
+    );
+    let images = c.ctr_ok(&["image", "ls"]);
+    assert!(images.contains("checkpoint/c1:1"), "{images}");
+    // The checkpointed container runs on, its output still relayed: the shim
+    // followed its process again after the snapshot dropped the agent's connections.
+    let after_checkpoint = tick(&c, "c1", "t2", &log, 1);
+    assert!(after_checkpoint > before, "{after_checkpoint} <= {before}");
+    let held = Held::of(&c, "c1", task_pids(&c, "c1"));
+    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "c1"]);
+    wait_stopped(&c, "c1");
+    c.ctr_ok(&["task", "delete", "c1"]);
+    c.ctr_ok(&["container", "rm", "c1"]);
+    held.assert_released();
+
+    // Restored into a new container: the process's memory is back.
+    let out = c.ctr(&["container", "restore", "--live", "c2", "checkpoint/c1:1"]);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        c.log()
+    );
+    assert!(wait_until(Duration::from_secs(10), || c
+        .ctr_ok(&["task", "ls"])
+        .lines()
+        .any(|l| l.starts_with("c2") && l.contains("RUNNING"))));
+    exec_sh(&c, "c2", "a1", "touch /tmp/ask");
+    let mut answer = String::new();
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            answer = c
+                .ctr(&[
+                    "task",
+                    "exec",
+                    "--exec-id",
+                    "a2",
+                    "c2",
+                    "cat",
+                    "/tmp/answer",
+                ])
+                .stdout
+                .into_iter()
+                .map(char::from)
+                .collect();
+            !answer.trim().is_empty()
+        }),
+        "the restored process never answered"
+    );
+    let mut words = answer.split_whitespace();
+    assert_eq!(
+        words.next(),
+        Some(secret.as_str()),
+        "{answer:?}\n{}",
+        c.log()
+    );
+    // The count goes on from where the checkpoint caught it (after `before`); a
+    // fresh start would count from 1.
+    let counter: u64 = words.next().and_then(|n| n.parse().ok()).unwrap();
+    assert!(
+        counter > before,
+        "counter {counter} after restore, {before} before the checkpoint"
+    );
+    // Taken back, not run again: the command started once, in the first container.
+    assert_eq!(exec_sh(&c, "c2", "a3", "cat /tmp/starts"), "start\n");
+
+    // The restored main process is the task's: its kill stops the task.
+    let held = Held::of(&c, "c2", task_pids(&c, "c2"));
+    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "c2"]);
+    wait_stopped(&c, "c2");
+    c.ctr_ok(&["task", "delete", "c2"]);
+    c.ctr_ok(&["container", "rm", "c2"]);
+    held.assert_released();
+    assert!(
+        held.runtime.snapshots(None).unwrap().is_empty(),
+        "snapshots left in the store"
+    );
+    assert_eq!(net_devices(), devices_before, "network devices changed");
 }

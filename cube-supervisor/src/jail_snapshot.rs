@@ -110,6 +110,7 @@ mod tests {
             fallback: None,
             template: None,
             boot_id: boot.map(str::to_string),
+            rootfs: None,
         };
         let snapshot = SnapshotDir::new(dir);
         std::fs::create_dir_all(snapshot.layer()).unwrap();

@@ -72,8 +72,9 @@ impl JailSpec<'_> {
         let mut config = JailConfig::new(self.name, self.state_dir);
         if let Some(tree) = self.tree {
             // The template's own userland only: its python3 and pip, not the host's.
+            // A tree that is an overlay mount goes in by its layers (see overlay_tree).
             config.root = cube_jail::RootSpec::Overlay {
-                lower: vec![tree.to_path_buf()],
+                lower: crate::overlay_tree::jail_lowers(tree),
                 host_userland: false,
             };
         }

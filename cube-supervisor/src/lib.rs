@@ -29,6 +29,7 @@ pub mod jail_snapshot;
 pub mod jail_spec;
 pub mod linux_sandbox;
 pub mod network;
+pub mod overlay_tree;
 pub mod pool;
 pub mod priority;
 pub mod protocol;

@@ -82,6 +82,11 @@ pub struct SandboxMeta {
     /// while the sandbox exists.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<String>,
+    /// The directory given as the jail's root tree (`cube_core::CreateOptions::rootfs`,
+    /// a container's root filesystem) instead of a template's: its snapshots' files
+    /// lie over that tree, which no template holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rootfs: Option<std::path::PathBuf>,
 }
 
 /// A snapshot's record in the store.
@@ -116,6 +121,12 @@ pub struct SnapshotMeta {
     /// builds that did not flush jail snapshots; such a jail snapshot is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub boot_id: Option<String>,
+    /// The directory the snapshot's files lie over where its sandbox's record cannot
+    /// say (an imported snapshot of a sandbox created on a directory of its own,
+    /// [`SandboxMeta::rootfs`]): a path on the host it was taken on, which a create
+    /// from it replaces with a tree of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rootfs: Option<std::path::PathBuf>,
 }
 
 /// A template's record in the store.

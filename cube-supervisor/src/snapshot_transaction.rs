@@ -109,6 +109,7 @@ impl SnapshotTransaction {
             fallback: staged.fallback,
             template: None,
             boot_id: Some(boot_id),
+            rootfs: None,
         };
         let bytes = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
         cube_storage::write_atomic_bytes_with(

@@ -191,6 +191,9 @@ class SnapshotArchive:
 
     ``required_template`` is the template a store must hold to import it (``None``
     for a snapshot over the built-in ``host`` template, which every store has).
+    ``rootfs`` is the directory the snapshot lies over instead of a template, when
+    its sandbox was created on one (a container's root filesystem): the archive does
+    not hold it, and a sandbox created from the imported snapshot needs a tree like it.
     """
 
     snapshot_id: str
@@ -200,6 +203,7 @@ class SnapshotArchive:
     data_bytes: int
     template: Optional[str]
     required_template: Optional[str]
+    rootfs: Optional[str] = None
 
 
 @dataclass

@@ -31,6 +31,7 @@ def export_snapshot(
         data_bytes=raw["data_bytes"],
         template=raw["template"],
         required_template=raw["required_template"],
+        rootfs=raw["rootfs"],
     )
 
 

@@ -148,6 +148,17 @@ state = "{d}/state"
         c
     }
 
+    /// The Cube store the shim uses, opened to look at (it starts no supervisor).
+    pub fn cube_store(&self) -> cube_core::Runtime {
+        cube_core::Runtime::open(cube_core::RuntimeConfig {
+            store_root: self.store.clone(),
+            pool_size: 0,
+            network_pool_size: 0,
+            supervisor: Some("/nonexistent".into()),
+        })
+        .unwrap()
+    }
+
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("containerd.log")).unwrap_or_default()
     }

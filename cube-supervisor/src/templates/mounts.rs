@@ -26,7 +26,7 @@ fn mounts_under(dir: &Path) -> Vec<PathBuf> {
 }
 
 /// Undoes mountinfo's octal escapes (`\040` for a space, ...).
-fn unescape_mountinfo(s: &str) -> String {
+pub(crate) fn unescape_mountinfo(s: &str) -> String {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;

@@ -1,6 +1,6 @@
 //! Root filesystem trees from container images: an OCI image layout (a directory, or a
 //! tar of one) or a `docker save` archive. The image's layers are applied in order
-//! (gzip or uncompressed tars), whiteouts honoured (`.wh.NAME` removes NAME of the
+//! (gzip, zstd or uncompressed tars), whiteouts honoured (`.wh.NAME` removes NAME of the
 //! layers below, `.wh..wh..opq` empties its directory of them), and its config's Env,
 //! WorkingDir and User kept for the sandbox's processes ([`ProcessDefaults`]).
 //!
@@ -408,12 +408,6 @@ fn oci_layers(dir: &Path) -> Result<(ImageConfig, Vec<Layer>), OciError> {
         .iter()
         .enumerate()
         .map(|(i, d)| {
-            if d.media_type.contains("zstd") {
-                return Err(OciError::Unsupported(format!(
-                    "Layer {} is zstd-compressed; this build takes gzip and uncompressed layers",
-                    d.digest
-                )));
-            }
             Ok(Layer {
                 file: blob_path(dir, &d.digest)?,
                 name: d.digest.clone(),
@@ -495,7 +489,7 @@ impl<R: Read> Read for Hashing<R> {
     }
 }
 
-/// The layer file's content, uncompressed (gzip by its magic number).
+/// The layer file's content, uncompressed (gzip or zstd by its magic number).
 fn layer_reader(layer: &Layer) -> Result<Box<dyn Read>, OciError> {
     let mut file = BufReader::new(
         File::open(&layer.file).map_err(io(format!("opening {}", layer.file.display())))?,
@@ -512,12 +506,10 @@ fn layer_reader(layer: &Layer) -> Result<Box<dyn Read>, OciError> {
     };
     Ok(match &magic[..n] {
         [0x1f, 0x8b, ..] => Box::new(flate2::read::GzDecoder::new(file)),
-        [0x28, 0xb5, 0x2f, 0xfd] => {
-            return Err(OciError::Unsupported(format!(
-                "Layer {} is zstd-compressed; this build takes gzip and uncompressed layers",
-                layer.name
-            )))
-        }
+        [0x28, 0xb5, 0x2f, 0xfd] => Box::new(
+            zstd::stream::read::Decoder::with_buffer(file)
+                .map_err(io(format!("decoding {}", layer.file.display())))?,
+        ),
         _ => Box::new(file),
     })
 }
@@ -847,6 +839,31 @@ pub mod test_image {
         enc.finish()
     }
 
+    /// How a layer blob is stored.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Compression {
+        /// An uncompressed tar.
+        Plain,
+        /// gzip (`tar+gzip`).
+        Gzip,
+        /// zstd (`tar+zstd`).
+        Zstd,
+    }
+
+    impl Compression {
+        /// `layer` stored this way, and its media type.
+        fn store(self, layer: &[u8]) -> std::io::Result<(Vec<u8>, &'static str)> {
+            Ok(match self {
+                Compression::Plain => (layer.to_vec(), "application/vnd.oci.image.layer.v1.tar"),
+                Compression::Gzip => (gzip(layer)?, "application/vnd.oci.image.layer.v1.tar+gzip"),
+                Compression::Zstd => (
+                    zstd::encode_all(layer, 3)?,
+                    "application/vnd.oci.image.layer.v1.tar+zstd",
+                ),
+            })
+        }
+    }
+
     /// `sha256:<hex>` of `data`.
     pub fn digest(data: &[u8]) -> String {
         format!("sha256:{}", super::hex(&Sha256::digest(data)))
@@ -874,13 +891,13 @@ pub mod test_image {
     }
 
     /// Writes an OCI image layout into directory `dir`: `config`, and `layers`
-    /// (uncompressed tars) stored gzip-compressed where `gzipped` says so; returns the
-    /// layers' blob digests.
+    /// (uncompressed tars) stored as `compression` says (uncompressed past its end);
+    /// returns the layers' blob digests.
     pub fn oci_layout(
         dir: &Path,
         config: &[u8],
         layers: &[Vec<u8>],
-        gzipped: &[bool],
+        compression: &[Compression],
     ) -> std::io::Result<Vec<String>> {
         std::fs::create_dir_all(dir)?;
         std::fs::write(dir.join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#)?;
@@ -888,11 +905,11 @@ pub mod test_image {
         let mut descriptors = Vec::new();
         let mut digests = Vec::new();
         for (i, l) in layers.iter().enumerate() {
-            let (data, media) = if gzipped.get(i).copied().unwrap_or(false) {
-                (gzip(l)?, "application/vnd.oci.image.layer.v1.tar+gzip")
-            } else {
-                (l.clone(), "application/vnd.oci.image.layer.v1.tar")
-            };
+            let (data, media) = compression
+                .get(i)
+                .copied()
+                .unwrap_or(Compression::Plain)
+                .store(l)?;
             let d = blob(dir, &data)?;
             descriptors
                 .push(serde_json::json!({"mediaType": media, "digest": d, "size": data.len()}));
@@ -946,7 +963,7 @@ pub mod test_image {
 
 #[cfg(test)]
 mod tests {
-    use super::test_image::{self, Entry};
+    use super::test_image::{self, Compression::*, Entry};
     use super::*;
 
     /// Two layers: a base, then one that replaces a file, whites one out and makes a
@@ -1025,7 +1042,7 @@ mod tests {
         let layers = two_layers();
         let cfg = config(&layers);
         let layout = tmp.path().join("layout");
-        test_image::oci_layout(&layout, &cfg, &layers, &[true, false]).unwrap();
+        test_image::oci_layout(&layout, &cfg, &layers, &[Gzip, Plain]).unwrap();
         let mut lines = Vec::new();
         let tree = tmp.path().join("t1");
         let u = unpack(&layout, &tree, &tmp.path().join("s1"), &mut |l| {
@@ -1054,11 +1071,39 @@ mod tests {
         );
     }
 
+    #[test]
+    fn zstd_layers_unpack_like_gzip_ones_and_a_damaged_one_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let layers = two_layers();
+        let cfg = config(&layers);
+        for (name, compression) in [("zstd", [Zstd, Zstd]), ("mixed", [Zstd, Gzip])] {
+            let layout = tmp.path().join(name);
+            test_image::oci_layout(&layout, &cfg, &layers, &compression).unwrap();
+            let tree = tmp.path().join(format!("{name}-tree"));
+            let scratch = tmp.path().join(format!("{name}-scratch"));
+            check_tree(
+                &tree,
+                &unpack(&layout, &tree, &scratch, &mut |_| {}).unwrap(),
+            );
+        }
+
+        // A zstd stream cut short, stored as the blob (whose digest matches): the
+        // layer's content is what is found wrong.
+        let whole = zstd::encode_all(layers[0].as_slice(), 3).unwrap();
+        let cut = whole[..whole.len() / 2].to_vec();
+        let layout = tmp.path().join("cut");
+        test_image::oci_layout(&layout, &config(&layers[..1]), &[cut], &[Plain]).unwrap();
+        let tree = tmp.path().join("cut-tree");
+        let err = unpack(&layout, &tree, &tmp.path().join("cut-scratch"), &mut |_| {}).unwrap_err();
+        // (What was applied before is the caller's to remove, as for any failure.)
+        assert!(matches!(err, OciError::Corrupt(..)), "{err}");
+    }
+
     fn unpack_layers(tmp: &Path, layers: Vec<Vec<u8>>) -> Result<Unpacked, OciError> {
         let layout = tmp.join("bad-layout");
         let cfg = config(&layers);
-        let gz = vec![false; layers.len()];
-        test_image::oci_layout(&layout, &cfg, &layers, &gz).unwrap();
+        let plain = vec![Plain; layers.len()];
+        test_image::oci_layout(&layout, &cfg, &layers, &plain).unwrap();
         unpack(
             &layout,
             &tmp.join("bad-tree"),
@@ -1098,7 +1143,7 @@ mod tests {
         let layers = two_layers();
         let cfg = config(&layers);
         let layout = tmp.path().join("layout");
-        let digests = test_image::oci_layout(&layout, &cfg, &layers, &[true, false]).unwrap();
+        let digests = test_image::oci_layout(&layout, &cfg, &layers, &[Gzip, Plain]).unwrap();
         let blob = |d: &str| {
             layout
                 .join("blobs/sha256")
