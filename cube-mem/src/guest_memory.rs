@@ -20,6 +20,9 @@ use std::sync::Arc;
 use vm_memory::bitmap::AtomicBitmap;
 
 use crate::memory_seal::SEAL_BYTES;
+
+// The seal page keeps a memory file a whole number of pages.
+const _: () = assert!(SEAL_BYTES == PAGE_SIZE as u64);
 use vm_memory::mmap::MmapRegionBuilder;
 use vm_memory::{
     FileOffset, GuestAddress, GuestMemoryMmap, GuestMemoryRegion, GuestRegionMmap, VolatileSlice,

@@ -13,11 +13,9 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use crate::guest_memory::PAGE_SIZE;
-
 /// Bytes the seal adds after guest memory: one page, so that the file stays a whole
-/// number of pages.
-pub const SEAL_BYTES: u64 = PAGE_SIZE as u64;
+/// number of pages (guest_memory.rs checks that this is its page size).
+pub const SEAL_BYTES: u64 = 4096;
 /// What the seal page starts with.
 const MAGIC: &[u8; 16] = b"cube-memory-seal";
 
