@@ -45,7 +45,7 @@ fn state_file(ctx: &Arc<KvmContext>, irqchip: bool) -> Result<Vec<u8>, Error> {
     let mut machine = Machine::boot_test_guest(ctx, config, working_set)?;
     machine.wait_working_set()?;
     let dir = tempfile::tempdir()?;
-    machine.snapshot(dir.path())?;
+    machine.snapshot(dir.path(), None)?;
     drop(machine);
     Ok(std::fs::read(SnapshotDir::new(dir.path()).state())?)
 }
