@@ -18,6 +18,7 @@ pub mod guest_memory;
 pub mod live_copy;
 pub mod memory_file;
 pub mod memory_seal;
+mod pwrite;
 mod uffd_sys;
 
 pub use dirty::{

@@ -20,6 +20,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 
 use crate::dirty::{DirtyBitmap, UffdError};
 use crate::guest_memory::{GuestMemory, PAGE_SIZE};
+use crate::pwrite::pwrite_all;
 use crate::uffd_sys::{
     api, open_uffd, register_wp, unregister_all, UffdioRange, UffdioWriteprotect,
     UFFDIO_WRITEPROTECT, UFFDIO_WRITEPROTECT_MODE_WP, UFFD_EVENT_PAGEFAULT,
@@ -208,41 +209,19 @@ impl LiveCopy {
         first: usize,
         pages: usize,
     ) -> Result<u64, LiveCopyError> {
-        let info = *self.mem.regions().get(region).ok_or(LiveCopyError::Shape)?;
+        let (start, len) = self.host_range(region, first, pages)?;
+        let info = self.mem.regions().get(region).ok_or(LiveCopyError::Shape)?;
         let host = self.mem.host_ptr(region).ok_or(LiveCopyError::Shape)?;
-        if (first + pages) * PAGE_SIZE > info.size {
-            return Err(LiveCopyError::Shape);
-        }
-        let len = pages * PAGE_SIZE;
-        let mut done = 0usize;
-        while done < len {
-            let offset = info.file_offset + (first * PAGE_SIZE + done) as u64;
-            // SAFETY: `first + pages` pages fit the region (checked above), so the
-            // source lies inside its live mapping; the pages are write-protected, so
-            // nothing changes them during the copy.
-            let src = unsafe { host.add(first * PAGE_SIZE + done) };
-            let off = libc::off_t::try_from(offset).map_err(|_| LiveCopyError::Shape)?;
-            // SAFETY: `src` points at `len - done` readable bytes (see above).
-            let n = unsafe { libc::pwrite(file.as_raw_fd(), src.cast(), len - done, off) };
-            if n < 0 {
-                let source = std::io::Error::last_os_error();
-                if source.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(LiveCopyError::Write { offset, source });
-            }
-            if n == 0 {
-                return Err(LiveCopyError::Write {
-                    offset,
-                    source: std::io::ErrorKind::WriteZero.into(),
-                });
-            }
-            done += n as usize;
-        }
+        let offset = first * PAGE_SIZE;
+        // SAFETY: `host_range` checked that the pages fit the region, so the source lies
+        // inside its live mapping; they are write-protected, so nothing changes them
+        // during the copy.
+        let src = unsafe { host.add(offset) };
+        pwrite_all(file, src, len as usize, info.file_offset + offset as u64)
+            .map_err(|(offset, source)| LiveCopyError::Write { offset, source })?;
         for page in first..first + pages {
             self.pending.clear_page(region, page);
         }
-        let (start, len) = self.host_range(region, first, pages)?;
         self.write_protect(start, len, false)?;
         Ok(len)
     }

@@ -18,7 +18,6 @@
 //! emulation) first, or the file is a blend of before and after.
 
 use std::fs::{File, OpenOptions};
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
@@ -29,9 +28,7 @@ use crate::dirty::DirtyBitmap;
 use crate::guest_memory::{GuestMemory, PAGE_SIZE};
 use crate::live_copy::{LiveCopy, LiveCopyError};
 use crate::memory_seal::{Seal, SEAL_BYTES};
-
-/// Largest single `pwrite`; Linux caps one call near 2 GiB anyway.
-const MAX_WRITE: usize = 1 << 30;
+use crate::pwrite::pwrite_all;
 
 /// Errors from writing memory files.
 #[derive(Debug, thiserror::Error)]
@@ -325,7 +322,19 @@ impl PreparedDiff {
         check_shape(mem, dirty)?;
         let file = self.file.as_ref().ok_or(MemoryFileError::DirtyShape)?;
         let stats = write_extents(file, &self.dest, mem, &dirty_extents(dirty))?;
-        // Over the parent's seal, or after an unsealed parent's last page.
+        self.seal_and_keep(mem, seal, durability, stats)
+    }
+
+    /// Seals the file once its pages are written (over the parent's seal, or after an
+    /// unsealed parent's last page), syncs it where asked, and keeps it.
+    fn seal_and_keep(
+        &mut self,
+        mem: &GuestMemory,
+        seal: &Seal,
+        durability: Durability,
+        stats: WriteStats,
+    ) -> Result<DiffStats, MemoryFileError> {
+        let file = self.file.as_ref().ok_or(MemoryFileError::DirtyShape)?;
         write_seal(file, &self.dest, mem, seal)?;
         if durability == Durability::Synced {
             sync(file, &self.dest)?;
@@ -386,17 +395,12 @@ impl LiveDiff {
             .as_ref()
             .ok_or(MemoryFileError::DirtyShape)?;
         let bytes_written = self.copy.copy_into(file)?;
-        write_seal(file, &self.prepared.dest, mem, seal)?;
-        if durability == Durability::Synced {
-            sync(file, &self.prepared.dest)?;
-        }
-        self.prepared.file = None;
-        Ok(DiffStats {
+        let stats = WriteStats {
             pages_written: self.pages,
             bytes_written,
             runs: self.runs,
-            clone_method: self.prepared.clone_method,
-        })
+        };
+        self.prepared.seal_and_keep(mem, seal, durability, stats)
     }
 }
 
@@ -522,40 +526,6 @@ fn write_extents(
         stats.pages_written += (extent.len / PAGE_SIZE) as u64;
     }
     Ok(stats)
-}
-
-/// Writes `len` bytes from `src` at `offset`; on error returns the failing offset.
-///
-/// The kernel copies straight from the guest mapping, so no Rust reference to memory
-/// the guest may share is ever formed.
-fn pwrite_all(
-    file: &File,
-    src: *const u8,
-    len: usize,
-    offset: u64,
-) -> Result<(), (u64, std::io::Error)> {
-    let mut done = 0usize;
-    while done < len {
-        let chunk = (len - done).min(MAX_WRITE);
-        let at = offset + done as u64;
-        let off = libc::off_t::try_from(at)
-            .map_err(|_| (at, std::io::Error::from_raw_os_error(libc::EOVERFLOW)))?;
-        // SAFETY: `src + done .. src + done + chunk` lies inside the range the caller
-        // vouched for; pwrite only reads it.
-        let n = unsafe { libc::pwrite(file.as_raw_fd(), src.add(done).cast(), chunk, off) };
-        if n < 0 {
-            let err = std::io::Error::last_os_error();
-            if err.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err((at, err));
-        }
-        if n == 0 {
-            return Err((at, std::io::Error::from(std::io::ErrorKind::WriteZero)));
-        }
-        done += n as usize;
-    }
-    Ok(())
 }
 
 fn sync(file: &File, path: &Path) -> Result<(), MemoryFileError> {
