@@ -11,15 +11,16 @@
 //! VMM's own (the kernel resolves KVM's accesses through these page tables).
 //!
 //! Needs a userfaultfd that handles faults the kernel takes (not user-mode-only: KVM's
-//! are kernel faults) and write-protect on the memory's kind of mapping; where that is
-//! missing, or another userfaultfd holds the memory (the write-protect dirty tracker),
-//! [`LiveCopy::protect`] fails and the caller copies with the guest stopped.
+//! are kernel faults) and write-protect on the memory's kind of mapping: fresh (memfd)
+//! memory has it, memory restored from a file (a private file mapping) does not. Where
+//! it is missing, or another userfaultfd holds the memory (the write-protect dirty
+//! tracker), [`LiveCopy::protect`] fails and the caller copies with the guest stopped.
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 
 use crate::dirty::{DirtyBitmap, UffdError};
-use crate::guest_memory::{GuestMemory, PAGE_SIZE};
+use crate::guest_memory::{GuestMemory, MemoryBacking, PAGE_SIZE};
 use crate::pwrite::pwrite_all;
 use crate::uffd_sys::{
     api, open_uffd, register_wp, unregister_all, UffdioRange, UffdioWriteprotect,
@@ -46,6 +47,11 @@ pub enum LiveCopyError {
         /// The feature bits the kernel offers.
         supported: u64,
     },
+    /// Guest memory is a private mapping of a memory file (restored from a
+    /// snapshot): the kernel write-protects only anonymous and shared memory
+    /// synchronously (registering it fails with EINVAL).
+    #[error("Guest memory restored from a file cannot be write-protected synchronously")]
+    FileBacked,
     /// The dirty bitmap was made for a different memory layout.
     #[error("Dirty bitmap does not match the guest memory layout")]
     Shape,
@@ -98,6 +104,9 @@ impl LiveCopy {
                 .any(|(i, r)| dirty.region_pages(i) != Some(r.pages()))
         {
             return Err(LiveCopyError::Shape);
+        }
+        if !matches!(mem.backing(), MemoryBacking::Memfd(_)) {
+            return Err(LiveCopyError::FileBacked);
         }
         // KVM's accesses are kernel faults: a user-mode-only descriptor would let them
         // through unseen.
@@ -355,5 +364,22 @@ mod tests {
             let now = unsafe { ((host + page * PAGE_SIZE) as *const u64).read_volatile() };
             assert_eq!(now, 0xdead_0000 + page as u64, "page {page} in memory");
         }
+    }
+
+    /// Memory restored from a file is refused up front, before any userfaultfd is
+    /// made (the kernel would refuse to register it).
+    #[test]
+    fn memory_restored_from_a_file_is_refused_by_kind() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("memory");
+        let size = 4 << 20;
+        std::fs::File::create(&path).unwrap().set_len(size).unwrap();
+        let layout = MemoryLayout::new(&[(GuestAddress(0), size as usize)]).unwrap();
+        let mem = GuestMemory::restore_private(layout, &path).unwrap();
+        let dirty = DirtyBitmap::for_memory(&mem);
+        assert!(matches!(
+            LiveCopy::protect(&mem, &dirty),
+            Err(LiveCopyError::FileBacked)
+        ));
     }
 }

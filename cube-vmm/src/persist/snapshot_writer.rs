@@ -98,11 +98,14 @@ impl<G> MicroVm<G> {
             };
             let stats = match memory {
                 Memory::Written(stats) => stats,
-                Memory::Live(live, mut stats) => {
+                Memory::Live(live) => {
                     let diff = live.finish(&self.memory, &seal, Durability::Deferred)?;
-                    stats.bytes_written = diff.bytes_written;
-                    stats.reflinked = diff.clone_method == cube_storage::CloneMethod::Reflink;
-                    stats
+                    SnapshotStats {
+                        dirty_pages: diff.pages_written,
+                        bytes_written: diff.bytes_written,
+                        reflinked: diff.clone_method == cube_storage::CloneMethod::Reflink,
+                        paused_us: 0,
+                    }
                 }
             };
             format::write_state(dir, &state)?;
@@ -130,15 +133,7 @@ impl<G> MicroVm<G> {
         let state = self.capture(dir, contents, seal)?;
         let memory = match prepared {
             Some(prepared) if was_running => match LiveCopy::protect(&self.memory, dirty) {
-                Ok(copy) => Memory::Live(
-                    prepared.live(copy, dirty),
-                    SnapshotStats {
-                        dirty_pages: dirty.count() as u64,
-                        bytes_written: 0,
-                        reflinked: false,
-                        paused_us: 0,
-                    },
-                ),
+                Ok(copy) => Memory::Live(prepared.live(copy, dirty)),
                 Err(e) => {
                     tracing::debug!(error = %e, "no live copy here: writing with the vCPUs stopped");
                     Memory::Written(self.write_memory(dir, dirty, Some(prepared), seal)?)
@@ -239,7 +234,7 @@ enum Memory {
     /// Written already, with the vCPUs stopped.
     Written(SnapshotStats),
     /// Write-protected, to be copied once the vCPUs continue.
-    Live(cube_mem::memory_file::LiveDiff, SnapshotStats),
+    Live(cube_mem::memory_file::LiveDiff),
 }
 
 #[cfg(test)]
