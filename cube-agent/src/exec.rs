@@ -359,14 +359,16 @@ impl ExecTable {
         });
         *lock(&entry.exit) = Some(info);
         entry.ended.notify_all();
+        lock(&entry.stdin).take();
+        if !entry.background || exit.is_none() {
+            // The exec's own key and those it was attached under. Before the followers
+            // hear of the exit: once one has read `Exited`, the exec is forgotten, and
+            // an attach by its pid is refused rather than answered with the exit again.
+            self.entries().retain(|_, e| !Arc::ptr_eq(e, entry));
+        }
         // After the exit is recorded: a follower attaching from now on reads it there.
         for follower in lock(&entry.followers).drain(..) {
             let _ = follower.send(ResponseBody::Exited(info));
-        }
-        lock(&entry.stdin).take();
-        if !entry.background || exit.is_none() {
-            // The exec's own key and those it was attached under.
-            self.entries().retain(|_, e| !Arc::ptr_eq(e, entry));
         }
     }
 
