@@ -92,6 +92,12 @@ pub struct LiveCopy {
 }
 
 impl LiveCopy {
+    /// Whether `mem` can be write-protected at all: memory in a memfd (a fresh boot),
+    /// not memory restored from a file (see [`LiveCopyError::FileBacked`]).
+    pub fn applies_to(mem: &GuestMemory) -> bool {
+        matches!(mem.backing(), MemoryBacking::Memfd(_))
+    }
+
     /// Write-protects the pages of `mem` in `dirty`. Call with every vCPU stopped and no
     /// device writing guest memory: from here on, a write to one of those pages waits
     /// until [`LiveCopy::copy_into`] has copied it.
@@ -105,7 +111,7 @@ impl LiveCopy {
         {
             return Err(LiveCopyError::Shape);
         }
-        if !matches!(mem.backing(), MemoryBacking::Memfd(_)) {
+        if !Self::applies_to(mem) {
             return Err(LiveCopyError::FileBacked);
         }
         // KVM's accesses are kernel faults: a user-mode-only descriptor would let them

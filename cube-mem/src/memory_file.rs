@@ -325,6 +325,20 @@ impl PreparedDiff {
         self.seal_and_keep(mem, seal, durability, stats)
     }
 
+    /// Copies the `dirty` pages of `mem` over the clone while the guest may still be
+    /// writing them: a pre-copy round. A page the guest writes during or after it is
+    /// in a later dirty set, and must be written again before the diff is finished
+    /// (with [`PreparedDiff::write`]).
+    pub fn precopy(
+        &mut self,
+        mem: &GuestMemory,
+        dirty: &DirtyBitmap,
+    ) -> Result<WriteStats, MemoryFileError> {
+        check_shape(mem, dirty)?;
+        let file = self.file.as_ref().ok_or(MemoryFileError::DirtyShape)?;
+        write_extents(file, &self.dest, mem, &dirty_extents(dirty))
+    }
+
     /// Seals the file once its pages are written (over the parent's seal, or after an
     /// unsealed parent's last page), syncs it where asked, and keeps it.
     fn seal_and_keep(

@@ -131,6 +131,21 @@ impl DiffBase {
         self.carry = Some(dirty);
     }
 
+    /// The pages dirtied since the tracker was last collected, without the carried
+    /// ones: a pre-copy round's. They are pending too: the caller keeps them.
+    pub(crate) fn collect_new(&mut self) -> Result<DirtyBitmap, MicroVmError> {
+        Ok(self.tracker.collect()?)
+    }
+
+    /// Adds `dirty` to the pages kept for the next snapshot.
+    pub(crate) fn add_pending(&mut self, dirty: DirtyBitmap) -> Result<(), MicroVmError> {
+        match self.carry.as_mut() {
+            Some(carry) => carry.or(&dirty)?,
+            None => self.carry = Some(dirty),
+        }
+        Ok(())
+    }
+
     /// The snapshot in `dir` is committed: its memory file is the new parent, and
     /// the pages it holds are no longer pending.
     pub(crate) fn committed(&mut self, dir: &Path) -> Result<(), MicroVmError> {

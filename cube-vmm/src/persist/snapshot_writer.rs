@@ -14,8 +14,12 @@
 //!   state and the disk clone are taken and the dirty pages are write-protected
 //!   ([`cube_mem::live_copy`]); the pages are copied after the vCPUs continue, a page
 //!   the guest writes first. The file holds guest memory exactly as it was when the
-//!   vCPUs stopped. Where the host cannot write-protect guest memory, or the machine
-//!   has no parent memory file yet, the pages are written before the vCPUs continue.
+//!   vCPUs stopped. Memory restored from a file (every sandbox created from a
+//!   template or snapshot) cannot be write-protected: there the pending pages are
+//!   pre-copied over the clone while the guest runs, then again those it dirtied
+//!   meanwhile, until few are left ([`PRECOPY_ROUNDS`], [`PRECOPY_ENOUGH_PAGES`]); the
+//!   vCPUs stop only to take the last few and the state. Where the machine has no
+//!   parent memory file yet, the pages are written before the vCPUs continue.
 
 use std::path::Path;
 use std::time::Instant;
@@ -43,6 +47,14 @@ pub(crate) struct GuestContents<'a> {
     /// A file (the root disk) cloned into the snapshot as [`SnapshotDir::rootfs`].
     pub disk: Option<&'a Path>,
 }
+
+/// Pre-copy rounds at most before the vCPUs stop: a guest that keeps writing faster
+/// than the copy does not converge, and its last dirty set is taken stopped.
+pub const PRECOPY_ROUNDS: usize = 4;
+
+/// A dirty set this small is left for the stop instead of another round: a round costs
+/// a collect of the dirty log and a pass over it, about as much as copying these pages.
+pub const PRECOPY_ENOUGH_PAGES: usize = 64;
 
 impl<G> MicroVm<G> {
     /// Writes a snapshot of this machine, whose vCPUs are paused and devices still,
@@ -78,15 +90,36 @@ impl<G> MicroVm<G> {
         // Binds the memory file to this snapshot's state.
         let seal = Seal::random()?;
         // The clone of the parent needs no stopped guest.
-        let prepared = self.prepare_memory(dir)?;
+        let mut prepared = self.prepare_memory(dir)?;
         let was_running = self.running;
+        // Memory that cannot be write-protected is copied ahead while the guest runs.
+        let precopied = match prepared.as_mut() {
+            Some(prepared) if was_running && !LiveCopy::applies_to(&self.memory) => {
+                Some(self.precopy(prepared)?)
+            }
+            _ => None,
+        };
         let stopped = Instant::now();
-        self.pause()?;
+        if let Err(e) = self.pause() {
+            if let Some(copied) = precopied {
+                self.diff.add_pending(copied.pages)?;
+            }
+            return Err(e);
+        }
         let result = self.diff.take_pending().and_then(|dirty| {
+            // After a pre-copy, only the pages dirtied since its last round (and the
+            // round it left) are written now; all of them stay pending.
             let written =
                 self.snapshot_stopped(dir, &dirty, prepared, contents, &seal, was_running);
+            let mut pending = dirty;
+            let written = match &precopied {
+                Some(copied) => pending.or(&copied.pages).map_err(MicroVmError::from).and(
+                    written.map(|(state, memory)| (state, memory.after_precopy(copied, &pending))),
+                ),
+                None => written,
+            };
             // Until committed these pages are only in guest memory.
-            self.diff.keep_pending(dirty);
+            self.diff.keep_pending(pending);
             written
         });
         let result = result.and_then(|(state, memory)| {
@@ -118,6 +151,54 @@ impl<G> MicroVm<G> {
         result
     }
 
+    /// Copies the pending pages over `prepared` while the guest runs, then those it
+    /// dirtied meanwhile, until few are left or [`PRECOPY_ROUNDS`] are done. The last
+    /// dirty set collected and not copied stays carried, so that the stopped part
+    /// takes it with what the guest dirties until then. On failure every page taken
+    /// stays pending.
+    fn precopy(&mut self, prepared: &mut PreparedDiff) -> Result<Precopied, MicroVmError> {
+        let mut copied = Precopied {
+            pages: self.diff.take_pending()?,
+            bytes: 0,
+            rounds: 0,
+        };
+        let mut round = copied.pages.clone();
+        let result = loop {
+            match prepared.precopy(&self.memory, &round) {
+                Ok(stats) => copied.bytes += stats.bytes_written,
+                Err(e) => break Err(MicroVmError::from(e)),
+            }
+            copied.rounds += 1;
+            let next = match self.diff.collect_new() {
+                Ok(next) => next,
+                Err(e) => break Err(e),
+            };
+            if let Err(e) = copied.pages.or(&next) {
+                break Err(e.into());
+            }
+            if copied.rounds == PRECOPY_ROUNDS || next.count() <= PRECOPY_ENOUGH_PAGES {
+                break Ok(next);
+            }
+            round = next;
+        };
+        match result {
+            Ok(left) => {
+                self.diff.keep_pending(left);
+                tracing::debug!(
+                    rounds = copied.rounds,
+                    pages = copied.pages.count(),
+                    bytes = copied.bytes,
+                    "snapshot: pre-copied"
+                );
+                Ok(copied)
+            }
+            Err(e) => {
+                self.diff.keep_pending(copied.pages);
+                Err(e)
+            }
+        }
+    }
+
     /// The part of a live snapshot that needs the vCPUs stopped: the state, the disk
     /// clone, and the dirty pages write-protected (or written, where no live copy can
     /// be made or the machine was not running anyway).
@@ -132,13 +213,15 @@ impl<G> MicroVm<G> {
     ) -> Result<(MachineState, Memory), MicroVmError> {
         let state = self.capture(dir, contents, seal)?;
         let memory = match prepared {
-            Some(prepared) if was_running => match LiveCopy::protect(&self.memory, dirty) {
-                Ok(copy) => Memory::Live(prepared.live(copy, dirty)),
-                Err(e) => {
-                    tracing::debug!(error = %e, "no live copy here: writing with the vCPUs stopped");
-                    Memory::Written(self.write_memory(dir, dirty, Some(prepared), seal)?)
+            Some(prepared) if was_running && LiveCopy::applies_to(&self.memory) => {
+                match LiveCopy::protect(&self.memory, dirty) {
+                    Ok(copy) => Memory::Live(prepared.live(copy, dirty)),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "no live copy here: writing with the vCPUs stopped");
+                        Memory::Written(self.write_memory(dir, dirty, Some(prepared), seal)?)
+                    }
                 }
-            },
+            }
             prepared => Memory::Written(self.write_memory(dir, dirty, prepared, seal)?),
         };
         Ok((state, memory))
@@ -229,12 +312,37 @@ impl<G> MicroVm<G> {
     }
 }
 
+/// What a pre-copy took while the guest ran.
+struct Precopied {
+    /// Every page it copied or collected: all pending until the snapshot is committed.
+    pages: DirtyBitmap,
+    /// Bytes it wrote.
+    bytes: u64,
+    /// Rounds it made.
+    rounds: usize,
+}
+
 /// How a snapshot's memory file gets its pages.
 enum Memory {
     /// Written already, with the vCPUs stopped.
     Written(SnapshotStats),
     /// Write-protected, to be copied once the vCPUs continue.
     Live(cube_mem::memory_file::LiveDiff),
+}
+
+impl Memory {
+    /// The stats of a memory file whose stopped part followed `copied`: `pending`
+    /// pages in all, and the bytes of both.
+    fn after_precopy(self, copied: &Precopied, pending: &DirtyBitmap) -> Memory {
+        match self {
+            Memory::Written(stats) => Memory::Written(SnapshotStats {
+                dirty_pages: pending.count() as u64,
+                bytes_written: stats.bytes_written + copied.bytes,
+                ..stats
+            }),
+            live => live,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -261,19 +369,14 @@ mod tests {
         u64::from_le_bytes(buf)
     }
 
-    /// The guest rewrites every page of the area while a live snapshot copies them
-    /// (each page is pending: all were written since the last committed snapshot). The memory
-    /// file holds the pages as they were when the vCPUs stopped: the new pattern below
-    /// the guest's write pointer in the snapshot's registers, the old one above it.
-    /// A copy that read pages after the guest went on writing would show the new
-    /// pattern above the pointer.
-    #[test]
-    fn a_live_snapshot_holds_memory_as_it_was_when_the_vcpus_stopped() {
+    /// A booted test guest (memory in a memfd) with a committed snapshot in
+    /// `store/base` to diff against; None without KVM.
+    fn machine_with_a_parent(store: &Path) -> Option<(Arc<KvmContext>, Machine)> {
         let ctx = match KvmContext::open() {
             Ok(c) => Arc::new(c),
             Err(e) => {
                 eprintln!("skipping: KVM unavailable: {e}");
-                return;
+                return None;
             }
         };
         let config = MachineConfig {
@@ -282,12 +385,46 @@ mod tests {
             irqchip: true,
         };
         let mut machine = Machine::boot_test_guest(&ctx, config, WorkingSet::default()).unwrap();
-        let store = tempfile::tempdir().unwrap();
-        let base = store.path().join("base");
+        let base = store.join("base");
         std::fs::create_dir(&base).unwrap();
         // A parent to diff against: live copies need one.
         machine.snapshot(&base, None).unwrap();
         machine.snapshot_committed(&base).unwrap();
+        Some((ctx, machine))
+    }
+
+    /// Memory in a memfd: the dirty pages are write-protected and copied after the
+    /// vCPUs continue.
+    #[test]
+    fn a_live_snapshot_holds_memory_as_it_was_when_the_vcpus_stopped() {
+        let store = tempfile::tempdir().unwrap();
+        let Some((_ctx, mut machine)) = machine_with_a_parent(store.path()) else {
+            return;
+        };
+        snapshots_taken_mid_write_hold_the_stopped_memory(&mut machine, store.path());
+    }
+
+    /// Memory restored from a file (as every sandbox's is): the dirty pages are
+    /// pre-copied while the guest runs and the last ones taken stopped.
+    #[test]
+    fn a_precopied_snapshot_of_restored_memory_holds_it_as_it_was_when_the_vcpus_stopped() {
+        let store = tempfile::tempdir().unwrap();
+        let Some((ctx, machine)) = machine_with_a_parent(store.path()) else {
+            return;
+        };
+        drop(machine);
+        let mut restored = Machine::restore(&ctx, &store.path().join("base")).unwrap();
+        assert!(!LiveCopy::applies_to(&restored.memory));
+        snapshots_taken_mid_write_hold_the_stopped_memory(&mut restored, store.path());
+    }
+
+    /// The guest rewrites every page of the area while a live snapshot copies them
+    /// (each page is pending: all were written since the last committed snapshot). The memory
+    /// file holds the pages as they were when the vCPUs stopped: the new pattern below
+    /// the guest's write pointer in the snapshot's registers, the old one above it.
+    /// A copy that read pages after the guest went on writing would show the new
+    /// pattern above the pointer.
+    fn snapshots_taken_mid_write_hold_the_stopped_memory(machine: &mut Machine, store: &Path) {
         let mut mid_command = 0;
         for attempt in 0..8u64 {
             let old = 0x1000_0000_0000 + (attempt << 32);
@@ -297,14 +434,14 @@ mod tests {
             // A snapshot left uncommitted keeps those pages pending, and has the dirty
             // log protect them again: the guest's next write to each one traps, which
             // slows its next command enough for a snapshot to land in the middle.
-            let uncommitted = store.path().join(format!("uncommitted-{attempt}"));
+            let uncommitted = store.join(format!("uncommitted-{attempt}"));
             std::fs::create_dir(&uncommitted).unwrap();
             machine.snapshot(&uncommitted, None).unwrap();
             // The guest starts writing `new + page` from page 0 upwards...
             let seq = machine.mailbox().post(op::DIRTY, PAGES, new).unwrap();
             machine.ring_doorbell();
             // ...and is snapshotted while it writes.
-            let dir = store.path().join(format!("live-{attempt}"));
+            let dir = store.join(format!("live-{attempt}"));
             std::fs::create_dir(&dir).unwrap();
             let stats = machine.snapshot(&dir, None).unwrap();
             assert!(
