@@ -6,7 +6,10 @@ use serde::Serialize;
 
 use crate::cli_error::{chain, CliError};
 use crate::store_cmd::store_root;
-use cube_core::host::{probe_dirty_tracking, probe_jail, HostCapabilities, KvmKind, PvmFlavour};
+use cube_core::host::{
+    probe_dirty_tracking, probe_jail, supervisor_confinement, ConfinementSummary, HostCapabilities,
+    KvmKind, PvmFlavour,
+};
 use cube_core::store::{filesystem_name, supports_reflink};
 use cube_core::templates::{cube_guest_kernel, PVM_STOCK_KERNEL};
 
@@ -29,6 +32,8 @@ struct Report {
     kvm_dirty_log: bool,
     /// Usable engines, strongest first.
     engines: Vec<&'static str>,
+    /// What each kind of supervisor gives up once its sandbox is set up.
+    supervisor_confinement: Vec<ConfinementSummary>,
     /// Plain-language notes on what does not work and why.
     notes: Vec<String>,
 }
@@ -109,6 +114,7 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
         uffd_wp: tracking.uffd_wp,
         kvm_dirty_log: tracking.kvm_dirty_log,
         engines,
+        supervisor_confinement: supervisor_confinement(),
         notes,
     };
     if json {
@@ -121,7 +127,7 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
     println!("{:<28} VALUE", "CAPABILITY");
     if let serde_json::Value::Object(map) = value {
         for (key, v) in map {
-            if key == "notes" {
+            if key == "notes" || key == "supervisor_confinement" {
                 continue;
             }
             let shown = match v {
@@ -132,6 +138,25 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
             println!("{key:<28} {shown}");
         }
     }
+    println!();
+    println!("SUPERVISOR CONFINEMENT (applied by each sandbox's supervisor once it is set up)");
+    for c in &report.supervisor_confinement {
+        let kept = if c.capabilities_kept.is_empty() {
+            "none".to_string()
+        } else {
+            c.capabilities_kept.join(",")
+        };
+        println!(
+            "{:<13} no_new_privs, capabilities kept: {kept}; {} system calls kill it: {}",
+            serde_json::to_value(c.profile)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default(),
+            c.syscalls_killed.len(),
+            c.syscalls_killed.join(","),
+        );
+    }
+    println!();
     for note in &report.notes {
         println!("note: {note}");
     }

@@ -1,10 +1,14 @@
 //! What this host can do, found by trying it (for `cube doctor` and for choosing an
 //! engine): its KVM, cgroups, CRIU and eBPF, how it can track dirty pages, and whether
-//! a jail starts at all.
+//! a jail starts at all; and what each sandbox's supervisor gives up once its sandbox
+//! is set up.
 
 use cube_jail::{Jail, JailConfig};
 
 pub use cube_mem::dirty::{probe as probe_dirty_tracking, TrackerSupport};
+pub use cube_supervisor::confinement::{
+    Profile as SupervisorProfile, Summary as ConfinementSummary,
+};
 pub use cube_supervisor::host::{
     criu_check, CgroupMode, HostCapabilities, KernelMode, KvmKind, PvmFlavour,
 };
@@ -29,4 +33,17 @@ pub fn probe_jail() -> Result<(), String> {
         });
     let _ = std::fs::remove_dir_all(&dir);
     result
+}
+
+/// The confinement each kind of supervisor applies to itself once its sandbox is set up
+/// (capabilities kept, no_new_privs, system calls that kill it), for `cube doctor`.
+pub fn supervisor_confinement() -> Vec<ConfinementSummary> {
+    [
+        SupervisorProfile::Vm,
+        SupervisorProfile::VmNetworked,
+        SupervisorProfile::Jail,
+    ]
+    .into_iter()
+    .map(SupervisorProfile::summary)
+    .collect()
 }

@@ -56,7 +56,17 @@ pub fn last_cap() -> Result<u32, CapabilityError> {
 /// Empties the bounding and ambient sets. Needs CAP_SETPCAP, so it runs before the uid
 /// switch.
 pub fn drop_bounding_and_ambient_in_child(last_cap: u32) -> Result<(), Errno> {
-    for cap in 0..=last_cap {
+    keep_bounding_and_clear_ambient(last_cap, 0)
+}
+
+/// Drops every capability up to `last_cap` but those in `keep` (bit N = capability N)
+/// from the calling thread's bounding set, and empties its ambient set. Raw system
+/// calls only: safe in a forked child or a signal handler. Needs CAP_SETPCAP.
+pub fn keep_bounding_and_clear_ambient(last_cap: u32, keep: u64) -> Result<(), Errno> {
+    for cap in 0..=last_cap.min(63) {
+        if keep & (1 << cap) != 0 {
+            continue;
+        }
         // SAFETY: prctl with integer arguments only; no memory is passed.
         let r = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, cap as libc::c_ulong, 0, 0, 0) };
         if r != 0 {
@@ -120,15 +130,30 @@ const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 /// Clears the effective, permitted and inheritable sets explicitly, so that nothing is
 /// left even if the uid switch kept something.
 pub fn clear_sets_in_child() -> Result<(), Errno> {
+    keep_only(0)
+}
+
+/// Leaves the calling thread `keep` (bit N = capability N) as its effective and
+/// permitted sets and an empty inheritable set. `keep` must be within the permitted
+/// set. Raw system call only: safe in a forked child or a signal handler.
+pub fn keep_only(keep: u64) -> Result<(), Errno> {
     let mut header = CapHeader {
         version: LINUX_CAPABILITY_VERSION_3,
         pid: 0,
     };
-    let data = [CapData {
-        effective: 0,
-        permitted: 0,
-        inheritable: 0,
-    }; 2];
+    let (low, high) = (keep as u32, (keep >> 32) as u32);
+    let data = [
+        CapData {
+            effective: low,
+            permitted: low,
+            inheritable: 0,
+        },
+        CapData {
+            effective: high,
+            permitted: high,
+            inheritable: 0,
+        },
+    ];
     // SAFETY: header and data are live, correctly laid out (version 3 takes two data
     // elements) and outlive the call.
     let r = unsafe {

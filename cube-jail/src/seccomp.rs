@@ -311,28 +311,11 @@ impl SeccompProgram {
         .map_err(SeccompError::Build)?;
 
         // x32 numbers alias x86-64 system calls with the 0x40000000 bit set; a deny list
-        // must refuse the whole range. This prefix loads the number and returns ENOSYS
-        // for it before seccompiler's program (jumps are relative, so prepending is safe).
-        let mut x32_guard = vec![
-            stmt(
-                (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16,
-                0, // offsetof(struct seccomp_data, nr)
-            ),
-            jump(
-                (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16,
-                X32_SYSCALL_BIT,
-                0,
-                1,
-            ),
-            stmt(
-                (libc::BPF_RET | libc::BPF_K) as u16,
-                libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
-            ),
-        ];
-        x32_guard.extend(deny.iter().map(convert));
+        // must refuse the whole range.
+        let x32_guard = guard_x32(&deny, libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32);
         Ok(SeccompProgram {
             filters: vec![
-                x32_guard,
+                x32_guard.iter().map(convert).collect(),
                 clone3.iter().map(convert).collect(),
                 families.iter().map(convert).collect(),
             ],
@@ -409,8 +392,31 @@ fn family_filter(arch: TargetArch) -> Result<BpfProgram, SeccompError> {
     build().map_err(SeccompError::Build)
 }
 
-fn stmt(code: u16, k: u32) -> libc::sock_filter {
-    libc::sock_filter {
+/// `program` behind a prefix that returns `action` (a `SECCOMP_RET_*` value) for every
+/// x32-ABI system call number (0x40000000 and up). x32 numbers alias the x86-64 calls
+/// with that bit set, so a deny list alone would let them past; the prefix loads the
+/// number and decides before `program` runs (its jumps are relative, so prepending is
+/// safe).
+pub fn guard_x32(program: &BpfProgram, action: u32) -> BpfProgram {
+    let mut guarded = vec![
+        stmt(
+            (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16,
+            0, // offsetof(struct seccomp_data, nr)
+        ),
+        jump(
+            (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16,
+            X32_SYSCALL_BIT,
+            0,
+            1,
+        ),
+        stmt((libc::BPF_RET | libc::BPF_K) as u16, action),
+    ];
+    guarded.extend_from_slice(program);
+    guarded
+}
+
+fn stmt(code: u16, k: u32) -> seccompiler::sock_filter {
+    seccompiler::sock_filter {
         code,
         jt: 0,
         jf: 0,
@@ -418,8 +424,8 @@ fn stmt(code: u16, k: u32) -> libc::sock_filter {
     }
 }
 
-fn jump(code: u16, k: u32, jt: u8, jf: u8) -> libc::sock_filter {
-    libc::sock_filter { code, jt, jf, k }
+fn jump(code: u16, k: u32, jt: u8, jf: u8) -> seccompiler::sock_filter {
+    seccompiler::sock_filter { code, jt, jf, k }
 }
 
 fn convert(i: &seccompiler::sock_filter) -> libc::sock_filter {

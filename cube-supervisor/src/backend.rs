@@ -9,6 +9,7 @@
 
 use std::path::Path;
 
+use crate::confinement::Profile;
 use crate::jail_network::{network_failure, JailNetwork};
 use crate::protocol::{ErrorKind, Failure, Request, Response, StatusReport};
 use crate::records::SnapshotMeta;
@@ -17,6 +18,10 @@ use crate::records::SnapshotMeta;
 pub trait SandboxBackend: Send {
     /// The sandbox's directory.
     fn dir(&self) -> &Path;
+
+    /// What the supervisor keeps once this sandbox is set up (see
+    /// [`crate::confinement`]).
+    fn confinement(&self) -> Profile;
 
     /// Its state now.
     fn status(&mut self) -> StatusReport;

@@ -34,6 +34,7 @@ use cube_storage::{SandboxDir, SnapshotDir};
 use cube_vmm::persist::SnapshotStats;
 
 use crate::backend::{held_network, Networked, SandboxBackend};
+use crate::confinement::Profile;
 use crate::error_report::chain as error_chain;
 use crate::flush::Flushes;
 use crate::jail_network::{JailNetwork, JailNetworkError};
@@ -512,6 +513,10 @@ impl JailSandbox {
 impl SandboxBackend for JailSandbox {
     fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    fn confinement(&self) -> Profile {
+        Profile::Jail
     }
 
     fn status(&mut self) -> StatusReport {

@@ -9,7 +9,8 @@
 //!   [`backend::SandboxBackend`] that [`backend::dispatch`] routes requests to:
 //!   [`test_guest_sandbox`] (Cube's test guest in a VM), [`linux_sandbox`] (a Linux
 //!   guest) or [`jail_sandbox`] (a jail, see [`jail_spec`]), with
-//!   [`jail_network`] for a sandbox's network. Every one writes its snapshots through
+//!   [`jail_network`] for a sandbox's network. Once its sandbox is set up, a supervisor
+//!   gives up what its engine no longer needs ([`confinement`]). Every one writes its snapshots through
 //!   [`snapshot_transaction`] and has them [`flush`]ed; [`jail_snapshot`] checks a jail
 //!   snapshot before it is restored.
 //! - [`templates`]: building jail trees, Debian root filesystems and VM templates.
@@ -20,6 +21,7 @@
 
 pub mod backend;
 pub mod client;
+pub mod confinement;
 pub mod error_report;
 pub mod flush;
 pub mod host;

@@ -35,6 +35,7 @@ use cube_vmm::persist::state::{read_state, GuestKind};
 use cube_vmm::vstate::KvmContext;
 
 use crate::backend::{awake, held_network, Networked, SandboxBackend};
+use crate::confinement::Profile;
 use crate::error_report::chain as error_chain;
 use crate::flush::Flushes;
 use crate::jail_network::{JailNetwork, JailNetworkError};
@@ -214,6 +215,14 @@ const VM_GONE: &str = "the VM is gone";
 impl SandboxBackend for LinuxSandbox {
     fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    fn confinement(&self) -> Profile {
+        if self.network.is_some() {
+            Profile::VmNetworked
+        } else {
+            Profile::Vm
+        }
     }
 
     fn status(&mut self) -> StatusReport {

@@ -20,6 +20,7 @@ use cube_vmm::test_guest::Machine;
 use cube_vmm::vstate::KvmContext;
 
 use crate::backend::{dispatch, SandboxBackend};
+use crate::confinement::{confine, Profile};
 use crate::error_report::chain as error_chain;
 use crate::jail_sandbox::{JailSandbox, PrespawnedJail};
 use crate::linux_sandbox::LinuxSandbox;
@@ -191,13 +192,20 @@ pub fn run(
         return Err(ServerError::NotAdopted);
     }
     let lifetime = settings.lifetime_ms.map(std::time::Duration::from_millis);
-    let held = match adopt(warm, &id, &dir, source, *settings) {
+    let mut held = match adopt(warm, &id, &dir, source, *settings) {
         Ok(h) => h,
         Err(failure) => {
             reply(&mut writer, &Response::Error(failure))?;
             return Ok(());
         }
     };
+    // Before anyone hears the sandbox is ready: it never serves unconfined.
+    if let Err(failure) = confine_for(held.as_ref()) {
+        held.destroy();
+        join_retired_jails();
+        reply(&mut writer, &Response::Error(failure))?;
+        return Ok(());
+    }
     let socket_path = SandboxDir::new(&dir).supervisor_socket();
     let _ = std::fs::remove_file(&socket_path);
     let listener =
@@ -363,6 +371,22 @@ fn adopt(
     }
     let sandbox = TestGuestSandbox::start(ctx, id, dir, &source, shell)?;
     Ok(Box::new(sandbox))
+}
+
+/// Drops what the sandbox's engine no longer needs (see [`crate::confinement`]).
+fn confine_for(held: &dyn SandboxBackend) -> Result<(), Failure> {
+    let profile = held.confinement();
+    if profile != Profile::Jail {
+        // A jail started ahead and retired for this VM is torn down with root's
+        // capabilities: let it finish before they go.
+        join_retired_jails();
+    }
+    confine(profile).map_err(|e| {
+        Failure::new(
+            ErrorKind::HostCannot,
+            format!("confining the supervisor: {}", error_chain(&e)),
+        )
+    })
 }
 
 /// Teardowns of unneeded pre-started jails still under way; joined before the

@@ -19,6 +19,7 @@ use cube_vmm::vstate::KvmContext;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryRegion};
 
 use crate::backend::{awake, SandboxBackend, TestGuestControl};
+use crate::confinement::Profile;
 use crate::error_report::chain as error_chain;
 use crate::flush::Flushes;
 use crate::protocol::{ErrorKind, Failure, MachineStatus, Source, StatusReport, MAX_FRAME};
@@ -84,6 +85,10 @@ const NO_MACHINE: &str = "sandbox has no running machine";
 impl SandboxBackend for TestGuestSandbox {
     fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    fn confinement(&self) -> Profile {
+        Profile::Vm
     }
 
     fn status(&mut self) -> StatusReport {

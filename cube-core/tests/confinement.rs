@@ -1,0 +1,196 @@
+//! Each sandbox's supervisor confines itself once the sandbox is set up: on every one
+//! of its threads, the capabilities of its profile only, no_new_privs and (for a VM)
+//! seccomp; the
+//! sandbox works as before (snapshot, rollback); a forbidden system call made in a
+//! supervisor (injected with ptrace, as code that took it over would make it) kills
+//! that supervisor alone, and the host's other sandboxes go on.
+
+#![allow(clippy::expect_used, clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::engines::Suite;
+use common::*;
+use cube_core::host::SupervisorProfile;
+
+/// What this test holds, and so what the supervisors it starts held before they gave
+/// it up.
+fn held() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    u64::from_str_radix(field(&status, "CapPrm"), 16).unwrap()
+}
+
+fn field<'a>(status: &'a str, name: &str) -> &'a str {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(str::trim)
+        .unwrap_or_else(|| panic!("no {name} in {status}"))
+}
+
+/// Asserts every thread of process `pid` is confined to `profile`; returns how many
+/// threads it has.
+fn assert_confined(pid: u32, profile: SupervisorProfile) -> usize {
+    let keep = profile.kept(held());
+    let mut threads = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        let (Ok(status), Ok(stat)) = (
+            std::fs::read_to_string(task.join("status")),
+            std::fs::read_to_string(task.join("stat")),
+        ) else {
+            continue; // exited meanwhile
+        };
+        // PF_USER_WORKER: a kernel worker in the thread group (KVM's huge-page
+        // recovery), which runs no user code.
+        let flags: u64 = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(6)?.parse().ok())
+            .unwrap();
+        if flags & 0x4000 != 0 {
+            continue;
+        }
+        let name = field(&status, "Name").to_string();
+        // A jail supervisor has no filter: CRIU, which it starts, must have none.
+        let seccomp = if profile == SupervisorProfile::Jail {
+            "0"
+        } else {
+            "2"
+        };
+        assert_eq!(
+            field(&status, "Seccomp"),
+            seccomp,
+            "{profile:?} thread {name}"
+        );
+        assert_eq!(
+            field(&status, "NoNewPrivs"),
+            "1",
+            "{profile:?} thread {name}"
+        );
+        for set in ["CapEff", "CapPrm", "CapBnd"] {
+            let found = u64::from_str_radix(field(&status, set), 16).unwrap();
+            assert_eq!(found, keep, "{profile:?} thread {name}: {set} {found:#x}");
+        }
+        assert_eq!(field(&status, "CapInh"), "0000000000000000");
+        threads += 1;
+    }
+    threads
+}
+
+/// Makes the thread `pid` (a process's main thread, stopped in a system call) call
+/// `nr` with zero arguments, as code running in it would; returns the signal that
+/// ended the process.
+fn inject_syscall(pid: i32, nr: libc::c_long) -> i32 {
+    // SAFETY: plain ptrace/waitpid calls on a process this test owns (a supervisor it
+    // started); `regs` is a live, correctly sized user_regs_struct for GETREGS/SETREGS.
+    unsafe {
+        // No core file of a VM's memory.
+        let none = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        assert_eq!(
+            libc::prlimit(pid, libc::RLIMIT_CORE, &none, std::ptr::null_mut()),
+            0
+        );
+        assert_eq!(libc::ptrace(libc::PTRACE_SEIZE, pid, 0, 0), 0, "seize");
+        assert_eq!(
+            libc::ptrace(libc::PTRACE_INTERRUPT, pid, 0, 0),
+            0,
+            "interrupt"
+        );
+        let mut status = 0;
+        assert_eq!(libc::waitpid(pid, &mut status, libc::__WALL), pid);
+        assert!(libc::WIFSTOPPED(status), "status {status:#x}");
+        let mut regs: libc::user_regs_struct = std::mem::zeroed();
+        assert_eq!(libc::ptrace(libc::PTRACE_GETREGS, pid, 0, &mut regs), 0);
+        // Stopped on its way out of a system call: `syscall` (0f 05) lies just before.
+        let word = libc::ptrace(libc::PTRACE_PEEKTEXT, pid, regs.rip - 2, 0);
+        assert_eq!(word & 0xffff, 0x050f, "no syscall instruction before rip");
+        regs.rip -= 2;
+        regs.rax = nr as u64;
+        // No restart of the interrupted call on the way back.
+        regs.orig_rax = u64::MAX;
+        regs.rdi = 0;
+        regs.rsi = 0;
+        regs.rdx = 0;
+        regs.r10 = 0;
+        regs.r8 = 0;
+        regs.r9 = 0;
+        assert_eq!(libc::ptrace(libc::PTRACE_SETREGS, pid, 0, &regs), 0);
+        assert_eq!(libc::ptrace(libc::PTRACE_CONT, pid, 0, 0), 0);
+        loop {
+            assert_eq!(libc::waitpid(pid, &mut status, libc::__WALL), pid);
+            if libc::WIFSIGNALED(status) {
+                return libc::WTERMSIG(status);
+            }
+            assert!(
+                !libc::WIFEXITED(status),
+                "exited with {}",
+                libc::WEXITSTATUS(status)
+            );
+            // Another stop (a signal on its way): let it through.
+            let sig = if libc::WIFSTOPPED(status) {
+                libc::WSTOPSIG(status)
+            } else {
+                0
+            };
+            let pass = if sig == libc::SIGTRAP || sig == libc::SIGSTOP {
+                0
+            } else {
+                sig
+            };
+            libc::ptrace(libc::PTRACE_CONT, pid, 0, pass as libc::c_long);
+        }
+    }
+}
+
+#[test]
+fn supervisors_are_confined_and_a_forbidden_call_kills_only_its_own() {
+    let (Some(vm), Some(jail)) = (Suite::vm(), Suite::jail()) else {
+        eprintln!("skipped: needs both engines (KVM and full-state jails)");
+        return;
+    };
+    let (mut vsb, v1) = vm.create(1);
+    let (mut jsb, j1) = jail.create(1);
+    let vpid = vsb.status().unwrap().pid;
+    let jpid = jsb.status().unwrap().pid;
+    let vthreads = assert_confined(vpid, SupervisorProfile::Vm);
+    let jthreads = assert_confined(jpid, SupervisorProfile::Jail);
+    assert!(
+        vthreads >= 2,
+        "a VM supervisor runs vCPU and device threads"
+    );
+    eprintln!("vm supervisor: {vthreads} threads confined; jail supervisor: {jthreads}");
+
+    // Confined, both still do their work: snapshot, change, roll back.
+    let vsnap = vsb.snapshot().unwrap();
+    let jsnap = jsb.snapshot().unwrap();
+    let v2 = vm.set(&mut vsb, Some(&v1), 2);
+    let j2 = jail.set(&mut jsb, Some(&j1), 2);
+    v2.check(&mut vsb, "vm, changed");
+    j2.check(&mut jsb, "jail, changed");
+    vsb.rollback(&vsnap.id).unwrap();
+    jsb.rollback(&jsnap.id).unwrap();
+    v1.check(&mut vsb, "vm, rolled back while confined");
+    j1.check(&mut jsb, "jail, rolled back while confined");
+    // Threads started by the rollback are confined too.
+    assert_confined(vpid, SupervisorProfile::Vm);
+    assert_confined(jsb.status().unwrap().pid, SupervisorProfile::Jail);
+
+    // Code that took the VM supervisor over tries to mount: the supervisor dies.
+    let vid = vsb.id().to_string();
+    assert_eq!(inject_syscall(vpid as i32, libc::SYS_mount), libc::SIGSYS);
+    assert!(wait_until(Duration::from_secs(10), || !pid_alive(vpid)));
+    assert!(vsb.status().is_err(), "the VM sandbox's supervisor is gone");
+    // The host's other sandbox goes on.
+    j1.check(&mut jsb, "jail, after the VM supervisor was killed");
+    jsb.snapshot().unwrap();
+
+    vm.rt.remove_stale(&vid).unwrap();
+    assert!(vm.leftovers(&vid, &[]).is_empty());
+    drop(vsb);
+    jsb.destroy().unwrap();
+}

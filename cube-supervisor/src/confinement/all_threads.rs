@@ -1,0 +1,368 @@
+//! Giving up capabilities on every thread of this process at once.
+//!
+//! Capability sets and no_new_privs belong to threads, not to processes: `capset` and
+//! `PR_CAPBSET_DROP` change only the calling thread. A supervisor confines itself once
+//! its sandbox is set up, when vCPU, device and helper threads already run, so each
+//! thread must drop them itself. [`restrict_all_threads`] does it the way libcap's psx
+//! does: it signals every thread, whose handler applies the prepared sets with raw
+//! system calls (async-signal-safe), waits for each to answer, lists the threads again
+//! for any started meanwhile, and finally reads every thread's
+//! `/proc/self/task/TID/status` to prove the result. Kernel workers that live in the
+//! process's thread group (KVM's huge-page recovery thread) run no user code and are
+//! left as they are.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// How long the threads get to answer the signal.
+const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Rounds of listing threads before giving up on a process that keeps starting them.
+const MAX_ROUNDS: usize = 8;
+
+/// Why the capability sets could not be applied to every thread.
+#[derive(Debug, thiserror::Error)]
+pub enum AllThreadsError {
+    /// The thread list or a thread's status could not be read.
+    #[error("reading {0}")]
+    Proc(String, #[source] std::io::Error),
+    /// The handler could not be installed.
+    #[error("installing the confinement signal handler")]
+    Handler(#[source] std::io::Error),
+    /// A system call of the drop failed on some thread.
+    #[error("dropping capabilities failed on a thread (errno {0})")]
+    Drop(i32),
+    /// Threads did not answer the signal in time (blocked it, or stuck in the kernel):
+    /// each named with its state and blocked-signal mask.
+    #[error("thread(s) did not answer the confinement signal within {ANSWER_TIMEOUT:?}: {0}")]
+    NoAnswer(String),
+    /// Threads kept appearing faster than they were confined.
+    #[error("threads kept starting while the process was being confined")]
+    Churn,
+    /// A thread's status shows more than was asked for after the drop.
+    #[error("thread {tid} still has {field} {found} after the drop")]
+    Unconfined {
+        /// The thread.
+        tid: u32,
+        /// The status line (CapEff, CapPrm, CapInh, CapBnd, CapAmb, NoNewPrivs).
+        field: &'static str,
+        /// What it showed.
+        found: String,
+    },
+}
+
+/// Capabilities to keep (bit N = capability N); everything else goes.
+static KEEP: AtomicU64 = AtomicU64::new(0);
+/// The highest capability number the kernel knows.
+static LAST_CAP: AtomicU32 = AtomicU32::new(0);
+/// Handlers run since the last reset.
+static ANSWERED: AtomicUsize = AtomicUsize::new(0);
+/// The threads whose handlers ran since the last reset, in order (the first
+/// [`MAX_ANSWERS`]; a process with more threads is refused).
+static ANSWERS: [AtomicU32; MAX_ANSWERS] = [const { AtomicU32::new(0) }; MAX_ANSWERS];
+/// Threads one round can confine.
+const MAX_ANSWERS: usize = 1024;
+/// The first errno a handler met (0: none).
+static FAILED: AtomicI32 = AtomicI32::new(0);
+/// One broadcast at a time: the statics above belong to it.
+static BROADCAST: Mutex<()> = Mutex::new(());
+
+/// The signal the broadcast uses: a real-time one no other part of Cube uses (the vCPU
+/// kick is `SIGRTMIN + 2`).
+fn confine_signal() -> libc::c_int {
+    libc::SIGRTMIN() + 6
+}
+
+extern "C" fn on_confine_signal(_signal: libc::c_int) {
+    // SAFETY: __errno_location returns this thread's errno slot, valid for the thread's
+    // life; the handler restores it so the interrupted code sees its own errno.
+    let errno = unsafe { *libc::__errno_location() };
+    if let Err(e) =
+        restrict_this_thread(KEEP.load(Ordering::SeqCst), LAST_CAP.load(Ordering::SeqCst))
+    {
+        let _ = FAILED.compare_exchange(0, e, Ordering::SeqCst, Ordering::SeqCst);
+    }
+    let slot = ANSWERED.fetch_add(1, Ordering::SeqCst);
+    if let Some(answer) = ANSWERS.get(slot) {
+        answer.store(gettid(), Ordering::SeqCst);
+    }
+    // SAFETY: as above.
+    unsafe { *libc::__errno_location() = errno };
+}
+
+/// Sets no_new_privs, empties the bounding set but for `keep`, clears the ambient and
+/// inheritable sets and leaves `keep` as the effective and permitted sets, on the
+/// calling thread. Raw system calls only, no allocation: it runs in a signal handler.
+fn restrict_this_thread(keep: u64, last_cap: u32) -> Result<(), i32> {
+    use cube_jail::capabilities::{
+        keep_bounding_and_clear_ambient, keep_only, set_no_new_privs_in_child,
+    };
+    set_no_new_privs_in_child()
+        // The bounding set first: dropping from it needs CAP_SETPCAP, which `keep_only`
+        // may take away.
+        .and_then(|()| keep_bounding_and_clear_ambient(last_cap, keep))
+        .and_then(|()| keep_only(keep))
+        .map_err(|e| e as i32)
+}
+
+/// `PF_USER_WORKER` (include/linux/sched.h, 6.4+): a kernel worker in a user process's
+/// thread group, such as KVM's `kvm-nx-lpage-recovery`. It runs only kernel code, makes
+/// no system calls and blocks every signal, so there is nothing to confine in it.
+const PF_USER_WORKER: u64 = 0x0000_4000;
+
+/// Whether thread `tid` of this process is a kernel worker (see [`PF_USER_WORKER`]).
+fn is_kernel_worker(tid: u32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")) else {
+        return false;
+    };
+    // The name may hold spaces and parentheses: the fields start after the last ')'.
+    // Then: state, ppid, pgrp, session, tty_nr, tpgid, flags.
+    stat.rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(6))
+        .and_then(|flags| flags.parse::<u64>().ok())
+        .is_some_and(|flags| flags & PF_USER_WORKER != 0)
+}
+
+/// The threads of this process that run user code (kernel workers left out).
+fn thread_ids() -> Result<BTreeSet<u32>, AllThreadsError> {
+    Ok(all_thread_ids()?
+        .into_iter()
+        .filter(|tid| !is_kernel_worker(*tid))
+        .collect())
+}
+
+fn all_thread_ids() -> Result<BTreeSet<u32>, AllThreadsError> {
+    let dir = std::fs::read_dir("/proc/self/task")
+        .map_err(|e| AllThreadsError::Proc("/proc/self/task".into(), e))?;
+    let mut tids = BTreeSet::new();
+    for entry in dir {
+        let entry = entry.map_err(|e| AllThreadsError::Proc("/proc/self/task".into(), e))?;
+        if let Some(tid) = entry.file_name().to_str().and_then(|n| n.parse().ok()) {
+            tids.insert(tid);
+        }
+    }
+    Ok(tids)
+}
+
+fn gettid() -> u32 {
+    // SAFETY: gettid has no preconditions.
+    unsafe { libc::gettid() as u32 }
+}
+
+/// A thread's name, state and blocked signals, for an error message.
+fn describe_thread(tid: u32) -> String {
+    let status =
+        std::fs::read_to_string(format!("/proc/self/task/{tid}/status")).unwrap_or_default();
+    let field = |name| status_field(&status, name).unwrap_or("?");
+    format!(
+        "{tid} {} ({}, blocked {})",
+        field("Name"),
+        field("State"),
+        field("SigBlk")
+    )
+}
+
+fn install_handler() -> Result<(), AllThreadsError> {
+    // SAFETY: a zeroed sigaction is a valid starting point; the handler only issues
+    // raw system calls and atomic operations (async-signal-safe). SA_RESTART: the
+    // threads' interrupted reads and waits carry on.
+    let r = unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_confine_signal as *const () as usize;
+        action.sa_flags = libc::SA_RESTART;
+        libc::sigemptyset(&mut action.sa_mask);
+        libc::sigaction(confine_signal(), &action, std::ptr::null_mut())
+    };
+    if r != 0 {
+        return Err(AllThreadsError::Handler(std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// The threads that have answered since the last reset.
+fn answered() -> BTreeSet<u32> {
+    let n = ANSWERED.load(Ordering::SeqCst).min(MAX_ANSWERS);
+    ANSWERS[..n]
+        .iter()
+        .map(|a| a.load(Ordering::SeqCst))
+        .filter(|tid| *tid != 0)
+        .collect()
+}
+
+/// Signals `tids` and waits until every one that still exists has answered.
+fn signal_and_wait(tids: &BTreeSet<u32>) -> Result<(), AllThreadsError> {
+    if tids.len() > MAX_ANSWERS {
+        return Err(AllThreadsError::Churn);
+    }
+    for answer in &ANSWERS {
+        answer.store(0, Ordering::SeqCst);
+    }
+    ANSWERED.store(0, Ordering::SeqCst);
+    let pid = std::process::id() as libc::pid_t;
+    let mut sent = BTreeSet::new();
+    for &tid in tids {
+        // SAFETY: tgkill with integer arguments; a thread that has exited gives ESRCH.
+        let r =
+            unsafe { libc::syscall(libc::SYS_tgkill, pid, tid as libc::pid_t, confine_signal()) };
+        if r == 0 {
+            sent.insert(tid);
+        }
+    }
+    let deadline = Instant::now() + ANSWER_TIMEOUT;
+    loop {
+        let answered = answered();
+        // Threads that exited before answering will never answer.
+        let alive = all_thread_ids()?;
+        let waiting: Vec<u32> = sent
+            .iter()
+            .filter(|t| alive.contains(t) && !answered.contains(t))
+            .copied()
+            .collect();
+        if waiting.is_empty() {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let named: Vec<String> = waiting.into_iter().map(describe_thread).collect();
+            return Err(AllThreadsError::NoAnswer(named.join("; ")));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    match FAILED.load(Ordering::SeqCst) {
+        0 => Ok(()),
+        errno => Err(AllThreadsError::Drop(errno)),
+    }
+}
+
+/// Leaves every thread of this process with the capabilities in `keep` (bit N =
+/// capability N) as its effective, permitted and bounding sets, none inheritable or
+/// ambient, and no_new_privs set; then checks every thread's status says so.
+pub fn restrict_all_threads(keep: u64, last_cap: u32) -> Result<(), AllThreadsError> {
+    let _one = BROADCAST.lock().unwrap_or_else(|e| e.into_inner());
+    KEEP.store(keep, Ordering::SeqCst);
+    LAST_CAP.store(last_cap, Ordering::SeqCst);
+    FAILED.store(0, Ordering::SeqCst);
+    install_handler()?;
+    // This thread first: threads it starts from now on inherit the sets.
+    restrict_this_thread(keep, last_cap).map_err(AllThreadsError::Drop)?;
+    let mut done: BTreeSet<u32> = [gettid()].into();
+    for _ in 0..MAX_ROUNDS {
+        // A thread not yet confined may have started others since the last listing.
+        let pending: BTreeSet<u32> = thread_ids()?.difference(&done).copied().collect();
+        if pending.is_empty() {
+            return verify_all_threads(keep);
+        }
+        signal_and_wait(&pending)?;
+        done.extend(pending);
+    }
+    Err(AllThreadsError::Churn)
+}
+
+/// The calling thread's permitted capabilities: what it can keep.
+pub fn held_capabilities() -> Result<u64, AllThreadsError> {
+    let path = "/proc/thread-self/status";
+    let status =
+        std::fs::read_to_string(path).map_err(|e| AllThreadsError::Proc(path.into(), e))?;
+    status_field(&status, "CapPrm")
+        .and_then(|v| u64::from_str_radix(v, 16).ok())
+        .ok_or_else(|| {
+            AllThreadsError::Proc(
+                path.into(),
+                std::io::Error::new(std::io::ErrorKind::InvalidData, "no CapPrm line"),
+            )
+        })
+}
+
+/// Reads every thread's status and checks its capability sets and no_new_privs.
+pub fn verify_all_threads(keep: u64) -> Result<(), AllThreadsError> {
+    for tid in thread_ids()? {
+        let path = format!("/proc/self/task/{tid}/status");
+        let status = match std::fs::read_to_string(&path) {
+            Ok(s) => s,
+            // Exited since the listing.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(AllThreadsError::Proc(path, e)),
+        };
+        check_status(tid, &status, keep)?;
+    }
+    Ok(())
+}
+
+/// Checks one thread's `/proc/.../status` text against `keep`.
+fn check_status(tid: u32, status: &str, keep: u64) -> Result<(), AllThreadsError> {
+    let expected: [(&'static str, u64); 5] = [
+        ("CapEff", keep),
+        ("CapPrm", keep),
+        ("CapBnd", keep),
+        ("CapInh", 0),
+        ("CapAmb", 0),
+    ];
+    for (field, want) in expected {
+        let found = status_field(status, field).unwrap_or("");
+        if u64::from_str_radix(found, 16).ok() != Some(want) {
+            return Err(AllThreadsError::Unconfined {
+                tid,
+                field,
+                found: found.to_string(),
+            });
+        }
+    }
+    let nnp = status_field(status, "NoNewPrivs").unwrap_or("");
+    if nnp != "1" {
+        return Err(AllThreadsError::Unconfined {
+            tid,
+            field: "NoNewPrivs",
+            found: nnp.to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// The value of a `Name:\tvalue` line of a status file.
+pub fn status_field<'a>(status: &'a str, name: &str) -> Option<&'a str> {
+    status.lines().find_map(|line| {
+        let (key, value) = line.split_once(':')?;
+        (key == name).then_some(value.trim())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const STATUS: &str = "Name:\tvcpu0\nNoNewPrivs:\t1\nSeccomp:\t2\nCapInh:\t0000000000000000\n\
+                          CapPrm:\t0000000000003000\nCapEff:\t0000000000003000\n\
+                          CapBnd:\t0000000000003000\nCapAmb:\t0000000000000000\n";
+
+    #[test]
+    fn a_status_matching_the_kept_set_passes() {
+        check_status(7, STATUS, 0x3000).unwrap();
+        assert_eq!(status_field(STATUS, "Seccomp"), Some("2"));
+    }
+
+    #[test]
+    fn a_status_with_more_than_was_kept_names_the_field() {
+        let err = check_status(7, STATUS, 0x1000).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                AllThreadsError::Unconfined {
+                    tid: 7,
+                    field: "CapEff",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let nnp_off = STATUS.replace("NoNewPrivs:\t1", "NoNewPrivs:\t0");
+        let err = check_status(7, &nnp_off, 0x3000).unwrap_err();
+        assert!(matches!(
+            err,
+            AllThreadsError::Unconfined {
+                field: "NoNewPrivs",
+                ..
+            }
+        ));
+    }
+}
