@@ -10,7 +10,7 @@
 //! dropped for a checkpoint, or in a sandbox restored from one, whose execs came back
 //! with the agent.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -35,6 +35,12 @@ const OUTPUT_GRACE: Duration = Duration::from_millis(500);
 
 /// How often a quiet exec checks for its exit and timeout.
 const POLL_STEP_MS: i32 = 20;
+
+/// Output an exec wrote while nobody heard it (the connection that started it gone,
+/// no follower yet) kept for the next follower, at most this many bytes (the oldest
+/// go first): a host that follows an exec again after a checkpoint dropped its
+/// connections gets what was written in between.
+const UNHEARD_MAX_BYTES: usize = 256 * 1024;
 
 /// `PATH` for execs whose environment has none.
 pub(crate) const DEFAULT_PATH: &str =
@@ -151,17 +157,66 @@ struct Entry {
     stdin: Mutex<Option<ChildStdin>>,
     exit: Mutex<Option<ExitInfo>>,
     ended: Condvar,
-    /// Connections following the exec ([`ExecTable::attach`]): its output from then
-    /// on, and `Exited` at the end.
-    followers: Mutex<Vec<Sender<ResponseBody>>>,
+    /// Connections following the exec ([`ExecTable::attach`]), and what nobody heard.
+    followers: Mutex<Followers>,
+}
+
+/// The connections following an exec: its output from then on, and `Exited` at the
+/// end; and the output written while nobody listened, for the next one.
+#[derive(Default)]
+struct Followers {
+    senders: Vec<Sender<ResponseBody>>,
+    unheard: VecDeque<ResponseBody>,
+    unheard_bytes: usize,
+}
+
+impl Followers {
+    /// Keeps `body` for the next follower, within [`UNHEARD_MAX_BYTES`].
+    fn keep_unheard(&mut self, body: ResponseBody) {
+        self.unheard_bytes += output_len(&body);
+        self.unheard.push_back(body);
+        while self.unheard_bytes > UNHEARD_MAX_BYTES {
+            match self.unheard.pop_front() {
+                Some(old) => self.unheard_bytes -= output_len(&old),
+                None => break,
+            }
+        }
+    }
+
+    /// Hands what nobody heard to `follower`.
+    fn replay_to(&mut self, follower: &Sender<ResponseBody>) {
+        for body in self.unheard.drain(..) {
+            let _ = follower.send(body);
+        }
+        self.unheard_bytes = 0;
+    }
+
+    /// A new follower: it gets what nobody heard first.
+    fn add(&mut self, follower: Sender<ResponseBody>) {
+        self.replay_to(&follower);
+        self.senders.push(follower);
+    }
+}
+
+/// The bytes of an output event (other events count as none).
+fn output_len(body: &ResponseBody) -> usize {
+    match body {
+        ResponseBody::Stdout(b) | ResponseBody::Stderr(b) => b.len(),
+        _ => 0,
+    }
 }
 
 impl Entry {
-    /// Passes an output event to the followers, forgetting those that went away.
-    fn forward(&self, body: &ResponseBody) {
+    /// Passes an output event to the followers, forgetting those that went away; when
+    /// none is left and the starting connection did not take it either (`heard`
+    /// false), keeps it for the next follower.
+    fn forward(&self, body: ResponseBody, heard: bool) {
         let mut followers = lock(&self.followers);
-        if !followers.is_empty() {
-            followers.retain(|f| f.send(body.clone()).is_ok());
+        if !followers.senders.is_empty() {
+            followers.senders.retain(|f| f.send(body.clone()).is_ok());
+        }
+        if followers.senders.is_empty() && !heard {
+            followers.keep_unheard(body);
         }
     }
 }
@@ -330,10 +385,12 @@ impl ExecTable {
             pipes,
             req.timeout_ms.map(Duration::from_millis),
             &mut |body| {
-                entry.forward(&body);
+                // The starting connection first: a write that fails there (it has just
+                // gone) leaves the event to the followers, or to the next one.
                 if listening {
-                    listening = emit(body);
+                    listening = emit(body.clone());
                 }
+                entry.forward(body, listening);
             },
         );
         let exit = match result {
@@ -367,15 +424,16 @@ impl ExecTable {
             self.entries().retain(|_, e| !Arc::ptr_eq(e, entry));
         }
         // After the exit is recorded: a follower attaching from now on reads it there.
-        for follower in lock(&entry.followers).drain(..) {
+        for follower in lock(&entry.followers).senders.drain(..) {
             let _ = follower.send(ResponseBody::Exited(info));
         }
     }
 
     /// Follows the running exec whose pid is `pid`, started on any connection, under
     /// `key` from now on (`kill` and `wait` reach it by `key` too). The receiver gets
-    /// its output from now on, then `Exited` (at once when it has ended already and
-    /// is still known).
+    /// the output nobody heard since its starting connection went (up to
+    /// [`UNHEARD_MAX_BYTES`]), its output from now on, then `Exited` (at once when it
+    /// has ended already and is still known).
     pub fn attach(&self, key: ExecKey, pid: u32) -> Result<Receiver<ResponseBody>, ExecError> {
         let (tx, rx) = std::sync::mpsc::channel();
         let mut entries = self.entries();
@@ -392,10 +450,12 @@ impl ExecTable {
         let exit = lock(&entry.exit);
         match *exit {
             Some(info) => {
+                // An ended background exec: what nobody heard, then its exit.
+                lock(&entry.followers).replay_to(&tx);
                 let _ = tx.send(ResponseBody::Exited(info));
             }
             None => {
-                lock(&entry.followers).push(tx);
+                lock(&entry.followers).add(tx);
                 entries.insert(key, Arc::clone(&entry));
             }
         }

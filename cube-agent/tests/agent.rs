@@ -938,6 +938,59 @@ fn tcp_connect_carries_a_connection_to_a_local_port() {
     assert!(err.message.contains("connecting"), "{}", err.message);
 }
 
+/// Output an exec writes after its connection closed and before anyone follows it
+/// (what a checkpoint's dropped connections leave) reaches the next follower first.
+#[test]
+fn output_nobody_heard_reaches_the_next_follower() {
+    let agent = AgentProcess::start();
+    let dir = tempfile::tempdir().unwrap();
+    let (go, printed, go2) = (
+        dir.path().join("go"),
+        dir.path().join("printed"),
+        dir.path().join("go2"),
+    );
+    let script = format!(
+        "echo before; while [ ! -e {go} ]; do sleep 0.02; done; echo gap; touch {printed}; \
+         while [ ! -e {go2} ]; do sleep 0.02; done; echo after; exit 3",
+        go = go.display(),
+        printed = printed.display(),
+        go2 = go2.display()
+    );
+    let pid = {
+        let first = agent.client();
+        let mut call = first.start(RequestBody::Exec(sh(&script))).unwrap();
+        let pid = match call.recv().unwrap() {
+            Some(ResponseBody::Started { pid }) => pid,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            call.recv().unwrap(),
+            Some(ResponseBody::Stdout(b"before\n".to_vec()))
+        );
+        pid
+        // The first connection closes here.
+    };
+    std::fs::write(&go, b"").unwrap();
+    wait_until("the exec wrote with nobody listening", || printed.exists());
+    // Well past the agent's poll step: it has read the line and found nobody.
+    std::thread::sleep(Duration::from_millis(300));
+    let second = agent.client();
+    let mut follow = second.attach(pid).unwrap();
+    assert_eq!(follow.recv().unwrap(), Some(ResponseBody::Started { pid }));
+    std::fs::write(&go2, b"").unwrap();
+    let mut out = Vec::new();
+    let exit = loop {
+        match follow.recv().unwrap() {
+            Some(ResponseBody::Stdout(b)) => out.extend(b),
+            Some(ResponseBody::Exited(e)) => break e,
+            other => panic!("{other:?}"),
+        }
+    };
+    // Without the unheard output kept, the follower sees only "after".
+    assert_eq!(String::from_utf8_lossy(&out), "gap\nafter\n");
+    assert_eq!(exit.code, Some(3));
+}
+
 /// An exec outlives its connection; another connection follows it by pid (what a host
 /// does after a checkpoint dropped its connections), gets its later output and its
 /// exit, and signals it under the attach's id.

@@ -146,14 +146,21 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
         } else {
             c.capabilities_kept.join(",")
         };
+        let filter = if c.syscalls_killed.is_empty() {
+            "no seccomp filter (CRIU, which it runs, must have none)".to_string()
+        } else {
+            format!(
+                "{} system calls kill it: {}",
+                c.syscalls_killed.len(),
+                c.syscalls_killed.join(",")
+            )
+        };
         println!(
-            "{:<13} no_new_privs, capabilities kept: {kept}; {} system calls kill it: {}",
+            "{:<13} no_new_privs, capabilities kept: {kept}; {filter}",
             serde_json::to_value(c.profile)
                 .ok()
                 .and_then(|v| v.as_str().map(str::to_string))
                 .unwrap_or_default(),
-            c.syscalls_killed.len(),
-            c.syscalls_killed.join(","),
         );
     }
     println!();

@@ -438,10 +438,11 @@ fn run_plan(
         create_from_template: create_rows,
         create_vs_guest_size: size_rows,
         snapshot_vs_dirty: snapshot_rows,
-        source_paused_means: "vCPUs stopped: the dirty set, vCPU/VM state, the disk \
-            clone and the dirty pages write-protected (a live snapshot: memory is copied \
-            after they continue; where the host cannot write-protect guest memory, the \
-            whole write)",
+        source_paused_means: "vCPUs stopped: the dirty set, vCPU/VM state and the disk \
+            clone, and then either the dirty pages write-protected (memory in a memfd: it \
+            is copied after they continue) or the pages dirtied since the last pre-copy \
+            round written (memory restored from a file, as every sandbox's: the pending \
+            pages are copied while the guest runs first)",
         rollback_ms: lifecycle.rollback.0,
         rollback_p95_ms: lifecycle.rollback.1,
         clone: clone_rows,

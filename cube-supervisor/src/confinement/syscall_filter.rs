@@ -168,7 +168,7 @@ impl FilterSet {
         let mut all: Vec<Killed> = HOST_ALTERING.to_vec();
         all.extend_from_slice(VM_ONLY);
         all.push(killed(
-            "clone",
+            "clone(new process)",
             libc::SYS_clone,
             "no new processes (threads only)",
         ));
