@@ -379,7 +379,9 @@ fn confine_for(held: &dyn SandboxBackend) -> Result<(), Failure> {
     if profile != Profile::Jail {
         // A jail started ahead and retired for this VM is torn down with root's
         // capabilities: let it finish before they go.
+        let start = std::time::Instant::now();
         join_retired_jails();
+        tracing::debug!(waited = ?start.elapsed(), "retired jails joined");
     }
     confine(profile).map_err(|e| {
         Failure::new(

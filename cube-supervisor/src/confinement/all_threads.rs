@@ -19,6 +19,10 @@ use std::time::{Duration, Instant};
 /// How long the threads get to answer the signal.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Times the broadcaster yields the CPU to the signalled threads before it starts
+/// checking for exited ones and sleeping.
+const ANSWER_YIELDS: u32 = 1000;
+
 /// Rounds of listing threads before giving up on a process that keeps starting them.
 const MAX_ROUNDS: usize = 8;
 
@@ -211,8 +215,20 @@ fn signal_and_wait(tids: &BTreeSet<u32>) -> Result<(), AllThreadsError> {
         }
     }
     let deadline = Instant::now() + ANSWER_TIMEOUT;
+    let mut yields = 0;
     loop {
         let answered = answered();
+        if sent.is_subset(&answered) {
+            break;
+        }
+        // The threads answer within microseconds once they run: give them the CPU
+        // first (this is on the create path), and only then look for exited ones
+        // and sleep between looks.
+        if yields < ANSWER_YIELDS {
+            yields += 1;
+            std::thread::yield_now();
+            continue;
+        }
         // Threads that exited before answering will never answer.
         let alive = all_thread_ids()?;
         let waiting: Vec<u32> = sent
@@ -227,7 +243,7 @@ fn signal_and_wait(tids: &BTreeSet<u32>) -> Result<(), AllThreadsError> {
             let named: Vec<String> = waiting.into_iter().map(describe_thread).collect();
             return Err(AllThreadsError::NoAnswer(named.join("; ")));
         }
-        std::thread::sleep(Duration::from_millis(1));
+        std::thread::sleep(Duration::from_micros(100));
     }
     match FAILED.load(Ordering::SeqCst) {
         0 => Ok(()),

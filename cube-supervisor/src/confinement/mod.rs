@@ -201,6 +201,7 @@ impl Profile {
 /// no_new_privs first (checked on every thread), then the seccomp filters if it has
 /// any.
 pub fn confine(profile: Profile) -> Result<(), ConfinementError> {
+    let start = std::time::Instant::now();
     let last_cap = cube_jail::capabilities::last_cap().map_err(ConfinementError::LastCap)?;
     // Built before anything is dropped: building allocates and may read /proc.
     let programs = match profile.filters() {
@@ -210,9 +211,12 @@ pub fn confine(profile: Profile) -> Result<(), ConfinementError> {
     if profile != Profile::Jail {
         no_core_files()?;
     }
+    let built = start.elapsed();
     let held = all_threads::held_capabilities()?;
     all_threads::restrict_all_threads(profile.kept(held), last_cap)?;
+    let dropped = start.elapsed();
     syscall_filter::install_on_all_threads(&programs)?;
+    tracing::debug!(?profile, ?built, ?dropped, total = ?start.elapsed(), "confined");
     Ok(())
 }
 
