@@ -128,7 +128,13 @@ fn open_kvm() -> WarmKvm {
             cube_vmm::dirty_tracking::warm_up();
             let ctx = Arc::new(ctx);
             let shell = match Machine::shell(&ctx, MachineConfig::default()) {
-                Ok(m) => Some(m),
+                Ok(m) => {
+                    // Off the create path: the sandbox's confinement then skips them.
+                    if let Err(e) = crate::confinement::confine_vcpu_threads() {
+                        tracing::warn!("confining the vCPU threads ahead: {}", error_chain(&e));
+                    }
+                    Some(m)
+                }
                 Err(e) => {
                     tracing::warn!("pre-building a VM: {}", error_chain(&e));
                     None
