@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 use cube_agent::client::{Client, ClientError};
 use cube_agent::frame::MAX_FRAME_LEN;
 use cube_agent::protocol::{
-    ErrorCode, ErrorReply, ExecRequest, FileKind, Language, RequestBody, ResponseBody, UserSpec,
-    REQUEST_KINDS,
+    ErrorCode, ErrorReply, ExecRequest, ExitInfo, FileKind, Language, RequestBody, ResponseBody,
+    UserSpec, REQUEST_KINDS,
 };
 
 const AGENT: &str = env!("CARGO_BIN_EXE_cube-agent");
@@ -199,6 +199,34 @@ fn sh(script: &str) -> ExecRequest {
         argv: vec!["sh".into(), "-c".into(), script.into()],
         ..Default::default()
     }
+}
+
+/// The standard output a call streams until its exec's exit, and that exit.
+fn stdout_until_exit(call: &mut cube_agent::client::Call) -> (Vec<u8>, ExitInfo) {
+    let mut out = Vec::new();
+    loop {
+        match call.recv().unwrap() {
+            Some(ResponseBody::Stdout(b)) => out.extend(b),
+            Some(ResponseBody::Exited(e)) => return (out, e),
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+/// Starts `script` (which prints "before" first) on a connection of its own, reads
+/// its start and that line, and closes the connection; the exec's pid.
+fn start_then_close(agent: &AgentProcess, script: &str) -> u32 {
+    let first = agent.client();
+    let mut call = first.start(RequestBody::Exec(sh(script))).unwrap();
+    let pid = match call.recv().unwrap() {
+        Some(ResponseBody::Started { pid }) => pid,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        call.recv().unwrap(),
+        Some(ResponseBody::Stdout(b"before\n".to_vec()))
+    );
+    pid
 }
 
 fn agent_error<T: std::fmt::Debug>(r: Result<T, ClientError>) -> ErrorReply {
@@ -854,14 +882,7 @@ fn exec_with_stdin_takes_input_until_closed() {
             .unwrap(),
         ResponseBody::Done
     );
-    let mut out = Vec::new();
-    let exit = loop {
-        match call.recv().unwrap() {
-            Some(ResponseBody::Stdout(b)) => out.extend(b),
-            Some(ResponseBody::Exited(e)) => break e,
-            other => panic!("{other:?}"),
-        }
-    };
+    let (out, exit) = stdout_until_exit(&mut call);
     assert_eq!(String::from_utf8(out).unwrap(), "got:one\ngot:two\neof\n");
     assert_eq!(exit.code, Some(0));
     // Closed, then gone: both answered with errors, never a hang.
@@ -956,20 +977,8 @@ fn output_nobody_heard_reaches_the_next_follower() {
         printed = printed.display(),
         go2 = go2.display()
     );
-    let pid = {
-        let first = agent.client();
-        let mut call = first.start(RequestBody::Exec(sh(&script))).unwrap();
-        let pid = match call.recv().unwrap() {
-            Some(ResponseBody::Started { pid }) => pid,
-            other => panic!("{other:?}"),
-        };
-        assert_eq!(
-            call.recv().unwrap(),
-            Some(ResponseBody::Stdout(b"before\n".to_vec()))
-        );
-        pid
-        // The first connection closes here.
-    };
+    // The first connection closes once the exec printed "before".
+    let pid = start_then_close(&agent, &script);
     std::fs::write(&go, b"").unwrap();
     wait_until("the exec wrote with nobody listening", || printed.exists());
     // Well past the agent's poll step: it has read the line and found nobody.
@@ -978,14 +987,7 @@ fn output_nobody_heard_reaches_the_next_follower() {
     let mut follow = second.attach(pid).unwrap();
     assert_eq!(follow.recv().unwrap(), Some(ResponseBody::Started { pid }));
     std::fs::write(&go2, b"").unwrap();
-    let mut out = Vec::new();
-    let exit = loop {
-        match follow.recv().unwrap() {
-            Some(ResponseBody::Stdout(b)) => out.extend(b),
-            Some(ResponseBody::Exited(e)) => break e,
-            other => panic!("{other:?}"),
-        }
-    };
+    let (out, exit) = stdout_until_exit(&mut follow);
     // Without the unheard output kept, the follower sees only "after".
     assert_eq!(String::from_utf8_lossy(&out), "gap\nafter\n");
     assert_eq!(exit.code, Some(3));
@@ -1003,32 +1005,13 @@ fn attach_follows_an_exec_of_a_closed_connection() {
         "echo before; while [ ! -e {} ]; do sleep 0.02; done; echo after; exit 5",
         go.display()
     );
-    let pid = {
-        let first = agent.client();
-        let mut call = first.start(RequestBody::Exec(sh(&script))).unwrap();
-        let pid = match call.recv().unwrap() {
-            Some(ResponseBody::Started { pid }) => pid,
-            other => panic!("{other:?}"),
-        };
-        assert_eq!(
-            call.recv().unwrap(),
-            Some(ResponseBody::Stdout(b"before\n".to_vec()))
-        );
-        pid
-        // The first connection closes here; the exec runs on.
-    };
+    // The first connection closes once the exec printed "before"; the exec runs on.
+    let pid = start_then_close(&agent, &script);
     let second = agent.client();
     let mut follow = second.attach(pid).unwrap();
     assert_eq!(follow.recv().unwrap(), Some(ResponseBody::Started { pid }));
     std::fs::write(&go, b"").unwrap();
-    let mut out = Vec::new();
-    let exit = loop {
-        match follow.recv().unwrap() {
-            Some(ResponseBody::Stdout(b)) => out.extend(b),
-            Some(ResponseBody::Exited(e)) => break e,
-            other => panic!("{other:?}"),
-        }
-    };
+    let (out, exit) = stdout_until_exit(&mut follow);
     assert_eq!(out, b"after\n");
     assert_eq!(exit.code, Some(5));
     // Ended and forgotten: nothing to follow under its pid any more.

@@ -319,9 +319,8 @@ impl PreparedDiff {
         seal: &Seal,
         durability: Durability,
     ) -> Result<DiffStats, MemoryFileError> {
-        check_shape(mem, dirty)?;
-        let file = self.file.as_ref().ok_or(MemoryFileError::DirtyShape)?;
-        let stats = write_extents(file, &self.dest, mem, &dirty_extents(dirty))?;
+        // The last round of a pre-copy, or the only one.
+        let stats = self.precopy(mem, dirty)?;
         self.seal_and_keep(mem, seal, durability, stats)
     }
 
