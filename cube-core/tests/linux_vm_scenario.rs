@@ -5,7 +5,8 @@
 //! its agent answering after each; and a sandbox with a network (a TAP from the
 //! host's pool behind the guest's NIC) reaching a listener in a namespace the test
 //! owns (`common::lab`), refused where the default egress policy refuses, after a
-//! clone and a rollback too, and leaving nothing of its TAP once destroyed.
+//! clone, a rollback and the clone's hibernation and wake too, and leaving nothing of
+//! its TAP once destroyed.
 //!
 //! On PVM hosts the guest kernel runs emulated (the host probe chooses it): slow, but
 //! this is the proof that the Linux path works there. Skipped, saying why, without
@@ -307,9 +308,9 @@ def probe(addr, port, data, timeout):
 "#;
 
 /// A client of `sandbox`'s agent. A just restored emulated guest may take longer than
-/// the connect timeout to accept, or drop a connection made while it resets its
-/// sockets: it is asked again (each failure printed) up to [`EXCHANGE_LIMIT`], a
-/// bound on a hung guest, not a timing assertion.
+/// the connect timeout to accept: it is asked again (each failure printed) up to
+/// [`EXCHANGE_LIMIT`], a bound on a hung guest, not a timing assertion; past it the
+/// test fails with the end of the guest's console.
 fn agent_of(sandbox: &Sandbox) -> Client {
     let started = Instant::now();
     loop {
@@ -317,7 +318,15 @@ fn agent_of(sandbox: &Sandbox) -> Client {
             Ok(client) => return client,
             Err(e) => {
                 let why = common::error_chain(&e);
-                assert!(started.elapsed() < EXCHANGE_LIMIT, "{why}");
+                if started.elapsed() >= EXCHANGE_LIMIT {
+                    let console =
+                        std::fs::read(sandbox.dir().join("console.log")).unwrap_or_default();
+                    let tail = &console[console.len().saturating_sub(4096)..];
+                    panic!(
+                        "{why}\nthe guest's console ends with:\n{}",
+                        String::from_utf8_lossy(tail)
+                    );
+                }
                 println!("agent not reached yet: {why}");
                 std::thread::sleep(Duration::from_millis(100));
             }
@@ -353,8 +362,9 @@ fn reaches_the_listener(agent: &Client, listener: &TcpListener, token: &'static 
 /// its NIC the sandbox address at the template's boot, kept by every snapshot: all
 /// sandboxes have the same address) moves packets through the pool's TAP under the
 /// default egress policy, as does a clone of it (a new TAP behind the same guest
-/// state) and the sandbox rolled back to the clone's snapshot (the same TAP behind
-/// a restored guest); destroyed, neither leaves its TAP or datapath state.
+/// state), the sandbox rolled back to the clone's snapshot (the same TAP behind a
+/// restored guest) and the clone hibernated and woken after its traffic; destroyed,
+/// neither leaves its TAP or datapath state.
 fn guest_networking(rt: &Runtime, lab: &Lab) {
     let listener = lab.listen_outside(LISTENER_PORT);
     let networked = || CreateOptions {
@@ -428,6 +438,15 @@ fn guest_networking(rt: &Runtime, lab: &Lab) {
     assert_eq!(sandbox.network().unwrap().host_ifname, tap);
     timed("net: reach the listener after rollback", || {
         reaches_the_listener(&agent_of(&sandbox), &listener, "token after rollback")
+    });
+
+    // Hibernate and wake the clone, which carried traffic: its guest answers and
+    // reaches the listener again behind its own TAP.
+    timed("net: hibernate the clone", || clone.hibernate()).unwrap();
+    timed("net: wake the clone", || clone.wake()).unwrap();
+    assert_eq!(clone.network().unwrap().host_ifname, clone_tap);
+    timed("net: the woken clone reaches the listener", || {
+        reaches_the_listener(&agent_of(&clone), &listener, "token after wake")
     });
 
     // Destroyed, neither leaves its TAP or anything of it in the datapath.

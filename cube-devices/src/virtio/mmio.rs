@@ -528,6 +528,13 @@ impl MmioTransport {
             config.avail_ring = saved.avail_ring;
             config.used_ring = saved.used_ring;
         }
+        // Re-raise a pending interrupt: the guest has not seen it handled yet. Before
+        // the activation, which may signal causes of its own (vsock's transport reset
+        // event): set afterwards, the saved status would wipe them and lower the line,
+        // and the guest would never look at the buffers used for it.
+        if let Err(e) = transport.interrupt.set_status(state.interrupt_status) {
+            tracing::warn!(error = %e, "virtio-mmio: restoring the interrupt failed");
+        }
         if state.is_activated() {
             let positions: Vec<(u16, u16)> = state
                 .queues
@@ -535,10 +542,6 @@ impl MmioTransport {
                 .map(|q| (q.next_avail, q.next_used))
                 .collect();
             transport.activate(&positions)?;
-        }
-        // Re-raise a pending interrupt: the guest has not seen it handled yet.
-        if let Err(e) = transport.interrupt.set_status(state.interrupt_status) {
-            tracing::warn!(error = %e, "virtio-mmio: restoring the interrupt failed");
         }
         Ok(transport)
     }

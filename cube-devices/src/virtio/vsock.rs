@@ -1062,8 +1062,30 @@ impl Persist for Vsock {
         }
         // The guest's connections did not survive: tell it so once it runs again.
         self.reset_event_pending = true;
+        self.next_host_port = restored_first_host_port();
         Ok(())
     }
+}
+
+/// Where a restored device starts numbering host connections: at a random port of
+/// the ephemeral range. The guest keeps a reset connection in its table until its
+/// program closes the socket, and a new connection from the same host port would
+/// match it and be reset (the first agent connection after every restore was, when
+/// numbering started again at [`FIRST_EPHEMERAL_PORT`]); among 3 × 2^30 ports a new
+/// one meets an old one about never.
+fn restored_first_host_port() -> u32 {
+    let mut bytes = [0u8; 4];
+    // SAFETY: `bytes` is writable for its length; getrandom writes at most that.
+    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
+    let random = if n == 4 {
+        u32::from_ne_bytes(bytes)
+    } else {
+        // No entropy source: the clock's nanoseconds spread restores apart as well.
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos())
+    };
+    FIRST_EPHEMERAL_PORT + random % (u32::MAX - FIRST_EPHEMERAL_PORT)
 }
 
 /// How a host process reaches guest port `port` of the VM whose vsock device listens

@@ -584,6 +584,18 @@ fn restore_resets_connections_serves_pending_packets_and_checks_state() {
     let vsock = Vsock::new(CID, &dir.path().join(SOCKET)).unwrap();
     let transport =
         MmioTransport::restore(Box::new(vsock), mem.clone(), line.clone(), &state).unwrap();
+    // The reset event's buffer is used and the guest is interrupted for it: the saved
+    // status (nothing pending) must not wipe that. A Linux guest looks at its event
+    // queue only when interrupted, and holds no connection it could be told of
+    // otherwise: woken from hibernation, it never answered again.
+    assert_eq!(state.interrupt_status, 0);
+    let mut status = [0u8; 4];
+    transport.read(regs::INTERRUPT_STATUS, &mut status);
+    assert_eq!(
+        u32::from_le_bytes(status) & crate::virtio::interrupt::INTERRUPT_USED_BUFFER,
+        crate::virtio::interrupt::INTERRUPT_USED_BUFFER
+    );
+    assert!(line.asserted(), "the reset event's interrupt was lowered");
     let setup = start_with(dir, transport, line, (rx, tx, ev), false);
     // The restored device told the guest its old connections are gone.
     assert_eq!(
@@ -615,6 +627,10 @@ fn restore_resets_connections_serves_pending_packets_and_checks_state() {
     }
     let (h, _) = recv(&setup.guest);
     assert_eq!((h.op, h.dst_port), (op::REQUEST, 1024));
+    // Not from the host port a fresh device gives its first connection: the guest may
+    // still hold that connection (reset, not yet closed), and would reset this one
+    // as its duplicate.
+    assert_ne!(h.src_port, FIRST_EPHEMERAL_PORT);
     let response = guest_header(1024, h.src_port, op::RESPONSE, 0);
     setup.guest.lock().unwrap().send(response, &[]);
     host.join().unwrap().unwrap();
