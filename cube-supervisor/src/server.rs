@@ -198,15 +198,24 @@ pub fn run(
         return Err(ServerError::NotAdopted);
     }
     let lifetime = settings.lifetime_ms.map(std::time::Duration::from_millis);
-    let mut held = match adopt(warm, &id, &dir, source, *settings) {
+    let mut spare = None;
+    let adopted = adopt(warm, &id, &dir, source, *settings, &mut spare);
+    let mut held = match adopted {
         Ok(h) => h,
         Err(failure) => {
+            retire(spare);
             reply(&mut writer, &Response::Error(failure))?;
             return Ok(());
         }
     };
     // Before anyone hears the sandbox is ready: it never serves unconfined.
-    if let Err(failure) = confine_for(held.as_ref()) {
+    let confined = confine_for(held.as_ref());
+    // The VM built ahead and not used goes only now: a thread tearing it down while
+    // the threads are confined held the confinement up until the teardown's system
+    // calls returned (up to 20 ms of a jail create here), and one started now runs
+    // confined.
+    retire(spare);
+    if let Err(failure) = confined {
         held.destroy();
         join_retired_jails();
         reply(&mut writer, &Response::Error(failure))?;
@@ -320,12 +329,16 @@ fn reply(writer: &mut BufWriter<UnixStream>, response: &Response) -> Result<(), 
 }
 
 /// Becomes the sandbox `source` describes, using what was warmed up where it fits.
+/// Builds the sandbox from what was warmed up for it; a VM built ahead that it does
+/// not use is left in `spare`, for the caller to retire once the supervisor is
+/// confined.
 fn adopt(
     warm: Warm,
     id: &str,
     dir: &Path,
     source: Source,
     settings: Settings,
+    spare: &mut Option<Machine>,
 ) -> Result<Held, Failure> {
     let jail_source = match &source {
         Source::Jail { layer } => Some((None, layer.clone())),
@@ -333,7 +346,7 @@ fn adopt(
         _ => None,
     };
     if let Some((tree, layer)) = jail_source {
-        retire(warm.kvm.and_then(Result::ok).and_then(|(_, shell)| shell));
+        *spare = warm.kvm.and_then(Result::ok).and_then(|(_, shell)| shell);
         // The jail started ahead is on the host template, with an empty layer, no
         // CPU controller, and its own network namespace.
         let fits = tree.is_none()
@@ -362,14 +375,14 @@ fn adopt(
             .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, error_chain(&e)))?;
         if state.guest == GuestKind::Linux {
             // The pre-built shell is shaped for the test guest.
-            retire(shell);
+            *spare = shell;
             return Ok(Box::new(LinuxSandbox::restore(
                 &ctx, dir, snapshot, &settings,
             )?));
         }
     }
     if settings.network.is_some() {
-        retire(shell);
+        *spare = shell;
         return Err(Failure::unsupported(
             "Cube's test guest has no network device: networks are for Linux VM and jail \
              sandboxes",
