@@ -3,7 +3,11 @@ hosts) in the store named by $CUBE_HOME (scripts/test-python.sh makes a fresh on
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import os
+import signal
+import threading
 from typing import Iterator, List
 
 import pytest
@@ -15,6 +19,22 @@ ENGINE = os.environ.get("CUBE_TEST_ENGINE", "auto")
 TEMPLATE = os.environ.get("CUBE_TEST_TEMPLATE") or cubesandbox.DEFAULT_TEMPLATE
 
 _created: List[Sandbox] = []
+
+
+@contextlib.contextmanager
+def ctrl_c_after(seconds: float) -> Iterator[None]:
+    """Presses Ctrl-C (SIGINT, as the main thread sees it) after `seconds`. Python's
+    own handler is installed meanwhile: a process started with SIGINT ignored (a
+    background job of a non-interactive shell) has none, and the press would do
+    nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(seconds, _thread.interrupt_main)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
 
 
 def needs_root() -> None:

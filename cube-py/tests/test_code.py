@@ -9,6 +9,7 @@ import pytest
 
 import cubesandbox
 from cubesandbox import Sandbox
+from conftest import ctrl_c_after
 
 
 def test_a_variable_is_kept_across_two_cells(sandbox: Sandbox) -> None:
@@ -94,15 +95,7 @@ def test_an_unknown_language_is_rejected(sandbox: Sandbox) -> None:
 
 
 def test_ctrl_c_interrupts_the_wait_for_a_cell(sandbox: Sandbox) -> None:
-    import _thread
-    import threading
-
-    timer = threading.Timer(0.5, _thread.interrupt_main)
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            sandbox.run_code("import time\ntime.sleep(3)\nlate = True")
-    finally:
-        timer.cancel()
+    with ctrl_c_after(0.5), pytest.raises(KeyboardInterrupt):
+        sandbox.run_code("import time\ntime.sleep(3)\nlate = True")
     # The cell itself runs to its end in the sandbox; the context stays usable.
     assert sandbox.run_code("late").text == "True"

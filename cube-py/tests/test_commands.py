@@ -3,7 +3,6 @@ timeouts, Ctrl-C and threads."""
 
 from __future__ import annotations
 
-import _thread
 import threading
 from typing import List
 
@@ -11,7 +10,7 @@ import pytest
 
 import cubesandbox
 from cubesandbox import Sandbox
-from conftest import new_sandbox
+from conftest import ctrl_c_after, new_sandbox
 
 
 def test_output_streams_to_callbacks_and_the_result(sandbox: Sandbox) -> None:
@@ -84,13 +83,8 @@ def test_a_command_past_its_timeout_is_killed(sandbox: Sandbox) -> None:
 
 
 def test_ctrl_c_interrupts_a_command_and_kills_it(sandbox: Sandbox) -> None:
-    timer = threading.Timer(0.5, _thread.interrupt_main)
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            sandbox.commands.run("sleep 299", timeout=None)
-    finally:
-        timer.cancel()
+    with ctrl_c_after(0.5), pytest.raises(KeyboardInterrupt):
+        sandbox.commands.run("sleep 299", timeout=None)
     left = sandbox.commands.run("pgrep -f 'sleep 29[9]' || true")
     assert left.stdout == ""
 
