@@ -301,14 +301,7 @@ impl SeccompProgram {
         .and_then(TryInto::try_into)
         .map_err(SeccompError::Build)?;
         let families = family_filter(arch)?;
-        let clone3: BpfProgram = SeccompFilter::new(
-            [(libc::SYS_clone3, Vec::new())].into_iter().collect(),
-            SeccompAction::Allow,
-            SeccompAction::Errno(libc::ENOSYS as u32),
-            arch,
-        )
-        .and_then(TryInto::try_into)
-        .map_err(SeccompError::Build)?;
+        let clone3 = clone3_unsupported(arch).map_err(SeccompError::Build)?;
 
         // x32 numbers alias x86-64 system calls with the 0x40000000 bit set; a deny list
         // must refuse the whole range.
@@ -390,6 +383,19 @@ fn family_filter(arch: TargetArch) -> Result<BpfProgram, SeccompError> {
         .try_into()
     };
     build().map_err(SeccompError::Build)
+}
+
+/// A program that answers `clone3` with ENOSYS, as a kernel without it would: libc then
+/// starts threads and processes with `clone`, whose flags a filter can read (`clone3`
+/// keeps them in memory a filter cannot see).
+pub fn clone3_unsupported(arch: TargetArch) -> Result<BpfProgram, seccompiler::BackendError> {
+    SeccompFilter::new(
+        [(libc::SYS_clone3, Vec::new())].into_iter().collect(),
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::ENOSYS as u32),
+        arch,
+    )
+    .and_then(TryInto::try_into)
 }
 
 /// `program` behind a prefix that returns `action` (a `SECCOMP_RET_*` value) for every

@@ -328,10 +328,9 @@ fn reply(writer: &mut BufWriter<UnixStream>, response: &Response) -> Result<(), 
     Ok(())
 }
 
-/// Becomes the sandbox `source` describes, using what was warmed up where it fits.
-/// Builds the sandbox from what was warmed up for it; a VM built ahead that it does
-/// not use is left in `spare`, for the caller to retire once the supervisor is
-/// confined.
+/// Becomes the sandbox `source` describes, using what was warmed up where it fits; a
+/// VM built ahead that it does not use is left in `spare`, for the caller to retire
+/// once the supervisor is confined.
 fn adopt(
     warm: Warm,
     id: &str,

@@ -333,7 +333,8 @@ fn run_plan(
             if mib > 0 {
                 sb.guest_dirty(mib, 0x1000).map_err(CliError::from)?;
             }
-            if mib == largest_dirty && mib > 0 {
+            let with_floor = mib == largest_dirty && mib > 0;
+            if with_floor {
                 // An untimed write of the same size first, for the snapshot and the
                 // floor after it alike: on a nested host the first touch of memory the
                 // host has not backed yet costs far more than the copy (1 GiB: the
@@ -347,11 +348,11 @@ fn run_plan(
             // The snapshot's background flush would compete with the restore for the
             // disk; the reference times them apart too.
             wait_durable(&snap.dir)?;
-            if mib == largest_dirty && mib > 0 {
-                // After the snapshot, the median of three.
+            if with_floor {
+                // After the snapshot, the median of three (each write settles the
+                // filesystem first).
                 let mut speeds = Vec::with_capacity(FLOOR_WRITES);
                 for _ in 0..FLOOR_WRITES {
-                    floor::settle_filesystem(&store).map_err(CliError::failed)?;
                     speeds.push(write_floor(&store, mib as usize)?);
                 }
                 speeds.sort_by(f64::total_cmp);

@@ -1075,9 +1075,7 @@ impl Persist for Vsock {
 /// one meets an old one about never.
 fn restored_first_host_port() -> u32 {
     let mut bytes = [0u8; 4];
-    // SAFETY: `bytes` is writable for its length; getrandom writes at most that.
-    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
-    let random = if n == 4 {
+    let random = if cube_storage::fill_random(&mut bytes).is_ok() {
         u32::from_ne_bytes(bytes)
     } else {
         // No entropy source: the clock's nanoseconds spread restores apart as well.

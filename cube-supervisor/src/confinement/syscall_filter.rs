@@ -208,14 +208,8 @@ impl FilterSet {
         )
         .and_then(TryInto::try_into)
         .map_err(SyscallFilterError::Build)?;
-        let clone3: BpfProgram = SeccompFilter::new(
-            [(libc::SYS_clone3, Vec::new())].into_iter().collect(),
-            SeccompAction::Allow,
-            SeccompAction::Errno(libc::ENOSYS as u32),
-            arch,
-        )
-        .and_then(TryInto::try_into)
-        .map_err(SyscallFilterError::Build)?;
+        let clone3 =
+            cube_jail::seccomp::clone3_unsupported(arch).map_err(SyscallFilterError::Build)?;
         Ok(vec![
             cube_jail::seccomp::guard_x32(&deny, libc::SECCOMP_RET_KILL_PROCESS),
             clone3,
