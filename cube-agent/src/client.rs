@@ -259,7 +259,21 @@ impl Client {
 
     /// Runs a process to its end and collects its output.
     pub fn exec(&self, req: ExecRequest) -> Result<ExecOutput, ClientError> {
-        let mut call = self.start(RequestBody::Exec(req))?;
+        self.exec_to_end(RequestBody::Exec(req))
+    }
+
+    /// Runs a process to its end in the root `root` (a directory of the sandbox; see
+    /// [`RequestBody::ExecInRoot`]) and collects its output.
+    pub fn exec_in_root(&self, root: &str, req: ExecRequest) -> Result<ExecOutput, ClientError> {
+        self.exec_to_end(RequestBody::ExecInRoot {
+            root: root.to_string(),
+            keep_stdin: false,
+            exec: req,
+        })
+    }
+
+    fn exec_to_end(&self, body: RequestBody) -> Result<ExecOutput, ClientError> {
+        let mut call = self.start(body)?;
         let mut out = ExecOutput {
             stdout: Vec::new(),
             stderr: Vec::new(),

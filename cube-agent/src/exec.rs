@@ -11,6 +11,7 @@
 //! with the agent.
 
 use std::collections::{HashMap, VecDeque};
+use std::ffi::CString;
 use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -85,6 +86,11 @@ pub enum ExecError {
     /// The signal number is not a signal.
     #[error("{0} is not a signal number")]
     BadSignal(i32),
+    /// A root of its own was asked for and the agent may not change roots.
+    #[error(
+        "this sandbox cannot run a process in a root of its own (only a pod sandbox's agent may chroot)"
+    )]
+    NoChroot,
     /// The process could not be started or waited for.
     #[error("running {program} failed")]
     Spawn {
@@ -124,7 +130,9 @@ impl ExecError {
                 ErrorReply::new(ErrorCode::NotRunning, message)
             }
             ExecError::StdinWrite { source, .. } => ErrorReply::from_io(source, message),
-            ExecError::NeedsRoot { .. } => ErrorReply::new(ErrorCode::PermissionDenied, message),
+            ExecError::NeedsRoot { .. } | ExecError::NoChroot => {
+                ErrorReply::new(ErrorCode::PermissionDenied, message)
+            }
             ExecError::Spawn {
                 source: ReaperError::Spawn(io),
                 ..
@@ -281,6 +289,21 @@ impl ExecTable {
         keep_stdin: bool,
         emit: Emit<'_>,
     ) -> Result<ExitInfo, ExecError> {
+        self.run_in(key, req, None, base_env, keep_stdin, emit)
+    }
+
+    /// [`ExecTable::run`], the process's root changed to `root` (a directory of the
+    /// sandbox) first where one is given: its program, `PATH` and working directory
+    /// are then looked up in that tree.
+    pub fn run_in(
+        &self,
+        key: ExecKey,
+        req: &ExecRequest,
+        root: Option<&str>,
+        base_env: &[(String, String)],
+        keep_stdin: bool,
+        emit: Emit<'_>,
+    ) -> Result<ExitInfo, ExecError> {
         let id = key.1;
         let program = req
             .argv
@@ -321,18 +344,36 @@ impl ExecTable {
         unsafe {
             cmd.pre_exec(reset_signals);
         }
-        if let Some(cwd) = &req.cwd {
-            cmd.current_dir(cwd);
-        }
+        // The user to switch to (only root may), or None to stay the agent's.
+        let mut switch = None;
         if let Some(user) = req.user {
             let me = (
                 nix::unistd::geteuid().as_raw(),
                 nix::unistd::getegid().as_raw(),
             );
             if me.0 == 0 {
-                cmd.uid(user.uid).gid(user.gid);
+                switch = Some(user);
             } else if (user.uid, user.gid) != me {
                 return Err(ExecError::NeedsRoot { uid: user.uid });
+            }
+        }
+        match root {
+            Some(root) => {
+                // The switch comes after the chroot, which needs the privilege.
+                let enter = EnterRoot::new(root, req.cwd.as_deref(), switch)?;
+                // SAFETY: the closure runs in the forked child before exec and only
+                // makes async-signal-safe system calls on values it owns.
+                unsafe {
+                    cmd.pre_exec(move || enter.apply());
+                }
+            }
+            None => {
+                if let Some(cwd) = &req.cwd {
+                    cmd.current_dir(cwd);
+                }
+                if let Some(user) = switch {
+                    cmd.uid(user.uid).gid(user.gid);
+                }
             }
         }
 
@@ -526,6 +567,78 @@ impl ExecTable {
             }
         }
     }
+}
+
+/// A process's own root: changed to in the child, between fork and exec, after
+/// std's own set-up (so the working directory is taken inside it).
+struct EnterRoot {
+    root: CString,
+    cwd: CString,
+    user: Option<crate::protocol::UserSpec>,
+}
+
+impl EnterRoot {
+    /// Checks the paths, and that the agent may change roots at all (root, or
+    /// CAP_SYS_CHROOT kept for a pod sandbox's agent).
+    fn new(
+        root: &str,
+        cwd: Option<&str>,
+        user: Option<crate::protocol::UserSpec>,
+    ) -> Result<EnterRoot, ExecError> {
+        if !root.starts_with('/') {
+            return Err(ExecError::Invalid("the root is not an absolute path"));
+        }
+        let cwd = cwd.unwrap_or("/");
+        if !cwd.starts_with('/') {
+            return Err(ExecError::Invalid(
+                "the working directory in a root of its own is not an absolute path",
+            ));
+        }
+        if !may_chroot() {
+            return Err(ExecError::NoChroot);
+        }
+        let c =
+            |s: &str| CString::new(s).map_err(|_| ExecError::Invalid("a path contains a NUL byte"));
+        Ok(EnterRoot {
+            root: c(root)?,
+            cwd: c(cwd)?,
+            user,
+        })
+    }
+
+    fn apply(&self) -> std::io::Result<()> {
+        // SAFETY: both are live NUL-terminated strings; chroot and chdir are
+        // async-signal-safe system calls.
+        unsafe {
+            if libc::chroot(self.root.as_ptr()) != 0 || libc::chdir(self.cwd.as_ptr()) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if let Some(u) = self.user {
+                let groups = [u.gid];
+                if libc::setgroups(1, groups.as_ptr()) != 0
+                    || libc::setgid(u.gid) != 0
+                    || libc::setuid(u.uid) != 0
+                {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether the agent holds CAP_SYS_CHROOT in its effective set.
+fn may_chroot() -> bool {
+    const CAP_SYS_CHROOT: u32 = 18;
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        })
+        .is_some_and(|eff| eff & (1 << CAP_SYS_CHROOT) != 0)
 }
 
 /// Gives a child a clean signal state: the agent blocks its termination signals (they

@@ -25,6 +25,9 @@ pub enum InitError {
     /// The signal thread could not be started.
     #[error("starting the signal thread failed")]
     Thread(#[source] std::io::Error),
+    /// Emptying the ambient or inheritable capability set failed.
+    #[error("emptying the inheritable capabilities failed")]
+    Capabilities(#[source] nix::errno::Errno),
     /// `prctl(PR_SET_DUMPABLE, 0)` failed.
     #[error("making the agent undumpable failed")]
     Undumpable(#[source] nix::errno::Errno),
@@ -50,6 +53,69 @@ pub fn forbid_inspection() -> Result<(), InitError> {
     } else {
         Err(InitError::Undumpable(nix::errno::Errno::last()))
     }
+}
+
+/// Keeps a capability the sandbox left the agent (a pod sandbox's agent holds
+/// CAP_SYS_CHROOT, given as an ambient capability so that it survived the agent's own
+/// exec) to the agent: empties the ambient and inheritable sets, so every process the
+/// agent starts as the sandbox's uid runs with none. The effective and permitted sets
+/// stay as they are (all of them for an agent running as root, in a VM).
+pub fn keep_capabilities_to_itself() -> Result<(), InitError> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    const VERSION_3: u32 = 0x2008_0522;
+    let err = || InitError::Capabilities(nix::errno::Errno::last());
+    // SAFETY: integer-only prctl.
+    let rc = unsafe {
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    if rc != 0 {
+        return Err(err());
+    }
+    let mut header = Header {
+        version: VERSION_3,
+        pid: 0,
+    };
+    let mut data = [Data::default(); 2];
+    // SAFETY: header and data are live and laid out as capget's version 3 expects
+    // (two data elements); the kernel writes only into `data`.
+    if unsafe {
+        libc::syscall(
+            libc::SYS_capget,
+            &mut header as *mut Header,
+            data.as_mut_ptr(),
+        )
+    } != 0
+    {
+        return Err(err());
+    }
+    if data.iter().all(|d| d.inheritable == 0) {
+        return Ok(());
+    }
+    for d in &mut data {
+        d.inheritable = 0;
+    }
+    // SAFETY: as above; lowering the inheritable set needs no privilege.
+    if unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut Header, data.as_ptr()) } != 0 {
+        return Err(err());
+    }
+    Ok(())
 }
 
 /// Makes orphaned descendants re-parent to this process, as they would to PID 1.

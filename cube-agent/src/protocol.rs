@@ -20,7 +20,7 @@ pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// How many [`RequestBody`] variants this version knows; a larger variant index is an
 /// unknown message rather than a malformed one.
-pub const REQUEST_KINDS: u32 = 28;
+pub const REQUEST_KINDS: u32 = 29;
 
 /// One request from the host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -214,6 +214,19 @@ pub enum RequestBody {
     Attach {
         /// The exec's pid in the sandbox (its `Started` pid).
         pid: u32,
+    },
+    /// [`RequestBody::Exec`] (or, with `keep_stdin`, [`RequestBody::ExecWithStdin`])
+    /// with the process's root changed to `root`, a directory of the sandbox: its
+    /// program, `PATH` and working directory are looked up in that tree. How a pod
+    /// sandbox runs each container's processes in that container's root filesystem;
+    /// refused (`PermissionDenied`) where the agent may not change roots.
+    ExecInRoot {
+        /// The root, an absolute path in the sandbox.
+        root: String,
+        /// Keep standard input open for `StdinWrite`.
+        keep_stdin: bool,
+        /// What to run.
+        exec: ExecRequest,
     },
 }
 
@@ -617,7 +630,11 @@ mod tests {
     fn request_kinds_matches_the_last_variant() {
         let last = Request {
             id: 1,
-            body: RequestBody::Attach { pid: 1 },
+            body: RequestBody::ExecInRoot {
+                root: "/".into(),
+                keep_stdin: false,
+                exec: ExecRequest::default(),
+            },
         };
         let bytes = postcard::to_allocvec(&last).unwrap();
         // id 1 is one varint byte; the variant index follows.

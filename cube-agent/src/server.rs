@@ -517,6 +517,7 @@ impl Agent {
         connection: u64,
         id: u64,
         req: &crate::protocol::ExecRequest,
+        root: Option<&str>,
         keep_stdin: bool,
         emit: crate::exec::Emit<'_>,
     ) -> ResponseBody {
@@ -524,7 +525,7 @@ impl Agent {
         match self
             .inner
             .execs
-            .run((connection, id), req, &env, keep_stdin, emit)
+            .run_in((connection, id), req, root, &env, keep_stdin, emit)
         {
             Ok(exit) => ResponseBody::Exited(exit),
             Err(e) => ResponseBody::Error(e.to_reply()),
@@ -545,8 +546,15 @@ impl Agent {
             Err(e) => ResponseBody::Error(e.to_reply()),
         };
         match body {
-            RequestBody::Exec(req) => self.exec(connection, id, &req, false, &mut emit),
-            RequestBody::ExecWithStdin(req) => self.exec(connection, id, &req, true, &mut emit),
+            RequestBody::Exec(req) => self.exec(connection, id, &req, None, false, &mut emit),
+            RequestBody::ExecWithStdin(req) => {
+                self.exec(connection, id, &req, None, true, &mut emit)
+            }
+            RequestBody::ExecInRoot {
+                root,
+                keep_stdin,
+                exec,
+            } => self.exec(connection, id, &exec, Some(&root), keep_stdin, &mut emit),
             RequestBody::StdinWrite { exec_id, data } => {
                 match self.inner.execs.write_stdin((connection, exec_id), &data) {
                     Ok(()) => ResponseBody::Done,

@@ -112,6 +112,11 @@ pub struct CreateOptions {
     /// code run unless they name one. None: the template's (a container image's
     /// WorkingDir), else the sandbox user's home.
     pub workdir: Option<PathBuf>,
+    /// The sandbox hosts containers, each with a root filesystem of its own (a
+    /// Kubernetes pod): its agent may run a process in a root of its own
+    /// ([`cube_agent::protocol::RequestBody::ExecInRoot`]), for which a jail's agent
+    /// keeps CAP_SYS_CHROOT (and nothing else). Default false.
+    pub hosts_containers: bool,
 }
 
 impl CreateOptions {
@@ -137,6 +142,7 @@ impl CreateOptions {
             netns: NetnsChoice::Own,
             rootfs: None,
             workdir: None,
+            hosts_containers: false,
         }
     }
 
@@ -153,6 +159,7 @@ impl CreateOptions {
             network: self.network.clone(),
             netns: self.netns.clone(),
             cwd: self.workdir.clone(),
+            hosts_containers: self.hosts_containers,
         }
     }
 

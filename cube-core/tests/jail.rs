@@ -622,3 +622,85 @@ fn usage_counts_the_memory_cpu_and_tasks_of_the_sandbox() {
     assert_eq!(sb.usage().unwrap(), cube_core::ResourceUsage::default());
     sb.destroy().unwrap();
 }
+
+#[test]
+fn a_sandbox_hosting_containers_runs_a_process_in_a_root_of_its_own() {
+    if skip() {
+        return;
+    }
+    if !Path::new("/bin/busybox").is_file() {
+        eprintln!("skipped: no /bin/busybox (Debian's busybox-static) to fill a root with");
+        return;
+    }
+    let env = Env::new(0);
+    let sh_in = |agent: &cube_agent::client::Client, root: &str, script: &str| {
+        agent.exec_in_root(
+            root,
+            ExecRequest {
+                argv: vec![
+                    "/bin/busybox".into(),
+                    "sh".into(),
+                    "-c".into(),
+                    script.into(),
+                ],
+                cwd: Some("/work".into()),
+                ..ExecRequest::default()
+            },
+        )
+    };
+    // A sandbox that hosts no containers refuses, and says why.
+    let plain = env.create(CreateOptions::new(true));
+    let agent = plain.agent().unwrap();
+    let err = sh_in(&agent, "/", "true").unwrap_err().to_string();
+    assert!(
+        err.contains("only a pod sandbox's agent may chroot"),
+        "{err}"
+    );
+    plain.destroy().unwrap();
+
+    let pod = env.create(CreateOptions {
+        hosts_containers: true,
+        ..CreateOptions::new(true)
+    });
+    let agent = pod.agent().unwrap();
+    let (code, _, err) = sh(
+        &agent,
+        "mkdir -p $HOME/c1/bin $HOME/c1/work && cp /bin/busybox $HOME/c1/bin/ && \
+         for a in cat ls chroot true; do ln -s busybox $HOME/c1/bin/$a; done && echo c1 > $HOME/c1/marker",
+    );
+    assert_eq!(code, 0, "{err}");
+    let root = format!("{}/c1", sh(&agent, "echo -n $HOME").1);
+    // Inside: its own tree (its PATH finds its own programs), its working directory,
+    // and no capability (the agent keeps CAP_SYS_CHROOT to itself: chroot fails).
+    let out = sh_in(
+        &agent,
+        &root,
+        "pwd; cat /marker; ls /; chroot / /bin/true 2>&1 || echo REFUSED",
+    )
+    .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.exit.code, Some(0), "{stdout}{stderr}");
+    let mut lines = stdout.lines();
+    assert_eq!(lines.next(), Some("/work"), "{stdout}{stderr}");
+    assert_eq!(lines.next(), Some("c1"), "{stdout}{stderr}");
+    // /proc is not there: the host side binds what a container needs.
+    assert!(
+        !stdout.contains("home"),
+        "the sandbox's tree shows: {stdout}"
+    );
+    assert!(stdout.ends_with("REFUSED\n"), "{stdout}");
+    // The agent itself: CAP_SYS_CHROOT effective, nothing to pass on.
+    let (_, status, _) = sh(&agent, "grep -E '^Cap(Inh|Prm|Eff|Amb):' /proc/1/status");
+    assert!(status.contains("CapEff:\t0000000000040000"), "{status}");
+    assert!(status.contains("CapInh:\t0000000000000000"), "{status}");
+    assert!(status.contains("CapAmb:\t0000000000000000"), "{status}");
+    let (_, child, _) = sh(&agent, "grep -E '^Cap(Prm|Eff|Amb):' /proc/self/status");
+    assert_eq!(child.matches("0000000000000000").count(), 3, "{child}");
+    // A root that is not a directory of the sandbox: a clear failure, not a crash.
+    let err = sh_in(&agent, "/no/such/root", "true")
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("No such file"), "{err}");
+    pod.destroy().unwrap();
+}

@@ -53,12 +53,6 @@ pub fn last_cap() -> Result<u32, CapabilityError> {
         .ok_or(CapabilityError::MalformedLastCap(text))
 }
 
-/// Empties the bounding and ambient sets. Needs CAP_SETPCAP, so it runs before the uid
-/// switch.
-pub fn drop_bounding_and_ambient_in_child(last_cap: u32) -> Result<(), Errno> {
-    keep_bounding_and_clear_ambient(last_cap, 0)
-}
-
 /// Drops every capability up to `last_cap` but those in `keep` (bit N = capability N)
 /// from the calling thread's bounding set, and empties its ambient set. Raw system
 /// calls only: safe in a forked child or a signal handler. Needs CAP_SETPCAP.
@@ -137,21 +131,27 @@ pub fn clear_sets_in_child() -> Result<(), Errno> {
 /// permitted sets and an empty inheritable set. `keep` must be within the permitted
 /// set. Raw system call only: safe in a forked child or a signal handler.
 pub fn keep_only(keep: u64) -> Result<(), Errno> {
+    set_sets(keep, 0)
+}
+
+/// capset: `keep` effective and permitted, `inheritable` inheritable.
+fn set_sets(keep: u64, inheritable: u64) -> Result<(), Errno> {
     let mut header = CapHeader {
         version: LINUX_CAPABILITY_VERSION_3,
         pid: 0,
     };
     let (low, high) = (keep as u32, (keep >> 32) as u32);
+    let (inh_low, inh_high) = (inheritable as u32, (inheritable >> 32) as u32);
     let data = [
         CapData {
             effective: low,
             permitted: low,
-            inheritable: 0,
+            inheritable: inh_low,
         },
         CapData {
             effective: high,
             permitted: high,
-            inheritable: 0,
+            inheritable: inh_high,
         },
     ];
     // SAFETY: header and data are live, correctly laid out (version 3 takes two data
@@ -164,6 +164,51 @@ pub fn keep_only(keep: u64) -> Result<(), Errno> {
         )
     };
     if r != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+/// Capability number of CAP_SYS_CHROOT.
+pub const CAP_SYS_CHROOT: u32 = 18;
+
+/// Asks the kernel to keep the permitted set through the coming switch away from uid 0
+/// (`SECBIT_KEEP_CAPS`; the effective set is still cleared). Raw system call only.
+pub fn keep_permitted_through_uid_switch_in_child() -> Result<(), Errno> {
+    // SAFETY: integer-only prctl.
+    if unsafe { libc::prctl(libc::PR_SET_KEEPCAPS, 1, 0, 0, 0) } != 0 {
+        return Err(Errno::last());
+    }
+    Ok(())
+}
+
+/// After a uid switch that kept the permitted set: leaves the calling thread `keep`
+/// (bit N = capability N) as its effective, permitted, inheritable and ambient sets,
+/// so that exactly those survive the coming exec as a non-root uid, and turns
+/// `SECBIT_KEEP_CAPS` off again. `keep` must be within the permitted and bounding sets.
+/// Raw system calls only: safe in a forked child.
+pub fn keep_through_exec_in_child(keep: u64) -> Result<(), Errno> {
+    set_sets(keep, keep)?;
+    for cap in 0..64u32 {
+        if keep & (1 << cap) == 0 {
+            continue;
+        }
+        // SAFETY: integer-only prctl.
+        let r = unsafe {
+            libc::prctl(
+                libc::PR_CAP_AMBIENT,
+                libc::PR_CAP_AMBIENT_RAISE as libc::c_ulong,
+                cap as libc::c_ulong,
+                0,
+                0,
+            )
+        };
+        if r != 0 {
+            return Err(Errno::last());
+        }
+    }
+    // SAFETY: integer-only prctl.
+    if unsafe { libc::prctl(libc::PR_SET_KEEPCAPS, 0, 0, 0, 0) } != 0 {
         return Err(Errno::last());
     }
     Ok(())

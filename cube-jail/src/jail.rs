@@ -173,6 +173,8 @@ pub enum SetupStage {
     Exec,
     /// Joining the network namespace named by [`JailConfig::netns`].
     JoinNetns,
+    /// Keeping CAP_SYS_CHROOT for PID 1 ([`JailConfig::pid1_may_chroot`]).
+    KeepChroot,
 }
 
 impl SetupStage {
@@ -221,6 +223,7 @@ impl fmt::Display for SetupStage {
             SetupStage::PassFd => "installing a passed descriptor",
             SetupStage::Exec => "executing the program",
             SetupStage::JoinNetns => "joining the network namespace",
+            SetupStage::KeepChroot => "keeping CAP_SYS_CHROOT for PID 1",
         };
         f.write_str(s)
     }
@@ -299,6 +302,14 @@ pub struct JailConfig {
     /// network its CNI plugins set up. Needs [`NamespaceSet::net`] off; the namespace's
     /// devices are used as they are (loopback included). Default None.
     pub netns: Option<PathBuf>,
+    /// PID 1 keeps CAP_SYS_CHROOT (as an ambient capability, so it survives the exec;
+    /// every other capability is dropped as usual) and the filter lets `chroot`
+    /// through: a pod sandbox's agent runs each container's processes in that
+    /// container's own root. PID 1 must empty its ambient and inheritable sets at
+    /// start so its children do not inherit the capability (Cube's agent does). Under
+    /// no_new_privs a chroot grants nothing: no setuid or file-capability exec can
+    /// make use of a planted root. Default false.
+    pub pid1_may_chroot: bool,
 }
 
 impl JailConfig {
@@ -324,6 +335,7 @@ impl JailConfig {
             pausable: true,
             die_with_parent: false,
             netns: None,
+            pid1_may_chroot: false,
         }
     }
 
@@ -407,6 +419,8 @@ struct ChildPlan<'a> {
     cwd: CString,
     last_cap: u32,
     identity: Identity,
+    /// Capabilities PID 1 keeps through its exec (bit N = capability N).
+    pid1_keeps: u64,
     seccomp: &'a SeccompProgram,
     exec_candidates: Vec<CString>,
     argv: Vec<*const libc::c_char>,
@@ -506,16 +520,29 @@ fn child_setup(p: &ChildPlan<'_>, in_v2_cgroup: bool) -> std::result::Result<Nev
     }
     stage(
         SetupStage::DropBounding,
-        capabilities::drop_bounding_and_ambient_in_child(p.last_cap),
+        capabilities::keep_bounding_and_clear_ambient(p.last_cap, p.pid1_keeps),
     )?;
+    if p.pid1_keeps != 0 {
+        stage(
+            SetupStage::KeepChroot,
+            capabilities::keep_permitted_through_uid_switch_in_child(),
+        )?;
+    }
     stage(
         SetupStage::SwitchIdentity,
         capabilities::switch_identity_in_child(p.identity),
     )?;
-    stage(
-        SetupStage::ClearCapabilities,
-        capabilities::clear_sets_in_child(),
-    )?;
+    if p.pid1_keeps != 0 {
+        stage(
+            SetupStage::KeepChroot,
+            capabilities::keep_through_exec_in_child(p.pid1_keeps),
+        )?;
+    } else {
+        stage(
+            SetupStage::ClearCapabilities,
+            capabilities::clear_sets_in_child(),
+        )?;
+    }
     stage(
         SetupStage::NoNewPrivs,
         capabilities::set_no_new_privs_in_child(),
@@ -657,7 +684,14 @@ impl Jail {
         };
         let cwd = CString::new(config.cwd.as_os_str().as_bytes())
             .map_err(|_| JailError::InvalidCwd(config.cwd.clone()))?;
-        let seccomp = SeccompProgram::build()?;
+        let (seccomp, pid1_keeps) = if config.pid1_may_chroot {
+            (
+                SeccompProgram::build_allowing(&[libc::SYS_chroot])?,
+                1u64 << capabilities::CAP_SYS_CHROOT,
+            )
+        } else {
+            (SeccompProgram::build()?, 0)
+        };
         let last_cap = capabilities::last_cap()?;
         let uid_lease = if config.own_uid {
             Some(UidLease::acquire()?)
@@ -812,6 +846,7 @@ impl Jail {
             cwd,
             last_cap,
             identity,
+            pid1_keeps,
             seccomp: &seccomp,
             exec_candidates,
             argv: argv_p,

@@ -252,12 +252,22 @@ pub struct SeccompProgram {
 impl SeccompProgram {
     /// Builds the sandbox filters.
     pub fn build() -> Result<Self, SeccompError> {
+        Self::build_allowing(&[])
+    }
+
+    /// Builds the sandbox filters with the calls of [`DENIED`] numbered in `allowed`
+    /// let through (a pod sandbox's agent needs `chroot`, see
+    /// [`crate::JailConfig::pid1_may_chroot`]).
+    pub fn build_allowing(allowed: &[libc::c_long]) -> Result<Self, SeccompError> {
         let arch = TargetArch::x86_64;
         if std::env::consts::ARCH != "x86_64" {
             return Err(SeccompError::UnsupportedArch);
         }
-        let mut rules: BTreeMap<i64, Vec<SeccompRule>> =
-            DENIED.iter().map(|(_, nr, _)| (*nr, Vec::new())).collect();
+        let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED
+            .iter()
+            .filter(|(_, nr, _)| !allowed.contains(nr))
+            .map(|(_, nr, _)| (*nr, Vec::new()))
+            .collect();
         let clone_rules = NAMESPACE_FLAGS
             .iter()
             .map(|flag| {

@@ -86,3 +86,37 @@ fn set_up_failures_are_reported_and_cleaned_up() {
     assert!(err.to_string().contains("executing the program"), "{err}");
     assert!(!c.state_dir.exists(), "sandbox directory left behind");
 }
+
+#[test]
+fn pid1_may_chroot_keeps_cap_sys_chroot_for_pid_1_alone() {
+    if common::skip() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    // Without it, as every sandbox: no capability, and chroot is refused.
+    let plain = common::run_sh(
+        &common::config(tmp.path(), "nochroot"),
+        "chroot / /bin/true && echo CHROOTED",
+    );
+    assert!(!plain.stdout.contains("CHROOTED"), "{}", plain.stdout);
+    let mut c = common::config(tmp.path(), "chroot");
+    c.pid1_may_chroot = true;
+    // PID 1 (this shell) holds CAP_SYS_CHROOT (bit 18) and nothing else, as an ambient
+    // capability it would pass on unless it empties that set (the agent does); the
+    // filter lets chroot through; no_new_privs stays.
+    let out = common::run_sh(
+        &c,
+        "grep -E '^(CapInh|CapPrm|CapEff|CapBnd|CapAmb|NoNewPrivs):' /proc/1/status; \
+         chroot / /bin/true && echo CHROOTED",
+    );
+    assert_eq!(out.exit, JailExit::Exited(0), "stderr: {}", out.stderr);
+    let o = &out.stdout;
+    for set in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+        assert!(
+            o.contains(&format!("{set}:\t0000000000040000")),
+            "{set} is not CAP_SYS_CHROOT alone: {o}"
+        );
+    }
+    assert!(o.contains("NoNewPrivs:\t1"), "{o}");
+    assert!(o.contains("CHROOTED"), "{o}\n{}", out.stderr);
+}

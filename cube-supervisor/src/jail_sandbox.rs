@@ -1087,6 +1087,7 @@ fn jail_config(
     if let Some(cwd) = &settings.cwd {
         config.cwd = cwd.clone();
     }
+    config.pid1_may_chroot = settings.hosts_containers;
     match &settings.netns {
         NetnsChoice::Own => {}
         NetnsChoice::Host => config.namespaces.net = false,

@@ -200,6 +200,10 @@ pub struct Settings {
     /// user's home.
     #[serde(default)]
     pub cwd: Option<PathBuf>,
+    /// The sandbox hosts containers with roots of their own (jail: its agent keeps
+    /// CAP_SYS_CHROOT, see `cube_jail::JailConfig::pid1_may_chroot`).
+    #[serde(default)]
+    pub hosts_containers: bool,
 }
 
 /// A request to a supervisor.

@@ -136,6 +136,10 @@ fn main() -> ExitCode {
     if let Err(e) = init::forbid_inspection() {
         return fail(&e);
     }
+    // Before any process is started: nothing it starts inherits a capability.
+    if let Err(e) = init::keep_capabilities_to_itself() {
+        return fail(&e);
+    }
     let args = match parse_args() {
         Ok(a) => a,
         Err(msg) => {
