@@ -1,6 +1,11 @@
 //! One container as the shim holds it: its root filesystem mounted from containerd's
-//! snapshot, the Cube sandbox running on it (none for a pod's pause container, which
-//! Cube absorbs), its main process and its execs.
+//! snapshot, the Cube sandbox it runs in, its main process and its execs.
+//!
+//! Three roles (see [`Role`]): a container of its own (`ctr run`: a sandbox on its
+//! root filesystem), a pod's pause container (the pod's sandbox, on the pause image's
+//! root; nothing runs for the pause process), and a container of a pod (processes in
+//! the pod's sandbox, chrooted into its own root filesystem, which the shim shows
+//! inside that sandbox: see [`crate::pod_mount`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -11,6 +16,7 @@ use cube_agent::client::Client;
 use cube_core::JailStatus;
 use cube_core::{CreateOptions, Runtime, Sandbox, SandboxError};
 
+use crate::pod_mount::{PodMount, PodMountError};
 use crate::process::{AgentLink, Process, ProcessError};
 use crate::spec::{Spec, SpecError};
 
@@ -50,9 +56,21 @@ pub enum ContainerError {
     /// The container's sandbox is gone.
     #[error("The container's sandbox was deleted")]
     Gone,
-    /// The operation needs a sandbox, and a pause container has none.
+    /// The operation needs a process, and a pause container runs none.
     #[error("A pod's pause container runs nothing in Cube")]
     Placeholder,
+    /// The operation would reach the whole pod, not one container of it.
+    #[error("{0} one container of a pod is not supported: its sandbox is the pod's")]
+    InPod(&'static str),
+    /// The container's pod has no sandbox in this shim.
+    #[error("Pod {0} has no sandbox in this shim")]
+    NoPod(String),
+    /// The container's writable layer could not be given to the pod's uid.
+    #[error("Giving {0} to the pod's uid")]
+    Owner(PathBuf, #[source] std::io::Error),
+    /// The container's root could not be shown in its pod's sandbox.
+    #[error("Showing the root filesystem in the pod's sandbox")]
+    PodMount(#[from] PodMountError),
     /// A checkpoint's files could not be written or read.
     #[error("Checkpoint file {0}")]
     CheckpointFile(PathBuf, #[source] std::io::Error),
@@ -146,6 +164,18 @@ impl AgentLink for SandboxLink {
     }
 }
 
+/// What a container is to its sandbox.
+#[derive(Debug)]
+pub enum Role {
+    /// A container with a sandbox of its own on its root filesystem.
+    Own,
+    /// A pod's pause container: it holds the pod's sandbox and runs nothing.
+    PodSandbox,
+    /// A container of a pod: its processes run in the pod's sandbox, chrooted into
+    /// its root filesystem, shown there at the mount's inner path.
+    InPod(Mutex<PodMount>),
+}
+
 /// One container.
 pub struct Container {
     /// Its id.
@@ -156,8 +186,10 @@ pub struct Container {
     pub init: Arc<Process>,
     execs: Mutex<HashMap<String, Arc<Process>>>,
     link: Arc<SandboxLink>,
-    /// The jail's PID 1 on the host (0 for a pause container).
+    /// The jail's PID 1 on the host.
     jail_pid: u32,
+    /// Its sandbox's own, the pod's, or its pod's guest.
+    role: Role,
     /// Restored from a checkpoint: the main process's pid in the sandbox, running
     /// already, which start takes back instead of running the command.
     restored_init: Option<u32>,
@@ -186,34 +218,19 @@ pub struct CreateRequest<'a> {
 }
 
 impl Container {
-    /// A pod's pause container: nothing runs, its "process" is the shim itself.
-    pub fn pause(id: &str, bundle: &Path) -> Container {
-        Container {
-            id: id.to_string(),
-            bundle: bundle.to_path_buf(),
-            init: Arc::new(Process::placeholder(std::process::id())),
-            execs: Mutex::new(HashMap::new()),
-            link: Arc::new(SandboxLink {
-                sandbox: Mutex::new(None),
-                agent: Mutex::new(None),
-                jail_pid: 0,
-            }),
-            jail_pid: 0,
-            restored_init: None,
-            rootfs: Mutex::new(None),
-        }
-    }
-
     /// Mounts the rootfs and starts the container's Cube sandbox on it (from a
     /// checkpoint or a named snapshot where asked); the main process waits for
-    /// [`Container::start`].
+    /// [`Container::start`]. For a pod's pause container (`pod_sandbox`), the sandbox
+    /// is the pod's, made to host the pod's containers, and the pause process is the
+    /// sandbox's PID 1: nothing of the pause image runs.
     pub fn create(
         runtime: &Runtime,
         spec: &Spec,
         request: CreateRequest<'_>,
+        pod_sandbox: bool,
     ) -> Result<Container, ContainerError> {
         let process = spec.process()?.clone();
-        let init = Process::new("", request.stdio, process)?;
+        let mut init = Process::new("", request.stdio, process)?;
         let target = request.bundle.join(ROOTFS);
         let mount = RootfsMount::mount(request.rootfs, &target)?;
         let mut labels = std::collections::BTreeMap::new();
@@ -231,6 +248,7 @@ impl Container {
             metadata: labels,
             netns: spec.netns(),
             rootfs: Some(target),
+            hosts_containers: pod_sandbox,
             ..CreateOptions::new(true)
         };
         let mut restored_init = None;
@@ -259,6 +277,9 @@ impl Container {
         };
         let mut sandbox = sandbox;
         let jail_pid = sandbox.status()?.jail.and_then(|j| j.pid).unwrap_or(0);
+        if pod_sandbox {
+            init = Process::placeholder(jail_pid);
+        }
         Ok(Container {
             id: request.id.to_string(),
             bundle: request.bundle.to_path_buf(),
@@ -270,22 +291,69 @@ impl Container {
                 jail_pid,
             }),
             jail_pid,
+            role: if pod_sandbox {
+                Role::PodSandbox
+            } else {
+                Role::Own
+            },
             restored_init,
             rootfs: Mutex::new(mount),
         })
     }
 
-    /// Whether this is a pod's pause container.
+    /// A container of the pod whose pause container is `pod`: its rootfs mounted on the
+    /// host, then shown in the pod's sandbox; its processes will run there.
+    pub fn join_pod(
+        pod: &Container,
+        spec: &Spec,
+        request: CreateRequest<'_>,
+    ) -> Result<Container, ContainerError> {
+        if !matches!(pod.role, Role::PodSandbox) {
+            return Err(ContainerError::NoPod(pod.id.clone()));
+        }
+        if !request.checkpoint.is_empty() {
+            return Err(ContainerError::InPod("Restoring"));
+        }
+        let process = spec.process()?.clone();
+        let init = Process::new("", request.stdio, process)?;
+        let target = request.bundle.join(ROOTFS);
+        // Before the mount: overlayfs takes the root's owner when it is mounted.
+        give_upper_dir(request.rootfs, pod.jail_pid)?;
+        let mount = RootfsMount::mount(request.rootfs, &target)?;
+        let shown = PodMount::attach(pod.jail_pid, &target, request.id)?;
+        Ok(Container {
+            id: request.id.to_string(),
+            bundle: request.bundle.to_path_buf(),
+            init: Arc::new(init),
+            execs: Mutex::new(HashMap::new()),
+            link: Arc::clone(&pod.link),
+            jail_pid: pod.jail_pid,
+            role: Role::InPod(Mutex::new(shown)),
+            restored_init: None,
+            rootfs: Mutex::new(mount),
+        })
+    }
+
+    /// Whether this is a pod's pause container (its "process" runs nothing).
     pub fn is_placeholder(&self) -> bool {
-        self.jail_pid == 0
+        matches!(self.role, Role::PodSandbox)
+    }
+
+    /// Its role.
+    pub fn role(&self) -> &Role {
+        &self.role
     }
 
     /// The pid containerd knows the container by before its process starts.
     pub fn created_pid(&self) -> u32 {
-        if self.is_placeholder() {
-            std::process::id()
-        } else {
-            self.jail_pid
+        self.jail_pid
+    }
+
+    /// The root its processes run in, inside the sandbox (None: the sandbox's own).
+    fn process_root(&self) -> Option<String> {
+        match &self.role {
+            Role::InPod(shown) => Some(lock(shown).inner().to_string()),
+            _ => None,
         }
     }
 
@@ -334,7 +402,7 @@ impl Container {
         let host = move |inner| host_pid(jail_pid, inner);
         Ok(match self.restored_init.filter(|_| exec_id.is_empty()) {
             Some(pid) => process.adopt(link, pid, host, on_exit)?,
-            None => process.start(link, host, on_exit)?,
+            None => process.start(link, self.process_root(), host, on_exit)?,
         })
     }
 
@@ -347,6 +415,9 @@ impl Container {
         runtime: &Runtime,
         dir: &Path,
     ) -> Result<cube_core::Snapshot, ContainerError> {
+        if !matches!(self.role, Role::Own) {
+            return Err(ContainerError::InPod("Checkpointing"));
+        }
         let before = lock(&self.link.agent).clone();
         let snapshot = self.with_sandbox(|sb| sb.snapshot())?;
         {
@@ -386,6 +457,20 @@ impl Container {
         }
     }
 
+    /// Runs `f` on the sandbox, which must be the container's own (pausing one
+    /// container of a pod would freeze the pod): `operation` names what is refused
+    /// otherwise.
+    pub fn with_own_sandbox<T>(
+        &self,
+        operation: &'static str,
+        f: impl FnOnce(&mut Sandbox) -> Result<T, SandboxError>,
+    ) -> Result<T, ContainerError> {
+        if !matches!(self.role, Role::Own) {
+            return Err(ContainerError::InPod(operation));
+        }
+        self.with_sandbox(f)
+    }
+
     /// Runs `f` on the sandbox.
     pub fn with_sandbox<T>(
         &self,
@@ -399,13 +484,23 @@ impl Container {
         }
     }
 
-    /// Ends the sandbox (every process in it) and unmounts the rootfs. Idempotent.
+    /// Ends the container: its sandbox (every process in it) where the sandbox is its
+    /// own or the pod's; for a container of a pod, its processes, and its root taken
+    /// out of the pod's sandbox. Then unmounts the rootfs. Idempotent.
     pub fn destroy(&self) -> Result<(), ContainerError> {
-        lock(&self.link.agent).take();
-        let sandbox = lock(&self.link.sandbox).take();
-        let result = match sandbox {
-            Some(sb) => sb.destroy().map_err(ContainerError::from),
-            None => Ok(()),
+        let result = match &self.role {
+            Role::Own | Role::PodSandbox => {
+                lock(&self.link.agent).take();
+                let sandbox = lock(&self.link.sandbox).take();
+                match sandbox {
+                    Some(sb) => sb.destroy().map_err(ContainerError::from),
+                    None => Ok(()),
+                }
+            }
+            Role::InPod(shown) => {
+                self.kill_processes();
+                lock(shown).detach().map_err(ContainerError::from)
+            }
         };
         // Whatever ran in it has ended with it.
         for process in lock(&self.execs)
@@ -420,6 +515,74 @@ impl Container {
         lock(&self.rootfs).take();
         result
     }
+}
+
+impl Container {
+    /// The host pids of this container's processes that run.
+    pub fn running_pids(&self) -> Vec<u32> {
+        lock(&self.execs)
+            .values()
+            .chain(std::iter::once(&self.init))
+            .filter_map(|p| match p.status() {
+                (crate::process::Phase::Running, pid, None) if pid != 0 => Some(pid),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// SIGKILL to the process group of every process of this container still running,
+    /// waiting (a few seconds at most) for the agent to see them end.
+    fn kill_processes(&self) {
+        let processes: Vec<Arc<Process>> = lock(&self.execs)
+            .values()
+            .cloned()
+            .chain(std::iter::once(Arc::clone(&self.init)))
+            .collect();
+        for process in &processes {
+            if let Err(e) = process.kill(libc::SIGKILL as u32) {
+                log::warn!("killing a process of {}: {e}", self.id);
+            }
+        }
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        for process in &processes {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            process.wait_timeout(left);
+        }
+    }
+}
+
+/// Gives the top directory of the container's writable layer (the `upperdir` of
+/// containerd's overlay) to the uid and gid the pod's sandbox runs as, which the
+/// processes of its containers run as too: as in a container with a sandbox of its
+/// own, they may then create files in the root directory. The image's files keep
+/// their owners.
+fn give_upper_dir(mounts: &[Mount], jail_pid: u32) -> Result<(), ContainerError> {
+    let Some(upper) = mounts
+        .iter()
+        .filter(|m| m.type_ == "overlay")
+        .flat_map(|m| m.options.iter())
+        .find_map(|o| o.strip_prefix("upperdir="))
+    else {
+        return Ok(());
+    };
+    let status_path = PathBuf::from(format!("/proc/{jail_pid}/status"));
+    let status = std::fs::read_to_string(&status_path)
+        .map_err(|e| ContainerError::Owner(status_path.clone(), e))?;
+    let id = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|ids| ids.split_whitespace().next())
+            .and_then(|id| id.parse::<u32>().ok())
+    };
+    let (Some(uid), Some(gid)) = (id("Uid:"), id("Gid:")) else {
+        return Err(ContainerError::Owner(
+            status_path,
+            std::io::Error::other("no Uid or Gid line"),
+        ));
+    };
+    std::os::unix::fs::lchown(upper, Some(uid), Some(gid))
+        .map_err(|e| ContainerError::Owner(PathBuf::from(upper), e))
 }
 
 /// The main process's pid a checkpoint directory records, if any.

@@ -3,13 +3,18 @@
 //! containerd, `ctr` and the kubelet's CRI drive Cube like any other runtime.
 //!
 //! - One shim process per pod (containers of a pod share it: `start` groups them by
-//!   the CRI's sandbox id); a pod's pause container is absorbed: nothing runs for it.
-//! - Each container is a Cube sandbox (jail engine) whose root is the container's root
-//!   filesystem as containerd's snapshotter mounts it, read-only under the sandbox's
-//!   own writable layer, in the pod's network namespace (joined by path; the host's
-//!   for `hostNetwork` pods; its own for `ctr run`). Its processes (the main one and
-//!   every exec) run through the sandbox's agent, their output relayed to the FIFOs
-//!   containerd hands over.
+//!   the CRI's sandbox id), and **one Cube sandbox per pod** (jail engine): the pause
+//!   container's create makes it, on the pause image's root filesystem, in the pod's
+//!   network namespace (joined by path; the host's for `hostNetwork` pods); the pause
+//!   process is the sandbox's PID 1 (Cube's agent): nothing of the pause image runs.
+//!   Each container of the pod is processes in that sandbox, chrooted into the
+//!   container's root filesystem as containerd's snapshotter mounts it, which the shim
+//!   shows inside the sandbox (`pod_mount`), with the sandbox's /proc and /dev.
+//! - A container outside any pod (`ctr run`) is a sandbox of its own whose root is its
+//!   root filesystem, read-only under the sandbox's own writable layer, in its own
+//!   network namespace.
+//! - Every process (a main one and each exec) runs through the sandbox's agent, its
+//!   output relayed to the FIFOs containerd hands over.
 //! - Task events (create, start, exit, delete, exec added/started, paused, resumed,
 //!   checkpointed) go to containerd; Stats reads the sandbox's cgroups.
 //! - A checkpoint is a Cube snapshot exported as a portable archive into containerd's
@@ -21,6 +26,7 @@
 //! snapshot a container starts from by `io.cubesandbox.snapshot`.
 
 pub mod container;
+pub mod pod_mount;
 pub mod process;
 pub mod service;
 pub mod shim;

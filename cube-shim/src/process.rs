@@ -175,7 +175,8 @@ impl Process {
     }
 
     /// A process that is no process: a pod's pause container, absorbed by Cube. It
-    /// runs as `pid` (the shim's own) from the start and ends when it is killed.
+    /// runs as `pid` (the pod sandbox's PID 1) from the start and ends when it is
+    /// killed.
     pub fn placeholder(pid: u32) -> Process {
         Process {
             exec_id: String::new(),
@@ -217,20 +218,30 @@ impl Process {
         }
     }
 
-    /// Starts the process through `link`'s agent; `host_pid` turns the sandbox's pid
-    /// into the host's; `on_exit` runs once when it ends. Returns the host pid.
+    /// Starts the process through `link`'s agent, chrooted into `root` (a directory
+    /// of the sandbox) where one is given; `host_pid` turns the sandbox's pid into the
+    /// host's; `on_exit` runs once when it ends. Returns the host pid.
     pub fn start(
         self: &Arc<Self>,
         link: Arc<dyn AgentLink>,
+        root: Option<String>,
         host_pid: impl FnOnce(u32) -> u32,
         on_exit: impl FnOnce(&Process, Exit) + Send + 'static,
     ) -> Result<u32, ProcessError> {
-        let request = RequestBody::Exec(ExecRequest {
+        let exec = ExecRequest {
             argv: self.spec.args.clone(),
             env: self.spec.env_pairs(),
             cwd: (!self.spec.cwd.is_empty()).then(|| self.spec.cwd.clone()),
             ..ExecRequest::default()
-        });
+        };
+        let request = match root {
+            Some(root) => RequestBody::ExecInRoot {
+                root,
+                keep_stdin: false,
+                exec,
+            },
+            None => RequestBody::Exec(exec),
+        };
         self.begin(link, request, host_pid, on_exit)
     }
 
@@ -385,6 +396,16 @@ impl Process {
             }
             s = self.ended.wait(s).unwrap_or_else(PoisonError::into_inner);
         }
+    }
+
+    /// Waits at most `limit` for the process to end; its exit, if it did.
+    pub fn wait_timeout(&self, limit: std::time::Duration) -> Option<Exit> {
+        let s = lock(&self.state);
+        let (s, _) = self
+            .ended
+            .wait_timeout_while(s, limit, |s| s.exit.is_none())
+            .unwrap_or_else(PoisonError::into_inner);
+        s.exit
     }
 
     /// Sends `signal` to the process's group. Nothing to do once it ended; a

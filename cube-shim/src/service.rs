@@ -26,7 +26,7 @@ use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{Context, ExitSignal, Task, TtrpcContext};
 use cube_core::Runtime;
 
-use crate::container::{Container, ContainerError, CreateRequest, CHECKPOINT_ARCHIVE};
+use crate::container::{Container, ContainerError, CreateRequest, Role, CHECKPOINT_ARCHIVE};
 use crate::process::{Exit, Phase, Process, StdioPaths};
 use crate::spec::{ProcessSpec, Spec};
 
@@ -77,7 +77,10 @@ fn failed(e: ContainerError) -> ttrpc::Error {
     let code = match &e {
         ContainerError::NoExec(_) => Code::NOT_FOUND,
         ContainerError::ExecExists(_) => Code::ALREADY_EXISTS,
-        ContainerError::Placeholder | ContainerError::Gone => Code::FAILED_PRECONDITION,
+        ContainerError::Placeholder | ContainerError::Gone | ContainerError::NoPod(_) => {
+            Code::FAILED_PRECONDITION
+        }
+        ContainerError::InPod(_) => Code::UNIMPLEMENTED,
         _ => Code::INTERNAL,
     };
     status(code, cube_core::error_report::chain(&e))
@@ -150,27 +153,35 @@ impl Task for Service {
     ) -> ttrpc::Result<CreateTaskResponse> {
         let bundle = Path::new(&req.bundle);
         let spec = Spec::read(bundle).map_err(|e| failed(e.into()))?;
-        let container = if spec.is_pod_sandbox() {
-            Container::pause(&req.id, bundle)
-        } else {
-            Container::create(
-                &self.runtime,
-                &spec,
-                CreateRequest {
-                    id: &req.id,
-                    bundle,
-                    rootfs: &req.rootfs,
-                    stdio: StdioPaths {
-                        stdin: req.stdin.clone(),
-                        stdout: req.stdout.clone(),
-                        stderr: req.stderr.clone(),
-                        terminal: req.terminal,
-                    },
-                    checkpoint: &req.checkpoint,
-                    namespace: &self.namespace,
-                },
-            )
-            .map_err(failed)?
+        let request = CreateRequest {
+            id: &req.id,
+            bundle,
+            rootfs: &req.rootfs,
+            stdio: StdioPaths {
+                stdin: req.stdin.clone(),
+                stdout: req.stdout.clone(),
+                stderr: req.stderr.clone(),
+                terminal: req.terminal,
+            },
+            checkpoint: &req.checkpoint,
+            namespace: &self.namespace,
+        };
+        let container = match spec.pod() {
+            // The pause container: the pod's sandbox.
+            _ if spec.is_pod_sandbox() => {
+                Container::create(&self.runtime, &spec, request, true).map_err(failed)?
+            }
+            // A container of a pod: processes in the pod's sandbox.
+            Some(pod) => {
+                let pod = self.container(pod).map_err(|_| {
+                    status(
+                        Code::FAILED_PRECONDITION,
+                        format!("pod {pod} has no sandbox in this shim"),
+                    )
+                })?;
+                Container::join_pod(&pod, &spec, request).map_err(failed)?
+            }
+            None => Container::create(&self.runtime, &spec, request, false).map_err(failed)?,
         };
         let pid = container.created_pid();
         lock(&self.containers).insert(req.id.clone(), Arc::new(container));
@@ -273,7 +284,9 @@ impl Task for Service {
     fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> ttrpc::Result<Empty> {
         let container = self.container(&req.id)?;
         if req.exec_id.is_empty() && container.is_placeholder() {
-            // The pod ends: nothing of it runs in Cube, so the pause "process" ends.
+            // The pod ends: its sandbox, with whatever still runs in it, and the pause
+            // "process" with it.
+            container.destroy().map_err(failed)?;
             container
                 .init
                 .kill(req.signal)
@@ -327,9 +340,11 @@ impl Task for Service {
 
     fn pids(&self, _ctx: &TtrpcContext, req: PidsRequest) -> ttrpc::Result<PidsResponse> {
         let container = self.container(&req.id)?;
-        let pids = match container.jail().map_err(failed)? {
-            Some(jail) => crate::stats::pids(&jail.cgroups),
-            None => vec![container.created_pid()],
+        let pids = match (container.role(), container.jail().map_err(failed)?) {
+            // A container of a pod: its own processes, not the pod's.
+            (Role::InPod(_), _) => container.running_pids(),
+            (_, Some(jail)) => crate::stats::pids(&jail.cgroups),
+            (_, None) => vec![container.created_pid()],
         };
         Ok(PidsResponse {
             processes: pids
@@ -345,7 +360,9 @@ impl Task for Service {
 
     fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> ttrpc::Result<Empty> {
         let container = self.container(&req.id)?;
-        container.with_sandbox(|sb| sb.pause()).map_err(failed)?;
+        container
+            .with_own_sandbox("Pausing", |sb| sb.pause())
+            .map_err(failed)?;
         self.events.send(
             topics::TASK_PAUSED_EVENT_TOPIC,
             Box::new(TaskPaused {
@@ -358,7 +375,9 @@ impl Task for Service {
 
     fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> ttrpc::Result<Empty> {
         let container = self.container(&req.id)?;
-        container.with_sandbox(|sb| sb.resume()).map_err(failed)?;
+        container
+            .with_own_sandbox("Resuming", |sb| sb.resume())
+            .map_err(failed)?;
         self.events.send(
             topics::TASK_RESUMED_EVENT_TOPIC,
             Box::new(TaskResumed {
@@ -456,12 +475,11 @@ impl Task for Service {
 
     fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> ttrpc::Result<StatsResponse> {
         let container = self.container(&req.id)?;
-        let jail = container.jail().map_err(failed)?.ok_or_else(|| {
-            status(
-                Code::FAILED_PRECONDITION,
-                "a pod's pause container has no sandbox",
-            )
-        })?;
+        // A container of a pod reads the pod's use: they share one sandbox.
+        let jail = container
+            .jail()
+            .map_err(failed)?
+            .ok_or_else(|| status(Code::FAILED_PRECONDITION, "the sandbox was deleted"))?;
         let metrics = crate::stats::metrics(&jail.cgroups);
         let any = containerd_shim::util::convert_to_any(Box::new(metrics))
             .map_err(|e| status(Code::INTERNAL, e))?;

@@ -81,19 +81,33 @@ async fn start_pod(
         .map_err(|e| format!("RunPodSandbox ({handler}): {}", e.message()))?
         .into_inner()
         .pod_sandbox_id;
+    let container = start_container(client, &pod, &config, "main", &["sleep", "1000"])
+        .await
+        .map_err(|e| format!("{e} ({handler})"))?;
+    Ok((pod, container))
+}
+
+/// Creates and starts container `name` running `command` in `pod`; returns its id.
+async fn start_container(
+    client: &mut RuntimeServiceClient<Channel>,
+    pod: &str,
+    pod_config: &PodSandboxConfig,
+    name: &str,
+    command: &[&str],
+) -> Result<String, String> {
     let container = client
         .create_container(CreateContainerRequest {
-            pod_sandbox_id: pod.clone(),
+            pod_sandbox_id: pod.into(),
             config: Some(ContainerConfig {
                 metadata: Some(ContainerMetadata {
-                    name: "main".into(),
+                    name: name.into(),
                     attempt: 0,
                 }),
                 image: Some(ImageSpec {
                     image: IMAGE.into(),
                     ..Default::default()
                 }),
-                command: vec!["sleep".into(), "1000".into()],
+                command: command.iter().map(|a| a.to_string()).collect(),
                 linux: Some(LinuxContainerConfig {
                     security_context: Some(LinuxContainerSecurityContext {
                         namespace_options: host_network(),
@@ -103,10 +117,10 @@ async fn start_pod(
                 }),
                 ..Default::default()
             }),
-            sandbox_config: Some(config),
+            sandbox_config: Some(pod_config.clone()),
         })
         .await
-        .map_err(|e| format!("CreateContainer ({handler}): {}", e.message()))?
+        .map_err(|e| format!("CreateContainer: {}", e.message()))?
         .into_inner()
         .container_id;
     client
@@ -114,8 +128,30 @@ async fn start_pod(
             container_id: container.clone(),
         })
         .await
-        .map_err(|e| format!("StartContainer ({handler}): {}", e.message()))?;
-    Ok((pod, container))
+        .map_err(|e| format!("StartContainer: {}", e.message()))?;
+    Ok(container)
+}
+
+/// Runs `script` in `container` through ExecSync; (exit code, stdout, stderr).
+async fn exec_sync(
+    client: &mut RuntimeServiceClient<Channel>,
+    container: &str,
+    script: &str,
+) -> (i32, String, String) {
+    let exec = client
+        .exec_sync(ExecSyncRequest {
+            container_id: container.into(),
+            cmd: vec!["sh".into(), "-c".into(), script.into()],
+            timeout: 30,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    (
+        exec.exit_code,
+        String::from_utf8_lossy(&exec.stdout).into_owned(),
+        String::from_utf8_lossy(&exec.stderr).into_owned(),
+    )
 }
 
 async fn remove_pod(client: &mut RuntimeServiceClient<Channel>, pod: &str) {
@@ -175,30 +211,52 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
                 Err(e) => panic!("RunPodSandbox: {e}\n{}", c.log()),
             }
         };
-        let exec = client
-            .exec_sync(ExecSyncRequest {
-                container_id: container.clone(),
-                cmd: vec![
-                    "sh".into(),
-                    "-c".into(),
-                    "tr '\\0' ' ' < /proc/1/cmdline; echo; echo exec-sync-ok; exit 5".into(),
-                ],
-                timeout: 30,
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let out = String::from_utf8_lossy(&exec.stdout);
-        assert_eq!(
-            exec.exit_code,
-            5,
-            "{out}{}",
-            String::from_utf8_lossy(&exec.stderr)
-        );
+        let (code, out, err) = exec_sync(
+            &mut client,
+            &container,
+            "tr '\\0' ' ' < /proc/1/cmdline; echo; echo exec-sync-ok; exit 5",
+        )
+        .await;
+        assert_eq!(code, 5, "{out}{err}");
         assert!(out.contains("exec-sync-ok"), "{out}");
         assert!(
             out.contains("cube-agent"),
             "PID 1 is not Cube's agent: {out}"
+        );
+        // A second container of the pod: processes in the same sandbox (the same PID
+        // namespace: each sees the other's processes), each in its own root.
+        let side = start_container(
+            &mut client,
+            &pod,
+            &pod_config("first"),
+            "side",
+            &["sh", "-c", "echo side > /side-marker; exec sleep 4242"],
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
+        let (code, out, err) = exec_sync(
+            &mut client,
+            &container,
+            // Each process of the sandbox that runs sleep, by its command line.
+            "sleepers() { for p in /proc/[0-9]*; do \
+                 c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); \
+                 case \"$c\" in sleep*) echo \"$c\";; esac; done; }; \
+             for i in $(seq 50); do sleepers | grep -q 4242 && break; sleep 0.1; done; \
+             sleepers; test -e /side-marker && echo side root shows; true",
+        )
+        .await;
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(
+            out.contains("sleep 4242") && out.contains("sleep 1000"),
+            "the pod's containers are not in one sandbox: {out}"
+        );
+        assert!(!out.contains("side root shows"), "roots are shared: {out}");
+        let (code, out, err) = exec_sync(&mut client, &side, "cat /side-marker; ls /").await;
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(out.starts_with("side\n"), "{out}{err}");
+        assert!(
+            !out.contains(".cube"),
+            "the sandbox's own root shows: {out}"
         );
         let cube = c.cube_store();
         let sandboxes = cube.list().unwrap();
@@ -212,6 +270,14 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
         assert!(
             common::wait_until(Duration::from_secs(10), || cube.list().unwrap().is_empty()),
             "the pod's Cube sandbox outlived RemovePodSandbox"
+        );
+        // The containers' root filesystems were unmounted on the host too.
+        let prefix = c.dir.path().display().to_string();
+        assert!(
+            common::wait_until(Duration::from_secs(10), || common::mounts_under(&prefix)
+                .is_empty()),
+            "mounts left: {:?}",
+            common::mounts_under(&prefix)
         );
 
         // Pod start, cube against runc on the same containerd.
