@@ -147,12 +147,11 @@ fn lifecycle(pool_size: usize) {
     assert_eq!(status.status, MachineStatus::Running);
     // A pool starts supervisors (and their jails) behind the creates; a sandbox in
     // use runs at normal priority, every thread of it.
+    // One reading: threads come and go (the supervisor's VM built ahead is torn
+    // down by a thread of its own), so a second reading may count differently.
     for pid in [status.pid, status.jail.as_ref().unwrap().pid.unwrap()] {
-        assert_eq!(
-            nice_values(pid),
-            vec![0; nice_values(pid).len()],
-            "pid {pid}"
-        );
+        let nice = nice_values(pid);
+        assert!(nice.iter().all(|&n| n == 0), "pid {pid}: {nice:?}");
     }
 
     let agent = sb.agent().unwrap();
