@@ -65,6 +65,9 @@ pub enum ContainerError {
     /// The container's pod has no sandbox in this shim.
     #[error("Pod {0} has no sandbox in this shim")]
     NoPod(String),
+    /// A bind of the spec could not be made in the container's root.
+    #[error("Binding the spec's mounts")]
+    Bind(#[from] crate::binds::BindError),
     /// The container's writable layer could not be given to the pod's uid.
     #[error("Giving {0} to the pod's uid")]
     Owner(PathBuf, #[source] std::io::Error),
@@ -320,6 +323,7 @@ impl Container {
         // Before the mount: overlayfs takes the root's owner when it is mounted.
         give_upper_dir(request.rootfs, pod.jail_pid)?;
         let mount = RootfsMount::mount(request.rootfs, &target)?;
+        crate::binds::bind_into(&target, spec.binds())?;
         let shown = PodMount::attach(pod.jail_pid, &target, request.id)?;
         Ok(Container {
             id: request.id.to_string(),

@@ -25,7 +25,9 @@
 //! engine is chosen by the `io.cubesandbox.engine` annotation (`auto` by default), the
 //! snapshot a container starts from by `io.cubesandbox.snapshot`.
 
+pub mod binds;
 pub mod container;
+pub mod detached_tree;
 pub mod pod_mount;
 pub mod process;
 pub mod service;

@@ -13,9 +13,11 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use nix::errno::Errno;
+
+use crate::detached_tree::{DetachedTree, TreeError};
 
 /// Where container roots go in a pod's sandbox.
 pub const CONTAINERS_DIR: &str = "/.cube-containers";
@@ -27,11 +29,8 @@ pub enum PodMountError {
     #[error("container id {0:?} cannot name a directory")]
     BadId(String),
     /// The host-side root could not be cloned.
-    #[error("cloning the mount at {0}")]
-    Clone(PathBuf, #[source] Errno),
-    /// The clone could not be made nosuid,nodev.
-    #[error("making the clone of {0} nosuid,nodev")]
-    Attributes(PathBuf, #[source] Errno),
+    #[error("Cloning the container's root")]
+    Tree(#[from] TreeError),
     /// The sandbox's mount namespace could not be opened (the sandbox ended).
     #[error("opening the mount namespace of the pod's sandbox (pid {0})")]
     Namespace(u32, #[source] std::io::Error),
@@ -82,7 +81,7 @@ impl PodMount {
     pub fn attach(jail_pid: u32, host_root: &Path, id: &str) -> Result<PodMount, PodMountError> {
         let inner = inner_path(id)?;
         let paths = Paths::new(&inner)?;
-        let tree = clone_tree(host_root)?;
+        let tree = DetachedTree::clone_of(host_root, false)?;
         let ns = open_namespace(jail_pid)?;
         run_helper(|| attach_in_child(ns.as_raw_fd(), tree.as_raw_fd(), &paths))?;
         Ok(PodMount {
@@ -146,49 +145,6 @@ impl Paths {
             dev_target: c(format!("{inner}/dev"))?,
         })
     }
-}
-
-/// A detached copy of the mount at `root` and its submounts, nosuid and nodev.
-fn clone_tree(root: &Path) -> Result<OwnedFd, PodMountError> {
-    let path = CString::new(root.as_os_str().as_encoded_bytes())
-        .map_err(|_| PodMountError::Clone(root.to_path_buf(), Errno::EINVAL))?;
-    // SAFETY: `path` is a live NUL-terminated string; the flags ask for a new file
-    // descriptor, which is owned below.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_open_tree,
-            libc::AT_FDCWD,
-            path.as_ptr(),
-            libc::OPEN_TREE_CLONE | libc::OPEN_TREE_CLOEXEC | libc::AT_RECURSIVE as libc::c_uint,
-        )
-    };
-    if fd < 0 {
-        return Err(PodMountError::Clone(root.to_path_buf(), Errno::last()));
-    }
-    // SAFETY: open_tree returned a new descriptor that nothing else owns.
-    let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-    let attr = libc::mount_attr {
-        attr_set: libc::MOUNT_ATTR_NOSUID | libc::MOUNT_ATTR_NODEV,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: 0,
-    };
-    // SAFETY: the empty path with AT_EMPTY_PATH names the descriptor itself; `attr` is
-    // live and its size is passed.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_mount_setattr,
-            tree.as_raw_fd(),
-            c"".as_ptr(),
-            libc::AT_EMPTY_PATH | libc::AT_RECURSIVE,
-            &attr as *const libc::mount_attr,
-            std::mem::size_of::<libc::mount_attr>(),
-        )
-    };
-    if rc != 0 {
-        return Err(PodMountError::Attributes(root.to_path_buf(), Errno::last()));
-    }
-    Ok(tree)
 }
 
 fn open_namespace(jail_pid: u32) -> Result<File, PodMountError> {

@@ -49,6 +49,46 @@ pub struct Spec {
     /// Linux specifics.
     #[serde(default)]
     pub linux: Option<Linux>,
+    /// Mounts to make in the container's root.
+    #[serde(default)]
+    pub mounts: Vec<MountSpec>,
+}
+
+/// One entry of the spec's `mounts`.
+#[derive(Clone, Debug, Default, Deserialize)]
+pub struct MountSpec {
+    /// Where, in the container.
+    pub destination: String,
+    /// The filesystem type (`bind`, `proc`, `tmpfs`...); may be empty for a bind.
+    #[serde(rename = "type", default)]
+    pub kind: String,
+    /// What: a host path for a bind.
+    #[serde(default)]
+    pub source: String,
+    /// Mount options (`rbind`, `ro`, ...).
+    #[serde(default)]
+    pub options: Vec<String>,
+}
+
+impl MountSpec {
+    /// Whether it binds a host path (`type: bind`, or a `bind`/`rbind` option).
+    pub fn is_bind(&self) -> bool {
+        self.kind == "bind" || self.options.iter().any(|o| o == "bind" || o == "rbind")
+    }
+
+    /// Whether it is read-only.
+    pub fn read_only(&self) -> bool {
+        self.options.iter().any(|o| o == "ro")
+    }
+
+    /// Whether the destination lies in what the sandbox provides itself (`/proc`,
+    /// `/dev`, `/sys`): the sandbox's own take their place.
+    pub fn under_sandbox_filesystems(&self) -> bool {
+        let dest = std::path::Path::new(&self.destination);
+        ["/proc", "/dev", "/sys"]
+            .iter()
+            .any(|p| dest.starts_with(p))
+    }
 }
 
 /// A process to run.
@@ -135,6 +175,15 @@ impl Spec {
         self.annotations.get(SNAPSHOT).map(String::as_str)
     }
 
+    /// The host paths to bind into the container's root: volumes, and the kubelet's
+    /// `/etc/hosts`, `/etc/hostname` and `/etc/resolv.conf` (not those under `/proc`,
+    /// `/dev` and `/sys`, which the sandbox provides).
+    pub fn binds(&self) -> impl Iterator<Item = &MountSpec> {
+        self.mounts
+            .iter()
+            .filter(|m| m.is_bind() && !m.under_sandbox_filesystems())
+    }
+
     /// The container's process.
     pub fn process(&self) -> Result<&ProcessSpec, SpecError> {
         self.process.as_ref().ok_or(SpecError::NoProcess)
@@ -181,6 +230,24 @@ mod tests {
             p.env_pairs(),
             vec![("A".into(), "1".into()), ("PATH".into(), "/bin".into())]
         );
+    }
+
+    #[test]
+    fn binds_are_the_host_paths_outside_proc_dev_and_sys() {
+        let spec: Spec = serde_json::from_str(
+            r#"{"mounts":[
+                {"destination":"/proc","type":"proc","source":"proc"},
+                {"destination":"/dev/shm","type":"bind","source":"/run/s/shm","options":["rbind","ro"]},
+                {"destination":"/etc/hosts","type":"bind","source":"/run/s/hosts","options":["rbind","rprivate","rw"]},
+                {"destination":"/data","source":"/srv/vol","options":["rbind","ro"]},
+                {"destination":"/run","type":"tmpfs","source":"tmpfs"}]}"#,
+        )
+        .unwrap();
+        let binds: Vec<_> = spec
+            .binds()
+            .map(|m| (m.destination.as_str(), m.read_only()))
+            .collect();
+        assert_eq!(binds, vec![("/etc/hosts", false), ("/data", true)]);
     }
 
     #[test]

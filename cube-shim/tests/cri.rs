@@ -17,7 +17,7 @@ use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec,
     LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
-    LinuxSandboxSecurityContext, NamespaceMode, NamespaceOption, PodSandboxConfig,
+    LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption, PodSandboxConfig,
     PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest,
     StopPodSandboxRequest,
 };
@@ -65,11 +65,22 @@ fn pod_config(name: &str) -> PodSandboxConfig {
     }
 }
 
+/// A host directory bound at `/shared`.
+fn shared(host: &std::path::Path, readonly: bool) -> Vec<Mount> {
+    vec![Mount {
+        container_path: "/shared".into(),
+        host_path: host.display().to_string(),
+        readonly,
+        ..Default::default()
+    }]
+}
+
 /// Runs a pod with one `sleep` container; returns (pod id, container id).
 async fn start_pod(
     client: &mut RuntimeServiceClient<Channel>,
     name: &str,
     handler: &str,
+    mounts: Vec<Mount>,
 ) -> Result<(String, String), String> {
     let config = pod_config(name);
     let pod = client
@@ -81,7 +92,7 @@ async fn start_pod(
         .map_err(|e| format!("RunPodSandbox ({handler}): {}", e.message()))?
         .into_inner()
         .pod_sandbox_id;
-    let container = start_container(client, &pod, &config, "main", &["sleep", "1000"])
+    let container = start_container(client, &pod, &config, "main", &["sleep", "1000"], mounts)
         .await
         .map_err(|e| format!("{e} ({handler})"))?;
     Ok((pod, container))
@@ -94,6 +105,7 @@ async fn start_container(
     pod_config: &PodSandboxConfig,
     name: &str,
     command: &[&str],
+    mounts: Vec<Mount>,
 ) -> Result<String, String> {
     let container = client
         .create_container(CreateContainerRequest {
@@ -108,6 +120,7 @@ async fn start_container(
                     ..Default::default()
                 }),
                 command: command.iter().map(|a| a.to_string()).collect(),
+                mounts,
                 linux: Some(LinuxContainerConfig {
                     security_context: Some(LinuxContainerSecurityContext {
                         namespace_options: host_network(),
@@ -181,6 +194,10 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
     }
     let c = Containerd::start();
     c.import_images(CRI_NAMESPACE);
+    // A volume: a host directory any uid may write (as the kubelet makes emptyDir).
+    let volume_dir = tempfile::tempdir().unwrap();
+    let volume = volume_dir.path().to_path_buf();
+    std::fs::set_permissions(&volume, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -200,7 +217,7 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
                 Ok(r) => {
                     let pod = r.into_inner().pod_sandbox_id;
                     remove_pod(&mut client, &pod).await;
-                    break start_pod(&mut client, "first", "cube")
+                    break start_pod(&mut client, "first", "cube", shared(&volume, false))
                         .await
                         .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
                 }
@@ -231,6 +248,7 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
             &pod_config("first"),
             "side",
             &["sh", "-c", "echo side > /side-marker; exec sleep 4242"],
+            shared(&volume, true),
         )
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
@@ -291,7 +309,14 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
                     continue;
                 }
                 let start = Instant::now();
-                match start_pod(&mut client, &format!("{handler}-{round}"), handler).await {
+                match start_pod(
+                    &mut client,
+                    &format!("{handler}-{round}"),
+                    handler,
+                    Vec::new(),
+                )
+                .await
+                {
                     Ok((pod, _)) => {
                         samples.push(start.elapsed());
                         remove_pod(&mut client, &pod).await;

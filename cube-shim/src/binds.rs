@@ -1,0 +1,199 @@
+//! The spec's bind mounts (volumes, the kubelet's `/etc/hosts`, `/etc/hostname` and
+//! `/etc/resolv.conf`) made in a pod container's root filesystem on the host, before
+//! that root is cloned into the pod's sandbox (the clone takes them along).
+//!
+//! Destinations are resolved inside the container's root (`openat2` with
+//! `RESOLVE_IN_ROOT`): the image is untrusted, and a symlink in it must not send a
+//! bind to a path of the host. Missing destinations are created there (directories
+//! for a directory, an empty file for a file), as runc does. Every bind is
+//! `nosuid,nodev`, read-only where the spec says `ro`.
+
+use std::ffi::CString;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::{Component, Path, PathBuf};
+
+use nix::errno::Errno;
+
+use crate::detached_tree::{DetachedTree, TreeError};
+use crate::spec::MountSpec;
+
+/// Why a bind could not be made.
+#[derive(Debug, thiserror::Error)]
+pub enum BindError {
+    /// The source is not there.
+    #[error("bind source {0}")]
+    Source(PathBuf, #[source] std::io::Error),
+    /// The destination is not an absolute path inside the container.
+    #[error("bind destination {0:?} is not an absolute path")]
+    Destination(String),
+    /// The destination could not be opened or made inside the container's root.
+    #[error("bind destination {0} in the container's root")]
+    Target(String, #[source] Errno),
+    /// The mount itself failed.
+    #[error("binding {0}")]
+    Mount(String, #[source] TreeError),
+}
+
+/// Makes every bind of `binds` under `root`, the container's root filesystem mounted
+/// on the host.
+pub fn bind_into<'a>(
+    root: &Path,
+    binds: impl Iterator<Item = &'a MountSpec>,
+) -> Result<(), BindError> {
+    let root_fd = open_path(libc::AT_FDCWD, root, libc::O_DIRECTORY, 0)
+        .map_err(|e| BindError::Target(root.display().to_string(), e))?;
+    for bind in binds {
+        let source = Path::new(&bind.source);
+        let is_dir = std::fs::metadata(source)
+            .map_err(|e| BindError::Source(source.to_path_buf(), e))?
+            .is_dir();
+        let dest = relative(&bind.destination)?;
+        let target = if is_dir {
+            ensure_dir(&root_fd, &dest)
+        } else {
+            ensure_file(&root_fd, &dest)
+        }
+        .map_err(|e| BindError::Target(bind.destination.clone(), e))?;
+        DetachedTree::clone_of(source, bind.read_only())
+            .and_then(|tree| tree.move_onto(target.as_fd()))
+            .map_err(|e| BindError::Mount(bind.destination.clone(), e))?;
+    }
+    Ok(())
+}
+
+/// `/a/b` as `a/b`; refuses relative paths and `..`.
+fn relative(destination: &str) -> Result<PathBuf, BindError> {
+    let path = Path::new(destination);
+    if !path.is_absolute() || path.components().any(|c| c == Component::ParentDir) {
+        return Err(BindError::Destination(destination.to_string()));
+    }
+    let rel: PathBuf = path
+        .components()
+        .filter(|c| matches!(c, Component::Normal(_)))
+        .collect();
+    if rel.as_os_str().is_empty() {
+        return Err(BindError::Destination(destination.to_string()));
+    }
+    Ok(rel)
+}
+
+/// `openat2(dir, path, O_PATH | flags, resolve)`.
+fn open_path(dir: RawFd, path: &Path, flags: i32, resolve: u64) -> Result<OwnedFd, Errno> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
+    // SAFETY: open_how is plain data; all-zero is valid and the fields are set below.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_PATH | libc::O_CLOEXEC | flags) as u64;
+    // Magic links (/proc/self/...) are never what a destination means.
+    how.resolve = resolve | libc::RESOLVE_NO_MAGICLINKS;
+    // SAFETY: `c` and `how` are live for the call and the size of `how` is passed.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_openat2,
+            dir,
+            c.as_ptr(),
+            &how as *const libc::open_how,
+            std::mem::size_of::<libc::open_how>(),
+        )
+    };
+    if fd < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: openat2 returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// `rel` inside `root` (symlinks resolved as if `root` were `/`).
+fn open_in_root(root: &OwnedFd, rel: &Path, flags: i32) -> Result<OwnedFd, Errno> {
+    open_path(root.as_raw_fd(), rel, flags, libc::RESOLVE_IN_ROOT)
+}
+
+/// The directory `rel` inside `root`, made (with its parents) where missing.
+fn ensure_dir(root: &OwnedFd, rel: &Path) -> Result<OwnedFd, Errno> {
+    match open_in_root(root, rel, libc::O_DIRECTORY) {
+        Err(Errno::ENOENT) => {}
+        other => return other,
+    }
+    let (parent, name) = parent_and_name(root, rel)?;
+    // SAFETY: `name` is a live NUL-terminated string; `parent` an open directory.
+    if unsafe { libc::mkdirat(parent.as_raw_fd(), name.as_ptr(), 0o755) } != 0
+        && Errno::last() != Errno::EEXIST
+    {
+        return Err(Errno::last());
+    }
+    open_in_root(root, rel, libc::O_DIRECTORY)
+}
+
+/// The file `rel` inside `root`, made empty (with its parent directories) where
+/// missing.
+fn ensure_file(root: &OwnedFd, rel: &Path) -> Result<OwnedFd, Errno> {
+    match open_in_root(root, rel, 0) {
+        Err(Errno::ENOENT) => {}
+        other => return other,
+    }
+    let (parent, name) = parent_and_name(root, rel)?;
+    // O_NOFOLLOW: a dangling link there is refused rather than followed.
+    // SAFETY: `name` is a live NUL-terminated string; `parent` an open directory.
+    let fd = unsafe {
+        libc::openat(
+            parent.as_raw_fd(),
+            name.as_ptr(),
+            libc::O_CREAT | libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+            0o644,
+        )
+    };
+    if fd < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: a new descriptor, closed at once.
+    drop(unsafe { OwnedFd::from_raw_fd(fd) });
+    open_in_root(root, rel, 0)
+}
+
+/// The directory that holds `rel` (made where missing) and `rel`'s last name.
+fn parent_and_name(root: &OwnedFd, rel: &Path) -> Result<(OwnedFd, CString), Errno> {
+    let name = rel.file_name().ok_or(Errno::EINVAL)?;
+    let name = CString::new(name.as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
+    let parent = match rel.parent().filter(|p| !p.as_os_str().is_empty()) {
+        Some(p) => ensure_dir(root, p)?,
+        None => open_in_root(root, Path::new("."), libc::O_DIRECTORY)?,
+    };
+    Ok((parent, name))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn destinations_are_absolute_paths_without_dot_dot() {
+        assert_eq!(relative("/etc/hosts").unwrap(), PathBuf::from("etc/hosts"));
+        assert_eq!(relative("/data/").unwrap(), PathBuf::from("data"));
+        for bad in ["etc/hosts", "/", "/a/../b", ""] {
+            assert!(relative(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn a_symlink_in_the_root_cannot_send_a_destination_out_of_it() {
+        let root = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        // The image's /etc points at a host directory, absolutely and relatively.
+        std::os::unix::fs::symlink(outside.path(), root.path().join("etc")).unwrap();
+        std::os::unix::fs::symlink("../../../../..", root.path().join("up")).unwrap();
+        let root_fd = open_path(libc::AT_FDCWD, root.path(), libc::O_DIRECTORY, 0).unwrap();
+        // Where /etc leads inside the root is missing: refused, nothing made outside.
+        assert!(ensure_file(&root_fd, Path::new("etc/hosts")).is_err());
+        // Once it exists inside the root, the file is made there.
+        let inside = root.path().join(outside.path().strip_prefix("/").unwrap());
+        std::fs::create_dir_all(&inside).unwrap();
+        ensure_file(&root_fd, Path::new("etc/hosts")).unwrap();
+        assert!(inside.join("hosts").is_file());
+        // `..` past the root stays at the root.
+        ensure_dir(&root_fd, Path::new("up/data")).unwrap();
+        assert!(root.path().join("data").is_dir());
+        assert!(
+            std::fs::read_dir(outside.path()).unwrap().next().is_none(),
+            "a file was made outside the root"
+        );
+    }
+}
