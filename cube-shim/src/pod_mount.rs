@@ -169,46 +169,42 @@ fn run_helper(step: impl Fn() -> Result<(), (usize, Errno)>) -> Result<(), PodMo
         return Err(PodMountError::Fork(Errno::last()));
     }
     if pid == 0 {
-        let code = match step() {
-            Ok(()) => 0,
-            Err((index, errno)) => {
-                let record = [index as i32, errno as i32];
-                // SAFETY: writes the 8 bytes of `record` to the pipe.
-                unsafe { libc::write(write.as_raw_fd(), record.as_ptr().cast(), 8) };
-                1
-            }
+        // The record says how it went, success included: the shim reaps its children
+        // on SIGCHLD (containerd-shim does), so the exit status may never reach us.
+        let (record, code) = match step() {
+            Ok(()) => ([-1i32, 0], 0),
+            Err((index, errno)) => ([index as i32, errno as i32], 1),
         };
+        // SAFETY: writes the 8 bytes of `record` to the pipe.
+        unsafe { libc::write(write.as_raw_fd(), record.as_ptr().cast(), 8) };
         // SAFETY: ends the child without running the parent's exit handlers.
         unsafe { libc::_exit(code) };
     }
     drop(write);
-    let mut status = 0;
-    loop {
-        // SAFETY: waits for the child forked above; `status` is live.
-        let rc = unsafe { libc::waitpid(pid, &mut status, 0) };
-        if rc == pid {
-            break;
-        }
-        let errno = Errno::last();
-        if errno != Errno::EINTR {
-            return Err(PodMountError::Fork(errno));
-        }
-    }
     let mut record = [0i32; 2];
-    // SAFETY: reads at most 8 bytes into `record`.
-    let n = unsafe { libc::read(read.as_raw_fd(), record.as_mut_ptr().cast(), 8) };
-    if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
-        return Ok(());
-    }
-    let (step, errno) = if n == 8 {
-        (
-            STEPS.get(record[0] as usize).copied().unwrap_or("a step"),
-            Errno::from_raw(record[1]),
-        )
-    } else {
-        ("the mount helper", Errno::ECHILD)
+    let n = loop {
+        // SAFETY: reads at most 8 bytes into `record`; returns once the child wrote
+        // its record or ended (the pipe's only write end closes with it).
+        let n = unsafe { libc::read(read.as_raw_fd(), record.as_mut_ptr().cast(), 8) };
+        if n >= 0 || Errno::last() != Errno::EINTR {
+            break n;
+        }
     };
-    Err(PodMountError::InSandbox { step, errno })
+    let mut status = 0;
+    // SAFETY: reaps the child forked above if nobody else did; `status` is live.
+    // ECHILD (reaped elsewhere) is fine: the record carries the outcome.
+    while unsafe { libc::waitpid(pid, &mut status, 0) } < 0 && Errno::last() == Errno::EINTR {}
+    match (n, record) {
+        (8, [-1, _]) => Ok(()),
+        (8, [index, errno]) => Err(PodMountError::InSandbox {
+            step: STEPS.get(index as usize).copied().unwrap_or("a step"),
+            errno: Errno::from_raw(errno),
+        }),
+        _ => Err(PodMountError::InSandbox {
+            step: "the mount helper, which ended without a word",
+            errno: Errno::ECHILD,
+        }),
+    }
 }
 
 fn check(index: usize, rc: libc::c_int) -> Result<(), (usize, Errno)> {

@@ -162,11 +162,14 @@ fn spawn(
     drop(theirs);
     // The launcher forks the real supervisor and exits at once; reaping it here leaves
     // no zombie, and the supervisor is re-parented away from us.
-    let status = launcher
-        .wait()
-        .map_err(|e| PoolError::Spawn(exe.display().to_string(), e))?;
-    if !status.success() {
-        return Err(PoolError::Launcher(status));
+    match launcher.wait() {
+        Ok(status) if !status.success() => return Err(PoolError::Launcher(status)),
+        Ok(_) => {}
+        // A caller that reaps every child of its own (a containerd shim does, on
+        // SIGCHLD) took the launcher's status first: the greeting below still says
+        // whether the supervisor started.
+        Err(e) if e.raw_os_error() == Some(libc::ECHILD) => {}
+        Err(e) => return Err(PoolError::Spawn(exe.display().to_string(), e)),
     }
     // The supervisor says when it is warm (KVM open, a VM pre-built) or why it cannot be.
     match read_frame::<Response>(&mut &ours) {
