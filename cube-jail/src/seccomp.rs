@@ -20,6 +20,10 @@
 
 use std::collections::BTreeMap;
 
+#[cfg(test)]
+mod bpf_interpreter;
+pub mod fast_allow;
+
 use nix::errno::Errno;
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -35,6 +39,9 @@ pub enum SeccompError {
     /// This CPU architecture is not supported by the filter.
     #[error("seccomp filters are built for x86-64 only")]
     UnsupportedArch,
+    /// The deny list's fast path could not be built.
+    #[error("cannot build the seccomp filter's fast path")]
+    FastAllow(#[from] fast_allow::FastAllowError),
 }
 
 /// System calls refused with EPERM, with the reason they are refused.
@@ -263,56 +270,13 @@ impl SeccompProgram {
         if std::env::consts::ARCH != "x86_64" {
             return Err(SeccompError::UnsupportedArch);
         }
-        let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED
-            .iter()
-            .filter(|(_, nr, _)| !allowed.contains(nr))
-            .map(|(_, nr, _)| (*nr, Vec::new()))
-            .collect();
-        let clone_rules = NAMESPACE_FLAGS
-            .iter()
-            .map(|flag| {
-                let cond = SeccompCondition::new(
-                    0,
-                    SeccompCmpArgLen::Qword,
-                    SeccompCmpOp::MaskedEq(*flag),
-                    *flag,
-                )?;
-                SeccompRule::new(vec![cond])
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(SeccompError::Build)?;
-        rules.insert(libc::SYS_clone, clone_rules);
-        // personality may only query (0xffffffff) or set plain PER_LINUX: other
-        // personas can disable ASLR or map page zero.
-        let personality = [PERSONALITY_QUERY, 0]
-            .into_iter()
-            .map(|v| SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, v))
-            .collect::<Result<Vec<_>, _>>()
-            .and_then(SeccompRule::new)
-            .map_err(SeccompError::Build)?;
-        rules.insert(libc::SYS_personality, vec![personality]);
-        // The request is an `unsigned int` to the kernel: only its low 32 bits count,
-        // so only they are compared (high bits set cannot slip past).
-        let ioctls = DENIED_IOCTLS
-            .iter()
-            .map(|req| {
-                SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, *req)
-                    .and_then(|c| SeccompRule::new(vec![c]))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(SeccompError::Build)?;
-        rules.insert(libc::SYS_ioctl, ioctls);
-        let deny: BpfProgram = SeccompFilter::new(
-            rules,
-            SeccompAction::Allow,
-            SeccompAction::Errno(libc::EPERM as u32),
-            arch,
-        )
-        .and_then(TryInto::try_into)
-        .map_err(SeccompError::Build)?;
+        let (deny, listed) = deny_list_program(allowed, arch)?;
         let families = family_filter(arch)?;
         let clone3 = clone3_unsupported(arch).map_err(SeccompError::Build)?;
 
+        // Unlisted calls are let through first: the kernel emulates the filter for
+        // every call number when it is attached (see `fast_allow`).
+        let deny = fast_allow::allow_unlisted_first(&deny, &listed)?;
         // x32 numbers alias x86-64 system calls with the 0x40000000 bit set; a deny list
         // must refuse the whole range.
         let x32_guard = guard_x32(&deny, libc::SECCOMP_RET_ERRNO | libc::ENOSYS as u32);
@@ -359,6 +323,64 @@ impl SeccompProgram {
         }
         Ok(())
     }
+}
+
+/// The deny list compiled by seccompiler (EPERM for [`DENIED`] but `allowed`, and for
+/// `clone`, `personality` and `ioctl` with the arguments refused), and the numbers it
+/// has rules for.
+fn deny_list_program(
+    allowed: &[libc::c_long],
+    arch: TargetArch,
+) -> Result<(BpfProgram, Vec<i64>), SeccompError> {
+    let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED
+        .iter()
+        .filter(|(_, nr, _)| !allowed.contains(nr))
+        .map(|(_, nr, _)| (*nr, Vec::new()))
+        .collect();
+    let clone_rules = NAMESPACE_FLAGS
+        .iter()
+        .map(|flag| {
+            let cond = SeccompCondition::new(
+                0,
+                SeccompCmpArgLen::Qword,
+                SeccompCmpOp::MaskedEq(*flag),
+                *flag,
+            )?;
+            SeccompRule::new(vec![cond])
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(SeccompError::Build)?;
+    rules.insert(libc::SYS_clone, clone_rules);
+    // personality may only query (0xffffffff) or set plain PER_LINUX: other
+    // personas can disable ASLR or map page zero.
+    let personality = [PERSONALITY_QUERY, 0]
+        .into_iter()
+        .map(|v| SeccompCondition::new(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, v))
+        .collect::<Result<Vec<_>, _>>()
+        .and_then(SeccompRule::new)
+        .map_err(SeccompError::Build)?;
+    rules.insert(libc::SYS_personality, vec![personality]);
+    // The request is an `unsigned int` to the kernel: only its low 32 bits count,
+    // so only they are compared (high bits set cannot slip past).
+    let ioctls = DENIED_IOCTLS
+        .iter()
+        .map(|req| {
+            SeccompCondition::new(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, *req)
+                .and_then(|c| SeccompRule::new(vec![c]))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(SeccompError::Build)?;
+    rules.insert(libc::SYS_ioctl, ioctls);
+    let listed: Vec<i64> = rules.keys().copied().collect();
+    let deny: BpfProgram = SeccompFilter::new(
+        rules,
+        SeccompAction::Allow,
+        SeccompAction::Errno(libc::EPERM as u32),
+        arch,
+    )
+    .and_then(TryInto::try_into)
+    .map_err(SeccompError::Build)?;
+    Ok((deny, listed))
 }
 
 /// The socket filter: `socket` of a family outside [`ALLOWED_FAMILIES`], or of netlink
@@ -475,6 +497,42 @@ mod tests {
         for family in ALLOWED_FAMILIES {
             assert!(p.filters[2].iter().any(|i| i.k == *family as u32));
         }
+    }
+
+    #[test]
+    fn the_fast_path_decides_every_call_as_the_deny_list_does() {
+        use bpf_interpreter::{run, SeccompData};
+        let arch = TargetArch::x86_64;
+        let (plain, listed) = deny_list_program(&[], arch).unwrap();
+        let fast = fast_allow::allow_unlisted_first(&plain, &listed).unwrap();
+        // Arguments the rules look at: each namespace flag of clone, personalities,
+        // the refused ioctls, and plain values.
+        let mut first_args: Vec<u64> = vec![0, 1, u64::MAX, PERSONALITY_QUERY, 0x0040_0000];
+        first_args.extend(NAMESPACE_FLAGS);
+        first_args.push(NAMESPACE_FLAGS.iter().fold(0, |a, f| a | f));
+        let mut second_args: Vec<u64> = vec![0, u64::MAX, libc::TCGETS];
+        second_args.extend(DENIED_IOCTLS);
+        second_args.extend(DENIED_IOCTLS.iter().map(|r| r | 0xffff_ffff_0000_0000));
+        let mut allowed_at_once = 0;
+        for audit_arch in [0xc000_003e /* x86-64 */, 0x4000_0003 /* i386 */] {
+            for nr in 0..1024 {
+                for a0 in &first_args {
+                    for a1 in &second_args {
+                        let data = SeccompData::call(audit_arch, nr, [*a0, *a1, 0, 0, 0, 0]);
+                        let (action, steps) = bpf_interpreter::run_counting(&fast, &data);
+                        assert_eq!(
+                            action,
+                            run(&plain, &data),
+                            "nr {nr} arch {audit_arch:#x} args {a0:#x} {a1:#x}"
+                        );
+                        if steps <= 20 {
+                            allowed_at_once += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert!(allowed_at_once > 0, "the fast path never decided alone");
     }
 
     #[test]
