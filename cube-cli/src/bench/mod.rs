@@ -97,8 +97,10 @@ const CREATES_PER_SNAPSHOT: usize = 15;
 #[derive(Serialize)]
 struct SnapshotRow {
     dirty_mib: u64,
+    /// p50 over `snapshot_n` snapshots, each after the same pages were dirtied again.
     snapshot_ms: f64,
-    /// How long the sandbox was stopped for the snapshot (see
+    snapshot_n: usize,
+    /// How long the sandbox was stopped for the snapshot, p50 (see
     /// [`Report::source_paused_means`]).
     source_paused_ms: f64,
     /// p50 over [`CREATES_PER_SNAPSHOT`] creates.
@@ -231,9 +233,12 @@ fn timed<T>(
 /// Timed sequential writes of the largest snapshot's size, for the write floor.
 const FLOOR_WRITES: usize = 3;
 
+/// Snapshots taken of each dirty size; the row is their median.
+const SNAPSHOTS_PER_SIZE: usize = 3;
+
 /// Sequential write of `mib` MiB into the store's scratch directory, MiB/s.
-fn write_floor(store: &Path, mib: usize) -> Result<f64, CliError> {
-    floor::sequential_write(&cube_core::store::Store::tmp_dir_at(store), mib.max(64))
+fn write_floor(store: &Path, source: &[u8]) -> Result<f64, CliError> {
+    floor::sequential_write(&cube_core::store::Store::tmp_dir_at(store), source)
         .map_err(CliError::failed)
 }
 
@@ -330,52 +335,83 @@ fn run_plan(
         let mut sb = rt.create(template, ephemeral()).map_err(CliError::from)?;
         let result = (|| {
             sb.guest_wait_working_set().map_err(CliError::from)?;
-            if mib > 0 {
-                sb.guest_dirty(mib, 0x1000).map_err(CliError::from)?;
-            }
             let with_floor = mib == largest_dirty && mib > 0;
-            if with_floor {
-                // An untimed write of the same size first, for the snapshot and the
-                // floor after it alike: on a nested host the first touch of memory the
-                // host has not backed yet costs far more than the copy (1 GiB: the
-                // snapshot took 3.6 s cold, 0.2-0.8 s after this write; the floor
-                // measured cold swung between 300 and 2700 MiB/s, warm 6-8 GiB/s), and
-                // that is the host's cost, not the snapshot's.
-                write_floor(&store, mib as usize)?;
+            // Made (and touched) before the snapshot: allocating a GiB costs the host's
+            // first touch, which must not fall between the warm-up and the snapshot.
+            let source = if with_floor {
+                floor::write_source(mib as usize)
+            } else {
+                Vec::new()
+            };
+            // One snapshot was one sample, and the largest swung 186-327 ms across
+            // runs of an otherwise quiet host: each size is snapshotted several times
+            // (the same pages dirtied again before each) and the row is the median.
+            let mut times = Vec::with_capacity(SNAPSHOTS_PER_SIZE);
+            let mut paused = Vec::with_capacity(SNAPSHOTS_PER_SIZE);
+            let mut dirty_pages = 0;
+            let mut first = None;
+            for _ in 0..SNAPSHOTS_PER_SIZE {
+                if mib > 0 {
+                    sb.guest_dirty(mib, 0x1000).map_err(CliError::from)?;
+                }
+                if with_floor {
+                    // An untimed write of the same size first, for the snapshot and the
+                    // floor after it alike: on a nested host the first touch of memory
+                    // the host has not backed yet costs far more than the copy (1 GiB:
+                    // the snapshot took 3.6 s cold, 0.2-0.8 s after this write; the
+                    // floor measured cold swung between 300 and 2700 MiB/s, warm 6-8
+                    // GiB/s), and that is the host's cost, not the snapshot's.
+                    write_floor(&store, &source)?;
+                }
+                floor::settle_filesystem(&store).map_err(CliError::failed)?;
+                let (snap_time, snap) = timed(|| sb.snapshot())?;
+                // The snapshot's background flush would compete with the restore (and
+                // the next sample) for the disk; the reference times them apart too.
+                wait_durable(&snap.dir)?;
+                times.push(snap_time);
+                paused.push(Duration::from_micros(snap.stats.paused_us));
+                dirty_pages = snap.stats.dirty_pages;
+                first.get_or_insert(snap.id);
             }
-            floor::settle_filesystem(&store).map_err(CliError::failed)?;
-            let (snap_time, snap) = timed(|| sb.snapshot())?;
-            // The snapshot's background flush would compete with the restore for the
-            // disk; the reference times them apart too.
-            wait_durable(&snap.dir)?;
+            let (snap_ms, _) = percentiles_ms(&times);
+            let (paused_ms, _) = percentiles_ms(&paused);
             if with_floor {
-                // After the snapshot, the median of three (each write settles the
-                // filesystem first).
+                // After the snapshots, the median of three, each after an untimed write
+                // of its own: memory freed a few seconds earlier may have been handed
+                // back to the host by then (free page reporting), and its first touch
+                // made one floor run here read 904 MiB/s against 5900-6400 in others.
                 let mut speeds = Vec::with_capacity(FLOOR_WRITES);
                 for _ in 0..FLOOR_WRITES {
-                    speeds.push(write_floor(&store, mib as usize)?);
+                    write_floor(&store, &source)?;
+                    speeds.push(write_floor(&store, &source)?);
                 }
                 speeds.sort_by(f64::total_cmp);
                 floor_write = speeds.get(FLOOR_WRITES / 2).copied();
             }
-            // A create is a few ms: one sample is as much noise as signal, so the
-            // largest-against-clean ratio compares medians.
+            // Let go before the creates: the pool starts supervisors meanwhile, and a
+            // process holding a GiB is slower to fork (creates from the largest
+            // snapshot read 2.0-2.3x the clean ones with it held, ~1 without).
+            drop(source);
+            // Creates from the first snapshot, a clone of the template's memory file as
+            // a user's first snapshot is. A create is a few ms: one sample is as much
+            // noise as signal, so the largest-against-clean ratio compares medians.
+            let first = first.ok_or_else(|| CliError::failed("no snapshot was taken"))?;
             let mut creates = Vec::with_capacity(CREATES_PER_SNAPSHOT);
             for _ in 0..CREATES_PER_SNAPSHOT {
                 rt.wait_pool_ready();
-                let (create_time, clone) =
-                    timed(|| rt.create_from_snapshot(&snap.id, ephemeral()))?;
+                let (create_time, clone) = timed(|| rt.create_from_snapshot(&first, ephemeral()))?;
                 let _ = clone.destroy();
                 creates.push(create_time);
             }
             let (create_p50, create_p95) = percentiles_ms(&creates);
             Ok::<_, CliError>(SnapshotRow {
                 dirty_mib: mib,
-                snapshot_ms: round2(snap_time.as_secs_f64() * 1e3),
-                source_paused_ms: round2(snap.stats.paused_us as f64 / 1e3),
+                snapshot_ms: round2(snap_ms),
+                snapshot_n: times.len(),
+                source_paused_ms: round2(paused_ms),
                 create_from_snapshot_ms: round2(create_p50),
                 create_from_snapshot_p95_ms: round2(create_p95),
-                dirty_pages: snap.stats.dirty_pages,
+                dirty_pages,
             })
         })();
         let _ = sb.destroy();
@@ -384,7 +420,7 @@ fn run_plan(
 
     let floor_write = match floor_write {
         Some(f) => f,
-        None => write_floor(&store, 256)?,
+        None => write_floor(&store, &floor::write_source(256))?,
     };
 
     progress("rollback, pause, resume, hibernate, wake");
