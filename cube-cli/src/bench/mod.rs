@@ -62,7 +62,7 @@ pub struct BenchArgs {
     kernel: Option<std::path::PathBuf>,
     /// Measure scaling instead (CubeSandbox's §3.2 and §3.3) for --engine: creates at
     /// concurrency 1 to 64 and the memory of 100 and 500 idle sandboxes. Not part of
-    /// --quick: 5 to 15 minutes on a 2-core host.
+    /// --quick: a few minutes on a 2-core host (3 for the VM engine, 15 s for jails here).
     #[arg(long)]
     scaling: bool,
     /// Concurrency levels for --scaling.
@@ -236,7 +236,7 @@ const FLOOR_WRITES: usize = 3;
 /// Snapshots taken of each dirty size; the row is their median.
 const SNAPSHOTS_PER_SIZE: usize = 3;
 
-/// Sequential write of `mib` MiB into the store's scratch directory, MiB/s.
+/// Sequential write of `source` into the store's scratch directory, MiB/s.
 fn write_floor(store: &Path, source: &[u8]) -> Result<f64, CliError> {
     floor::sequential_write(&cube_core::store::Store::tmp_dir_at(store), source)
         .map_err(CliError::failed)

@@ -78,7 +78,7 @@ pub fn run(root: &Path, engine: &str, plan: &ScalingPlan, json: bool) -> Result<
     let started = Instant::now();
     let max = plan.levels.iter().copied().max().unwrap_or(1);
     progress(&format!(
-        "scaling, {engine}: {} levels up to {max}, density {:?} (about 5-15 minutes on 2 cores)",
+        "scaling, {engine}: {} levels up to {max}, density {:?} (on 2 cores: ~3 minutes for VMs, seconds for jails)",
         plan.levels.len(),
         plan.density
     ));
