@@ -356,7 +356,11 @@ fn measure(
     }
     let mut cube_run = Vec::new();
     let mut bwrap = Vec::new();
-    for _ in 0..repeats {
+    // The full-state section's clones leave the pool refilling: supervisors starting
+    // on 2 cores beside these runs. And a run is a few ms, so ten samples left the
+    // ratio's p50s noisy (1.52 and 1.71 in two CI runs of one build): more of them.
+    pooled.wait_pool_ready();
+    for _ in 0..repeats * RUN_TRUE_SAMPLES_PER_REPEAT {
         cube_run.push(time_command(
             Command::new(&cube)
                 .arg("--store")
@@ -556,6 +560,9 @@ fn full_state(rt: &Runtime, repeats: usize) -> Result<FullStateRows, CliError> {
         image_bytes,
     })
 }
+
+/// `true` end to end, each way, per repeat of the bench.
+const RUN_TRUE_SAMPLES_PER_REPEAT: usize = 3;
 
 /// bubblewrap around the same `true`: the host's /usr read-only, fresh /proc, /dev and
 /// /tmp, every namespace it can unshare.
