@@ -437,21 +437,24 @@ pub fn clone3_unsupported(arch: TargetArch) -> Result<BpfProgram, seccompiler::B
 /// safe).
 pub fn guard_x32(program: &BpfProgram, action: u32) -> BpfProgram {
     let mut guarded = vec![
-        stmt(
-            (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16,
-            0, // offsetof(struct seccomp_data, nr)
-        ),
-        jump(
-            (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16,
-            X32_SYSCALL_BIT,
-            0,
-            1,
-        ),
-        stmt((libc::BPF_RET | libc::BPF_K) as u16, action),
+        stmt(LD_ABS, NR_OFFSET),
+        jump(JGE, X32_SYSCALL_BIT, 0, 1),
+        stmt(RET, action),
     ];
     guarded.extend_from_slice(program);
     guarded
 }
+
+/// Offsets into `struct seccomp_data`.
+const NR_OFFSET: u32 = 0;
+const ARCH_OFFSET: u32 = 4;
+
+/// The classic-BPF instructions the hand-written programs use.
+const LD_ABS: u16 = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
+const JEQ: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
+const JGE: u16 = (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16;
+const JA: u16 = (libc::BPF_JMP | libc::BPF_JA) as u16;
+const RET: u16 = (libc::BPF_RET | libc::BPF_K) as u16;
 
 fn stmt(code: u16, k: u32) -> seccompiler::sock_filter {
     seccompiler::sock_filter {
@@ -514,7 +517,10 @@ mod tests {
         second_args.extend(DENIED_IOCTLS);
         second_args.extend(DENIED_IOCTLS.iter().map(|r| r | 0xffff_ffff_0000_0000));
         let mut allowed_at_once = 0;
-        for audit_arch in [0xc000_003e /* x86-64 */, 0x4000_0003 /* i386 */] {
+        for audit_arch in [
+            fast_allow::AUDIT_ARCH_X86_64,
+            bpf_interpreter::AUDIT_ARCH_I386,
+        ] {
             for nr in 0..1024 {
                 for a0 in &first_args {
                     for a1 in &second_args {

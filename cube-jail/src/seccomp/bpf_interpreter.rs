@@ -5,6 +5,10 @@
 
 use seccompiler::sock_filter;
 
+/// `AUDIT_ARCH_I386` (EM_386 | little-endian): a 32-bit call through `int 0x80`, whose
+/// numbers mean other calls than x86-64's.
+pub const AUDIT_ARCH_I386: u32 = 3 | 0x4000_0000;
+
 /// The kernel's `struct seccomp_data`, as a filter sees it.
 #[derive(Clone, Copy, Debug)]
 pub struct SeccompData {

@@ -13,19 +13,11 @@
 
 use seccompiler::{sock_filter, BpfProgram};
 
+use super::{jump, stmt, ARCH_OFFSET, JA, JEQ, JGE, LD_ABS, NR_OFFSET, RET};
+
 /// `AUDIT_ARCH_X86_64` of `<linux/audit.h>` (EM_X86_64 | 64-bit | little-endian): what
 /// `seccomp_data.arch` holds for a native x86-64 system call.
-const AUDIT_ARCH_X86_64: u32 = 62 | 0x8000_0000 | 0x4000_0000;
-
-/// Offsets into `struct seccomp_data`.
-const NR_OFFSET: u32 = 0;
-const ARCH_OFFSET: u32 = 4;
-
-const LD_ABS: u16 = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
-const JEQ: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
-const JGE: u16 = (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16;
-const JA: u16 = (libc::BPF_JMP | libc::BPF_JA) as u16;
-const RET: u16 = (libc::BPF_RET | libc::BPF_K) as u16;
+pub(crate) const AUDIT_ARCH_X86_64: u32 = 62 | 0x8000_0000 | 0x4000_0000;
 
 /// Why the prefix could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -102,23 +94,10 @@ fn search(
     Ok(())
 }
 
-fn stmt(code: u16, k: u32) -> sock_filter {
-    sock_filter {
-        code,
-        jt: 0,
-        jf: 0,
-        k,
-    }
-}
-
-fn jump(code: u16, k: u32, jt: u8, jf: u8) -> sock_filter {
-    sock_filter { code, jt, jf, k }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::seccomp::bpf_interpreter::{run, SeccompData};
+    use crate::seccomp::bpf_interpreter::{run, SeccompData, AUDIT_ARCH_I386};
 
     /// A program that denies exactly `listed` (EPERM), in seccompiler's shape: the
     /// prefixed version must decide every input as it does.
@@ -147,7 +126,7 @@ mod tests {
         ] {
             let program = deny_only(&listed);
             let fast = allow_unlisted_first(&program, &listed).unwrap();
-            for arch in [AUDIT_ARCH_X86_64, 0x4000_0003 /* i386 */] {
+            for arch in [AUDIT_ARCH_X86_64, AUDIT_ARCH_I386] {
                 for nr in 0..600 {
                     let data = SeccompData::call(arch, nr, [0; 6]);
                     assert_eq!(
