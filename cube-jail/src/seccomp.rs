@@ -20,10 +20,12 @@
 
 use std::collections::BTreeMap;
 
+mod bpf;
 #[cfg(test)]
 mod bpf_interpreter;
 pub mod fast_allow;
 
+use bpf::{jump, stmt, JGE, LD_ABS, NR_OFFSET, RET};
 use nix::errno::Errno;
 use seccompiler::{
     BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter,
@@ -443,30 +445,6 @@ pub fn guard_x32(program: &BpfProgram, action: u32) -> BpfProgram {
     ];
     guarded.extend_from_slice(program);
     guarded
-}
-
-/// Offsets into `struct seccomp_data`.
-const NR_OFFSET: u32 = 0;
-const ARCH_OFFSET: u32 = 4;
-
-/// The classic-BPF instructions the hand-written programs use.
-const LD_ABS: u16 = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
-const JEQ: u16 = (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16;
-const JGE: u16 = (libc::BPF_JMP | libc::BPF_JGE | libc::BPF_K) as u16;
-const JA: u16 = (libc::BPF_JMP | libc::BPF_JA) as u16;
-const RET: u16 = (libc::BPF_RET | libc::BPF_K) as u16;
-
-fn stmt(code: u16, k: u32) -> seccompiler::sock_filter {
-    seccompiler::sock_filter {
-        code,
-        jt: 0,
-        jf: 0,
-        k,
-    }
-}
-
-fn jump(code: u16, k: u32, jt: u8, jf: u8) -> seccompiler::sock_filter {
-    seccompiler::sock_filter { code, jt, jf, k }
 }
 
 fn convert(i: &seccompiler::sock_filter) -> libc::sock_filter {

@@ -13,7 +13,7 @@
 
 use seccompiler::{sock_filter, BpfProgram};
 
-use super::{jump, stmt, ARCH_OFFSET, JA, JEQ, JGE, LD_ABS, NR_OFFSET, RET};
+use super::bpf::{jump, stmt, ARCH_OFFSET, JA, JEQ, JGE, LD_ABS, NR_OFFSET, RET};
 
 /// `AUDIT_ARCH_X86_64` of `<linux/audit.h>` (EM_X86_64 | 64-bit | little-endian): what
 /// `seccomp_data.arch` holds for a native x86-64 system call.
