@@ -209,6 +209,16 @@ mod tests {
         }
     }
 
+    /// Concurrency 0 ran no create and reported a row of zeros at millions per second.
+    #[test]
+    fn a_scaling_level_of_zero_is_refused() {
+        let err = Cli::try_parse_from(["cube", "bench", "--scaling", "--levels", "1,0"])
+            .err()
+            .expect("level 0 refused");
+        assert!(err.to_string().contains("--levels"), "{err}");
+        assert!(Cli::try_parse_from(["cube", "bench", "--scaling", "--levels", "1,8"]).is_ok());
+    }
+
     #[test]
     fn the_command_line_definition_is_consistent() {
         Cli::command().debug_assert();

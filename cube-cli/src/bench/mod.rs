@@ -65,8 +65,13 @@ pub struct BenchArgs {
     /// --quick: a few minutes on a 2-core host (3 for the VM engine, 15 s for jails here).
     #[arg(long)]
     scaling: bool,
-    /// Concurrency levels for --scaling.
-    #[arg(long, value_delimiter = ',', default_values_t = scaling::LEVELS.to_vec())]
+    /// Concurrency levels for --scaling (each at least 1).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_values_t = scaling::LEVELS.to_vec(),
+        value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..)
+    )]
     levels: Vec<usize>,
     /// Sandbox counts of the density rows for --scaling (0: none).
     #[arg(long, value_delimiter = ',', default_values_t = scaling::DENSITY.to_vec())]
