@@ -260,8 +260,9 @@ impl SandboxBackend for LinuxSandbox {
             .map_err(|e| Failure::from(error_chain(&e)))
     }
 
-    /// Memory diff, devices and disk; the VM stays paused until the snapshot is
-    /// committed (the dirty pages stay pending in it until then).
+    /// Memory diff, devices and disk, taken live: the vCPUs and devices stop only
+    /// while the state and the dirty set are taken ([`LinuxVm::snapshot`]). The dirty
+    /// pages stay pending in the VM until the snapshot is committed.
     fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure> {
         let sandbox_id = self
             .dir
@@ -271,46 +272,21 @@ impl SandboxBackend for LinuxSandbox {
         let tx = SnapshotTransaction::begin(staging, dest)?;
         let disk = self.dir.rootfs();
         let vm = awake(&mut self.vm, self.hibernated, VM_GONE)?;
-        let was_running = vm.is_running();
         let staged_dir = tx.create_staging()?;
-        let stopped = std::time::Instant::now();
-        let written = (|| {
-            vm.pause().map_err(|e| error_chain(&e))?;
-            let mut stats = vm
-                .snapshot(&staged_dir, Some(&disk))
-                .map_err(|e| error_chain(&e))?;
-            // The record counts until it is written; the answer below, until the
-            // VM runs again.
-            if was_running {
-                stats.paused_us = stopped.elapsed().as_micros() as u64;
-            }
-            Ok::<_, String>(stats)
-        })();
-        let committed = written.map_err(Failure::from).and_then(|stats| {
-            let committed = |dest: &Path| {
-                vm.snapshot_committed(dest)
-                    .map_err(|e| error_chain(&e).into())
-            };
-            let flushes = &mut self.flushes;
-            tx.commit(
-                &sandbox_id,
-                Engine::Vm,
-                Staged::full(stats),
-                committed,
-                flushes,
-            )
-        });
-        let resumed = if was_running {
-            vm.resume().map_err(|e| error_chain(&e))
-        } else {
-            Ok(())
+        let stats = vm
+            .snapshot(&staged_dir, Some(&disk))
+            .map_err(|e| Failure::from(error_chain(&e)))?;
+        let committed = |dest: &Path| {
+            vm.snapshot_committed(dest)
+                .map_err(|e| error_chain(&e).into())
         };
-        let mut meta = committed?;
-        resumed?;
-        if was_running {
-            meta.stats.paused_us = stopped.elapsed().as_micros() as u64;
-        }
-        Ok(meta)
+        tx.commit(
+            &sandbox_id,
+            Engine::Vm,
+            Staged::full(stats),
+            committed,
+            &mut self.flushes,
+        )
     }
 
     /// Replaces the VM with one restored from `snapshot` (its disk copied over the

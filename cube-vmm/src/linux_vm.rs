@@ -13,9 +13,9 @@ use cube_devices::virtio::device::VirtioDevice;
 
 use crate::arch::x86_64::acpi;
 use crate::boot::{self, bzimage, pvh, LoadError, CMDLINE_ADDR};
-use crate::device_manager::{VirtioDevices, VirtioDevicesError};
+use crate::device_manager::{Quiesced, VirtioDevices, VirtioDevicesError};
 use crate::microvm::{MicroVm, MicroVmBuilder, MicroVmError};
-use crate::persist::snapshot_writer::GuestContents;
+use crate::persist::snapshot_writer::{GuestRecords, SnapshotGuest};
 use crate::persist::state::{self as format, GuestKind, MachineConfig};
 use crate::persist::SnapshotStats;
 use crate::vcpu_runner::{AssistCounts, VcpuHandle, VcpuRunnerError};
@@ -88,6 +88,24 @@ pub struct LinuxGuest {
     devices: VirtioDevices,
 }
 
+impl SnapshotGuest for LinuxGuest {
+    type Still<'a> = Quiesced<'a>;
+
+    fn hold_still(&self) -> Quiesced<'_> {
+        self.devices.quiesce()
+    }
+
+    fn records(&self, still: &Quiesced<'_>) -> Result<GuestRecords, MicroVmError> {
+        Ok(GuestRecords {
+            kind: GuestKind::Linux,
+            devices: still
+                .save()
+                .map_err(|e| MicroVmError::Devices(Box::new(e)))?,
+            serial: Some(self.ports.save_serial()),
+        })
+    }
+}
+
 /// A booting (or booted) Linux guest: a [`MicroVm`] with COM1 and virtio devices.
 ///
 /// Its memory is tracked for dirty pages from the start (KVM's dirty log where the
@@ -113,14 +131,17 @@ impl MicroVm<LinuxGuest> {
         &self.guest.devices
     }
 
-    /// Writes a snapshot of the paused guest into the empty directory `dir`: memory
-    /// file, vCPU and VM state, COM1's registers and every virtio device's state
-    /// (format v4); with `disk`, a copy of that file (the root disk) as
-    /// [`cube_storage::SnapshotDir::rootfs`]. The vCPUs must be paused
-    /// ([`MicroVm::pause`]); they stay so.
+    /// Writes a snapshot of the guest into the empty directory `dir`: memory file,
+    /// vCPU and VM state, COM1's registers and every virtio device's state (format
+    /// v4); with `disk`, a copy of that file (the root disk) as
+    /// [`cube_storage::SnapshotDir::rootfs`].
     ///
-    /// The devices are held still meanwhile (their transports locked, so the event
-    /// loop serves nothing), so memory, device state and disk are of one instant.
+    /// A running guest's vCPUs stop, and its devices are held still (their transports
+    /// locked, so the event loop serves nothing), only while the dirty set, the vCPU,
+    /// VM and device state and the disk copy are taken: memory is copied after they
+    /// continue, as of that instant (a live snapshot, see
+    /// [`crate::persist::snapshot_writer`]); `paused_us` in the result says for how
+    /// long. A paused guest stays paused and held still while everything is written.
     /// After a restore or a committed snapshot the memory file is a clone of that
     /// parent (a reflink where the filesystem can) with only the pages dirtied since
     /// written over it; after a fresh boot it holds the pages ever written.
@@ -136,22 +157,7 @@ impl MicroVm<LinuxGuest> {
         dir: &Path,
         disk: Option<&Path>,
     ) -> Result<SnapshotStats, BootError> {
-        let quiet = self.guest.devices.quiesce();
-        // Collected with the devices still: nothing writes guest memory now.
-        let dirty = self.diff.take_pending()?;
-        let result = quiet.save().map_err(BootError::from).and_then(|devices| {
-            let contents = GuestContents {
-                kind: GuestKind::Linux,
-                devices,
-                serial: Some(self.guest.ports.save_serial()),
-                disk,
-            };
-            Ok(self.write_snapshot(dir, &dirty, contents)?)
-        });
-        drop(quiet);
-        // Until committed these pages are only in guest memory.
-        self.diff.keep_pending(dirty);
-        result
+        Ok(self.snapshot_running(dir, disk)?)
     }
 
     /// Restores the Linux snapshot in `dir` into a new VM, paused. `devices` must be

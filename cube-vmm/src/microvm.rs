@@ -68,6 +68,9 @@ pub enum MicroVmError {
     /// The root disk could not be copied into the snapshot.
     #[error("Copying the root disk into the snapshot")]
     Disk(#[source] Box<cube_storage::CloneError>),
+    /// A virtio device's state could not be saved into the snapshot.
+    #[error("Saving the virtio devices' state")]
+    Devices(#[source] Box<crate::device_manager::VirtioDevicesError>),
 }
 
 // Boxed: these errors are large, and a machine error travels inside SandboxError.

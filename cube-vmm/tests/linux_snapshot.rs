@@ -22,24 +22,42 @@ fn rng_generation(vm: &LinuxVm) -> u32 {
     u32::from_le_bytes(data)
 }
 
-#[test]
-fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
-    let Some(kernel) = kernel() else { return };
-    let ctx = Arc::new(KvmContext::open().unwrap());
+/// A 1-vCPU guest with an entropy device, booted from `kernel` until it prints its
+/// banner.
+fn boot_until_printing(
+    ctx: &Arc<KvmContext>,
+    kernel: std::path::PathBuf,
+    memory_bytes: u64,
+) -> (LinuxVm, Console) {
     let config = LinuxBootConfig {
         kernel,
         initrd: None,
         cmdline: TEST_CMDLINE.into(),
-        memory_bytes: 256 << 20,
+        memory_bytes,
         vcpus: 1,
         cmdline_devices: false,
         kernel_mode: cube_vmm::vstate::emulation::KernelMode::Native,
     };
-    let first = Console::default();
+    let console = Console::default();
     let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
-    let mut vm =
-        linux_vm::boot_with_devices(&ctx, &config, Box::new(first.clone()), devices).unwrap();
-    wait_for(&vm, &first, "Linux version", Duration::from_secs(120)).unwrap();
+    let vm = linux_vm::boot_with_devices(ctx, &config, Box::new(console.clone()), devices).unwrap();
+    wait_for(&vm, &console, "Linux version", Duration::from_secs(120)).unwrap();
+    (vm, console)
+}
+
+/// A clone restored from `dir` with a fresh entropy device, paused.
+fn restore_clone(ctx: &Arc<KvmContext>, dir: &std::path::Path) -> (LinuxVm, Console) {
+    let console = Console::default();
+    let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
+    let vm = LinuxVm::restore(ctx, dir, Box::new(console.clone()), devices, true).unwrap();
+    (vm, console)
+}
+
+#[test]
+fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
+    let Some(kernel) = kernel() else { return };
+    let ctx = Arc::new(KvmContext::open().unwrap());
+    let (mut vm, first) = boot_until_printing(&ctx, kernel, 256 << 20);
     vm.pause().unwrap();
     let dir = tempfile::tempdir().unwrap();
     vm.snapshot(dir.path(), None).unwrap();
@@ -59,10 +77,7 @@ fn a_linux_guest_snapshotted_mid_boot_keeps_booting_as_a_restored_clone() {
         assert!(err.to_string().contains("Linux guest"), "{err}");
     }
 
-    let second = Console::default();
-    let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
-    let mut clone =
-        LinuxVm::restore(&ctx, dir.path(), Box::new(second.clone()), devices, true).unwrap();
+    let (mut clone, second) = restore_clone(&ctx, dir.path());
     assert_ne!(rng_generation(&clone), 0, "the clone's rng moved on");
     clone.resume().unwrap();
     // Printed only after the snapshot point: the kernel went on from where it was.
@@ -98,20 +113,7 @@ fn a_running_linux_guest_snapshots_as_diffs_and_a_failed_snapshot_loses_no_page(
     let Some(kernel) = kernel() else { return };
     let ctx = Arc::new(KvmContext::open().unwrap());
     let memory_bytes = 256u64 << 20;
-    let config = LinuxBootConfig {
-        kernel,
-        initrd: None,
-        cmdline: TEST_CMDLINE.into(),
-        memory_bytes,
-        vcpus: 1,
-        cmdline_devices: false,
-        kernel_mode: cube_vmm::vstate::emulation::KernelMode::Native,
-    };
-    let console = Console::default();
-    let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
-    let mut vm =
-        linux_vm::boot_with_devices(&ctx, &config, Box::new(console.clone()), devices).unwrap();
-    wait_for(&vm, &console, "Linux version", Duration::from_secs(120)).unwrap();
+    let (mut vm, console) = boot_until_printing(&ctx, kernel, memory_bytes);
     let root = tempfile::tempdir().unwrap();
     let first = root.path().join("first");
     std::fs::create_dir(&first).unwrap();
@@ -166,16 +168,7 @@ fn a_running_linux_guest_snapshots_as_diffs_and_a_failed_snapshot_loses_no_page(
 
     // And it restores into a guest that keeps booting from there.
     drop(vm);
-    let clone_console = Console::default();
-    let devices: Vec<Box<dyn VirtioDevice>> = vec![Box::new(Rng::new())];
-    let mut clone = LinuxVm::restore(
-        &ctx,
-        &second,
-        Box::new(clone_console.clone()),
-        devices,
-        true,
-    )
-    .unwrap();
+    let (mut clone, clone_console) = restore_clone(&ctx, &second);
     clone.resume().unwrap();
     let deadline = Instant::now() + Duration::from_secs(120);
     while clone_console.is_empty() {
@@ -187,4 +180,84 @@ fn a_running_linux_guest_snapshots_as_diffs_and_a_failed_snapshot_loses_no_page(
         assert!(Instant::now() < deadline, "the clone printed nothing");
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Waits until the console of `vm` has printed more than `before` bytes.
+fn prints_on(vm: &LinuxVm, console: &Console, before: usize, what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while console.text().len() <= before {
+        assert!(vm.fatal().is_none(), "{what}: {:?}", vm.fatal());
+        assert!(Instant::now() < deadline, "{what} printed nothing more");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_running_linux_guest_is_snapshotted_live_and_every_later_write_is_tracked() {
+    let Some(kernel) = kernel() else { return };
+    let ctx = Arc::new(KvmContext::open().unwrap());
+    let memory_bytes = 256u64 << 20;
+    let (mut vm, _console) = boot_until_printing(&ctx, kernel, memory_bytes);
+    let root = tempfile::tempdir().unwrap();
+    let dir = |name: &str| {
+        let dir = root.path().join(name);
+        std::fs::create_dir(&dir).unwrap();
+        dir
+    };
+    let image = |dir: &std::path::Path| {
+        let mut image = std::fs::read(dir.join("memory.bin")).unwrap();
+        image.truncate(memory_bytes as usize);
+        image
+    };
+    // A parent to diff against (memory in a memfd: the live copy write-protects).
+    let parent = dir("parent");
+    vm.pause().unwrap();
+    vm.snapshot(&parent, None).unwrap();
+    vm.snapshot_committed(&parent).unwrap();
+    vm.resume().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+
+    // Taken while the kernel boots on: the vCPUs were stopped, and run again after.
+    let live = dir("live");
+    let stats = vm.snapshot(&live, None).unwrap();
+    assert!(vm.is_running(), "a live snapshot leaves the guest running");
+    assert!(stats.paused_us > 0, "{stats:?}");
+    vm.snapshot_committed(&live).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // Every page that differs from the live snapshot now was written after its
+    // instant and is in the next diff: the snapshot missed none of the writes
+    // before it, and the tracking none after.
+    vm.pause().unwrap();
+    let after = dir("after");
+    let next = vm.snapshot(&after, None).unwrap();
+    let now = guest_memory(&vm);
+    assert!(image(&after) == now, "the stopped diff lost guest writes");
+    let changed = pages_differing(&image(&live), &now) as u64;
+    eprintln!(
+        "live snapshot: paused {} us, {} dirty pages; {changed} pages changed after it, {} tracked",
+        stats.paused_us, stats.dirty_pages, next.dirty_pages
+    );
+    assert!(changed <= next.dirty_pages, "{changed} > {next:?}");
+    drop(vm);
+
+    // The live snapshot restores into a guest that boots on; that guest's memory comes
+    // from a file (it cannot be write-protected), so its own live snapshot is
+    // pre-copied while it runs, and restores too.
+    let (mut clone, clone_console) = restore_clone(&ctx, &live);
+    assert_ne!(rng_generation(&clone), 0, "the clone's rng moved on");
+    clone.resume().unwrap();
+    prints_on(&clone, &clone_console, 0, "the clone of the live snapshot");
+    let second_live = dir("second-live");
+    let stats = clone.snapshot(&second_live, None).unwrap();
+    assert!(clone.is_running());
+    assert!(stats.bytes_written > 0, "{stats:?}");
+    drop(clone);
+    let (mut last, last_console) = restore_clone(&ctx, &second_live);
+    last.resume().unwrap();
+    prints_on(
+        &last,
+        &last_console,
+        0,
+        "the clone of the pre-copied snapshot",
+    );
 }

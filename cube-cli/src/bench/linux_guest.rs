@@ -1,7 +1,8 @@
 //! `cube bench --guest linux`: the microVM engine with a Linux guest and its agent:
 //! a VM template built once (boot, agent answers, snapshot), then sandboxes created
 //! from it (restore, no boot) timed until their agent answers, and a command round
-//! trip over vsock. Where no Linux guest can run (a PVM host with a stock kernel, no
+//! trip over vsock, and a snapshot of the running sandbox (live: its vCPUs and devices
+//! stop only to take the state and the dirty set). Where no Linux guest can run (a PVM host with a stock kernel, no
 //! KVM) it records the skip and the reason; it never makes numbers up.
 //!
 //! On a PVM host Cube's guest kernel runs emulated (its CPL0 code, about 1.6 µs an
@@ -43,6 +44,22 @@ struct LinuxReport {
     create_to_agent_ready: Option<Latency>,
     #[serde(skip_serializing_if = "Option::is_none")]
     exec_true_roundtrip: Option<Latency>,
+    /// A snapshot of a sandbox just created, its agent having run a command, to the
+    /// snapshot recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    snapshot: Option<Latency>,
+    /// How long that snapshot stopped the sandbox's vCPUs and devices.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    snapshot_source_paused: Option<Latency>,
+}
+
+/// The samples [`measure`] takes, one of each per repeat.
+#[derive(Default)]
+struct Samples {
+    ready: Vec<Duration>,
+    exec: Vec<Duration>,
+    snapshot: Vec<Duration>,
+    paused: Vec<Duration>,
 }
 
 #[derive(Serialize)]
@@ -99,11 +116,15 @@ pub fn run(root: &Path, repeats: usize, json: bool, kernel: Option<&Path>) -> Re
         reason: skip,
         create_to_agent_ready: None,
         exec_true_roundtrip: None,
+        snapshot: None,
+        snapshot_source_paused: None,
     };
     if !report.skipped {
-        let (ready, exec) = measure(root, repeats, kernel, machine, boot_timeout)?;
-        report.create_to_agent_ready = Some(latency(&ready));
-        report.exec_true_roundtrip = Some(latency(&exec));
+        let samples = measure(root, repeats, kernel, machine, boot_timeout)?;
+        report.create_to_agent_ready = Some(latency(&samples.ready));
+        report.exec_true_roundtrip = Some(latency(&samples.exec));
+        report.snapshot = Some(latency(&samples.snapshot));
+        report.snapshot_source_paused = Some(latency(&samples.paused));
     }
     print(&report, json)
 }
@@ -114,7 +135,7 @@ fn measure(
     kernel: Option<&Path>,
     machine: MachineConfig,
     boot_timeout: Duration,
-) -> Result<(Vec<Duration>, Vec<Duration>), CliError> {
+) -> Result<Samples, CliError> {
     let rt = Runtime::open(RuntimeConfig {
         store_root: root.to_path_buf(),
         pool_size: 2,
@@ -138,13 +159,12 @@ fn measure(
     let _ = std::fs::remove_dir_all(&empty);
     built.map_err(CliError::from)?;
     let result = (|| {
-        let mut ready = Vec::with_capacity(repeats);
-        let mut exec = Vec::with_capacity(repeats);
+        let mut samples = Samples::default();
         for _ in 0..repeats {
             let start = Instant::now();
-            let sandbox = rt.create(&name, CreateOptions::new(true))?;
+            let mut sandbox = rt.create(&name, CreateOptions::new(true))?;
             let client = sandbox.agent()?;
-            ready.push(start.elapsed());
+            samples.ready.push(start.elapsed());
             let t = Instant::now();
             client
                 .exec(cube_agent::protocol::ExecRequest {
@@ -157,11 +177,18 @@ fn measure(
                     background: false,
                 })
                 .map_err(|e| cube_core::SandboxError::Agent(sandbox.id().to_string(), e))?;
-            exec.push(t.elapsed());
+            samples.exec.push(t.elapsed());
             drop(client);
+            let t = Instant::now();
+            let snapshot = sandbox.snapshot()?;
+            samples.snapshot.push(t.elapsed());
+            samples
+                .paused
+                .push(Duration::from_micros(snapshot.stats.paused_us));
+            // Its snapshots go with it.
             sandbox.destroy()?;
         }
-        Ok::<_, cube_core::SandboxError>((ready, exec))
+        Ok::<_, cube_core::SandboxError>(samples)
     })();
     let _ = rt.remove_template(&name);
     result.map_err(CliError::from)
@@ -212,6 +239,11 @@ fn print(report: &LinuxReport, json: bool) -> Result<(), CliError> {
     for (what, l) in [
         ("create to agent ready", &report.create_to_agent_ready),
         ("exec `true` round trip", &report.exec_true_roundtrip),
+        ("snapshot (live)", &report.snapshot),
+        (
+            "  of which the sandbox was stopped",
+            &report.snapshot_source_paused,
+        ),
     ] {
         if let Some(l) = l {
             println!("| {what} | {} | {} | {} |", l.n, l.p50_ms, l.p95_ms);

@@ -1,25 +1,25 @@
 //! The one snapshot writer of every microVM: the memory file (a diff against the
 //! parent where there is one), the root disk where asked, and the state file.
 //!
-//! The guest decides only what is its own ([`GuestContents`]); the order of the
+//! The guest decides only what is its own ([`SnapshotGuest`]); the order of the
 //! writes and what makes them safe are the same for the test guest and Linux guests:
 //! the memory file and disk are written first and the checksummed state file last, so
 //! a directory without a valid state file is never mistaken for a snapshot.
 //!
-//! Two ways to take one:
-//! - [`MicroVm::write_snapshot`]: the machine is stopped and stays so while everything
-//!   is written (a Linux guest's, whose devices are held still until commit).
-//! - [`MicroVm::snapshot_running`]: a live snapshot. The parent memory file is cloned
-//!   while the guest runs; the vCPUs stop only while the dirty set, the vCPU and VM
-//!   state and the disk clone are taken and the dirty pages are write-protected
-//!   ([`cube_mem::live_copy`]); the pages are copied after the vCPUs continue, a page
-//!   the guest writes first. The file holds guest memory exactly as it was when the
-//!   vCPUs stopped. Memory restored from a file (every sandbox created from a
-//!   template or snapshot) cannot be write-protected: there the pending pages are
-//!   pre-copied over the clone while the guest runs, then again those it dirtied
-//!   meanwhile, until few are left ([`PRECOPY_ROUNDS`], [`PRECOPY_ENOUGH_PAGES`]); the
-//!   vCPUs stop only to take the last few and the state. Where the machine has no
-//!   parent memory file yet, the pages are written before the vCPUs continue.
+//! A snapshot is taken live: the parent memory file is cloned while the guest runs;
+//! the vCPUs stop, and the guest's devices are held still
+//! ([`SnapshotGuest::hold_still`]), only while the dirty set, the vCPU, VM and device
+//! state and the disk clone are taken and the dirty pages are write-protected
+//! ([`cube_mem::live_copy`]); the pages are copied after the vCPUs and devices
+//! continue, a page the guest (or a device on its behalf) writes first. The file holds
+//! guest memory exactly as it was when the vCPUs stopped. Memory restored from a file
+//! (every sandbox created from a template or snapshot) cannot be write-protected: there
+//! the pending pages are pre-copied over the clone while the guest runs, then again
+//! those it dirtied meanwhile (devices' writes included: the VMM's own writes are
+//! tracked with the guest's), until few are left ([`PRECOPY_ROUNDS`],
+//! [`PRECOPY_ENOUGH_PAGES`]); the vCPUs stop only to take the last few and the state.
+//! Where the machine has no parent memory file yet, or is paused already, the pages
+//! are written before it continues.
 
 use std::path::Path;
 use std::time::Instant;
@@ -36,16 +36,31 @@ use super::state::{self as format, GuestKind, MachineState};
 use super::SnapshotStats;
 use crate::microvm::{fd_path, MicroVm, MicroVmError};
 
+/// A guest's own part of its machine, as a snapshot sees it.
+pub(crate) trait SnapshotGuest {
+    /// The guest's devices held still for as long as it lives.
+    type Still<'a>
+    where
+        Self: 'a;
+
+    /// Holds every device still, so that none writes guest memory, its disk or its
+    /// state until the returned value is dropped: with the vCPUs paused, memory and
+    /// device state then describe one instant.
+    fn hold_still(&self) -> Self::Still<'_>;
+
+    /// What the snapshot keeps of the guest beyond its vCPUs, VM and memory, taken
+    /// while `still` holds it.
+    fn records(&self, still: &Self::Still<'_>) -> Result<GuestRecords, MicroVmError>;
+}
+
 /// What a snapshot holds of the guest beyond its vCPUs, VM and memory.
-pub(crate) struct GuestContents<'a> {
+pub(crate) struct GuestRecords {
     /// Which guest the machine runs.
     pub kind: GuestKind,
-    /// The virtio devices' saved states (the devices held still meanwhile).
+    /// The virtio devices' saved states.
     pub devices: Vec<DeviceRecord>,
     /// COM1's registers, for a guest that has one.
     pub serial: Option<SerialRecord>,
-    /// A file (the root disk) cloned into the snapshot as [`SnapshotDir::rootfs`].
-    pub disk: Option<&'a Path>,
 }
 
 /// Pre-copy rounds at most before the vCPUs stop: a guest that keeps writing faster
@@ -57,36 +72,20 @@ pub const PRECOPY_ROUNDS: usize = 4;
 pub const PRECOPY_ENOUGH_PAGES: usize = 64;
 
 impl<G> MicroVm<G> {
-    /// Writes a snapshot of this machine, whose vCPUs are paused and devices still,
-    /// into the empty directory `dir`: the pages in `dirty` over a clone of the parent
-    /// memory file (a reflink where the filesystem can), or after a fresh boot the
-    /// pages ever written (the memfd's data extents: they cover what the VMM wrote
-    /// before tracking began, such as the kernel or the test program). Nothing is
-    /// flushed here: the caller's transaction flushes in the background.
-    pub(crate) fn write_snapshot(
-        &self,
-        dir: &Path,
-        dirty: &DirtyBitmap,
-        contents: GuestContents<'_>,
-    ) -> Result<SnapshotStats, MicroVmError> {
-        // Binds the memory file to this snapshot's state.
-        let seal = Seal::random()?;
-        let prepared = self.prepare_memory(dir)?;
-        let stats = self.write_memory(dir, dirty, prepared, &seal)?;
-        let state = self.capture(dir, contents, &seal)?;
-        format::write_state(dir, &state)?;
-        Ok(stats)
-    }
-
-    /// Takes a live snapshot into the empty directory `dir` (see the module docs) and
-    /// leaves the vCPUs as they were. `stats.paused_us` is how long they were stopped
-    /// (0 for a machine that was paused already). The pages it takes stay pending
-    /// until [`MicroVm::snapshot_committed`].
+    /// Takes a live snapshot into the empty directory `dir` (see the module docs), with
+    /// `disk` (the root disk) cloned into it as [`SnapshotDir::rootfs`], and leaves the
+    /// vCPUs as they were. `stats.paused_us` is how long they were stopped (0 for a
+    /// machine that was paused already). The pages it takes stay pending until
+    /// [`MicroVm::snapshot_committed`]. Nothing is flushed here: the caller's
+    /// transaction flushes in the background.
     pub(crate) fn snapshot_running(
         &mut self,
         dir: &Path,
-        contents: GuestContents<'_>,
-    ) -> Result<SnapshotStats, MicroVmError> {
+        disk: Option<&Path>,
+    ) -> Result<SnapshotStats, MicroVmError>
+    where
+        G: SnapshotGuest,
+    {
         // Binds the memory file to this snapshot's state.
         let seal = Seal::random()?;
         // The clone of the parent needs no stopped guest.
@@ -106,22 +105,41 @@ impl<G> MicroVm<G> {
             }
             return Err(e);
         }
-        let result = self.diff.take_pending().and_then(|dirty| {
-            // After a pre-copy, only the pages dirtied since its last round (and the
-            // round it left) are written now; all of them stay pending.
-            let written =
-                self.snapshot_stopped(dir, &dirty, prepared, contents, &seal, was_running);
-            let mut pending = dirty;
-            let written = match &precopied {
-                Some(copied) => pending.or(&copied.pages).map_err(MicroVmError::from).and(
-                    written.map(|(state, memory)| (state, memory.after_precopy(copied, &pending))),
-                ),
-                None => written,
-            };
-            // Until committed these pages are only in guest memory.
-            self.diff.keep_pending(pending);
-            written
-        });
+        let result = {
+            // Nothing writes guest memory from here until `still` is dropped: the
+            // vCPUs are paused and the devices wait.
+            let still = self.guest.hold_still();
+            match self.diff.take_pending() {
+                Err(e) => Err(e),
+                Ok(dirty) => {
+                    let written = self
+                        .guest
+                        .records(&still)
+                        .and_then(|records| self.capture(dir, records, disk, &seal))
+                        .and_then(|state| {
+                            let memory =
+                                self.stopped_memory(dir, &dirty, prepared, &seal, was_running)?;
+                            Ok((state, memory))
+                        });
+                    // After a pre-copy, only the pages dirtied since its last round
+                    // (and the round it left) are written now; all of them stay pending.
+                    let mut pending = dirty;
+                    let written =
+                        match &precopied {
+                            Some(copied) => pending
+                                .or(&copied.pages)
+                                .map_err(MicroVmError::from)
+                                .and(written.map(|(state, memory)| {
+                                    (state, memory.after_precopy(copied, &pending))
+                                })),
+                            None => written,
+                        };
+                    // Until committed these pages are only in guest memory.
+                    self.diff.keep_pending(pending);
+                    written
+                }
+            }
+        };
         let result = result.and_then(|(state, memory)| {
             let paused_us = if was_running {
                 self.resume()?;
@@ -199,19 +217,17 @@ impl<G> MicroVm<G> {
         }
     }
 
-    /// The part of a live snapshot that needs the vCPUs stopped: the state, the disk
-    /// clone, and the dirty pages write-protected (or written, where no live copy can
-    /// be made or the machine was not running anyway).
-    fn snapshot_stopped(
+    /// The memory part of a live snapshot that needs the vCPUs stopped and the devices
+    /// still: the dirty pages write-protected (or written, where no live copy can be
+    /// made or the machine was not running anyway).
+    fn stopped_memory(
         &self,
         dir: &Path,
         dirty: &DirtyBitmap,
         prepared: Option<PreparedDiff>,
-        contents: GuestContents<'_>,
         seal: &Seal,
         was_running: bool,
-    ) -> Result<(MachineState, Memory), MicroVmError> {
-        let state = self.capture(dir, contents, seal)?;
+    ) -> Result<Memory, MicroVmError> {
         let memory = match prepared {
             Some(prepared) if was_running && LiveCopy::applies_to(&self.memory) => {
                 match LiveCopy::protect(&self.memory, dirty) {
@@ -224,7 +240,7 @@ impl<G> MicroVm<G> {
             }
             prepared => Memory::Written(self.write_memory(dir, dirty, prepared, seal)?),
         };
-        Ok((state, memory))
+        Ok(memory)
     }
 
     /// The clone of the parent memory file into `dir`, for a diff over it; None for a
@@ -281,16 +297,17 @@ impl<G> MicroVm<G> {
         Ok(stats)
     }
 
-    /// The machine's state with the guest's `contents` and the memory file's `seal`,
-    /// and the disk cloned into
-    /// `dir`: what must be taken with the vCPUs stopped besides memory.
+    /// The machine's state with the guest's `records` and the memory file's `seal`,
+    /// and `disk` cloned into `dir`: what must be taken with the vCPUs stopped besides
+    /// memory.
     fn capture(
         &self,
         dir: &Path,
-        contents: GuestContents<'_>,
+        records: GuestRecords,
+        disk: Option<&Path>,
         seal: &Seal,
     ) -> Result<MachineState, MicroVmError> {
-        if let Some(disk) = contents.disk {
+        if let Some(disk) = disk {
             cube_storage::clone_file(disk, &SnapshotDir::new(dir).rootfs())?;
         }
         let mut vcpus = Vec::with_capacity(self.vcpus.len());
@@ -301,12 +318,12 @@ impl<G> MicroVm<G> {
             format_version: format::FORMAT_VERSION,
             config: self.config,
             ram: self.ram.clone(),
-            guest: contents.kind,
+            guest: records.kind,
             vm: self.vm.save_state()?,
             vcpus,
             boot_id: durability::boot_id()?,
-            devices: contents.devices,
-            serial: contents.serial,
+            devices: records.devices,
+            serial: records.serial,
             memory_seal: Some(seal.0),
         })
     }

@@ -13,7 +13,7 @@ use cube_storage::SnapshotDir;
 use super::mailbox::{field, op, Mailbox, MailboxError, Mode};
 use super::program::{self, dirty_area_pages, ProgramError};
 use crate::microvm::{open_parent, MicroVm, MicroVmBuilder, MicroVmError};
-use crate::persist::snapshot_writer::GuestContents;
+use crate::persist::snapshot_writer::{GuestRecords, SnapshotGuest};
 use crate::persist::state::{self as format, GuestKind, MachineConfig, MachineState, WorkingSet};
 use crate::persist::SnapshotStats;
 use crate::vcpu_runner::{VcpuHandle, VcpuRunnerError};
@@ -69,6 +69,21 @@ pub enum MachineError {
 /// The test guest's own part of its machine: which program it runs.
 pub struct TestGuest {
     kind: GuestKind,
+}
+
+impl SnapshotGuest for TestGuest {
+    // The test-guest machine has no virtio devices and no serial port.
+    type Still<'a> = ();
+
+    fn hold_still(&self) {}
+
+    fn records(&self, _still: &()) -> Result<GuestRecords, MicroVmError> {
+        Ok(GuestRecords {
+            kind: self.kind,
+            devices: Vec::new(),
+            serial: None,
+        })
+    }
 }
 
 /// A running (or paused) microVM with the test guest in it.
@@ -306,13 +321,6 @@ impl MicroVm<TestGuest> {
         dir: &Path,
         disk: Option<&Path>,
     ) -> Result<SnapshotStats, MachineError> {
-        let contents = GuestContents {
-            kind: self.guest.kind,
-            // The test-guest machine has no virtio devices and no serial port.
-            devices: Vec::new(),
-            serial: None,
-            disk,
-        };
-        Ok(self.snapshot_running(dir, contents)?)
+        Ok(self.snapshot_running(dir, disk)?)
     }
 }
