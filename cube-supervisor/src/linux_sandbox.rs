@@ -348,15 +348,15 @@ impl SandboxBackend for LinuxSandbox {
     fn hibernate(&mut self) -> Result<(), Failure> {
         let vm = awake(&mut self.vm, self.hibernated, VM_GONE)?;
         let was_running = vm.is_running();
-        let mut stopped = false;
         let written = write_hibernation_image(&self.dir, &mut self.flushes, |staging| {
-            stopped = true;
-            vm.pause().map_err(|e| error_chain(&e))?;
-            vm.snapshot(staging, None).map_err(|e| error_chain(&e))?;
+            // Stopped for good once its state is taken: nothing the guest does after its
+            // image may be lost on wake.
+            vm.final_snapshot(staging, None)
+                .map_err(|e| error_chain(&e))?;
             Ok(())
         });
         if let Err(e) = written {
-            if was_running && stopped {
+            if was_running {
                 let _ = vm.resume();
             }
             return Err(e);

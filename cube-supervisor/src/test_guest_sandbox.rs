@@ -197,10 +197,9 @@ impl SandboxBackend for TestGuestSandbox {
         let m = awake(&mut self.machine, self.hibernated, NO_MACHINE)?;
         let was_running = m.is_running();
         let written = write_hibernation_image(&dir, &mut self.flushes, |staging| {
-            // Stopped first: the image is the machine's last instant, so nothing it
-            // does after the image is taken may be lost on wake.
-            m.pause().map_err(snapshot_failure)?;
-            m.snapshot(staging, None)
+            // Stopped for good once its state is taken: the image is the machine's last
+            // instant, so nothing it does after the image is taken may be lost on wake.
+            m.final_snapshot(staging, None)
                 .map(drop)
                 .map_err(snapshot_failure)
         });

@@ -15,7 +15,7 @@ use crate::arch::x86_64::acpi;
 use crate::boot::{self, bzimage, pvh, LoadError, CMDLINE_ADDR};
 use crate::device_manager::{Quiesced, VirtioDevices, VirtioDevicesError};
 use crate::microvm::{MicroVm, MicroVmBuilder, MicroVmError};
-use crate::persist::snapshot_writer::{GuestRecords, SnapshotGuest};
+use crate::persist::snapshot_writer::{AfterSnapshot, GuestRecords, SnapshotGuest};
 use crate::persist::state::{self as format, GuestKind, MachineConfig};
 use crate::persist::SnapshotStats;
 use crate::vcpu_runner::{AssistCounts, VcpuHandle, VcpuRunnerError};
@@ -157,7 +157,19 @@ impl MicroVm<LinuxGuest> {
         dir: &Path,
         disk: Option<&Path>,
     ) -> Result<SnapshotStats, BootError> {
-        Ok(self.snapshot_running(dir, disk)?)
+        Ok(self.snapshot_running(dir, disk, AfterSnapshot::Continue)?)
+    }
+
+    /// Writes the guest's last snapshot into `dir`, as [`Self::snapshot`] does, and
+    /// leaves it stopped with its devices (a hibernation image): a running guest's
+    /// dirty pages are pre-copied while it runs, and it stops only for the rest and its
+    /// state. On failure it runs on as before, and the dirty pages are kept.
+    pub fn final_snapshot(
+        &mut self,
+        dir: &Path,
+        disk: Option<&Path>,
+    ) -> Result<SnapshotStats, BootError> {
+        Ok(self.snapshot_running(dir, disk, AfterSnapshot::Stop)?)
     }
 
     /// Restores the Linux snapshot in `dir` into a new VM, paused. `devices` must be

@@ -6,5 +6,6 @@ pub(crate) mod snapshot_writer;
 pub mod state;
 pub mod stats;
 
+pub use snapshot_writer::AfterSnapshot;
 pub use state::{GuestKind, MachineConfig, MachineState, WorkingSet};
 pub use stats::SnapshotStats;

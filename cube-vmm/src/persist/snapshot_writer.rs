@@ -63,6 +63,17 @@ pub(crate) struct GuestRecords {
     pub serial: Option<SerialRecord>,
 }
 
+/// What a running machine does once its snapshot's stopped part is taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AfterSnapshot {
+    /// Its vCPUs and devices continue, and the memory is copied meanwhile (a live
+    /// snapshot).
+    Continue,
+    /// It stays stopped: the snapshot is its last instant (a hibernation image). Its
+    /// memory is still pre-copied while it runs, before the stop.
+    Stop,
+}
+
 /// Pre-copy rounds at most before the vCPUs stop: a guest that keeps writing faster
 /// than the copy does not converge, and its last dirty set is taken stopped.
 pub const PRECOPY_ROUNDS: usize = 4;
@@ -73,15 +84,18 @@ pub const PRECOPY_ENOUGH_PAGES: usize = 64;
 
 impl<G> MicroVm<G> {
     /// Takes a live snapshot into the empty directory `dir` (see the module docs), with
-    /// `disk` (the root disk) cloned into it as [`SnapshotDir::rootfs`], and leaves the
-    /// vCPUs as they were. `stats.paused_us` is how long they were stopped (0 for a
-    /// machine that was paused already). The pages it takes stay pending until
+    /// `disk` (the root disk) cloned into it as [`SnapshotDir::rootfs`]; then a
+    /// running machine continues or stays stopped, as `then` says (a paused one stays
+    /// paused). `stats.paused_us` is how long the vCPUs were stopped, for one that
+    /// stays stopped until the memory was written (0 for a machine that was paused
+    /// already). The pages it takes stay pending until
     /// [`MicroVm::snapshot_committed`]. Nothing is flushed here: the caller's
     /// transaction flushes in the background.
     pub(crate) fn snapshot_running(
         &mut self,
         dir: &Path,
         disk: Option<&Path>,
+        then: AfterSnapshot,
     ) -> Result<SnapshotStats, MicroVmError>
     where
         G: SnapshotGuest,
@@ -91,9 +105,12 @@ impl<G> MicroVm<G> {
         // The clone of the parent needs no stopped guest.
         let mut prepared = self.prepare_memory(dir)?;
         let was_running = self.running;
-        // Memory that cannot be write-protected is copied ahead while the guest runs.
+        // Whether the vCPUs run again once the stopped part is taken.
+        let continues = was_running && then == AfterSnapshot::Continue;
+        // Memory that cannot be write-protected, or that no running guest will need
+        // protected, is copied ahead while the guest runs.
         let precopied = match prepared.as_mut() {
-            Some(prepared) if was_running && !LiveCopy::applies_to(&self.memory) => {
+            Some(prepared) if was_running && !(continues && LiveCopy::applies_to(&self.memory)) => {
                 Some(self.precopy(prepared)?)
             }
             _ => None,
@@ -118,7 +135,7 @@ impl<G> MicroVm<G> {
                         .and_then(|records| self.capture(dir, records, disk, &seal))
                         .and_then(|state| {
                             let memory =
-                                self.stopped_memory(dir, &dirty, prepared, &seal, was_running)?;
+                                self.stopped_memory(dir, &dirty, prepared, &seal, continues)?;
                             Ok((state, memory))
                         });
                     // After a pre-copy, only the pages dirtied since its last round
@@ -141,8 +158,10 @@ impl<G> MicroVm<G> {
             }
         };
         let result = result.and_then(|(state, memory)| {
-            let paused_us = if was_running {
+            if continues {
                 self.resume()?;
+            }
+            let paused_us = if was_running {
                 stopped.elapsed().as_micros() as u64
             } else {
                 0
@@ -162,8 +181,9 @@ impl<G> MicroVm<G> {
             format::write_state(dir, &state)?;
             Ok(SnapshotStats { paused_us, ..stats })
         });
-        if was_running && !self.running {
-            // A failure before the vCPUs continued: they continue now.
+        if result.is_err() && was_running && !self.running {
+            // A failure before the vCPUs continued: they continue now, also where they
+            // were to stay stopped, since no image of their last instant was taken.
             self.resume()?;
         }
         result
@@ -218,18 +238,18 @@ impl<G> MicroVm<G> {
     }
 
     /// The memory part of a live snapshot that needs the vCPUs stopped and the devices
-    /// still: the dirty pages write-protected (or written, where no live copy can be
-    /// made or the machine was not running anyway).
+    /// still: the dirty pages write-protected, where the vCPUs `continue` after (or
+    /// written, where no live copy can be made or they do not continue).
     fn stopped_memory(
         &self,
         dir: &Path,
         dirty: &DirtyBitmap,
         prepared: Option<PreparedDiff>,
         seal: &Seal,
-        was_running: bool,
+        continues: bool,
     ) -> Result<Memory, MicroVmError> {
         let memory = match prepared {
-            Some(prepared) if was_running && LiveCopy::applies_to(&self.memory) => {
+            Some(prepared) if continues && LiveCopy::applies_to(&self.memory) => {
                 match LiveCopy::protect(&self.memory, dirty) {
                     Ok(copy) => Memory::Live(prepared.live(copy, dirty)),
                     Err(e) => {
@@ -433,6 +453,59 @@ mod tests {
         let mut restored = Machine::restore(&ctx, &store.path().join("base")).unwrap();
         assert!(!LiveCopy::applies_to(&restored.memory));
         snapshots_taken_mid_write_hold_the_stopped_memory(&mut restored, store.path());
+    }
+
+    /// A final snapshot (a hibernation image) of a guest rewriting every page of the
+    /// area while the pre-copy runs: the machine is left stopped, and the file holds
+    /// its memory exactly as it is now, whether the memory is a memfd or was restored
+    /// from a file. Told to, the guest then finishes its command.
+    #[test]
+    fn a_final_snapshot_leaves_the_machine_stopped_with_its_memory_as_it_is() {
+        use vm_memory::{Bytes, GuestAddress};
+        for restored in [false, true] {
+            let store = tempfile::tempdir().unwrap();
+            let Some((ctx, machine)) = machine_with_a_parent(store.path()) else {
+                return;
+            };
+            let mut machine = if restored {
+                drop(machine);
+                Machine::restore(&ctx, &store.path().join("base")).unwrap()
+            } else {
+                machine
+            };
+            let (old, new) = (0x3000_0000_0000u64, 0x4000_0000_0000u64);
+            machine.guest_command(op::DIRTY, PAGES, old).unwrap();
+            let seq = machine.mailbox().post(op::DIRTY, PAGES, new).unwrap();
+            machine.ring_doorbell();
+            let dir = store.path().join("final");
+            std::fs::create_dir(&dir).unwrap();
+            let stats = machine.final_snapshot(&dir, None).unwrap();
+            assert!(!machine.is_running(), "restored: {restored}");
+            assert!(stats.paused_us > 0, "{stats:?}");
+            let file = std::fs::File::open(SnapshotDir::new(&dir).memory()).unwrap();
+            let mut differing = 0;
+            for page in 0..PAGES {
+                let addr = GuestAddress(DIRTY_AREA_ADDR + page * 4096);
+                let live: u64 = machine.memory.inner().read_obj(addr).unwrap();
+                differing += usize::from(word(&file, page) != live);
+            }
+            assert_eq!(differing, 0, "restored: {restored}: pages not as in memory");
+            eprintln!(
+                "final snapshot (restored memory: {restored}): {} dirty pages, \
+                 stopped {} us",
+                stats.dirty_pages, stats.paused_us
+            );
+            machine.resume().unwrap();
+            machine
+                .mailbox()
+                .wait_for(
+                    field::DONE_SEQ,
+                    seq,
+                    "finish",
+                    std::time::Duration::from_secs(60),
+                )
+                .unwrap();
+        }
     }
 
     /// The guest rewrites every page of the area while a live snapshot copies them

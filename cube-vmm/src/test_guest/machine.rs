@@ -13,7 +13,7 @@ use cube_storage::SnapshotDir;
 use super::mailbox::{field, op, Mailbox, MailboxError, Mode};
 use super::program::{self, dirty_area_pages, ProgramError};
 use crate::microvm::{open_parent, MicroVm, MicroVmBuilder, MicroVmError};
-use crate::persist::snapshot_writer::{GuestRecords, SnapshotGuest};
+use crate::persist::snapshot_writer::{AfterSnapshot, GuestRecords, SnapshotGuest};
 use crate::persist::state::{self as format, GuestKind, MachineConfig, MachineState, WorkingSet};
 use crate::persist::SnapshotStats;
 use crate::vcpu_runner::{VcpuHandle, VcpuRunnerError};
@@ -321,6 +321,18 @@ impl MicroVm<TestGuest> {
         dir: &Path,
         disk: Option<&Path>,
     ) -> Result<SnapshotStats, MachineError> {
-        Ok(self.snapshot_running(dir, disk)?)
+        Ok(self.snapshot_running(dir, disk, AfterSnapshot::Continue)?)
+    }
+
+    /// Writes the machine's last snapshot into `dir`, as [`Self::snapshot`] does,
+    /// and leaves it stopped (a hibernation image): a running machine's dirty pages
+    /// are pre-copied while it runs, and it stops only for the rest and its state.
+    /// On failure it runs on as before, and the dirty pages are kept.
+    pub fn final_snapshot(
+        &mut self,
+        dir: &Path,
+        disk: Option<&Path>,
+    ) -> Result<SnapshotStats, MachineError> {
+        Ok(self.snapshot_running(dir, disk, AfterSnapshot::Stop)?)
     }
 }
