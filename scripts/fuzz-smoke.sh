@@ -13,7 +13,8 @@
 # New inputs go to a temporary corpus (or to $FUZZ_CORPUS/<target>, kept between runs:
 # scripts/fuzz-long.sh uses fuzz/corpus), never into fuzz/seeds/. A crash is kept in
 # fuzz/artifacts/<target>/; the script prints the command that reproduces it. The last
-# lines list each target's executions.
+# lines list each target's executions. With FUZZ_RUNS=N each target stops after N
+# executions instead, however long that takes (the seconds argument is then ignored).
 set -euo pipefail
 
 seconds="${1:-15}"
@@ -56,14 +57,21 @@ for target in ${FUZZ_TARGETS:-$(cargo fuzz list)}; do
     else
         log "warning: $target has no seeds in fuzz/$seeds"
     fi
-    log "running $target for ${seconds} s"
+    if [ -n "${FUZZ_RUNS:-}" ]; then
+        log "running $target for ${FUZZ_RUNS} executions"
+        limit=(-runs="$FUZZ_RUNS")
+    else
+        log "running $target for ${seconds} s"
+        limit=(-max_total_time="$seconds")
+    fi
     out="$logs/$target.log"
     if cargo fuzz run "$target" "${args[@]}" -- \
-        -max_total_time="$seconds" -timeout=10 -print_final_stats=1 >"$out" 2>&1; then
+        "${limit[@]}" -timeout=10 -print_final_stats=1 >"$out" 2>&1; then
         runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$out")
         rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$out")
         cov=$(grep -Eo 'cov: [0-9]+' "$out" | tail -1)
-        log "$target: ok, ${runs:-?} runs, ${rate:-?} exec/s, $cov"
+        took=$(sed -n 's/^stat::.*//; s/^Done [0-9]* runs in \([0-9]*\) second.*/\1/p' "$out")
+        log "$target: ok, ${runs:-?} runs, ${rate:-?} exec/s, $cov${took:+, ${took} s}"
         summary+=("$(printf '%-20s %12s runs %8s exec/s  %s' "$target" "${runs:-?}" "${rate:-?}" "$cov")")
     else
         tail -n 60 "$out"
@@ -77,7 +85,8 @@ for target in ${FUZZ_TARGETS:-$(cargo fuzz list)}; do
     fi
 done
 
-log "executions per target (${seconds} s each):"
+if [ -n "${FUZZ_RUNS:-}" ]; then each="${FUZZ_RUNS} runs"; else each="${seconds} s"; fi
+log "executions per target (${each} each):"
 printf '  %s\n' "${summary[@]}"
 
 if [ "${#failed[@]}" -gt 0 ]; then

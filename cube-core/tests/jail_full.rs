@@ -136,6 +136,75 @@ fn hibernate_and_wake_keep_the_variable() {
     destroy_and_check(sb);
 }
 
+/// A hibernation checkpoint is recorded, flushed and checked as a snapshot is: a
+/// layer file changed on disk, or a record of an earlier boot without the flush's
+/// marker (a host crash right after the hibernation), makes the wake fail with a
+/// clear error and leaves the sandbox hibernated with its checkpoint; put right, it
+/// wakes with its state.
+#[test]
+fn a_damaged_or_unflushed_hibernation_is_refused_and_kept() {
+    if skip_full_jail() {
+        return;
+    }
+    let env = Env::new();
+    let mut sb = env.create();
+    let agent = sb.agent().unwrap();
+    assert_eq!(py(&agent, "x = 'kept'\nx"), "'kept'");
+    sh(&agent, "echo kept > $HOME/notes");
+    drop(agent);
+    sb.hibernate().unwrap();
+    let checkpoint = cube_storage::SandboxDir::new(sb.dir()).hibernated_checkpoint();
+    common::wait_flushed(&checkpoint);
+    let image = cube_storage::SnapshotDir::new(&checkpoint);
+    let notes = image.layer().join("home/user/notes");
+    assert_eq!(std::fs::read(&notes).unwrap(), b"kept\n");
+    let refused = |sb: &mut Sandbox, what: &str, expected: &str| {
+        let err = common::error_chain(&sb.wake().unwrap_err());
+        assert!(err.contains(expected), "{what}: {err}");
+        assert_eq!(
+            sb.status().unwrap().status,
+            MachineStatus::Hibernated,
+            "{what}"
+        );
+        assert!(image.record().is_file(), "{what}: the checkpoint stays");
+    };
+
+    std::fs::write(&notes, b"lost\n").unwrap();
+    refused(&mut sb, "a damaged layer file", "hibernation is damaged");
+    std::fs::write(&notes, b"kept\n").unwrap();
+
+    let record: serde_json::Value =
+        cube_storage::read_verified(&image.record(), cube_storage::SnapshotDir::RECORD_KIND)
+            .unwrap();
+    let mut earlier = record.clone();
+    earlier["boot_id"] = serde_json::Value::from("00000000-0000-4000-8000-000000000000");
+    let write = |record: &serde_json::Value| {
+        cube_storage::write_atomic(
+            &image.record(),
+            cube_storage::SnapshotDir::RECORD_KIND,
+            record,
+        )
+        .unwrap()
+    };
+    write(&earlier);
+    let marker = std::fs::read(image.durable_marker()).unwrap();
+    std::fs::remove_file(image.durable_marker()).unwrap();
+    refused(
+        &mut sb,
+        "an unflushed checkpoint of an earlier boot",
+        "never flushed",
+    );
+    write(&record);
+    std::fs::write(image.durable_marker(), marker).unwrap();
+
+    sb.wake().unwrap();
+    let agent = sb.agent().unwrap();
+    assert_eq!(py(&agent, "x"), "'kept'");
+    assert_eq!(sh(&agent, "cat $HOME/notes"), "kept\n");
+    drop(agent);
+    destroy_and_check(sb);
+}
+
 #[test]
 fn a_sandbox_cannot_point_agent_connections_at_a_host_socket() {
     // Runs without CRIU too: the agent's socket is on the sandbox's /tmp either way.

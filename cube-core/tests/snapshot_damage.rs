@@ -206,18 +206,6 @@ fn vm_damaged_snapshot_files_are_refused_or_exact() {
     }
 }
 
-/// Waits for the background flush of the snapshot in `dir` to leave its marker.
-fn wait_flushed(dir: &Path) {
-    let marker = cube_storage::SnapshotDir::new(dir).durable_marker();
-    for _ in 0..1000 {
-        if marker.exists() {
-            return;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-    panic!("snapshot {} was never flushed", dir.display());
-}
-
 /// Makes the snapshot in `dir` look as if written during boot `boot` (a boot id in
 /// its state file for a VM, in its record for a jail), its flush never done: what a
 /// host crash right after a snapshot leaves.
@@ -253,7 +241,7 @@ fn unflushed_snapshots_of_an_earlier_boot_are_refused(suite: Suite) {
     let (mut sb, s0) = suite.create(0);
     let a = sb.snapshot().unwrap();
     let s1 = suite.set(&mut sb, Some(&s0), 1);
-    wait_flushed(&a.dir);
+    common::wait_flushed(&a.dir);
     let earlier = "00000000-0000-4000-8000-000000000000";
     pretend_written_in(&a.dir, suite.vm, earlier);
     let refused = |e: &cube_core::SandboxError, what: &str| {

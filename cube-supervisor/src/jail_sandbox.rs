@@ -74,6 +74,25 @@ fn is_checkpoint(dir: &Path) -> bool {
     dir.join(checkpoint::MANIFEST).is_file()
 }
 
+/// Copies the hibernation checkpoint `hibernated` into `staging`, for a snapshot of a
+/// hibernated sandbox, after checking it as a wake would ([`jail_snapshot::open`]).
+/// The copy gets its own manifest and record; the hibernation's flush marker does not
+/// go with it (the snapshot's own flush writes one).
+fn copy_hibernated(hibernated: &Path, staging: &Path) -> Result<Duration, String> {
+    jail_snapshot::open(hibernated).map_err(|e| error_chain(&e))?;
+    cube_storage::clone_tree(hibernated, staging)
+        .map_err(|e| format!("copying the hibernated checkpoint: {}", error_chain(&e)))?;
+    let copy = SnapshotDir::new(staging);
+    for inherited in [copy.durable_marker(), copy.record()] {
+        match std::fs::remove_file(&inherited) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(format!("{}: {e}", inherited.display())),
+        }
+    }
+    Ok(Duration::ZERO)
+}
+
 /// One jail sandbox.
 pub struct JailSandbox {
     id: String,
@@ -455,7 +474,12 @@ impl JailSandbox {
                 .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))?;
         }
         let _ = std::fs::remove_dir_all(self.dir.hibernated_layer());
-        let _ = std::fs::remove_dir_all(self.dir.hibernated_checkpoint());
+        let checkpoint = self.dir.hibernated_checkpoint();
+        if checkpoint.exists() {
+            // Its flush may still be under way: it ends before the files go.
+            self.flushes.join();
+            let _ = std::fs::remove_dir_all(checkpoint);
+        }
         Ok(())
     }
 
@@ -469,17 +493,24 @@ impl JailSandbox {
         };
         self.retiring.retain(|t| !t.is_finished());
         let sandbox = self.id.clone();
-        let removal = move || {
-            if let Err(e) = std::fs::remove_dir_all(&target) {
+        let remove = move |target: &Path| {
+            if let Err(e) = std::fs::remove_dir_all(target) {
                 tracing::warn!(sandbox = %sandbox, "removing {}: {e}", target.display());
             }
         };
+        // A flush of the checkpoint may still be under way: it ends before the files
+        // go (destroy joins this thread, and so the flushes, as it would have them).
+        let mut flushes = std::mem::take(&mut self.flushes);
+        let (in_thread, remove_in_thread) = (target.clone(), remove.clone());
         match std::thread::Builder::new()
             .name("remove-aside".into())
-            .spawn(removal.clone())
-        {
+            .spawn(move || {
+                flushes.join();
+                remove_in_thread(&in_thread);
+            }) {
             Ok(handle) => self.retiring.push(handle),
-            Err(_) => removal(),
+            // The flushes went with the thread that never started; they run on.
+            Err(_) => remove(&target),
         }
     }
 
@@ -587,11 +618,9 @@ impl SandboxBackend for JailSandbox {
         let full = match criu() {
             Err(why) => Err(format!("no working CRIU: {why}")),
             Ok(_) if hibernated_full => {
-                // The hibernation's checkpoint is the state: copy it.
+                // The hibernation's checkpoint is the state: copy it, checked first.
                 // Nothing runs: nothing is stopped for it.
-                cube_storage::clone_tree(&self.dir.hibernated_checkpoint(), staging)
-                    .map(|_| Duration::ZERO)
-                    .map_err(|e| format!("copying the hibernated checkpoint: {}", error_chain(&e)))
+                copy_hibernated(&self.dir.hibernated_checkpoint(), staging)
             }
             Ok(_) if self.jail.is_none() => {
                 Err("the sandbox was hibernated without its processes".to_string())
@@ -682,16 +711,26 @@ impl SandboxBackend for JailSandbox {
         let image_dir = self.dir.hibernated_checkpoint();
         let _ = std::fs::remove_dir_all(&image_dir);
         let dumped = match criu() {
-            Ok(criu) => self.dump(criu, &image_dir, false),
+            Ok(criu) => self.dump(criu, &image_dir, false).and_then(|paused| {
+                let stats = SnapshotStats {
+                    paused_us: paused.as_micros() as u64,
+                    ..SnapshotStats::default()
+                };
+                jail_snapshot::record_hibernation(&image_dir, &self.id, stats)
+                    .map_err(|e| error_chain(&e))
+            }),
             Err(why) => Err(format!("no working CRIU: {why}")),
         };
         let jail = self.jail.take().ok_or("sandbox is already hibernated")?;
         self.lifeline = None;
         self.paused = false;
         let stopped = match dumped {
-            Ok(_) => jail
-                .destroy()
-                .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e))),
+            Ok(()) => {
+                // Synced to disk and marked off the request path, as a snapshot is.
+                self.flushes.start(image_dir);
+                jail.destroy()
+                    .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e)))
+            }
             Err(why) => {
                 tracing::warn!(sandbox = %self.id, "hibernating the files only: {why}");
                 let keep = self.dir.hibernated_layer();
@@ -721,6 +760,9 @@ impl SandboxBackend for JailSandbox {
                     format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}"),
                 )
             })?;
+            // A checkpoint a crash cut short, or damaged since, is refused and kept:
+            // the sandbox stays hibernated.
+            jail_snapshot::open(&image_dir)?;
             self.restore(criu, &image_dir)?;
             self.remove_aside(&image_dir);
             return Ok(());

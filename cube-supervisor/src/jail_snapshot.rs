@@ -6,16 +6,22 @@
 //! when it was written (see [`cube_storage::tree_manifest`]: sizes and CRC32s, bound
 //! to the snapshot's id). CRIU's images are checked by
 //! [`cube_jail::checkpoint::Checkpoint::open`].
+//!
+//! A jail's hibernation checkpoint is recorded the same way ([`record_hibernation`])
+//! and flushed in the background like a snapshot, so that a wake checks it as a
+//! rollback checks a snapshot: one interrupted by a host crash, or damaged on disk, is
+//! refused and left where it is, never restored from half-written files.
 
 use std::path::Path;
 
-use cube_storage::durable_marker::{check_usable, DurabilityError};
+use cube_storage::durable_marker::{boot_id, check_usable, DurabilityError};
 use cube_storage::tree_manifest::{self, TreeManifestError};
-use cube_storage::{MetadataError, SnapshotDir};
+use cube_storage::{Durability, MetadataError, SnapshotDir};
+use cube_vmm::persist::SnapshotStats;
 
 use crate::error_report::chain as error_chain;
 use crate::protocol::{ErrorKind, Failure};
-use crate::records::{Engine, SnapshotMeta};
+use crate::records::{now_unix, Engine, SnapshotKind, SnapshotMeta};
 
 /// Why a jail snapshot is not restored.
 #[derive(Debug, thiserror::Error)]
@@ -46,7 +52,16 @@ pub enum JailSnapshotError {
     /// Its files are not those it was written with.
     #[error("Snapshot {0} is damaged")]
     Damaged(String, #[source] TreeManifestError),
+    /// This host's boot id, which a record names, could not be read.
+    #[error("Reading this host's boot id")]
+    Boot(#[source] DurabilityError),
+    /// The record could not be written.
+    #[error("Writing the record of snapshot {0}")]
+    WriteRecord(String, #[source] MetadataError),
 }
+
+/// The id a jail's hibernation checkpoint is recorded, and its files listed, under.
+pub const HIBERNATION_ID: &str = "hibernation";
 
 /// The trees of a jail snapshot its manifest covers: the writable layer, and the
 /// tmpfs contents of a full-state one.
@@ -58,6 +73,41 @@ const TREES: &[&str] = &[
 /// Records what the trees of jail snapshot `id`, staged in `dir`, hold.
 pub fn record_files(dir: &Path, id: &str) -> Result<(), JailSnapshotError> {
     tree_manifest::write(dir, id, TREES).map_err(|e| JailSnapshotError::Manifest(id.to_string(), e))
+}
+
+/// Records the hibernation checkpoint of `sandbox` that CRIU dumped into `dir` as a
+/// full jail snapshot is recorded: the manifest of its files, then (last) a record
+/// naming this boot. The caller has it flushed; [`open`] checks it before a wake.
+pub fn record_hibernation(
+    dir: &Path,
+    sandbox: &str,
+    stats: SnapshotStats,
+) -> Result<(), JailSnapshotError> {
+    record_files(dir, HIBERNATION_ID)?;
+    let meta = SnapshotMeta {
+        id: HIBERNATION_ID.to_string(),
+        sandbox: sandbox.to_string(),
+        created_unix: now_unix(),
+        stats,
+        kind: SnapshotKind::Full,
+        engine: Engine::Jail,
+        fallback: None,
+        template: None,
+        boot_id: Some(boot_id().map_err(JailSnapshotError::Boot)?),
+        rootfs: None,
+    };
+    let written = serde_json::to_vec(&meta)
+        .map_err(|source| MetadataError::Serialize { source })
+        .and_then(|bytes| {
+            cube_storage::write_atomic_bytes_with(
+                &SnapshotDir::new(dir).record(),
+                SnapshotDir::RECORD_KIND,
+                &bytes,
+                // The background flush syncs it with the rest.
+                Durability::Deferred,
+            )
+        });
+    written.map_err(|e| JailSnapshotError::WriteRecord(HIBERNATION_ID.to_string(), e))
 }
 
 impl From<JailSnapshotError> for Failure {
@@ -95,9 +145,7 @@ pub fn open(dir: &Path) -> Result<SnapshotMeta, JailSnapshotError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::records::SnapshotKind;
-    use cube_storage::durable_marker::{boot_id, make_durable};
-    use cube_vmm::persist::SnapshotStats;
+    use cube_storage::durable_marker::make_durable;
 
     fn record(dir: &Path, engine: Engine, boot: Option<&str>) {
         let meta = SnapshotMeta {
@@ -148,6 +196,47 @@ mod tests {
         // Flushed in that boot: its marker vouches for it.
         make_durable(dir.path(), earlier).unwrap();
         assert!(open(dir.path()).is_ok());
+    }
+
+    /// A hibernation checkpoint is recorded and checked as a snapshot is: whole, it
+    /// opens; with a layer file changed, or written in an earlier boot and never
+    /// flushed, it is refused.
+    #[test]
+    fn a_hibernation_checkpoint_is_recorded_and_checked_like_a_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let layer = SnapshotDir::new(dir.path()).layer();
+        std::fs::create_dir_all(&layer).unwrap();
+        std::fs::write(layer.join("notes"), b"kept").unwrap();
+        record_hibernation(dir.path(), "sb-1", SnapshotStats::default()).unwrap();
+        let meta = open(dir.path()).unwrap();
+        assert_eq!(
+            (meta.id.as_str(), meta.sandbox.as_str()),
+            (HIBERNATION_ID, "sb-1")
+        );
+        assert_eq!(meta.kind, SnapshotKind::Full);
+
+        std::fs::write(layer.join("notes"), b"lost").unwrap();
+        let err = error_chain(&open(dir.path()).unwrap_err());
+        assert!(err.contains("hibernation is damaged"), "{err}");
+
+        std::fs::write(layer.join("notes"), b"kept").unwrap();
+        open(dir.path()).unwrap();
+        let mut meta: SnapshotMeta = cube_storage::read_verified(
+            &SnapshotDir::new(dir.path()).record(),
+            SnapshotDir::RECORD_KIND,
+        )
+        .unwrap();
+        meta.boot_id = Some("00000000-0000-0000-0000-000000000000".into());
+        cube_storage::write_atomic(
+            &SnapshotDir::new(dir.path()).record(),
+            SnapshotDir::RECORD_KIND,
+            &meta,
+        )
+        .unwrap();
+        assert!(matches!(
+            open(dir.path()),
+            Err(JailSnapshotError::NotDurable(..))
+        ));
     }
 
     #[test]

@@ -534,3 +534,16 @@ pub fn py(client: &cube_agent::client::Client, code: &str) -> String {
     assert!(r.error.is_none(), "{code}: {:?}", r.error);
     r.value.unwrap_or_default()
 }
+
+/// Waits for the background flush of the snapshot (or hibernation checkpoint) in `dir`
+/// to leave its marker.
+pub fn wait_flushed(dir: &Path) {
+    let marker = cube_storage::SnapshotDir::new(dir).durable_marker();
+    for _ in 0..1000 {
+        if marker.exists() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    panic!("snapshot {} was never flushed", dir.display());
+}
