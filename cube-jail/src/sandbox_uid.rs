@@ -189,11 +189,7 @@ fn ensure_dir() -> Result<()> {
 
 fn random_u32() -> Result<u32> {
     let mut bytes = [0u8; 4];
-    // SAFETY: getrandom writes at most `bytes.len()` bytes into the live buffer.
-    let n = unsafe { libc::getrandom(bytes.as_mut_ptr().cast(), bytes.len(), 0) };
-    if n != bytes.len() as isize {
-        return Err(SandboxUidError::Random(io::Error::last_os_error()));
-    }
+    cube_storage::fill_random(&mut bytes).map_err(SandboxUidError::Random)?;
     Ok(u32::from_ne_bytes(bytes))
 }
 

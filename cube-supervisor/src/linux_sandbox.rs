@@ -81,12 +81,8 @@ fn reseed_when_ready(vsock_socket: PathBuf, stop: Arc<AtomicBool>) {
                 match agent_client(&vsock_socket, Duration::from_millis(500)) {
                     Ok(client) => {
                         let mut entropy = vec![0u8; 64];
-                        // SAFETY: `entropy` is writable for its length.
-                        let n = unsafe {
-                            libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0)
-                        };
-                        if n != 64 {
-                            tracing::warn!("no host entropy for the clone's reseed");
+                        if let Err(e) = cube_storage::fill_random(&mut entropy) {
+                            tracing::warn!("no host entropy for the clone's reseed: {e}");
                             return;
                         }
                         match client.reseed(entropy) {
