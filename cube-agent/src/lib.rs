@@ -9,6 +9,7 @@ pub mod client;
 pub mod exec;
 pub mod files;
 pub mod frame;
+pub mod image_defaults;
 pub mod init;
 pub mod one_command;
 pub mod protocol;

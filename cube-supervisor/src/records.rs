@@ -152,7 +152,8 @@ pub struct TemplateMeta {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub built_from: Option<String>,
     /// What a container image's config asks of the processes of the template's
-    /// sandboxes (jail engine); None for templates not built from an image.
+    /// sandboxes (a VM's image holds it too, for its agent); None for templates not
+    /// built from an image.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub process: Option<ProcessDefaults>,
 }
@@ -168,7 +169,8 @@ pub struct ProcessDefaults {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
     /// The user as the image names it (`name`, `uid`, `uid:gid`), kept for people:
-    /// a jail sandbox's processes all run as the sandbox's own host uid.
+    /// a jail sandbox's processes all run as the sandbox's own host uid, a VM's as
+    /// root unless an exec names a user.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
 }

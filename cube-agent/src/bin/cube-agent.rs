@@ -175,10 +175,22 @@ fn main() -> ExitCode {
         Ok(r) => r,
         Err(e) => return fail(&e),
     };
-    let agent = Agent::new(AgentConfig {
-        reaper,
-        env: std::env::vars().collect(),
-    });
+    let mut env: Vec<(String, String)> = std::env::vars().collect();
+    if matches!(args.mode, Mode::Vsock(_)) && init::is_pid1() {
+        // A VM built from a container image: its Env and WorkingDir.
+        let path = std::path::Path::new(cube_agent::image_defaults::IMAGE_DEFAULTS_PATH);
+        match cube_agent::image_defaults::ImageDefaults::load(path) {
+            Ok(Some(defaults)) => {
+                if let Err(e) = defaults.enter_working_dir() {
+                    return fail(&e);
+                }
+                env = defaults.environment(env);
+            }
+            Ok(None) => {}
+            Err(e) => return fail(&e),
+        }
+    }
+    let agent = Agent::new(AgentConfig { reaper, env });
     if let Err(e) = init::spawn_signal_thread(signals, agent.clone(), args.grace) {
         return fail(&e);
     }

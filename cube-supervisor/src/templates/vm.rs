@@ -17,6 +17,7 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use cube_agent::image_defaults::{ImageDefaults, IMAGE_DEFAULTS_PATH};
 use cube_storage::TemplateDir;
 use cube_vmm::host::{KvmKind, KvmProbe};
 use cube_vmm::linux_vm::{self, LinuxBootConfig};
@@ -26,7 +27,7 @@ use cube_vmm::vstate::KvmContext;
 
 use super::tree::{make_tree, TemplateBuildError, TreeSource};
 use crate::error_report::chain as error_chain;
-use crate::records::{now_unix, Engine, TemplateMeta, HOST_TEMPLATE};
+use crate::records::{now_unix, Engine, ProcessDefaults, TemplateMeta, HOST_TEMPLATE};
 use crate::vm_agent::{agent_client, VmAgentError};
 use crate::vm_devices::template_devices;
 
@@ -282,6 +283,26 @@ pub fn make_root_image(tree: &Path, agent: &Path, image: &Path) -> Result<u64, V
     Ok(mib << 20)
 }
 
+/// Writes a container image's Env and WorkingDir into `tree` at
+/// [`IMAGE_DEFAULTS_PATH`], where the guest's agent takes them at its start (the
+/// image's User is not applied: the agent runs processes as root unless an exec names
+/// a user).
+fn write_image_defaults(tree: &Path, defaults: &ProcessDefaults) -> Result<(), VmTemplateError> {
+    let path = tree.join(IMAGE_DEFAULTS_PATH.trim_start_matches('/'));
+    let file = ImageDefaults {
+        env: defaults.env.clone(),
+        cwd: defaults.cwd.clone(),
+    };
+    let bytes = serde_json::to_vec(&file)
+        .map_err(|e| VmTemplateError::Io(path.display().to_string(), e.into()))?;
+    if let Some(parent) = path.parent() {
+        std::fs::create_dir_all(parent)
+            .map_err(|e| VmTemplateError::Io(format!("creating {}", parent.display()), e))?;
+    }
+    std::fs::write(&path, bytes)
+        .map_err(|e| VmTemplateError::Io(format!("writing {}", path.display()), e))
+}
+
 /// The console of a template's guest: the last line it printed, for error messages,
 /// and every line to the build's progress.
 struct ConsoleTail(Arc<std::sync::Mutex<(Vec<u8>, String)>>);
@@ -341,7 +362,10 @@ pub fn build(
     let staging = store.stage()?;
     let template = TemplateDir::new(staging.path());
     let tree = template.image_tree();
-    make_tree(&tree, &spec.tree, progress).map_err(VmTemplateError::Tree)?;
+    let process = make_tree(&tree, &spec.tree, progress).map_err(VmTemplateError::Tree)?;
+    if let Some(defaults) = &process {
+        write_image_defaults(&tree, defaults)?;
+    }
     progress("making the ext4 image");
     let image = template.image().rootfs();
     let image_bytes = make_root_image(&tree, &spec.agent, &image)?;
@@ -415,7 +439,7 @@ pub fn build(
         created_unix: now_unix(),
         tree: None,
         built_from: Some(spec.tree.describe()),
-        process: None,
+        process,
     };
     cube_storage::write_atomic(&template.record(), TemplateDir::RECORD_KIND, &meta)?;
     let _ = std::fs::remove_file(&vsock);

@@ -1,0 +1,102 @@
+//! A Linux VM template built from a container image (an OCI layout the test writes:
+//! static busybox, and Env and WorkingDir in its config): its sandboxes' commands start
+//! in the image's working directory with the image's environment, a variable an exec
+//! names itself wins, and the template's record keeps the image's defaults. Skipped
+//! (with the reason) where Cube's guest kernel or the static agent is missing.
+
+#![allow(clippy::unwrap_used)] // helpers of this test file, not library code
+
+mod common;
+
+use std::time::Duration;
+
+use cube_agent::protocol::ExecRequest;
+use cube_core::templates::{image_agent, MachineConfig, TreeSource, VmTemplateSpec};
+use cube_core::testing::oci_image::{self, Compression::Plain, Entry};
+use cube_core::{CreateOptions, Engine, Runtime, RuntimeConfig, Sandbox};
+use cube_vmm::testing::cube_guest_kernel;
+
+/// Runs `script` with the image's shell, the variables `env` set by the exec itself;
+/// its standard output.
+fn sh_with(sandbox: &Sandbox, script: &str, env: &[(&str, &str)]) -> String {
+    let request = ExecRequest {
+        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        env: env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..ExecRequest::default()
+    };
+    let out = sandbox.agent().unwrap().exec(request).unwrap();
+    assert_eq!(out.exit.code, Some(0), "{script}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn a_vm_built_from_an_image_runs_commands_with_its_env_and_working_dir() {
+    let Some(kernel) = cube_guest_kernel() else {
+        return;
+    };
+    let agent = match image_agent::locate() {
+        Ok(agent) => agent,
+        Err(e) => {
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let layers = vec![oci_image::busybox_layer(&[
+        Entry::Dir("app"),
+        Entry::File("app/msg", b"from the image\n"),
+    ])
+    .unwrap()];
+    let config = oci_image::config(
+        &["PATH=/bin", "GREETING=hello from the image", "EMPTY="],
+        "/app",
+        "",
+        &layers,
+    );
+    let image = dir.path().join("image");
+    oci_image::oci_layout(&image, &config, &layers, &[Plain]).unwrap();
+    let rt = Runtime::open(RuntimeConfig {
+        store_root: dir.path().join("store"),
+        pool_size: 0,
+        network_pool_size: 0,
+        supervisor: Some(common::supervisor()),
+    })
+    .unwrap();
+    let spec = VmTemplateSpec {
+        tree: TreeSource::Oci(image),
+        kernel: Some(kernel),
+        initrd: None,
+        machine: MachineConfig {
+            vcpus: 1,
+            memory_bytes: 256 << 20,
+            irqchip: true,
+        },
+        // A bound on a hung boot, not a timing assertion (emulated, it takes about
+        // half a minute here).
+        boot_timeout: Duration::from_secs(900),
+        agent,
+    };
+    let meta = rt.build_vm_template("app", &spec, &mut |_| {}).unwrap();
+    assert_eq!(meta.engine, Engine::Vm);
+    let process = meta.process.unwrap();
+    assert_eq!(process.cwd.as_deref(), Some("/app"));
+    assert!(process
+        .env
+        .contains(&("GREETING".into(), "hello from the image".into())));
+
+    let sandbox = rt.create("app", CreateOptions::new(true)).unwrap();
+    let script = "pwd; echo \"$GREETING\"; cat msg; echo \"[$EMPTY]\"";
+    assert_eq!(
+        common::workload::sh(&sandbox.agent().unwrap(), script),
+        "/app\nhello from the image\nfrom the image\n[]\n"
+    );
+    let own = [("GREETING", "the exec's own")];
+    assert_eq!(
+        sh_with(&sandbox, "echo \"$GREETING\"", &own),
+        "the exec's own\n"
+    );
+    sandbox.destroy().unwrap();
+}
