@@ -5,11 +5,14 @@
 //! Destinations are resolved inside the container's root (`openat2` with
 //! `RESOLVE_IN_ROOT`): the image is untrusted, and a symlink in it must not send a
 //! bind to a path of the host. Missing destinations are created there (directories
-//! for a directory, an empty file for a file), as runc does. Every bind is
+//! for a directory, an empty file for a file), as runc does; a destination that is a
+//! link to nothing (an image's `/etc/resolv.conf` naming systemd's file) is made where
+//! the link leads, resolved inside the root too. Every bind is
 //! `nosuid,nodev`, read-only where the spec says `ro`.
 
 use std::ffi::CString;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStringExt;
 use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
@@ -107,54 +110,144 @@ fn open_in_root(root: &OwnedFd, rel: &Path, flags: i32) -> Result<OwnedFd, Errno
     open_path(root.as_raw_fd(), rel, flags, libc::RESOLVE_IN_ROOT)
 }
 
+/// Most symbolic links followed to make one destination (the kernel's own limit).
+const MAX_LINKS: usize = 40;
+
+/// What a missing destination is made as.
+#[derive(Clone, Copy)]
+enum Kind {
+    Dir,
+    File,
+}
+
+impl Kind {
+    /// `openat2` flags that open an existing one.
+    fn flags(self) -> i32 {
+        match self {
+            Kind::Dir => libc::O_DIRECTORY,
+            Kind::File => 0,
+        }
+    }
+}
+
 /// The directory `rel` inside `root`, made (with its parents) where missing.
 fn ensure_dir(root: &OwnedFd, rel: &Path) -> Result<OwnedFd, Errno> {
-    match open_in_root(root, rel, libc::O_DIRECTORY) {
-        Err(Errno::ENOENT) => {}
-        other => return other,
-    }
-    let (parent, name) = parent_and_name(root, rel)?;
-    // SAFETY: `name` is a live NUL-terminated string; `parent` an open directory.
-    if unsafe { libc::mkdirat(parent.as_raw_fd(), name.as_ptr(), 0o755) } != 0
-        && Errno::last() != Errno::EEXIST
-    {
-        return Err(Errno::last());
-    }
-    open_in_root(root, rel, libc::O_DIRECTORY)
+    ensure(root, rel, Kind::Dir, 0)
 }
 
 /// The file `rel` inside `root`, made empty (with its parent directories) where
 /// missing.
 fn ensure_file(root: &OwnedFd, rel: &Path) -> Result<OwnedFd, Errno> {
-    match open_in_root(root, rel, 0) {
+    ensure(root, rel, Kind::File, 0)
+}
+
+/// `rel` inside `root`, made as `kind` where missing. Where `rel` (or a directory on
+/// the way) is a symbolic link to nothing, as an image's `/etc/resolv.conf` pointing at
+/// `/run/systemd/...` is, what the link names is made instead, resolved inside `root`
+/// as the kernel would resolve it there (`links` counts the links followed so far).
+fn ensure(root: &OwnedFd, rel: &Path, kind: Kind, links: usize) -> Result<OwnedFd, Errno> {
+    match open_in_root(root, rel, kind.flags()) {
         Err(Errno::ENOENT) => {}
         other => return other,
     }
-    let (parent, name) = parent_and_name(root, rel)?;
-    // O_NOFOLLOW: a dangling link there is refused rather than followed.
+    let (parent, name) = parent_and_name(root, rel, links)?;
+    if let Some(target) = dangling_link(&parent, &name)? {
+        if links >= MAX_LINKS {
+            return Err(Errno::ELOOP);
+        }
+        let rel = link_destination(root, &parent, &target)?;
+        return ensure(root, &rel, kind, links + 1);
+    }
     // SAFETY: `name` is a live NUL-terminated string; `parent` an open directory.
-    let fd = unsafe {
-        libc::openat(
+    let made = unsafe {
+        match kind {
+            Kind::Dir => libc::mkdirat(parent.as_raw_fd(), name.as_ptr(), 0o755),
+            // O_NOFOLLOW: a link made there meanwhile is refused rather than followed.
+            Kind::File => libc::openat(
+                parent.as_raw_fd(),
+                name.as_ptr(),
+                libc::O_CREAT | libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                0o644,
+            ),
+        }
+    };
+    match kind {
+        Kind::Dir if made != 0 && Errno::last() != Errno::EEXIST => return Err(Errno::last()),
+        Kind::File if made < 0 => return Err(Errno::last()),
+        // SAFETY: a new descriptor, closed at once.
+        Kind::File => drop(unsafe { OwnedFd::from_raw_fd(made) }),
+        Kind::Dir => {}
+    }
+    open_in_root(root, rel, kind.flags())
+}
+
+/// The target of `name` in `parent` where it is a symbolic link; None where it is
+/// anything else or nothing.
+fn dangling_link(parent: &OwnedFd, name: &CString) -> Result<Option<PathBuf>, Errno> {
+    let mut buf = vec![0u8; libc::PATH_MAX as usize];
+    // SAFETY: `name` is NUL-terminated and `buf` writable for its length.
+    let n = unsafe {
+        libc::readlinkat(
             parent.as_raw_fd(),
             name.as_ptr(),
-            libc::O_CREAT | libc::O_WRONLY | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-            0o644,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
         )
     };
-    if fd < 0 {
-        return Err(Errno::last());
+    if n < 0 {
+        return match Errno::last() {
+            // Not a link, or not there.
+            Errno::EINVAL | Errno::ENOENT => Ok(None),
+            e => Err(e),
+        };
     }
-    // SAFETY: a new descriptor, closed at once.
-    drop(unsafe { OwnedFd::from_raw_fd(fd) });
-    open_in_root(root, rel, 0)
+    buf.truncate(n.unsigned_abs());
+    Ok(Some(PathBuf::from(std::ffi::OsString::from_vec(buf))))
+}
+
+/// Where a link in directory `parent` whose target is `target` leads, relative to
+/// `root`: an absolute target from `root` itself, a relative one from `parent`'s real
+/// place in `root`; leading `..` stop at `root`, as `RESOLVE_IN_ROOT` does.
+fn link_destination(root: &OwnedFd, parent: &OwnedFd, target: &Path) -> Result<PathBuf, Errno> {
+    let mut dest = if target.is_absolute() {
+        PathBuf::new()
+    } else {
+        let place = |fd: &OwnedFd| std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+        let (root_at, parent_at) = (place(root), place(parent));
+        let (Ok(root_at), Ok(parent_at)) = (root_at, parent_at) else {
+            return Err(Errno::ENOENT);
+        };
+        parent_at
+            .strip_prefix(&root_at)
+            .map_err(|_| Errno::EXDEV)?
+            .to_path_buf()
+    };
+    let mut rest = target.components().peekable();
+    // `..` right after a real directory is its parent; later ones are left to the
+    // kernel, which resolves the path inside the root again.
+    while let Some(c) = rest.peek() {
+        match c {
+            Component::RootDir | Component::CurDir => {}
+            Component::ParentDir => {
+                dest.pop();
+            }
+            _ => break,
+        }
+        rest.next();
+    }
+    dest.extend(rest);
+    if dest.as_os_str().is_empty() {
+        return Err(Errno::EEXIST);
+    }
+    Ok(dest)
 }
 
 /// The directory that holds `rel` (made where missing) and `rel`'s last name.
-fn parent_and_name(root: &OwnedFd, rel: &Path) -> Result<(OwnedFd, CString), Errno> {
+fn parent_and_name(root: &OwnedFd, rel: &Path, links: usize) -> Result<(OwnedFd, CString), Errno> {
     let name = rel.file_name().ok_or(Errno::EINVAL)?;
     let name = CString::new(name.as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
     let parent = match rel.parent().filter(|p| !p.as_os_str().is_empty()) {
-        Some(p) => ensure_dir(root, p)?,
+        Some(p) => ensure(root, p, Kind::Dir, links)?,
         None => open_in_root(root, Path::new("."), libc::O_DIRECTORY)?,
     };
     Ok((parent, name))
@@ -181,12 +274,9 @@ mod tests {
         std::os::unix::fs::symlink(outside.path(), root.path().join("etc")).unwrap();
         std::os::unix::fs::symlink("../../../../..", root.path().join("up")).unwrap();
         let root_fd = open_path(libc::AT_FDCWD, root.path(), libc::O_DIRECTORY, 0).unwrap();
-        // Where /etc leads inside the root is missing: refused, nothing made outside.
-        assert!(ensure_file(&root_fd, Path::new("etc/hosts")).is_err());
-        // Once it exists inside the root, the file is made there.
-        let inside = root.path().join(outside.path().strip_prefix("/").unwrap());
-        std::fs::create_dir_all(&inside).unwrap();
+        // Where /etc leads inside the root is missing: made there, nothing outside.
         ensure_file(&root_fd, Path::new("etc/hosts")).unwrap();
+        let inside = root.path().join(outside.path().strip_prefix("/").unwrap());
         assert!(inside.join("hosts").is_file());
         // `..` past the root stays at the root.
         ensure_dir(&root_fd, Path::new("up/data")).unwrap();
@@ -195,5 +285,37 @@ mod tests {
             std::fs::read_dir(outside.path()).unwrap().next().is_none(),
             "a file was made outside the root"
         );
+    }
+
+    /// An image's `/etc/resolv.conf` is a link to a file that only exists once systemd
+    /// runs: the bind's file is made where the link leads, inside the root, for
+    /// absolute and relative links, and through a link to a link; a loop is refused.
+    #[test]
+    fn a_dangling_link_at_the_destination_is_followed_inside_the_root() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        std::fs::create_dir(r.join("etc")).unwrap();
+        let link = |target: &str, at: &str| std::os::unix::fs::symlink(target, r.join(at)).unwrap();
+        link("/run/systemd/resolve/stub-resolv.conf", "etc/resolv.conf");
+        link("../run/hostname-real", "etc/hostname");
+        link("/etc/hosts-link", "etc/hosts");
+        link("../../../../srv/hosts", "etc/hosts-link");
+        link("loop-b", "loop-a");
+        link("loop-a", "loop-b");
+        let root_fd = open_path(libc::AT_FDCWD, r, libc::O_DIRECTORY, 0).unwrap();
+        for dest in ["etc/resolv.conf", "etc/hostname", "etc/hosts"] {
+            ensure_file(&root_fd, Path::new(dest)).unwrap();
+        }
+        assert!(r.join("run/systemd/resolve/stub-resolv.conf").is_file());
+        assert!(r.join("run/hostname-real").is_file());
+        assert!(r.join("srv/hosts").is_file());
+        assert_eq!(
+            ensure_file(&root_fd, Path::new("loop-a")).unwrap_err(),
+            Errno::ELOOP
+        );
+        // A directory bind through a dangling link to a directory.
+        link("/var/lib/data", "data");
+        ensure_dir(&root_fd, Path::new("data")).unwrap();
+        assert!(r.join("var/lib/data").is_dir());
     }
 }
