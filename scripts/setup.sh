@@ -72,6 +72,12 @@ if command -v rustup >/dev/null 2>&1 && [ "$(uname -m)" = x86_64 ]; then
         echo "setup: note: the musl Rust target could not be added: the agent is linked with static glibc" >&2
 fi
 
+# Every crate the lock file names, dev-dependencies and other targets' included: the
+# checks that run offline after this (cargo tree for feature unification, cargo-deny)
+# read them all, and a fresh host's cargo has fetched none (the build below fetches only
+# what the binaries need).
+echo "setup: fetching the locked crates"
+cargo fetch --locked
 echo "setup: building (release)"
 cargo build --release --workspace --bins --locked
 bash scripts/build-static.sh --musl cube-agent cube-agent --release --locked
