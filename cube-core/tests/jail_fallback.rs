@@ -1,5 +1,7 @@
 //! Jail snapshots where no working CRIU exists: they hold the files only, say so in
 //! their kind and give the reason, and rollback, clone and wake restart the processes.
+//! A hibernation keeps the files recorded as such a snapshot, and a wake refuses them
+//! damaged.
 //! The supervisors of this test binary are pointed at a CRIU that does not exist
 //! (`CUBE_CRIU`), which is how a host without one looks; its one test runs alone in
 //! this process, so setting the variable races with nothing.
@@ -13,8 +15,8 @@ use std::time::Duration;
 
 use cube_agent::client::Client;
 use cube_agent::protocol::{ExecRequest, Language};
-use cube_core::SnapshotKind;
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, HOST_TEMPLATE};
+use cube_core::{MachineStatus, SnapshotKind};
 
 fn sh(client: &Client, script: &str) -> String {
     let out = client
@@ -74,8 +76,28 @@ fn without_criu_snapshots_hold_files_and_say_why() {
     // The processes started afresh: the interpreter context is gone.
     assert!(agent.list_contexts().unwrap().is_empty());
     sb.hibernate().unwrap();
+    let checkpoint = cube_storage::SandboxDir::new(sb.dir()).hibernated_checkpoint();
+    let image = cube_storage::SnapshotDir::new(&checkpoint);
+    let record: serde_json::Value =
+        cube_storage::read_verified(&image.record(), cube_storage::SnapshotDir::RECORD_KIND)
+            .unwrap();
+    assert_eq!(record["kind"], "filesystem", "{record}");
+    assert!(
+        record["fallback"]
+            .as_str()
+            .is_some_and(|f| f.contains("/nonexistent/criu")),
+        "{record}"
+    );
+    let f = image.layer().join("home/user/f");
+    std::fs::write(&f, b"changed behind its back\n").unwrap();
+    let err = common::error_chain(&sb.wake().unwrap_err());
+    assert!(err.contains("hibernation is damaged"), "{err}");
+    assert_eq!(sb.status().unwrap().status, MachineStatus::Hibernated);
+    assert!(image.record().is_file(), "the hibernated files stay");
+    std::fs::write(&f, b"before\n").unwrap();
     sb.wake().unwrap();
     assert_eq!(sh(&sb.agent().unwrap(), "cat $HOME/f"), "before\n");
+    assert!(!checkpoint.exists(), "the woken files' record is removed");
     let sb_dir = sb.dir().to_path_buf();
     sb.destroy().unwrap();
     assert!(!sb_dir.exists());

@@ -445,6 +445,10 @@ impl JailSandbox {
     /// Clones the writable layer into `staging/layer`, the processes frozen meanwhile;
     /// true when every file was reflinked, and how long they were frozen.
     fn snapshot_files(&mut self, staging: &Path) -> Result<(bool, Duration), Failure> {
+        if self.jail.is_none() && self.dir.hibernated_checkpoint().exists() {
+            // Hibernated with its files alone: checked as a wake would check them.
+            jail_snapshot::open(&self.dir.hibernated_checkpoint())?;
+        }
         std::fs::create_dir(staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
         let layer = self.layer();
         let freeze = !self.paused && self.jail.is_some();
@@ -537,6 +541,39 @@ impl JailSandbox {
             Ok(handle) => self.retiring.push(handle),
             // The jail was dropped, and so destroyed, with the closure.
             Err(e) => tracing::warn!("retiring a jail inline: {e}"),
+        }
+        Ok(())
+    }
+
+    /// Stops `jail` keeping its layer alone in `image_dir`, recorded and flushed as a
+    /// filesystem snapshot is (`why`: why CRIU could not dump it), so that a wake
+    /// checks the files before starting on them. Where the record cannot be written
+    /// the layer goes where an unrecorded one was kept before records existed, and a
+    /// wake starts on it unchecked: the files are not lost for a full disk.
+    fn hibernate_files(&mut self, jail: Jail, image_dir: &Path, why: String) -> Result<(), String> {
+        let _ = std::fs::remove_dir_all(image_dir);
+        let legacy = self.dir.hibernated_layer();
+        let _ = std::fs::remove_dir_all(&legacy);
+        let keep = SnapshotDir::new(image_dir).layer();
+        std::fs::create_dir_all(image_dir)
+            .map_err(|e| format!("creating {}: {e}", image_dir.display()))?;
+        jail.destroy_keeping_layer(&keep)
+            .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))?;
+        let recorded = jail_snapshot::record_hibernation(
+            image_dir,
+            &self.id,
+            SnapshotStats::default(),
+            SnapshotKind::Filesystem,
+            Some(why),
+        );
+        match recorded {
+            Ok(()) => self.flushes.start(image_dir.to_path_buf()),
+            Err(e) => {
+                tracing::warn!(sandbox = %self.id, "the hibernated files are kept unrecorded: {}", error_chain(&e));
+                std::fs::rename(&keep, &legacy)
+                    .map_err(|e| format!("keeping the layer at {}: {e}", legacy.display()))?;
+                let _ = std::fs::remove_dir_all(image_dir);
+            }
         }
         Ok(())
     }
@@ -716,8 +753,14 @@ impl SandboxBackend for JailSandbox {
                     paused_us: paused.as_micros() as u64,
                     ..SnapshotStats::default()
                 };
-                jail_snapshot::record_hibernation(&image_dir, &self.id, stats)
-                    .map_err(|e| error_chain(&e))
+                jail_snapshot::record_hibernation(
+                    &image_dir,
+                    &self.id,
+                    stats,
+                    SnapshotKind::Full,
+                    None,
+                )
+                .map_err(|e| error_chain(&e))
             }),
             Err(why) => Err(format!("no working CRIU: {why}")),
         };
@@ -733,10 +776,7 @@ impl SandboxBackend for JailSandbox {
             }
             Err(why) => {
                 tracing::warn!(sandbox = %self.id, "hibernating the files only: {why}");
-                let keep = self.dir.hibernated_layer();
-                let _ = std::fs::remove_dir_all(&keep);
-                jail.destroy_keeping_layer(&keep)
-                    .map_err(|e| format!("stopping the jail: {}", error_chain(&e)))
+                self.hibernate_files(jail, &image_dir, why)
             }
         };
         stopped?;
@@ -767,6 +807,17 @@ impl SandboxBackend for JailSandbox {
             self.remove_aside(&image_dir);
             return Ok(());
         }
+        if image_dir.exists() {
+            // The files alone, recorded: checked as a filesystem snapshot is on
+            // rollback, refused and kept when damaged or cut short by a crash. Its
+            // flush ends before the layer moves out from under it.
+            jail_snapshot::open(&image_dir)?;
+            self.flushes.join();
+            self.spawn(Some(SnapshotDir::new(&image_dir).layer()))?;
+            self.remove_aside(&image_dir);
+            return Ok(());
+        }
+        // Kept unrecorded (see `hibernate_files`).
         let layer = self.dir.hibernated_layer();
         Ok(self.spawn(Some(layer))?)
     }

@@ -75,13 +75,17 @@ pub fn record_files(dir: &Path, id: &str) -> Result<(), JailSnapshotError> {
     tree_manifest::write(dir, id, TREES).map_err(|e| JailSnapshotError::Manifest(id.to_string(), e))
 }
 
-/// Records the hibernation checkpoint of `sandbox` that CRIU dumped into `dir` as a
-/// full jail snapshot is recorded: the manifest of its files, then (last) a record
-/// naming this boot. The caller has it flushed; [`open`] checks it before a wake.
+/// Records the hibernation checkpoint of `sandbox` in `dir` as a jail snapshot of
+/// `kind` is recorded: the manifest of its files, then (last) a record naming this
+/// boot. A full one is CRIU's dump; a filesystem one is the layer alone, kept where
+/// CRIU could not dump (`fallback` says why). The caller has it flushed; [`open`]
+/// checks it before a wake.
 pub fn record_hibernation(
     dir: &Path,
     sandbox: &str,
     stats: SnapshotStats,
+    kind: SnapshotKind,
+    fallback: Option<String>,
 ) -> Result<(), JailSnapshotError> {
     record_files(dir, HIBERNATION_ID)?;
     let meta = SnapshotMeta {
@@ -89,9 +93,9 @@ pub fn record_hibernation(
         sandbox: sandbox.to_string(),
         created_unix: now_unix(),
         stats,
-        kind: SnapshotKind::Full,
+        kind,
         engine: Engine::Jail,
-        fallback: None,
+        fallback,
         template: None,
         boot_id: Some(boot_id().map_err(JailSnapshotError::Boot)?),
         rootfs: None,
@@ -207,7 +211,14 @@ mod tests {
         let layer = SnapshotDir::new(dir.path()).layer();
         std::fs::create_dir_all(&layer).unwrap();
         std::fs::write(layer.join("notes"), b"kept").unwrap();
-        record_hibernation(dir.path(), "sb-1", SnapshotStats::default()).unwrap();
+        record_hibernation(
+            dir.path(),
+            "sb-1",
+            SnapshotStats::default(),
+            SnapshotKind::Full,
+            None,
+        )
+        .unwrap();
         let meta = open(dir.path()).unwrap();
         assert_eq!(
             (meta.id.as_str(), meta.sandbox.as_str()),
