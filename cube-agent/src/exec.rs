@@ -237,6 +237,9 @@ pub type ExecKey = (u64, u64);
 /// The execs of one agent, by connection and id.
 pub struct ExecTable {
     reaper: Reaper,
+    /// Who runs a process whose request names no user (outside a root of its own);
+    /// the agent's own user when None.
+    default_user: Option<crate::protocol::UserSpec>,
     entries: Mutex<HashMap<ExecKey, Arc<Entry>>>,
 }
 
@@ -247,8 +250,16 @@ pub type Emit<'a> = &'a mut dyn FnMut(ResponseBody) -> bool;
 impl ExecTable {
     /// An empty table whose children are waited for by `reaper`.
     pub fn new(reaper: Reaper) -> Self {
+        Self::with_default_user(reaper, None)
+    }
+
+    /// Like [`ExecTable::new`]; a request that names no user runs as `user` (a VM
+    /// built from a container image runs its processes as the image's User), except
+    /// in a root of its own, whose container names its own.
+    pub fn with_default_user(reaper: Reaper, user: Option<crate::protocol::UserSpec>) -> Self {
         Self {
             reaper,
+            default_user: user,
             entries: Mutex::default(),
         }
     }
@@ -346,7 +357,11 @@ impl ExecTable {
         }
         // The user to switch to (only root may), or None to stay the agent's.
         let mut switch = None;
-        if let Some(user) = req.user {
+        let user = match root {
+            Some(_) => req.user,
+            None => req.user.or(self.default_user),
+        };
+        if let Some(user) = user {
             let me = (
                 nix::unistd::geteuid().as_raw(),
                 nix::unistd::getegid().as_raw(),

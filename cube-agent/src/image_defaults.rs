@@ -1,12 +1,15 @@
-//! What a container image asks of its processes (its config's Env and WorkingDir), for
-//! a VM built from one: the template build writes them into the guest's image at
-//! [`IMAGE_DEFAULTS_PATH`], and the agent, starting as the guest's init, takes them as
-//! the environment and working directory every exec and code run starts from (a jail's
-//! agent gets them from the host as its own environment and directory instead).
+//! What a container image asks of its processes (its config's Env, WorkingDir and
+//! User), for a VM built from one: the template build writes them into the guest's
+//! image at [`IMAGE_DEFAULTS_PATH`], and the agent, starting as the guest's init, takes
+//! them as the environment, working directory and user every exec and code run starts
+//! from (a jail's agent gets the first two from the host as its own environment and
+//! directory instead; a jail's processes all run as the sandbox's own uid).
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+
+use crate::protocol::UserSpec;
 
 /// Where the defaults lie in a VM's image, from its root.
 pub const IMAGE_DEFAULTS_PATH: &str = "/.cube/process.json";
@@ -43,6 +46,10 @@ pub struct ImageDefaults {
     /// The working directory, absolute.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
+    /// The user execs and code runs that name none run as, resolved to numbers by the
+    /// build against the image's own /etc/passwd and /etc/group; root when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<UserSpec>,
 }
 
 impl ImageDefaults {
@@ -114,10 +121,17 @@ mod tests {
         );
         let path = write(
             dir.path(),
-            r#"{"env":[["PATH","/app/bin"],["GREETING","hi there"]],"cwd":"/app"}"#,
+            r#"{"env":[["PATH","/app/bin"],["GREETING","hi there"]],"cwd":"/app","user":{"uid":1000,"gid":100}}"#,
         );
         let defaults = ImageDefaults::load(&path).unwrap().unwrap();
         assert_eq!(defaults.cwd.as_deref(), Some("/app"));
+        assert_eq!(
+            defaults.user,
+            Some(UserSpec {
+                uid: 1000,
+                gid: 100
+            })
+        );
         let env = defaults.environment(vec![
             ("PATH".into(), "/bin".into()),
             ("HOME".into(), "/".into()),
@@ -151,6 +165,7 @@ mod tests {
         let relative = ImageDefaults {
             env: Vec::new(),
             cwd: Some("app".into()),
+            user: None,
         };
         assert!(relative.enter_working_dir().is_err());
     }

@@ -24,7 +24,7 @@ use nix::unistd::Pid;
 use serde::Deserialize;
 
 use crate::protocol::{
-    CodeError, CodeResult, ContextInfo, ErrorCode, ErrorReply, Language, RichOutput,
+    CodeError, CodeResult, ContextInfo, ErrorCode, ErrorReply, Language, RichOutput, UserSpec,
 };
 use crate::reaper::{ChildStatus, Reaper, ReaperError};
 
@@ -246,6 +246,8 @@ impl RunCodeError {
 /// The interpreter contexts of a sandbox, by name.
 pub struct Contexts {
     reaper: Reaper,
+    /// Who the interpreters run as; the agent's own user when None.
+    user: Option<UserSpec>,
     table: Mutex<HashMap<String, Arc<Mutex<Interpreter>>>>,
 }
 
@@ -302,8 +304,15 @@ struct PythonError {
 impl Contexts {
     /// No contexts yet; interpreters are spawned through `reaper`.
     pub fn new(reaper: Reaper) -> Self {
+        Self::as_user(reaper, None)
+    }
+
+    /// Like [`Contexts::new`]; with `user`, the interpreters run as that user (the
+    /// agent must be root), their private directory given to it.
+    pub fn as_user(reaper: Reaper, user: Option<UserSpec>) -> Self {
         Self {
             reaper,
+            user,
             table: Mutex::default(),
         }
     }
@@ -333,7 +342,7 @@ impl Contexts {
             }
         }
         let n = NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed);
-        let interp = Interpreter::start(&self.reaper, language, cwd, env, n)?;
+        let interp = Interpreter::start(&self.reaper, language, cwd, env, self.user, n)?;
         let mut table = self.table();
         if table.contains_key(name) {
             // Lost a race with a create of the same name; `interp` is dropped (killed).
@@ -406,9 +415,17 @@ impl Interpreter {
         language: Language,
         cwd: Option<&str>,
         env: &[(String, String)],
+        user: Option<UserSpec>,
         n: u64,
     ) -> Result<Self, RunCodeError> {
         let dir = private_dir()?;
+        if let Some(user) = user {
+            // The interpreter writes its cells' files there.
+            if let Err(e) = std::os::unix::fs::chown(&dir, Some(user.uid), Some(user.gid)) {
+                let _ = std::fs::remove_dir(&dir);
+                return Err(RunCodeError::Dir(dir.display().to_string(), e));
+            }
+        }
         let nanos = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos())
@@ -440,6 +457,10 @@ impl Interpreter {
         }
         if let Some(cwd) = cwd {
             cmd.current_dir(cwd);
+        }
+        if let Some(user) = user {
+            // std also empties the supplementary groups, the agent being root.
+            cmd.uid(user.uid).gid(user.gid);
         }
         // SAFETY: the hook runs between fork and exec and makes only async-signal-safe
         // calls (see `reset_signals`).

@@ -49,6 +49,9 @@ pub struct AgentConfig {
     pub reaper: Reaper,
     /// The sandbox-wide environment execs start from.
     pub env: Vec<(String, String)>,
+    /// Who execs and code runs that name no user run as (a VM image's User); the
+    /// agent's own user when None.
+    pub default_user: Option<crate::protocol::UserSpec>,
 }
 
 /// The agent: state shared by all the streams it serves. Cheap to clone.
@@ -156,8 +159,8 @@ impl Agent {
             inner: Arc::new(Inner {
                 connections: Arc::default(),
                 next_connection: std::sync::atomic::AtomicU64::new(1),
-                contexts: Contexts::new(config.reaper.clone()),
-                execs: ExecTable::new(config.reaper),
+                contexts: Contexts::as_user(config.reaper.clone(), config.default_user),
+                execs: ExecTable::with_default_user(config.reaper, config.default_user),
                 env: RwLock::new(config.env.into_iter().collect()),
                 started: Instant::now(),
                 in_flight: AtomicUsize::new(0),
@@ -678,6 +681,7 @@ mod tests {
         let agent = Agent::new(AgentConfig {
             reaper: Reaper::per_child(),
             env: vec![("SANDBOX".into(), "1".into())],
+            default_user: None,
         });
         let served = agent.clone();
         let handle = std::thread::spawn(move || served.serve(a));
@@ -720,6 +724,7 @@ mod tests {
         let agent = Agent::new(AgentConfig {
             reaper: Reaper::per_child(),
             env: vec![],
+            default_user: None,
         });
         let served = agent.clone();
         std::thread::spawn(move || served.serve(a));

@@ -237,6 +237,7 @@ pub mod vsock {
             let agent = Agent::new(AgentConfig {
                 reaper: Reaper::per_child(),
                 env: Vec::new(),
+                default_user: None,
             });
             let served = agent.clone();
             let server = std::thread::spawn(move || served.serve(server_stream));

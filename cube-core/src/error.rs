@@ -192,6 +192,7 @@ impl SandboxError {
                 | VmTemplateError::NoKernel(_)
                 | VmTemplateError::Agent(_) => ErrorKind::HostCannot,
                 VmTemplateError::Exists(_) => ErrorKind::AlreadyExists,
+                VmTemplateError::ImageUser(_) => ErrorKind::InvalidArgument,
                 VmTemplateError::Timeout(..) | VmTemplateError::TimeoutOnPvm(..) => {
                     ErrorKind::Timeout
                 }

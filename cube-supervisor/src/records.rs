@@ -168,9 +168,10 @@ pub struct ProcessDefaults {
     /// The working directory, absolute inside the sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cwd: Option<String>,
-    /// The user as the image names it (`name`, `uid`, `uid:gid`), kept for people:
-    /// a jail sandbox's processes all run as the sandbox's own host uid, a VM's as
-    /// root unless an exec names a user.
+    /// The user as the image names it (`name`, `uid`, `uid:gid`). A VM's processes
+    /// run as it (resolved against the image's account files when the template is
+    /// built) unless an exec names a user; a jail sandbox's processes all run as the
+    /// sandbox's own host uid, so there it is kept for people only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
 }

@@ -176,8 +176,9 @@ fn main() -> ExitCode {
         Err(e) => return fail(&e),
     };
     let mut env: Vec<(String, String)> = std::env::vars().collect();
+    let mut default_user = None;
     if matches!(args.mode, Mode::Vsock(_)) && init::is_pid1() {
-        // A VM built from a container image: its Env and WorkingDir.
+        // A VM built from a container image: its Env, WorkingDir and User.
         let path = std::path::Path::new(cube_agent::image_defaults::IMAGE_DEFAULTS_PATH);
         match cube_agent::image_defaults::ImageDefaults::load(path) {
             Ok(Some(defaults)) => {
@@ -185,12 +186,17 @@ fn main() -> ExitCode {
                     return fail(&e);
                 }
                 env = defaults.environment(env);
+                default_user = defaults.user;
             }
             Ok(None) => {}
             Err(e) => return fail(&e),
         }
     }
-    let agent = Agent::new(AgentConfig { reaper, env });
+    let agent = Agent::new(AgentConfig {
+        reaper,
+        env,
+        default_user,
+    });
     if let Err(e) = init::spawn_signal_thread(signals, agent.clone(), args.grace) {
         return fail(&e);
     }

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cube_agent::image_defaults::{ImageDefaults, IMAGE_DEFAULTS_PATH};
+use cube_agent::protocol::UserSpec;
 use cube_storage::TemplateDir;
 use cube_vmm::host::{KvmKind, KvmProbe};
 use cube_vmm::linux_vm::{self, LinuxBootConfig};
@@ -113,6 +114,9 @@ pub enum VmTemplateError {
     /// The agent cannot go into an image.
     #[error("The agent")]
     Agent(#[from] super::image_agent::ImageAgentError),
+    /// The image's User cannot be resolved in its tree.
+    #[error("Resolving the image's User")]
+    ImageUser(#[from] super::image_user::ImageUserError),
     /// The template record could not be written.
     #[error("Writing the template record")]
     Metadata(#[from] cube_storage::MetadataError),
@@ -283,15 +287,31 @@ pub fn make_root_image(tree: &Path, agent: &Path, image: &Path) -> Result<u64, V
     Ok(mib << 20)
 }
 
-/// Writes a container image's Env and WorkingDir into `tree` at
-/// [`IMAGE_DEFAULTS_PATH`], where the guest's agent takes them at its start (the
-/// image's User is not applied: the agent runs processes as root unless an exec names
-/// a user).
+/// Writes a container image's Env, WorkingDir and User into `tree` at
+/// [`IMAGE_DEFAULTS_PATH`], where the guest's agent takes them at its start. The User
+/// is resolved here against the image's own account files (a name the image does not
+/// know fails the build, as it would fail the container's start), and its home becomes
+/// `HOME` unless the image's Env sets one.
 fn write_image_defaults(tree: &Path, defaults: &ProcessDefaults) -> Result<(), VmTemplateError> {
     let path = tree.join(IMAGE_DEFAULTS_PATH.trim_start_matches('/'));
+    let mut env = defaults.env.clone();
+    let user = match &defaults.user {
+        Some(spec) => {
+            let user = super::image_user::resolve(tree, spec)?;
+            if let Some(home) = user.home.filter(|_| !env.iter().any(|(k, _)| k == "HOME")) {
+                env.push(("HOME".into(), home));
+            }
+            Some(UserSpec {
+                uid: user.uid,
+                gid: user.gid,
+            })
+        }
+        None => None,
+    };
     let file = ImageDefaults {
-        env: defaults.env.clone(),
+        env,
         cwd: defaults.cwd.clone(),
+        user,
     };
     let bytes = serde_json::to_vec(&file)
         .map_err(|e| VmTemplateError::Io(path.display().to_string(), e.into()))?;
