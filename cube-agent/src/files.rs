@@ -6,7 +6,7 @@ use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use crate::protocol::{ErrorCode, ErrorReply, FileInfo, FileKind, ResponseBody};
+use crate::protocol::{ErrorCode, ErrorReply, FileInfo, FileKind, ResponseBody, UserSpec};
 
 /// Bytes per `FileChunk` event.
 pub const READ_CHUNK: usize = 256 * 1024;
@@ -116,29 +116,43 @@ pub struct WriteSession {
 }
 
 impl WriteSession {
-    /// Opens `path` for writing (truncating unless `append`).
+    /// Opens `path` for writing (truncating unless `append`). A file or parent it
+    /// creates is given to `owner` when there is one (see [`create_dirs`]); an existing
+    /// file keeps its owner.
     pub fn start(
         path: &str,
         mode: Option<u32>,
         append: bool,
         create_parents: bool,
+        owner: Option<UserSpec>,
     ) -> Result<Self, FilesError> {
         let p = checked(path)?;
         if create_parents {
             if let Some(parent) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-                fs::create_dir_all(parent).map_err(io_err("create parents of", p))?;
+                create_dirs(parent, owner).map_err(io_err("create parents of", p))?;
             }
         }
         let mut opts = OpenOptions::new();
-        opts.write(true)
-            .create(true)
-            .mode(mode.unwrap_or(0o644) & 0o7777);
+        opts.write(true).mode(mode.unwrap_or(0o644) & 0o7777);
         if append {
             opts.append(true);
         } else {
             opts.truncate(true);
         }
-        let file = opts.open(p).map_err(io_err("open for writing", p))?;
+        let file = match opts.clone().create_new(true).open(p) {
+            Ok(file) => {
+                if let Some(owner) = owner {
+                    // On the descriptor: the name may already lead elsewhere.
+                    std::os::unix::fs::fchown(&file, Some(owner.uid), Some(owner.gid))
+                        .map_err(io_err("give to the image's user", p))?;
+                }
+                file
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                opts.open(p).map_err(io_err("open for writing", p))?
+            }
+            Err(e) => return Err(io_err("open for writing", p)(e)),
+        };
         Ok(Self {
             file,
             path: p.to_path_buf(),
@@ -258,12 +272,48 @@ pub fn list_dir(
 }
 
 /// Creates a directory; with `parents`, also its parents, accepting one that exists.
-pub fn make_dir(path: &str, parents: bool) -> Result<(), FilesError> {
+/// What it creates is given to `owner` when there is one (see [`create_dirs`]).
+pub fn make_dir(path: &str, parents: bool, owner: Option<UserSpec>) -> Result<(), FilesError> {
     let p = checked(path)?;
     if parents {
-        fs::create_dir_all(p).map_err(io_err("create directory", p))
+        create_dirs(p, owner).map_err(io_err("create directory", p))
     } else {
-        fs::create_dir(p).map_err(io_err("create directory", p))
+        fs::create_dir(p)
+            .and_then(|()| give(p, owner))
+            .map_err(io_err("create directory", p))
+    }
+}
+
+/// Makes `dir` and whichever of its parents are missing, each new one given to
+/// `owner`: in a VM built from a container image the agent runs as root, and what the
+/// host's file calls create belongs to the image's user, as the processes that use
+/// it run as that user.
+fn create_dirs(dir: &Path, owner: Option<UserSpec>) -> std::io::Result<()> {
+    if owner.is_none() {
+        return fs::create_dir_all(dir);
+    }
+    let mut missing = Vec::new();
+    let mut next = Some(dir);
+    while let Some(d) = next.filter(|d| !d.as_os_str().is_empty() && fs::metadata(d).is_err()) {
+        missing.push(d);
+        next = d.parent();
+    }
+    for d in missing.into_iter().rev() {
+        match fs::create_dir(d) {
+            Ok(()) => give(d, owner)?,
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Gives `path`, just made, to `owner`; a symlink swapped in for it meanwhile is
+/// changed itself, never what it points at.
+fn give(path: &Path, owner: Option<UserSpec>) -> std::io::Result<()> {
+    match owner {
+        Some(o) => std::os::unix::fs::lchown(path, Some(o.uid), Some(o.gid)),
+        None => Ok(()),
     }
 }
 
@@ -312,7 +362,7 @@ mod tests {
     fn write_then_read_in_chunks() {
         let dir = tempfile::tempdir().unwrap();
         let path = s(&dir.path().join("a/b/file"));
-        let mut w = WriteSession::start(&path, Some(0o600), false, true).unwrap();
+        let mut w = WriteSession::start(&path, Some(0o600), false, true, None).unwrap();
         let data: Vec<u8> = (0..READ_CHUNK * 2 + 10).map(|i| (i % 251) as u8).collect();
         for part in data.chunks(1000) {
             w.write(part).unwrap();
@@ -352,10 +402,10 @@ mod tests {
     fn append_adds_to_the_end() {
         let dir = tempfile::tempdir().unwrap();
         let path = s(&dir.path().join("f"));
-        let mut w = WriteSession::start(&path, None, false, false).unwrap();
+        let mut w = WriteSession::start(&path, None, false, false, None).unwrap();
         w.write(b"ab").unwrap();
         w.finish(false).unwrap();
-        let mut w = WriteSession::start(&path, None, true, false).unwrap();
+        let mut w = WriteSession::start(&path, None, true, false, None).unwrap();
         w.write(b"cd").unwrap();
         w.finish(false).unwrap();
         assert_eq!(fs::read(&path).unwrap(), b"abcd");
@@ -421,11 +471,11 @@ mod tests {
             ErrorCode::NotEmpty
         );
         assert_eq!(
-            code(make_dir(&s(&root.join("a/b")), false).unwrap_err()),
+            code(make_dir(&s(&root.join("a/b")), false, None).unwrap_err()),
             ErrorCode::NotFound
         );
         assert_eq!(
-            code(make_dir(&s(&root.join("file")), false).unwrap_err()),
+            code(make_dir(&s(&root.join("file")), false, None).unwrap_err()),
             ErrorCode::AlreadyExists
         );
         assert_eq!(code(stat("").unwrap_err()), ErrorCode::InvalidArgument);
@@ -437,13 +487,59 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let root = dir.path();
         let deep = s(&root.join("x/y/z"));
-        make_dir(&deep, true).unwrap();
-        make_dir(&deep, true).unwrap();
+        make_dir(&deep, true, None).unwrap();
+        make_dir(&deep, true, None).unwrap();
         assert!(exists(&deep).unwrap());
         rename(&s(&root.join("x")), &s(&root.join("w"))).unwrap();
         assert!(!exists(&deep).unwrap());
         assert!(exists(&s(&root.join("w/y/z"))).unwrap());
         remove(&s(&root.join("w")), true).unwrap();
         assert!(!exists(&s(&root.join("w"))).unwrap());
+    }
+    #[test]
+    fn what_is_created_for_an_owner_is_theirs_and_existing_files_keep_theirs() {
+        // SAFETY: geteuid has no failure mode.
+        if unsafe { libc::geteuid() } != 0 {
+            println!("skipped: giving files to another user needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let owner = Some(UserSpec {
+            uid: 4242,
+            gid: 4343,
+        });
+        let owned = |p: &Path| {
+            let md = fs::symlink_metadata(p).unwrap();
+            (md.uid(), md.gid())
+        };
+        let file = dir.path().join("new/deeper/file");
+        let mut w = WriteSession::start(&s(&file), None, false, true, owner).unwrap();
+        w.write(b"x").unwrap();
+        w.finish(false).unwrap();
+        for made in [
+            &file,
+            &dir.path().join("new/deeper"),
+            &dir.path().join("new"),
+        ] {
+            assert_eq!(owned(made), (4242, 4343), "{}", made.display());
+        }
+        // The directory that was there stays root's.
+        assert_eq!(owned(dir.path()), (0, 0));
+
+        let existing = dir.path().join("existing");
+        fs::write(&existing, b"root's").unwrap();
+        let mut w = WriteSession::start(&s(&existing), None, false, false, owner).unwrap();
+        w.write(b"new content").unwrap();
+        w.finish(false).unwrap();
+        assert_eq!(owned(&existing), (0, 0));
+        assert_eq!(fs::read(&existing).unwrap(), b"new content");
+
+        let made = dir.path().join("m/n");
+        make_dir(&s(&made), true, owner).unwrap();
+        assert_eq!(owned(&made), (4242, 4343));
+        assert_eq!(owned(&dir.path().join("m")), (4242, 4343));
+        let single = dir.path().join("single");
+        make_dir(&s(&single), false, owner).unwrap();
+        assert_eq!(owned(&single), (4242, 4343));
     }
 }

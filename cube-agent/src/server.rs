@@ -49,8 +49,8 @@ pub struct AgentConfig {
     pub reaper: Reaper,
     /// The sandbox-wide environment execs start from.
     pub env: Vec<(String, String)>,
-    /// Who execs and code runs that name no user run as (a VM image's User); the
-    /// agent's own user when None.
+    /// Who execs and code runs that name no user run as, and who owns what the file
+    /// calls create (a VM image's User); the agent's own user when None.
     pub default_user: Option<crate::protocol::UserSpec>,
 }
 
@@ -66,6 +66,9 @@ struct Inner {
     execs: ExecTable,
     contexts: Contexts,
     env: RwLock<BTreeMap<String, String>>,
+    /// Who what the file calls create belongs to (a VM image's user); the agent's own
+    /// user when None.
+    default_user: Option<crate::protocol::UserSpec>,
     started: Instant,
     in_flight: AtomicUsize,
 }
@@ -162,6 +165,7 @@ impl Agent {
                 contexts: Contexts::as_user(config.reaper.clone(), config.default_user),
                 execs: ExecTable::with_default_user(config.reaper, config.default_user),
                 env: RwLock::new(config.env.into_iter().collect()),
+                default_user: config.default_user,
                 started: Instant::now(),
                 in_flight: AtomicUsize::new(0),
             }),
@@ -441,7 +445,13 @@ impl Agent {
                     );
                     conn.writes.insert(id, WriteState::Failed);
                 } else {
-                    let state = match WriteSession::start(&path, mode, append, create_parents) {
+                    let state = match WriteSession::start(
+                        &path,
+                        mode,
+                        append,
+                        create_parents,
+                        self.inner.default_user,
+                    ) {
                         Ok(s) => WriteState::Open(s),
                         Err(e) => {
                             replies.send(id, ResponseBody::Error(e.to_reply()));
@@ -611,7 +621,9 @@ impl Agent {
                 Ok(b) => ResponseBody::Exists(b),
                 Err(e) => ResponseBody::Error(e.to_reply()),
             },
-            RequestBody::MakeDir { path, parents } => done(files::make_dir(&path, parents)),
+            RequestBody::MakeDir { path, parents } => {
+                done(files::make_dir(&path, parents, self.inner.default_user))
+            }
             RequestBody::Remove { path, recursive } => done(files::remove(&path, recursive)),
             RequestBody::Rename { from, to } => done(files::rename(&from, &to)),
             RequestBody::CreateContext {

@@ -2,7 +2,7 @@
 //! static busybox, account files, and Env, WorkingDir and User in its config): its
 //! sandboxes' commands start in the image's working directory with the image's
 //! environment, as the image's user with its home, a variable or user an exec names
-//! itself wins, and the template's record keeps the image's defaults. An image whose
+//! itself wins, what the file calls create belongs to that user, and the template's record keeps the image's defaults. An image whose
 //! User it does not know fails to build, naming it. Skipped (with the reason) where
 //! Cube's guest kernel or the static agent is missing.
 
@@ -138,5 +138,18 @@ fn a_vm_built_from_an_image_runs_commands_with_its_env_and_working_dir() {
     );
     let root = Some(UserSpec { uid: 0, gid: 0 });
     assert_eq!(sh_with(&sandbox, "id -u; id -g", &[], root), "0\n0\n");
+    // What the file calls create is the image user's (the agent is root), so its
+    // processes can change it: the new parent, the file, a directory made.
+    let agent = sandbox.agent().unwrap();
+    agent
+        .write_file("/app/uploads/data.txt", &mut &b"uploaded\n"[..])
+        .unwrap();
+    agent.make_dir("/app/made", false).unwrap();
+    let owners = "stat -c '%u:%g' /app/uploads /app/uploads/data.txt /app/made; \
+                  echo more >> /app/uploads/data.txt && cat /app/uploads/data.txt";
+    assert_eq!(
+        common::workload::sh(&agent, owners),
+        "1000:50\n1000:50\n1000:50\nuploaded\nmore\n"
+    );
     sandbox.destroy().unwrap();
 }
