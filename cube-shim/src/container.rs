@@ -198,6 +198,10 @@ pub struct Container {
     restored_init: Option<u32>,
     /// Declared after `link`: the sandbox (its overlay on the rootfs) goes first.
     rootfs: Mutex<Option<RootfsMount>>,
+    /// Held through [`Container::destroy`]: a second destroy (a repeated kill, then
+    /// the delete) waits for the first to finish before it reports the processes
+    /// ended, and so before containerd can shut the shim down under it.
+    ending: Mutex<()>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -301,6 +305,7 @@ impl Container {
             },
             restored_init,
             rootfs: Mutex::new(mount),
+            ending: Mutex::new(()),
         })
     }
 
@@ -335,6 +340,7 @@ impl Container {
             role: Role::InPod(Mutex::new(shown)),
             restored_init: None,
             rootfs: Mutex::new(mount),
+            ending: Mutex::new(()),
         })
     }
 
@@ -492,6 +498,7 @@ impl Container {
     /// own or the pod's; for a container of a pod, its processes, and its root taken
     /// out of the pod's sandbox. Then unmounts the rootfs. Idempotent.
     pub fn destroy(&self) -> Result<(), ContainerError> {
+        let _ending = lock(&self.ending);
         let result = match &self.role {
             Role::Own | Role::PodSandbox => {
                 lock(&self.link.agent).take();

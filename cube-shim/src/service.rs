@@ -285,13 +285,33 @@ impl Task for Service {
         let container = self.container(&req.id)?;
         if req.exec_id.is_empty() && container.is_placeholder() {
             // The pod ends: its sandbox, with whatever still runs in it, and the pause
-            // "process" with it.
-            container.destroy().map_err(failed)?;
-            container
-                .init
-                .kill(req.signal)
-                .map_err(|e| failed(e.into()))?;
-            self.exit_announcer(&req.id)(&container.init, container.init.wait());
+            // "process" with it. That happens once this call has returned, as a
+            // process dies after its signal: the pause process's end answers
+            // containerd's Wait, which makes containerd delete the task and shut
+            // this shim down, and a shutdown closes the connection at once, before an
+            // answer still to be written (StopPodSandbox failed with "ttrpc: closed"
+            // when the sandbox's removal ended it inside this call). The thread waits
+            // for `returned` to drop, at the end of this call.
+            let (returned, has_returned) = std::sync::mpsc::channel::<()>();
+            let announce = self.exit_announcer(&req.id);
+            let signal = req.signal;
+            let spawned = std::thread::Builder::new()
+                .name("pod-end".into())
+                .spawn(move || {
+                    let _ = has_returned.recv();
+                    if let Err(e) = container.destroy() {
+                        log::warn!("removing the pod's sandbox: {e}");
+                    }
+                    // A placeholder has no process to signal: this records its end.
+                    if let Err(e) = container.init.kill(signal) {
+                        log::warn!("ending the pod's pause process: {e}");
+                    }
+                    announce(&container.init, container.init.wait());
+                });
+            if let Err(e) = spawned {
+                return Err(status(Code::INTERNAL, format!("ending the pod: {e}")));
+            }
+            drop(returned);
             return Ok(Empty::new());
         }
         let process = container.process(&req.exec_id).map_err(failed)?;
