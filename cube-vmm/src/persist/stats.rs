@@ -5,7 +5,8 @@
 pub struct SnapshotStats {
     /// Pages the guest or the VMM wrote since the parent image.
     pub dirty_pages: u64,
-    /// Bytes written into the new memory file.
+    /// Bytes written into the new memory file. A page the pre-copy of a running
+    /// machine took and the guest wrote again before the stop counts twice.
     pub bytes_written: u64,
     /// Whether the parent memory file was reflinked (false: copied, or no parent).
     pub reflinked: bool,
