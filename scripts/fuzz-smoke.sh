@@ -2,7 +2,7 @@
 # Fuzz smoke test: builds every cargo-fuzz target in fuzz/ (libFuzzer, AddressSanitizer,
 # debug assertions) and runs each for N seconds (first argument, default 15) starting
 # from its committed seeds in fuzz/seeds/<target>/. Fails if any target crashes,
-# panics, leaks, hangs past 10 s on one input, or fails to build.
+# panics, leaks, hangs past 10 s (FUZZ_TIMEOUT) on one input, or fails to build.
 #
 # Mode: real coverage-guided fuzzing with cargo-fuzz. cargo-fuzz needs nightly-only
 # flags (-Zsanitizer); on a stable toolchain this script sets RUSTC_BOOTSTRAP=1 for
@@ -15,11 +15,18 @@
 # fuzz/artifacts/<target>/; the script prints the command that reproduces it. The last
 # lines list each target's executions. With FUZZ_RUNS=N each target stops after N
 # executions instead, however long that takes (the seconds argument is then ignored).
+# FUZZ_TIMEOUT=S sets the seconds one input may take (default 10); a long run on a
+# shared machine may raise it, since time the fuzzer spends stopped or starved counts.
 set -euo pipefail
 
 seconds="${1:-15}"
 if ! [[ "$seconds" =~ ^[0-9]+$ ]] || [ "$seconds" -eq 0 ]; then
     echo "usage: $0 [seconds per target, default 15]" >&2
+    exit 2
+fi
+timeout="${FUZZ_TIMEOUT:-10}"
+if ! [[ "$timeout" =~ ^[0-9]+$ ]] || [ "$timeout" -eq 0 ]; then
+    echo "$0: FUZZ_TIMEOUT must be a whole number of seconds above 0, not '$timeout'" >&2
     exit 2
 fi
 
@@ -66,7 +73,7 @@ for target in ${FUZZ_TARGETS:-$(cargo fuzz list)}; do
     fi
     out="$logs/$target.log"
     if cargo fuzz run "$target" "${args[@]}" -- \
-        "${limit[@]}" -timeout=10 -print_final_stats=1 >"$out" 2>&1; then
+        "${limit[@]}" -timeout="$timeout" -print_final_stats=1 >"$out" 2>&1; then
         runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$out")
         rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$out")
         cov=$(grep -Eo 'cov: [0-9]+' "$out" | tail -1)

@@ -237,10 +237,18 @@ pub type ExecKey = (u64, u64);
 /// The execs of one agent, by connection and id.
 pub struct ExecTable {
     reaper: Reaper,
-    /// Who runs a process whose request names no user (outside a root of its own);
-    /// the agent's own user when None.
-    default_user: Option<crate::protocol::UserSpec>,
     entries: Mutex<HashMap<ExecKey, Arc<Entry>>>,
+}
+
+/// What a process the agent starts (an exec, a code-run interpreter) begins from
+/// where its request says nothing else.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProcessDefaults<'a> {
+    /// The sandbox-wide environment; a request's own variables win.
+    pub env: &'a [(String, String)],
+    /// Who a process whose request names no user runs as (a VM built from a container
+    /// image runs its processes as the image's User); the agent's own user when None.
+    pub user: Option<crate::protocol::UserSpec>,
 }
 
 /// Receives the events of a running exec; returns false once nobody listens any more
@@ -250,16 +258,8 @@ pub type Emit<'a> = &'a mut dyn FnMut(ResponseBody) -> bool;
 impl ExecTable {
     /// An empty table whose children are waited for by `reaper`.
     pub fn new(reaper: Reaper) -> Self {
-        Self::with_default_user(reaper, None)
-    }
-
-    /// Like [`ExecTable::new`]; a request that names no user runs as `user` (a VM
-    /// built from a container image runs its processes as the image's User), except
-    /// in a root of its own, whose container names its own.
-    pub fn with_default_user(reaper: Reaper, user: Option<crate::protocol::UserSpec>) -> Self {
         Self {
             reaper,
-            default_user: user,
             entries: Mutex::default(),
         }
     }
@@ -289,29 +289,30 @@ impl ExecTable {
     }
 
     /// Runs `req` under `key` to its end, emitting `Started` and output events; returns
-    /// how it ended (the caller sends `Exited`). `base_env` is the sandbox-wide
-    /// environment. With `keep_stdin`, the process's standard input stays open after
+    /// how it ended (the caller sends `Exited`). It starts from `defaults` where the
+    /// request names no user or variable. With `keep_stdin`, the process's standard input stays open after
     /// `req.stdin` for [`ExecTable::write_stdin`] until [`ExecTable::close_stdin`].
     pub fn run(
         &self,
         key: ExecKey,
         req: &ExecRequest,
-        base_env: &[(String, String)],
+        defaults: ProcessDefaults<'_>,
         keep_stdin: bool,
         emit: Emit<'_>,
     ) -> Result<ExitInfo, ExecError> {
-        self.run_in(key, req, None, base_env, keep_stdin, emit)
+        self.run_in(key, req, None, defaults, keep_stdin, emit)
     }
 
     /// [`ExecTable::run`], the process's root changed to `root` (a directory of the
     /// sandbox) first where one is given: its program, `PATH` and working directory
-    /// are then looked up in that tree.
+    /// are then looked up in that tree, and the default user does not apply (the
+    /// container there names its own).
     pub fn run_in(
         &self,
         key: ExecKey,
         req: &ExecRequest,
         root: Option<&str>,
-        base_env: &[(String, String)],
+        defaults: ProcessDefaults<'_>,
         keep_stdin: bool,
         emit: Emit<'_>,
     ) -> Result<ExitInfo, ExecError> {
@@ -340,7 +341,7 @@ impl ExecTable {
             .stderr(Stdio::piped())
             .process_group(0);
         let mut has_path = false;
-        for (k, v) in base_env.iter().chain(&req.env) {
+        for (k, v) in defaults.env.iter().chain(&req.env) {
             if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
                 return Err(ExecError::Invalid("bad environment variable"));
             }
@@ -359,7 +360,7 @@ impl ExecTable {
         let mut switch = None;
         let user = match root {
             Some(_) => req.user,
-            None => req.user.or(self.default_user),
+            None => req.user.or(defaults.user),
         };
         if let Some(user) = user {
             let me = (
@@ -795,7 +796,10 @@ mod tests {
             .run(
                 (0, id),
                 r,
-                &[("BASE".into(), "b".into())],
+                ProcessDefaults {
+                    env: &[("BASE".into(), "b".into())],
+                    user: None,
+                },
                 false,
                 &mut |body| {
                     match body {
@@ -873,7 +877,7 @@ mod tests {
         let (tx, rx) = std::sync::mpsc::channel();
         let t = Arc::clone(&table);
         let runner = std::thread::spawn(move || {
-            t.run((0, 3), &r, &[], false, &mut |body| {
+            t.run((0, 3), &r, ProcessDefaults::default(), false, &mut |body| {
                 let _ = tx.send(body);
                 true
             })
@@ -898,19 +902,29 @@ mod tests {
     fn bad_requests_are_refused() {
         let table = ExecTable::new(Reaper::per_child());
         let err = table
-            .run((0, 4), &req(&[]), &[], false, &mut |_| true)
+            .run(
+                (0, 4),
+                &req(&[]),
+                ProcessDefaults::default(),
+                false,
+                &mut |_| true,
+            )
             .unwrap_err();
         assert_eq!(err.to_reply().code, ErrorCode::InvalidArgument);
         let err = table
-            .run((0, 5), &req(&["/no/such/program"]), &[], false, &mut |_| {
-                true
-            })
+            .run(
+                (0, 5),
+                &req(&["/no/such/program"]),
+                ProcessDefaults::default(),
+                false,
+                &mut |_| true,
+            )
             .unwrap_err();
         assert_eq!(err.to_reply().code, ErrorCode::NotFound);
         let mut r = req(&["true"]);
         r.cwd = Some("/no/such/dir".into());
         let err = table
-            .run((0, 6), &r, &[], false, &mut |_| true)
+            .run((0, 6), &r, ProcessDefaults::default(), false, &mut |_| true)
             .unwrap_err();
         assert_eq!(err.to_reply().code, ErrorCode::NotFound);
     }

@@ -23,8 +23,9 @@ use nix::sys::signal::{kill, killpg, Signal};
 use nix::unistd::Pid;
 use serde::Deserialize;
 
+use crate::exec::ProcessDefaults;
 use crate::protocol::{
-    CodeError, CodeResult, ContextInfo, ErrorCode, ErrorReply, Language, RichOutput, UserSpec,
+    CodeError, CodeResult, ContextInfo, ErrorCode, ErrorReply, Language, RichOutput,
 };
 use crate::reaper::{ChildStatus, Reaper, ReaperError};
 
@@ -246,8 +247,6 @@ impl RunCodeError {
 /// The interpreter contexts of a sandbox, by name.
 pub struct Contexts {
     reaper: Reaper,
-    /// Who the interpreters run as; the agent's own user when None.
-    user: Option<UserSpec>,
     table: Mutex<HashMap<String, Arc<Mutex<Interpreter>>>>,
 }
 
@@ -304,15 +303,8 @@ struct PythonError {
 impl Contexts {
     /// No contexts yet; interpreters are spawned through `reaper`.
     pub fn new(reaper: Reaper) -> Self {
-        Self::as_user(reaper, None)
-    }
-
-    /// Like [`Contexts::new`]; with `user`, the interpreters run as that user (the
-    /// agent must be root), their private directory given to it.
-    pub fn as_user(reaper: Reaper, user: Option<UserSpec>) -> Self {
         Self {
             reaper,
-            user,
             table: Mutex::default(),
         }
     }
@@ -321,13 +313,14 @@ impl Contexts {
         self.table.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Starts a context named `name`.
+    /// Starts a context named `name`, its interpreter from `defaults` (with a user,
+    /// the agent must be root; the interpreter's private directory is given to it).
     pub fn create(
         &self,
         name: &str,
         language: Language,
         cwd: Option<&str>,
-        env: &[(String, String)],
+        defaults: ProcessDefaults<'_>,
     ) -> Result<(), RunCodeError> {
         if name.is_empty() || name.len() > 256 || name.contains('\0') {
             return Err(RunCodeError::BadName(name.into()));
@@ -342,7 +335,7 @@ impl Contexts {
             }
         }
         let n = NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed);
-        let interp = Interpreter::start(&self.reaper, language, cwd, env, self.user, n)?;
+        let interp = Interpreter::start(&self.reaper, language, cwd, defaults, n)?;
         let mut table = self.table();
         if table.contains_key(name) {
             // Lost a race with a create of the same name; `interp` is dropped (killed).
@@ -414,10 +407,10 @@ impl Interpreter {
         reaper: &Reaper,
         language: Language,
         cwd: Option<&str>,
-        env: &[(String, String)],
-        user: Option<UserSpec>,
+        defaults: ProcessDefaults<'_>,
         n: u64,
     ) -> Result<Self, RunCodeError> {
+        let (env, user) = (defaults.env, defaults.user);
         let dir = private_dir()?;
         if let Some(user) = user {
             // The interpreter writes its cells' files there.
@@ -658,7 +651,16 @@ mod tests {
             return;
         }
         let ctxs = Contexts::new(Reaper::per_child());
-        ctxs.create("py", Language::Python, None, &env()).unwrap();
+        ctxs.create(
+            "py",
+            Language::Python,
+            None,
+            ProcessDefaults {
+                env: &env(),
+                user: None,
+            },
+        )
+        .unwrap();
         let r = ctxs.run("py", "x = 20\nprint('hi')\nx + 1", None).unwrap();
         assert_eq!(r.stdout, "hi\n");
         assert_eq!(r.value.as_deref(), Some("21"));
@@ -721,7 +723,16 @@ mod tests {
             return;
         }
         let ctxs = Contexts::new(Reaper::per_child());
-        ctxs.create("t", Language::Python, None, &env()).unwrap();
+        ctxs.create(
+            "t",
+            Language::Python,
+            None,
+            ProcessDefaults {
+                env: &env(),
+                user: None,
+            },
+        )
+        .unwrap();
         ctxs.run("t", "kept = 'yes'", None).unwrap();
         let r = ctxs
             .run(
@@ -749,7 +760,10 @@ mod tests {
             "sh",
             Language::Bash,
             Some(&dir.path().display().to_string()),
-            &env(),
+            ProcessDefaults {
+                env: &env(),
+                user: None,
+            },
         )
         .unwrap();
         let r = ctxs
@@ -781,10 +795,36 @@ mod tests {
             return;
         }
         let ctxs = Contexts::new(Reaper::per_child());
-        ctxs.create("b", Language::Bash, None, &env()).unwrap();
-        ctxs.create("a", Language::Bash, None, &env()).unwrap();
+        ctxs.create(
+            "b",
+            Language::Bash,
+            None,
+            ProcessDefaults {
+                env: &env(),
+                user: None,
+            },
+        )
+        .unwrap();
+        ctxs.create(
+            "a",
+            Language::Bash,
+            None,
+            ProcessDefaults {
+                env: &env(),
+                user: None,
+            },
+        )
+        .unwrap();
         assert!(matches!(
-            ctxs.create("a", Language::Bash, None, &env()),
+            ctxs.create(
+                "a",
+                Language::Bash,
+                None,
+                ProcessDefaults {
+                    env: &env(),
+                    user: None
+                }
+            ),
             Err(RunCodeError::Exists(_))
         ));
         ctxs.run("a", "V=in-a", None).unwrap();

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
-use crate::exec::ExecTable;
+use crate::exec::{ExecTable, ProcessDefaults};
 use crate::files::{self, WriteSession};
 use crate::frame::{self, FrameError, MAX_FRAME_LEN};
 use crate::protocol::{
@@ -66,8 +66,8 @@ struct Inner {
     execs: ExecTable,
     contexts: Contexts,
     env: RwLock<BTreeMap<String, String>>,
-    /// Who what the file calls create belongs to (a VM image's user); the agent's own
-    /// user when None.
+    /// Who execs and code runs that name no user run as, and who owns what the file
+    /// calls create (a VM image's user); the agent's own user when None.
     default_user: Option<crate::protocol::UserSpec>,
     started: Instant,
     in_flight: AtomicUsize,
@@ -162,8 +162,8 @@ impl Agent {
             inner: Arc::new(Inner {
                 connections: Arc::default(),
                 next_connection: std::sync::atomic::AtomicU64::new(1),
-                contexts: Contexts::as_user(config.reaper.clone(), config.default_user),
-                execs: ExecTable::with_default_user(config.reaper, config.default_user),
+                contexts: Contexts::new(config.reaper.clone()),
+                execs: ExecTable::new(config.reaper),
                 env: RwLock::new(config.env.into_iter().collect()),
                 default_user: config.default_user,
                 started: Instant::now(),
@@ -524,6 +524,14 @@ impl Agent {
         }
     }
 
+    /// What the processes the agent starts begin from, with the sandbox-wide `env`.
+    fn defaults<'a>(&self, env: &'a [(String, String)]) -> ProcessDefaults<'a> {
+        ProcessDefaults {
+            env,
+            user: self.inner.default_user,
+        }
+    }
+
     /// Runs a process under `id` of `connection` to its end.
     fn exec(
         &self,
@@ -535,11 +543,14 @@ impl Agent {
         emit: crate::exec::Emit<'_>,
     ) -> ResponseBody {
         let env = self.env_snapshot();
-        match self
-            .inner
-            .execs
-            .run_in((connection, id), req, root, &env, keep_stdin, emit)
-        {
+        match self.inner.execs.run_in(
+            (connection, id),
+            req,
+            root,
+            self.defaults(&env),
+            keep_stdin,
+            emit,
+        ) {
             Ok(exit) => ResponseBody::Exited(exit),
             Err(e) => ResponseBody::Error(e.to_reply()),
         }
@@ -632,11 +643,12 @@ impl Agent {
                 cwd,
             } => {
                 let env = self.env_snapshot();
-                match self
-                    .inner
-                    .contexts
-                    .create(&name, language, cwd.as_deref(), &env)
-                {
+                match self.inner.contexts.create(
+                    &name,
+                    language,
+                    cwd.as_deref(),
+                    self.defaults(&env),
+                ) {
                     Ok(()) => ResponseBody::Done,
                     Err(e) => ResponseBody::Error(e.to_reply()),
                 }

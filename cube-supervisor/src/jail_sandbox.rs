@@ -793,27 +793,23 @@ impl SandboxBackend for JailSandbox {
             return Err(Failure::bad_state("sandbox is not hibernated"));
         }
         let image_dir = self.dir.hibernated_checkpoint();
-        if is_checkpoint(&image_dir) {
-            let criu = criu().map_err(|why| {
-                Failure::new(
-                    ErrorKind::HostCannot,
-                    format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}"),
-                )
-            })?;
-            // A checkpoint a crash cut short, or damaged since, is refused and kept:
-            // the sandbox stays hibernated.
-            jail_snapshot::open(&image_dir)?;
-            self.restore(criu, &image_dir)?;
-            self.remove_aside(&image_dir);
-            return Ok(());
-        }
         if image_dir.exists() {
-            // The files alone, recorded: checked as a filesystem snapshot is on
-            // rollback, refused and kept when damaged or cut short by a crash. Its
-            // flush ends before the layer moves out from under it.
+            // A checkpoint, or the files alone, recorded: one a crash cut short, or
+            // damaged since, is refused and kept, the sandbox staying hibernated.
             jail_snapshot::open(&image_dir)?;
-            self.flushes.join();
-            self.spawn(Some(SnapshotDir::new(&image_dir).layer()))?;
+            if is_checkpoint(&image_dir) {
+                let criu = criu().map_err(|why| {
+                    Failure::new(
+                        ErrorKind::HostCannot,
+                        format!("the sandbox was hibernated with its processes, but there is no working CRIU: {why}"),
+                    )
+                })?;
+                self.restore(criu, &image_dir)?;
+            } else {
+                // The files' flush ends before the layer moves out from under it.
+                self.flushes.join();
+                self.spawn(Some(SnapshotDir::new(&image_dir).layer()))?;
+            }
             self.remove_aside(&image_dir);
             return Ok(());
         }
