@@ -629,10 +629,21 @@ fn decode_hex(hex: &str) -> Option<Vec<u8>> {
 mod tests {
     use super::*;
 
-    fn env() -> Vec<(String, String)> {
-        std::env::vars()
+    /// Starts a context with the test's own PATH, HOME and pyenv variables.
+    fn create(
+        ctxs: &Contexts,
+        name: &str,
+        language: Language,
+        cwd: Option<&str>,
+    ) -> Result<(), RunCodeError> {
+        let env: Vec<(String, String)> = std::env::vars()
             .filter(|(k, _)| k == "PATH" || k == "HOME" || k.starts_with("PYENV"))
-            .collect()
+            .collect();
+        let defaults = ProcessDefaults {
+            env: &env,
+            user: None,
+        };
+        ctxs.create(name, language, cwd, defaults)
     }
 
     fn have(program: &str) -> bool {
@@ -651,16 +662,7 @@ mod tests {
             return;
         }
         let ctxs = Contexts::new(Reaper::per_child());
-        ctxs.create(
-            "py",
-            Language::Python,
-            None,
-            ProcessDefaults {
-                env: &env(),
-                user: None,
-            },
-        )
-        .unwrap();
+        create(&ctxs, "py", Language::Python, None).unwrap();
         let r = ctxs.run("py", "x = 20\nprint('hi')\nx + 1", None).unwrap();
         assert_eq!(r.stdout, "hi\n");
         assert_eq!(r.value.as_deref(), Some("21"));
@@ -723,16 +725,7 @@ mod tests {
             return;
         }
         let ctxs = Contexts::new(Reaper::per_child());
-        ctxs.create(
-            "t",
-            Language::Python,
-            None,
-            ProcessDefaults {
-                env: &env(),
-                user: None,
-            },
-        )
-        .unwrap();
+        create(&ctxs, "t", Language::Python, None).unwrap();
         ctxs.run("t", "kept = 'yes'", None).unwrap();
         let r = ctxs
             .run(
@@ -756,14 +749,11 @@ mod tests {
         }
         let ctxs = Contexts::new(Reaper::per_child());
         let dir = tempfile::tempdir().unwrap();
-        ctxs.create(
+        create(
+            &ctxs,
             "sh",
             Language::Bash,
             Some(&dir.path().display().to_string()),
-            ProcessDefaults {
-                env: &env(),
-                user: None,
-            },
         )
         .unwrap();
         let r = ctxs
@@ -795,36 +785,10 @@ mod tests {
             return;
         }
         let ctxs = Contexts::new(Reaper::per_child());
-        ctxs.create(
-            "b",
-            Language::Bash,
-            None,
-            ProcessDefaults {
-                env: &env(),
-                user: None,
-            },
-        )
-        .unwrap();
-        ctxs.create(
-            "a",
-            Language::Bash,
-            None,
-            ProcessDefaults {
-                env: &env(),
-                user: None,
-            },
-        )
-        .unwrap();
+        create(&ctxs, "b", Language::Bash, None).unwrap();
+        create(&ctxs, "a", Language::Bash, None).unwrap();
         assert!(matches!(
-            ctxs.create(
-                "a",
-                Language::Bash,
-                None,
-                ProcessDefaults {
-                    env: &env(),
-                    user: None
-                }
-            ),
+            create(&ctxs, "a", Language::Bash, None),
             Err(RunCodeError::Exists(_))
         ));
         ctxs.run("a", "V=in-a", None).unwrap();
