@@ -26,6 +26,7 @@
 //! snapshot a container starts from by `io.cubesandbox.snapshot`.
 
 pub mod binds;
+pub mod calls_in_flight;
 pub mod container;
 pub mod detached_tree;
 pub mod pod_mount;

@@ -26,6 +26,7 @@ use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{Context, ExitSignal, Task, TtrpcContext};
 use cube_core::Runtime;
 
+use crate::calls_in_flight::CallsInFlight;
 use crate::container::{Container, ContainerError, CreateRequest, Role, CHECKPOINT_ARCHIVE};
 use crate::process::{Exit, Phase, Process, StdioPaths};
 use crate::spec::{ProcessSpec, Spec};
@@ -63,6 +64,8 @@ pub struct Service {
     events: Events,
     namespace: String,
     exit: Arc<ExitSignal>,
+    /// The calls being answered, which the shim's exit waits for.
+    calls: Arc<CallsInFlight>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -102,6 +105,7 @@ impl Service {
         events: Events,
         namespace: &str,
         exit: Arc<ExitSignal>,
+        calls: Arc<CallsInFlight>,
     ) -> Service {
         Service {
             runtime,
@@ -109,6 +113,7 @@ impl Service {
             events,
             namespace: namespace.to_string(),
             exit,
+            calls,
         }
     }
 
@@ -151,6 +156,7 @@ impl Task for Service {
         _ctx: &TtrpcContext,
         req: CreateTaskRequest,
     ) -> ttrpc::Result<CreateTaskResponse> {
+        let _call = self.calls.enter();
         let bundle = Path::new(&req.bundle);
         let spec = Spec::read(bundle).map_err(|e| failed(e.into()))?;
         let request = CreateRequest {
@@ -211,6 +217,7 @@ impl Task for Service {
     }
 
     fn start(&self, _ctx: &TtrpcContext, req: StartRequest) -> ttrpc::Result<StartResponse> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         let pid = container
             .start(&req.exec_id, self.exit_announcer(&req.id))
@@ -242,6 +249,7 @@ impl Task for Service {
     }
 
     fn state(&self, _ctx: &TtrpcContext, req: StateRequest) -> ttrpc::Result<StateResponse> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         let process = container.process(&req.exec_id).map_err(failed)?;
         let (phase, pid, exit) = process.status();
@@ -271,6 +279,7 @@ impl Task for Service {
     }
 
     fn wait(&self, _ctx: &TtrpcContext, req: WaitRequest) -> ttrpc::Result<WaitResponse> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         let process = container.process(&req.exec_id).map_err(failed)?;
         let exit = process.wait();
@@ -282,6 +291,7 @@ impl Task for Service {
     }
 
     fn kill(&self, _ctx: &TtrpcContext, req: KillRequest) -> ttrpc::Result<Empty> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         if req.exec_id.is_empty() && container.is_placeholder() {
             // The pod ends: its sandbox, with whatever still runs in it, and the pause
@@ -320,6 +330,7 @@ impl Task for Service {
     }
 
     fn delete(&self, _ctx: &TtrpcContext, req: DeleteRequest) -> ttrpc::Result<DeleteResponse> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         if !req.exec_id.is_empty() {
             let process = container
@@ -359,6 +370,7 @@ impl Task for Service {
     }
 
     fn pids(&self, _ctx: &TtrpcContext, req: PidsRequest) -> ttrpc::Result<PidsResponse> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         let pids = match (container.role(), container.jail().map_err(failed)?) {
             // A container of a pod: its own processes, not the pod's.
@@ -379,6 +391,7 @@ impl Task for Service {
     }
 
     fn pause(&self, _ctx: &TtrpcContext, req: PauseRequest) -> ttrpc::Result<Empty> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         container
             .with_own_sandbox("Pausing", |sb| sb.pause())
@@ -394,6 +407,7 @@ impl Task for Service {
     }
 
     fn resume(&self, _ctx: &TtrpcContext, req: ResumeRequest) -> ttrpc::Result<Empty> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         container
             .with_own_sandbox("Resuming", |sb| sb.resume())
@@ -409,6 +423,7 @@ impl Task for Service {
     }
 
     fn checkpoint(&self, _ctx: &TtrpcContext, req: CheckpointTaskRequest) -> ttrpc::Result<Empty> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         let archive = Path::new(&req.path).join(CHECKPOINT_ARCHIVE);
         let snapshot = container
@@ -442,6 +457,7 @@ impl Task for Service {
     }
 
     fn exec(&self, _ctx: &TtrpcContext, req: ExecProcessRequest) -> ttrpc::Result<Empty> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         let spec = req
             .spec
@@ -472,6 +488,7 @@ impl Task for Service {
     }
 
     fn resize_pty(&self, _ctx: &TtrpcContext, req: ResizePtyRequest) -> ttrpc::Result<Empty> {
+        let _call = self.calls.enter();
         // Processes get no terminal (Create and Exec refuse one), so there is none to
         // resize; the container's existence is still checked.
         self.container(&req.id)?;
@@ -479,6 +496,7 @@ impl Task for Service {
     }
 
     fn close_io(&self, _ctx: &TtrpcContext, req: CloseIORequest) -> ttrpc::Result<Empty> {
+        let _call = self.calls.enter();
         // Standard input is not relayed (the agent takes input at start only), so
         // there is no stream to close.
         self.container(&req.id)?;
@@ -486,6 +504,7 @@ impl Task for Service {
     }
 
     fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> ttrpc::Result<Empty> {
+        let _call = self.calls.enter();
         self.container(&req.id)?;
         Err(status(
             Code::UNIMPLEMENTED,
@@ -494,6 +513,7 @@ impl Task for Service {
     }
 
     fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> ttrpc::Result<StatsResponse> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         // A container of a pod reads the pod's use: they share one sandbox.
         let jail = container
@@ -510,6 +530,7 @@ impl Task for Service {
     }
 
     fn connect(&self, _ctx: &TtrpcContext, req: ConnectRequest) -> ttrpc::Result<ConnectResponse> {
+        let _call = self.calls.enter();
         let container = self.container(&req.id)?;
         let (_, pid, _) = container.init.status();
         Ok(ConnectResponse {
@@ -524,6 +545,8 @@ impl Task for Service {
     }
 
     fn shutdown(&self, _ctx: &TtrpcContext, _req: ShutdownRequest) -> ttrpc::Result<Empty> {
+        // Counted too: the shim's exit waits for this answer as for the others.
+        let _call = self.calls.enter();
         if lock(&self.containers).is_empty() {
             self.exit.signal();
         }

@@ -3,19 +3,30 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use containerd_shim::api::DeleteResponse;
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{Config, ExitSignal, Flags, Shim, StartOpts};
 use cube_core::{Runtime, RuntimeConfig};
 
+use crate::calls_in_flight::CallsInFlight;
 use crate::container::ROOTFS;
 use crate::service::{Events, Service};
 use crate::spec::Spec;
 
+/// How long the shim's exit waits for the task calls being answered.
+const CALLS_DRAIN_LIMIT: Duration = Duration::from_secs(10);
+
+/// How long the shim's exit waits, once no call is being answered, for the last
+/// answers to be written.
+const ANSWER_WRITE_GRACE: Duration = Duration::from_millis(50);
+
 /// The shim.
 pub struct CubeShim {
     exit: Arc<ExitSignal>,
+    /// The task calls being answered: the exit waits for them.
+    calls: Arc<CallsInFlight>,
     namespace: String,
     bundle: String,
 }
@@ -26,6 +37,7 @@ impl Shim for CubeShim {
     fn new(_runtime_id: &str, args: &Flags, _config: &mut Config) -> Self {
         CubeShim {
             exit: Arc::new(ExitSignal::default()),
+            calls: Arc::default(),
             namespace: args.namespace.clone(),
             bundle: args.bundle.clone(),
         }
@@ -64,6 +76,18 @@ impl Shim for CubeShim {
 
     fn wait(&mut self) {
         self.exit.wait();
+        // Once this returns the ttrpc server closes its connections at once: the calls
+        // still being answered (Shutdown's own among them) finish first, for a
+        // bounded time, since a blocking call must not keep the shim alive.
+        if !self.calls.wait_idle(CALLS_DRAIN_LIMIT) {
+            log::warn!(
+                "exiting with {} task calls unanswered after {CALLS_DRAIN_LIMIT:?}",
+                self.calls.count()
+            );
+        }
+        // The server writes an answer from another thread after its handler has
+        // returned, and says nothing when it has: this leaves it the time to.
+        std::thread::sleep(ANSWER_WRITE_GRACE);
     }
 
     fn create_task_service(&self, publisher: RemotePublisher) -> Service {
@@ -82,6 +106,7 @@ impl Shim for CubeShim {
             Events::new(publisher, &self.namespace),
             &self.namespace,
             Arc::clone(&self.exit),
+            Arc::clone(&self.calls),
         )
     }
 }
