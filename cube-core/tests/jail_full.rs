@@ -136,6 +136,46 @@ fn hibernate_and_wake_keep_the_variable() {
     destroy_and_check(sb);
 }
 
+/// Wakes racing one another (callers that each saw the sandbox hibernated, through
+/// handles of their own) serve one: it wakes with its state, every other says the
+/// sandbox is not hibernated, and nothing of the checkpoint is used twice. An earlier
+/// session saw a racing wake fail with "layer.hibernated is not a directory".
+#[test]
+fn racing_wakes_wake_the_sandbox_once() {
+    if skip_full_jail() {
+        return;
+    }
+    let env = Env::new();
+    let mut sb = env.create();
+    assert_eq!(py(&sb.agent().unwrap(), "x = 'kept'\nx"), "'kept'");
+    for round in 0..3 {
+        sb.hibernate().unwrap();
+        let woken: Vec<_> = std::thread::scope(|s| {
+            let racers: Vec<_> = (0..3)
+                .map(|_| {
+                    let mut handle = env.rt.attach(sb.id()).unwrap();
+                    s.spawn(move || handle.wake())
+                })
+                .collect();
+            racers.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        let (won, lost): (Vec<_>, Vec<_>) = woken.into_iter().partition(Result::is_ok);
+        assert_eq!(won.len(), 1, "round {round}: {lost:?}");
+        for e in lost.into_iter().filter_map(Result::err) {
+            let why = cube_core::error_report::chain(&e);
+            assert_eq!(
+                e.kind(),
+                cube_core::ErrorKind::BadState,
+                "round {round}: {why}"
+            );
+            assert!(why.contains("not hibernated"), "round {round}: {why}");
+        }
+        assert_eq!(sb.status().unwrap().status, MachineStatus::Running);
+        assert_eq!(py(&sb.agent().unwrap(), "x"), "'kept'", "round {round}");
+    }
+    destroy_and_check(sb);
+}
+
 /// A hibernation checkpoint is recorded, flushed and checked as a snapshot is: a
 /// layer file changed on disk, or a record of an earlier boot without the flush's
 /// marker (a host crash right after the hibernation), makes the wake fail with a
