@@ -443,6 +443,50 @@ fn hibernate_keeps_the_files_and_wake_starts_again() {
     destroy_and_check(sb);
 }
 
+/// Requests on other connections racing a destroy are served before it or refused
+/// after it, never by a supervisor whose jail is gone. In the fault suite, a status
+/// sent while a killed caller's destroy ran read "hibernated", and the wake that
+/// followed tried to start a jail on the removed layer.
+#[test]
+fn requests_racing_a_destroy_are_served_before_it_or_refused() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(0);
+    for round in 0..10 {
+        let sb = env.create(CreateOptions::new(true));
+        let id = sb.id().to_string();
+        let mut others: Vec<Sandbox> = (0..3).map(|_| env.rt.attach(&id).unwrap()).collect();
+        let seen: Vec<_> = std::thread::scope(|s| {
+            let racers: Vec<_> = others
+                .iter_mut()
+                .enumerate()
+                .map(|(i, other)| {
+                    s.spawn(move || {
+                        std::thread::sleep(Duration::from_millis(i as u64 * 2));
+                        (other.status().map(|st| st.status), other.wake())
+                    })
+                })
+                .collect();
+            sb.destroy().unwrap();
+            racers.into_iter().map(|r| r.join().unwrap()).collect()
+        });
+        for (status, wake) in seen {
+            if let Ok(status) = status {
+                assert_eq!(status, MachineStatus::Running, "round {round}");
+            }
+            // Never hibernated: no wake succeeds, none tries to start a jail.
+            let e = wake.expect_err("a wake of a sandbox that never hibernated");
+            let why = cube_core::error_report::chain(&e);
+            assert!(!why.contains("starting the jail"), "round {round}: {why}");
+        }
+        assert!(
+            !env.root.join("sandboxes").join(&id).exists(),
+            "round {round}"
+        );
+    }
+}
+
 #[test]
 fn a_sandbox_past_its_lifetime_is_destroyed() {
     if skip() {

@@ -11,6 +11,7 @@
 use std::io::{BufReader, BufWriter, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cube_storage::SandboxDir;
@@ -50,6 +51,11 @@ type Held = Box<dyn SandboxBackend>;
 
 struct State {
     sandbox: Mutex<Held>,
+    /// Set under the lock once the sandbox is destroyed. Requests on other connections
+    /// that come before the process exits are refused: the backend has nothing left
+    /// to serve them with (a jail without processes reads as hibernated, and a wake
+    /// would start one on a layer that is gone).
+    destroyed: AtomicBool,
 }
 
 impl State {
@@ -227,6 +233,7 @@ pub fn run(
         UnixListener::bind(&socket_path).map_err(|e| ServerError::Bind(socket_path.clone(), e))?;
     let state = Arc::new(State {
         sandbox: Mutex::new(held),
+        destroyed: AtomicBool::new(false),
     });
     tracing::info!(sandbox = %id, "adopted");
     reply(&mut writer, &Response::Ok)?;
@@ -438,7 +445,11 @@ fn join_retired_jails() {
 }
 
 fn destroy(state: &State) {
-    state.lock().destroy();
+    {
+        let mut sandbox = state.lock();
+        sandbox.destroy();
+        state.destroyed.store(true, Ordering::SeqCst);
+    }
     join_retired_jails();
 }
 
@@ -464,6 +475,17 @@ fn remove_files(state: &State) {
 
 fn handle(state: &State, request: Request) -> Response {
     let mut sandbox = state.lock();
+    if state.destroyed.load(Ordering::SeqCst) {
+        let id = sandbox
+            .dir()
+            .file_name()
+            .unwrap_or_default()
+            .to_string_lossy();
+        return Response::Error(Failure::new(
+            ErrorKind::NotFound,
+            format!("sandbox {id} was destroyed"),
+        ));
+    }
     match dispatch(sandbox.as_mut(), request) {
         Ok(response) => response,
         Err(failure) => Response::Error(failure),
