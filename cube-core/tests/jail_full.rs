@@ -138,8 +138,9 @@ fn hibernate_and_wake_keep_the_variable() {
 
 /// Wakes racing one another (callers that each saw the sandbox hibernated, through
 /// handles of their own) serve one: it wakes with its state, every other says the
-/// sandbox is not hibernated, and nothing of the checkpoint is used twice. An earlier
-/// session saw a racing wake fail with "layer.hibernated is not a directory".
+/// sandbox is not hibernated, and nothing of the checkpoint is used twice. (The
+/// "layer.hibernated is not a directory" of earlier runs came from a destroy racing
+/// other requests: tests/jail.rs.)
 #[test]
 fn racing_wakes_wake_the_sandbox_once() {
     if skip_full_jail() {
