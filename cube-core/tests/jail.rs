@@ -6,8 +6,8 @@
 
 mod common;
 
-use common::sh;
 use common::workload::destroy_and_check;
+use common::{race_a_destroy, sh};
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -456,21 +456,7 @@ fn requests_racing_a_destroy_are_served_before_it_or_refused() {
     for round in 0..10 {
         let sb = env.create(CreateOptions::new(true));
         let id = sb.id().to_string();
-        let mut others: Vec<Sandbox> = (0..3).map(|_| env.rt.attach(&id).unwrap()).collect();
-        let seen: Vec<_> = std::thread::scope(|s| {
-            let racers: Vec<_> = others
-                .iter_mut()
-                .enumerate()
-                .map(|(i, other)| {
-                    s.spawn(move || {
-                        std::thread::sleep(Duration::from_millis(i as u64 * 2));
-                        (other.status().map(|st| st.status), other.wake())
-                    })
-                })
-                .collect();
-            sb.destroy().unwrap();
-            racers.into_iter().map(|r| r.join().unwrap()).collect()
-        });
+        let seen = race_a_destroy(&env.rt, sb);
         for (status, wake) in seen {
             if let Ok(status) = status {
                 assert_eq!(status, MachineStatus::Running, "round {round}");

@@ -328,3 +328,30 @@ fn default_shape_sandboxes_load_into_prebuilt_vms() {
     sb.destroy().unwrap();
     env.finish();
 }
+
+/// Requests on other connections racing a destroy are served before it or refused
+/// after it (the sandbox was destroyed), on the VM engine as on the jail engine
+/// (tests/jail.rs): never by a supervisor whose machine is gone.
+#[test]
+fn requests_racing_a_destroy_are_served_before_it_or_refused() {
+    let Some(mut env) = TestEnv::new() else {
+        return;
+    };
+    let template = env.template("race", SMALL_WORKING_SET);
+    for round in 0..10 {
+        let sb = env.create_with(&template, PERSISTENT);
+        let id = sb.id().to_string();
+        let seen = race_a_destroy(env.rt(), sb);
+        for (status, wake) in seen {
+            if let Ok(status) = status {
+                assert_eq!(status, MachineStatus::Running, "round {round}");
+            }
+            // Not hibernated (before), destroyed (after), or the supervisor gone.
+            assert!(wake.is_err(), "round {round}: a never hibernated VM woke");
+        }
+        assert!(
+            !env.root().join("sandboxes").join(&id).exists(),
+            "round {round}"
+        );
+    }
+}

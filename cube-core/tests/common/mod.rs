@@ -547,3 +547,30 @@ pub fn wait_flushed(dir: &Path) {
     }
     panic!("snapshot {} was never flushed", dir.display());
 }
+
+/// What a handle racing a destroy got: its status, then its wake.
+pub type RaceSeen = (
+    Result<MachineStatus, SandboxError>,
+    Result<(), SandboxError>,
+);
+
+/// Destroys `sb` while three other handles of it (attached through `rt`) ask for its
+/// status and then wake it, starting 0, 2 and 4 ms in; returns what each got.
+pub fn race_a_destroy(rt: &Runtime, sb: Sandbox) -> Vec<RaceSeen> {
+    let id = sb.id().to_string();
+    let mut others: Vec<Sandbox> = (0..3).map(|_| rt.attach(&id).unwrap()).collect();
+    std::thread::scope(|s| {
+        let racers: Vec<_> = others
+            .iter_mut()
+            .enumerate()
+            .map(|(i, other)| {
+                s.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(i as u64 * 2));
+                    (other.status().map(|st| st.status), other.wake())
+                })
+            })
+            .collect();
+        sb.destroy().unwrap();
+        racers.into_iter().map(|r| r.join().unwrap()).collect()
+    })
+}
