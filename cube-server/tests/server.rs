@@ -425,6 +425,32 @@ fn stdin_signals_and_the_port_proxy() {
         .find(|e| e["event"]["end"].is_object())
         .unwrap();
     assert_eq!(end["event"]["end"]["exitCode"], 0);
+    // Once a command's end has been read, List no longer shows it: the E2B SDK lists
+    // right after a wait (CI once saw a killed command still listed).
+    for round in 0..20 {
+        let (status, _, body) = server.request(
+            "POST",
+            "/process.Process/Start",
+            &[
+                ("E2b-Sandbox-Id", id),
+                ("X-Access-Token", token),
+                ("Content-Type", "application/connect+json"),
+            ],
+            &envelope(&json!({ "process": { "cmd": "/bin/true", "args": [] }, "stdin": false })),
+        );
+        assert_eq!(status, 200);
+        let events = envelopes(&body);
+        assert!(
+            events.iter().any(|e| e["event"]["end"].is_object()),
+            "round {round}: no end event in {events:?}"
+        );
+        let (_, list) = server.rpc(&sb, "/process.Process/List", json!({}));
+        assert_eq!(
+            list["processes"].as_array().map_or(0, Vec::len),
+            0,
+            "round {round}: an ended command is still listed: {list}"
+        );
+    }
     // A signal for a process that is gone: not_found.
     let (status, v) = server.rpc(
         &sb,

@@ -95,8 +95,12 @@ impl ProcessTable {
         }
     }
 
-    fn remove(&self, pid: u32) {
-        lock(&self.procs).remove(&pid);
+    /// Forgets `proc`, unless its pid already names a newer command.
+    fn remove(&self, proc: &Arc<Proc>) {
+        let mut procs = lock(&self.procs);
+        if procs.get(&proc.pid).is_some_and(|p| Arc::ptr_eq(p, proc)) {
+            procs.remove(&proc.pid);
+        }
     }
 }
 
@@ -314,12 +318,16 @@ fn pump(
             Err(e) => Err(agent_rpc_error(&e)),
         };
         let last = !matches!(item, Ok(Event::Data(_)));
+        if last {
+            // Forgotten before its watchers hear the end: a client that lists right
+            // after its wait returned must not see the command (the E2B SDK does).
+            table.remove(&proc);
+        }
         proc.broadcast(&item);
         if last {
             break;
         }
     }
-    table.remove(proc.pid);
 }
 
 /// Runs a blocking agent call for a command.
