@@ -429,6 +429,15 @@ fn full_store_fails_the_snapshot_cleanly(vm: bool) {
     let tmp = entries(&suite.root.join("tmp"));
     assert!(tmp.is_empty(), "a failed snapshot left {tmp:?} in tmp/");
     std::fs::remove_file(&filler).unwrap();
+    // ext4 reuses the filler's blocks only once the transaction that freed them has
+    // committed: without this sync, the next snapshot could still find the store full
+    // (CI saw it once).
+    let root = std::fs::File::open(store.root()).unwrap();
+    // SAFETY: syncfs on a descriptor this function owns.
+    assert_eq!(
+        unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&root)) },
+        0
+    );
     // The sandbox went on, and snapshots work again.
     s1.check(&mut sb, "after the failed snapshot");
     let b = sb.snapshot().unwrap();
