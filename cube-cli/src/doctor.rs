@@ -156,11 +156,12 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
             )
         };
         println!(
-            "{:<13} no_new_privs, capabilities kept: {kept}; {filter}",
+            "{:<13} no_new_privs, capabilities kept: {kept}; {filter}; files: {}",
             serde_json::to_value(c.profile)
                 .ok()
                 .and_then(|v| v.as_str().map(str::to_string))
                 .unwrap_or_default(),
+            c.filesystem,
         );
     }
     println!();

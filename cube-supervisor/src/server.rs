@@ -408,7 +408,8 @@ fn confine_for(held: &dyn SandboxBackend) -> Result<(), Failure> {
         join_retired_jails();
         tracing::debug!(waited = ?start.elapsed(), "retired jails joined");
     }
-    confine(profile).map_err(|e| {
+    let store = crate::confinement::filesystem::store_of(held.dir());
+    confine(profile, store).map_err(|e| {
         Failure::new(
             ErrorKind::HostCannot,
             format!("confining the supervisor: {}", error_chain(&e)),

@@ -1,7 +1,8 @@
 //! A supervisor's confinement on a whole multi-threaded process: every thread (those
 //! blocked in the kernel, those started later) ends with the profile's capabilities,
 //! no_new_privs and the seccomp filters, blocked reads carry on, and a forbidden system
-//! call kills the process with SIGSYS.
+//! call kills the process with SIGSYS. A VM supervisor without a network also loses the
+//! host's files but its store's (Landlock), on its old threads too, and TCP.
 //!
 //! Confinement cannot be undone, so each profile runs in a child: this test binary run
 //! again with `CUBE_CONFINE_CHILD` naming the profile and the forbidden call to make.
@@ -16,9 +17,31 @@ use std::time::Duration;
 use cube_supervisor::confinement::all_threads::{
     held_capabilities, status_field, verify_all_threads,
 };
-use cube_supervisor::confinement::{confine, Profile};
+use cube_supervisor::confinement::{confine, filesystem, Profile};
 
 const CHILD: &str = "CUBE_CONFINE_CHILD";
+/// `STORE:HOST`, two directories the parent made for the child.
+const DIRS: &str = "CUBE_CONFINE_DIRS";
+
+/// Runs this test binary again as the child confined to `spec` (`profile:call`).
+fn run_child(spec: &str) -> std::process::Output {
+    let store = tempfile::TempDir::new().unwrap();
+    let host = tempfile::TempDir::new().unwrap();
+    Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "confinement_reaches_every_thread_and_a_forbidden_call_kills_the_process",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, spec)
+        .env(
+            DIRS,
+            format!("{}:{}", store.path().display(), host.path().display()),
+        )
+        .output()
+        .unwrap()
+}
 
 fn root() -> bool {
     // SAFETY: geteuid has no preconditions.
@@ -60,16 +83,23 @@ fn child(spec: &str) {
     let blocked = std::thread::spawn(move || {
         let mut byte = [0u8; 1];
         reader.read_exact(&mut byte).unwrap();
-        byte[0]
+        // Confined while it waited: what it may still read.
+        (byte[0], std::fs::read("/etc/passwd").map_err(|e| e.kind()))
     });
     let sleeper = std::thread::spawn(|| {
         for _ in 0..50 {
             std::thread::sleep(Duration::from_millis(20));
         }
     });
+    // The store this supervisor keeps, and a host directory outside it (as /etc is),
+    // both made by the parent (which removes them: this process dies confined).
+    let dirs = std::env::var(DIRS).unwrap();
+    let (store, host) = dirs.split_once(':').unwrap();
+    let (store, host) = (std::path::Path::new(store), std::path::Path::new(host));
+    std::fs::write(host.join("host-file"), "host").unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let held = held_capabilities().unwrap();
-    confine(profile).unwrap();
+    confine(profile, store).unwrap();
 
     // A thread started after the confinement inherits it.
     let late = std::thread::spawn(|| std::fs::read_to_string("/proc/thread-self/status").unwrap())
@@ -84,10 +114,83 @@ fn child(spec: &str) {
     }
     // The blocked read was interrupted by the confinement signal and carried on.
     writer.write_all(b"x").unwrap();
-    assert_eq!(blocked.join().unwrap(), b'x');
+    let (byte, host_read_by_old_thread) = blocked.join().unwrap();
+    assert_eq!(byte, b'x');
     sleeper.join().unwrap();
-    // Allowed work goes on: files, threads.
-    std::fs::write("/proc/self/comm", "confined").unwrap();
+    // Its store stays its own: files made, renamed, read, removed.
+    let made = store.join("made");
+    std::fs::write(&made, "snapshot").unwrap();
+    std::fs::rename(&made, store.join("renamed")).unwrap();
+    assert_eq!(
+        std::fs::read_to_string(store.join("renamed")).unwrap(),
+        "snapshot"
+    );
+    std::fs::remove_file(store.join("renamed")).unwrap();
+    std::fs::create_dir(store.join("dir")).unwrap();
+    // The host's files: out of reach of a VM supervisor without a network, from any of
+    // its threads, where the kernel has Landlock; the others keep them (they mount,
+    // pin namespaces and run CRIU on host paths).
+    let landlocked = profile == Profile::Vm && filesystem::kernel_abi().is_some();
+    let denied = |r: Result<(), std::io::ErrorKind>| match r {
+        Err(std::io::ErrorKind::PermissionDenied) => true,
+        Ok(()) => false,
+        Err(other) => panic!("{profile:?}: unexpected error {other:?}"),
+    };
+    let results = [
+        (
+            "old thread reads /etc/passwd",
+            host_read_by_old_thread.map(drop),
+        ),
+        (
+            "reads /etc/passwd",
+            std::fs::read("/etc/passwd").map(drop).map_err(|e| e.kind()),
+        ),
+        (
+            "writes a host file",
+            std::fs::write(host.join("host-file"), "changed").map_err(|e| e.kind()),
+        ),
+        (
+            "makes a host file",
+            std::fs::write(host.join("new"), "x").map_err(|e| e.kind()),
+        ),
+        (
+            "binds a TCP port",
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .map(drop)
+                .map_err(|e| e.kind()),
+        ),
+    ];
+    for (what, result) in results {
+        assert_eq!(denied(result), landlocked, "{profile:?} {what}");
+    }
+    if landlocked {
+        // uid 0 writes most sysctls with no capability; /proc is read-only to it now.
+        // (Its own value: were the confinement missing, nothing would change.)
+        let pattern = std::fs::read("/proc/sys/kernel/core_pattern").unwrap();
+        let write = std::fs::write("/proc/sys/kernel/core_pattern", &pattern);
+        assert_eq!(
+            write.map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::PermissionDenied),
+            "a sysctl written"
+        );
+    }
+    if landlocked && filesystem::signals_scoped() {
+        // uid 0 may signal any root process; a confined VM supervisor only its own.
+        // SAFETY: signal 0 only checks permission; the parent is this test's runner.
+        let r = unsafe { libc::kill(libc::getppid(), 0) };
+        assert_eq!(
+            (r, std::io::Error::last_os_error().raw_os_error()),
+            (-1, Some(libc::EPERM))
+        );
+    }
+    // Allowed work goes on: threads, named (by prctl: /proc is read-only to a VM).
+    let name = std::thread::Builder::new()
+        .name("named-late".into())
+        .spawn(|| std::fs::read_to_string("/proc/thread-self/comm").unwrap())
+        .unwrap()
+        .join()
+        .unwrap();
+    assert_eq!(name.trim(), "named-late");
     if profile == Profile::Jail {
         // A jail supervisor starts CRIU and jails after its confinement; CRIU needs to
         // be under no seccomp filter (see `syscall_filter`).
@@ -126,16 +229,7 @@ fn confinement_reaches_every_thread_and_a_forbidden_call_kills_the_process() {
         ("vm-networked", "execve"),
     ];
     for (profile, call) in cases {
-        let out = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "confinement_reaches_every_thread_and_a_forbidden_call_kills_the_process",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD, format!("{profile}:{call}"))
-            .output()
-            .unwrap();
+        let out = run_child(&format!("{profile}:{call}"));
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             stdout.contains("confined"),
@@ -148,15 +242,7 @@ fn confinement_reaches_every_thread_and_a_forbidden_call_kills_the_process() {
         );
     }
     // The jail profile: capabilities and no_new_privs, no filter (CRIU runs under it).
-    let out = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "confinement_reaches_every_thread_and_a_forbidden_call_kills_the_process",
-            "--nocapture",
-        ])
-        .env(CHILD, "jail:x32")
-        .output()
-        .unwrap();
+    let out = run_child("jail:x32");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains("confined") && stdout.contains("survived x32") && out.status.success(),

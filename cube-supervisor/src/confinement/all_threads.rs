@@ -12,6 +12,7 @@
 //! left as they are.
 
 use std::collections::BTreeSet;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -61,6 +62,9 @@ pub enum AllThreadsError {
 static KEEP: AtomicU64 = AtomicU64::new(0);
 /// The highest capability number the kernel knows.
 static LAST_CAP: AtomicU32 = AtomicU32::new(0);
+/// The Landlock ruleset each thread applies to itself (-1: none); see
+/// [`super::filesystem`]. The descriptor stays open while a broadcast uses it.
+static LANDLOCK: AtomicI32 = AtomicI32::new(-1);
 /// Handlers run since the last reset.
 static ANSWERED: AtomicUsize = AtomicUsize::new(0);
 /// The threads whose handlers ran since the last reset, in order (the first
@@ -83,9 +87,11 @@ extern "C" fn on_confine_signal(_signal: libc::c_int) {
     // SAFETY: __errno_location returns this thread's errno slot, valid for the thread's
     // life; the handler restores it so the interrupted code sees its own errno.
     let errno = unsafe { *libc::__errno_location() };
-    if let Err(e) =
-        restrict_this_thread(KEEP.load(Ordering::SeqCst), LAST_CAP.load(Ordering::SeqCst))
-    {
+    if let Err(e) = restrict_this_thread(
+        KEEP.load(Ordering::SeqCst),
+        LAST_CAP.load(Ordering::SeqCst),
+        LANDLOCK.load(Ordering::SeqCst),
+    ) {
         let _ = FAILED.compare_exchange(0, e, Ordering::SeqCst, Ordering::SeqCst);
     }
     let slot = ANSWERED.fetch_add(1, Ordering::SeqCst);
@@ -96,19 +102,38 @@ extern "C" fn on_confine_signal(_signal: libc::c_int) {
     unsafe { *libc::__errno_location() = errno };
 }
 
-/// Sets no_new_privs, empties the bounding set but for `keep`, clears the ambient and
-/// inheritable sets and leaves `keep` as the effective and permitted sets, on the
-/// calling thread. Raw system calls only, no allocation: it runs in a signal handler.
-fn restrict_this_thread(keep: u64, last_cap: u32) -> Result<(), i32> {
+/// Sets no_new_privs, enters the Landlock ruleset `landlock` (unless -1), empties the
+/// bounding set but for `keep`, clears the ambient and inheritable sets and leaves
+/// `keep` as the effective and permitted sets, on the calling thread. Raw system calls
+/// only, no allocation: it runs in a signal handler.
+fn restrict_this_thread(keep: u64, last_cap: u32, landlock: i32) -> Result<(), i32> {
     use cube_jail::capabilities::{
         keep_bounding_and_clear_ambient, keep_only, set_no_new_privs_in_child,
     };
     set_no_new_privs_in_child()
+        // Landlock asks for no_new_privs (or CAP_SYS_ADMIN), set just before.
+        .map_err(|e| e as i32)
+        .and_then(|()| enter_landlock(landlock))
         // The bounding set first: dropping from it needs CAP_SETPCAP, which `keep_only`
         // may take away.
-        .and_then(|()| keep_bounding_and_clear_ambient(last_cap, keep))
-        .and_then(|()| keep_only(keep))
-        .map_err(|e| e as i32)
+        .and_then(|()| keep_bounding_and_clear_ambient(last_cap, keep).map_err(|e| e as i32))
+        .and_then(|()| keep_only(keep).map_err(|e| e as i32))
+}
+
+/// Restricts the calling thread to Landlock ruleset `fd` (nothing for -1).
+fn enter_landlock(fd: i32) -> Result<(), i32> {
+    if fd < 0 {
+        return Ok(());
+    }
+    // SAFETY: landlock_restrict_self takes a ruleset descriptor and flags (0); a bad
+    // descriptor is an error, never undefined behaviour.
+    let r = unsafe { libc::syscall(libc::SYS_landlock_restrict_self, fd, 0u32) };
+    if r == 0 {
+        Ok(())
+    } else {
+        // SAFETY: __errno_location returns this thread's errno slot.
+        Err(unsafe { *libc::__errno_location() })
+    }
 }
 
 /// `PF_USER_WORKER` (include/linux/sched.h, 6.4+): a kernel worker in a user process's
@@ -253,12 +278,31 @@ fn signal_and_wait(tids: &BTreeSet<u32>) -> Result<(), AllThreadsError> {
 
 /// Leaves every thread of this process with the capabilities in `keep` (bit N =
 /// capability N) as its effective, permitted and bounding sets, none inheritable or
-/// ambient, and no_new_privs set; then checks every thread's status says so.
-pub fn restrict_all_threads(keep: u64, last_cap: u32) -> Result<(), AllThreadsError> {
+/// ambient, no_new_privs set, and in Landlock ruleset `landlock` if given; then checks
+/// every thread's status says so (capabilities and no_new_privs: Landlock shows in no
+/// status file).
+///
+/// A thread that holds no more than `keep` already is not interrupted: it was confined
+/// ahead ([`restrict_threads_named`], which gave it no file system at all) or started by
+/// a confined thread, whose ruleset it inherited.
+pub fn restrict_all_threads(
+    keep: u64,
+    last_cap: u32,
+    landlock: Option<BorrowedFd<'_>>,
+) -> Result<(), AllThreadsError> {
     let _one = BROADCAST.lock().unwrap_or_else(|e| e.into_inner());
-    prepare(keep, last_cap)?;
+    let landlock = landlock.map_or(-1, |fd| fd.as_raw_fd());
+    prepare(keep, last_cap, landlock)?;
     // This thread first: threads it starts from now on inherit the sets.
-    restrict_this_thread(keep, last_cap).map_err(AllThreadsError::Drop)?;
+    let result = restrict_this_thread(keep, last_cap, landlock)
+        .map_err(AllThreadsError::Drop)
+        .and_then(|()| restrict_other_threads(keep));
+    LANDLOCK.store(-1, Ordering::SeqCst);
+    result
+}
+
+/// [`restrict_all_threads`] past the calling thread, with the handler prepared.
+fn restrict_other_threads(keep: u64) -> Result<(), AllThreadsError> {
     let mut done: BTreeSet<u32> = [gettid()].into();
     for _ in 0..MAX_ROUNDS {
         // A thread not yet confined may have started others since the last listing.
@@ -278,18 +322,21 @@ pub fn restrict_all_threads(keep: u64, last_cap: u32) -> Result<(), AllThreadsEr
     Err(AllThreadsError::Churn)
 }
 
-/// Leaves the threads whose name starts with `prefix` with the capabilities in `keep`
-/// and no_new_privs, as [`restrict_all_threads`] does for all; returns how many.
-/// Threads that run no privileged code (vCPU threads) can give up everything while
-/// they are idle, before the sandbox they will run is known, so that confining the
-/// whole process later need not interrupt them while they run a guest.
+/// Leaves the threads whose name starts with `prefix` with the capabilities in `keep`,
+/// no_new_privs and Landlock ruleset `landlock` if given, as [`restrict_all_threads`]
+/// does for all; returns how many. Threads that run no privileged code (vCPU threads)
+/// can give up everything while they are idle, before the sandbox they will run is
+/// known, so that confining the whole process later need not interrupt them while
+/// they run a guest.
 pub fn restrict_threads_named(
     prefix: &str,
     keep: u64,
     last_cap: u32,
+    landlock: Option<BorrowedFd<'_>>,
 ) -> Result<usize, AllThreadsError> {
     let _one = BROADCAST.lock().unwrap_or_else(|e| e.into_inner());
-    prepare(keep, last_cap)?;
+    let landlock = landlock.map_or(-1, |fd| fd.as_raw_fd());
+    prepare(keep, last_cap, landlock)?;
     let named: BTreeSet<u32> = thread_ids()?
         .into_iter()
         .filter(|tid| {
@@ -298,17 +345,20 @@ pub fn restrict_threads_named(
         })
         .collect();
     if named.contains(&gettid()) {
-        restrict_this_thread(keep, last_cap).map_err(AllThreadsError::Drop)?;
+        restrict_this_thread(keep, last_cap, landlock).map_err(AllThreadsError::Drop)?;
     }
     let others: BTreeSet<u32> = named.iter().copied().filter(|t| *t != gettid()).collect();
-    signal_and_wait(&others)?;
+    let answered = signal_and_wait(&others);
+    LANDLOCK.store(-1, Ordering::SeqCst);
+    answered?;
     Ok(named.len())
 }
 
 /// Sets what the handler applies and installs it.
-fn prepare(keep: u64, last_cap: u32) -> Result<(), AllThreadsError> {
+fn prepare(keep: u64, last_cap: u32, landlock: i32) -> Result<(), AllThreadsError> {
     KEEP.store(keep, Ordering::SeqCst);
     LAST_CAP.store(last_cap, Ordering::SeqCst);
+    LANDLOCK.store(landlock, Ordering::SeqCst);
     FAILED.store(0, Ordering::SeqCst);
     install_handler()
 }

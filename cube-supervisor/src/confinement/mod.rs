@@ -11,22 +11,30 @@
 //! - for a VM, seccomp filters on every thread ([`syscall_filter`]): a forbidden call
 //!   kills this supervisor, and only it (each sandbox has its own). A jail supervisor
 //!   gets none: CRIU, which it starts, must be under no filter (see there);
-//! - for a VM, a core file limit of 0: a killed VMM leaves no copy of guest memory.
+//! - for a VM, a core file limit of 0: a killed VMM leaves no copy of guest memory;
+//! - for a VM without a network, Landlock ([`filesystem`]): the host's files but its
+//!   store's out of reach, though it stays uid 0.
 //!
-//! Left for later: a private mount namespace and an unprivileged uid (the supervisor
-//! still writes snapshots anywhere in the store as uid 0), and allow lists per thread
-//! kind in place of deny lists per engine.
+//! Left for later: an unprivileged uid (the supervisor still writes its store as uid
+//! 0), Landlock for networked VM and jail supervisors (which mount, pin namespaces and
+//! run CRIU on host paths), and allow lists per thread kind in place of deny lists
+//! per engine.
 //!
 //! [`Profile::summary`] describes a profile for `cube doctor` and the docs; the
 //! supervisor applies it with [`confine`] right after adopting its sandbox, before the
 //! spawner hears the sandbox is ready.
 
 pub mod all_threads;
+pub mod filesystem;
 pub mod syscall_filter;
+
+use std::os::fd::AsFd;
+use std::path::Path;
 
 use serde::Serialize;
 
 pub use all_threads::AllThreadsError;
+pub use filesystem::FilesystemError;
 pub use syscall_filter::{FilterSet, SyscallFilterError};
 
 /// Why a supervisor could not confine itself (the sandbox is then refused: it never
@@ -42,6 +50,9 @@ pub enum ConfinementError {
     /// The seccomp filter could not be built or installed.
     #[error("seccomp")]
     Filter(#[from] SyscallFilterError),
+    /// The Landlock ruleset could not be built.
+    #[error("file-system confinement")]
+    Filesystem(#[from] FilesystemError),
     /// The core file limit could not be lowered.
     #[error("setting the core file limit to 0")]
     CoreLimit(#[source] std::io::Error),
@@ -160,6 +171,8 @@ pub struct Summary {
     pub no_new_privs: bool,
     /// System calls that kill the supervisor.
     pub syscalls_killed: Vec<&'static str>,
+    /// What it may reach of the host's file system.
+    pub filesystem: String,
 }
 
 impl Profile {
@@ -193,23 +206,32 @@ impl Profile {
                 .filters()
                 .map(|f| f.killed().iter().map(|k| k.name).collect())
                 .unwrap_or_default(),
+            filesystem: filesystem::describe(self == Profile::Vm),
         }
     }
 }
 
 /// Gives up every capability (and sets no_new_privs) on this process's vCPU threads
-/// while they are idle: a VM built ahead in the pool runs guest code and device
-/// emulation on them, which need none, and [`confine`] then need not interrupt them
-/// once they run a guest (the wait for them was most of its cost). Returns how many.
+/// while they are idle, and with Landlock all file-system access: a VM built ahead in
+/// the pool runs guest code and device emulation on them, which need neither, and
+/// [`confine`] then need not interrupt them once they run a guest (the wait for them
+/// was most of its cost). Returns how many.
 pub fn confine_vcpu_threads() -> Result<usize, ConfinementError> {
     let last_cap = cube_jail::capabilities::last_cap().map_err(ConfinementError::LastCap)?;
-    Ok(all_threads::restrict_threads_named("vcpu", 0, last_cap)?)
+    let rules = filesystem::no_files()?;
+    Ok(all_threads::restrict_threads_named(
+        "vcpu",
+        0,
+        last_cap,
+        rules.as_ref().map(AsFd::as_fd),
+    )?)
 }
 
-/// Confines this process, all its threads included, to `profile`: capabilities and
-/// no_new_privs first (checked on every thread), then the seccomp filters if it has
-/// any.
-pub fn confine(profile: Profile) -> Result<(), ConfinementError> {
+/// Confines this process, all its threads included, to `profile`: capabilities,
+/// no_new_privs and (for a VM without a network) Landlock first, then the seccomp
+/// filters if it has any. `store` is the store its sandbox lies in, the one part of
+/// the host's file system a VM supervisor without a network keeps.
+pub fn confine(profile: Profile, store: &Path) -> Result<(), ConfinementError> {
     let start = std::time::Instant::now();
     let last_cap = cube_jail::capabilities::last_cap().map_err(ConfinementError::LastCap)?;
     // Built before anything is dropped: building allocates and may read /proc.
@@ -217,12 +239,20 @@ pub fn confine(profile: Profile) -> Result<(), ConfinementError> {
         Some(set) => set.build()?,
         None => Vec::new(),
     };
+    let rules = match profile {
+        Profile::Vm => filesystem::vm_rules(store)?,
+        Profile::VmNetworked | Profile::Jail => None,
+    };
     if profile != Profile::Jail {
         no_core_files()?;
     }
     let built = start.elapsed();
     let held = all_threads::held_capabilities()?;
-    all_threads::restrict_all_threads(profile.kept(held), last_cap)?;
+    all_threads::restrict_all_threads(
+        profile.kept(held),
+        last_cap,
+        rules.as_ref().map(AsFd::as_fd),
+    )?;
     let dropped = start.elapsed();
     syscall_filter::install_on_all_threads(&programs)?;
     tracing::debug!(?profile, ?built, ?dropped, total = ?start.elapsed(), "confined");

@@ -1,0 +1,169 @@
+//! What a confined VM supervisor may still reach of the host's file system, with
+//! Landlock: a supervisor keeps uid 0 after it drops its capabilities, and uid 0 owns
+//! most of the host's files, so without more it could still read `/etc/shadow` or
+//! rewrite `/etc/passwd` as their owner. Landlock takes that away without a mount
+//! namespace (which a process can no longer enter once it runs threads):
+//!
+//! - a VM supervisor without a network may read and write only beneath the store that
+//!   holds its sandbox (its directory, its snapshots), and read `/proc`, `/sys` and
+//!   `/dev` (what it already opened, such as `/dev/kvm`, stays open); it may bind or
+//!   connect no TCP port, reach no abstract unix socket made outside it and, where the
+//!   kernel scopes signals correctly, signal no process but its own threads (uid 0 may
+//!   otherwise signal every root process);
+//! - vCPU threads built ahead, before their sandbox is known, get no file system at
+//!   all: guest code and device emulation use descriptors opened before.
+//!
+//! A ruleset is built here, once, and applied on each thread by the confinement
+//! broadcast ([`super::all_threads`]): Landlock, like capabilities, binds the calling
+//! thread only. Where the kernel has no Landlock, nothing is built and the supervisor
+//! goes on under its other confinement; `cube doctor` says which.
+
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+
+use landlock::{
+    path_beneath_rules, Access, AccessFs, AccessNet, CompatLevel, Compatible, Erratum, PathBeneath,
+    PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetError, Scope, ABI,
+};
+
+/// The newest Landlock ABI whose rights Cube has tested and asks for; older kernels
+/// enforce what they know of it.
+const TESTED_ABI: ABI = ABI::V7;
+
+/// Read-only parts of the host a confined VM supervisor still reads: threads' status
+/// (confinement checks, memory figures), and devices it already opened. Read-only
+/// matters: uid 0 may write most sysctls (`kernel.core_pattern` among them) with no
+/// capability at all. (Its own `/proc/PID` cannot be made writable: Landlock ties a
+/// rule to an inode, and procfs makes new ones for a process's directory.)
+const READ_ONLY: &[&str] = &["/proc", "/sys", "/dev"];
+
+/// Why a file-system ruleset could not be built.
+#[derive(Debug, thiserror::Error)]
+pub enum FilesystemError {
+    /// The store the supervisor keeps could not be opened for its rule.
+    #[error("opening the store {0} for the file-system rule")]
+    Store(PathBuf, #[source] landlock::PathFdError),
+    /// The kernel refused the ruleset.
+    #[error("building the Landlock ruleset")]
+    Ruleset(#[from] RulesetError),
+}
+
+/// The Landlock ABI of the running kernel (`None`: no Landlock, or not enabled).
+pub fn kernel_abi() -> Option<u32> {
+    // SAFETY: the version query passes no attribute (null, size 0) and only returns a
+    // number.
+    let v = unsafe {
+        libc::syscall(
+            libc::SYS_landlock_create_ruleset,
+            std::ptr::null::<u8>(),
+            0usize,
+            1u32, // LANDLOCK_CREATE_RULESET_VERSION
+        )
+    };
+    u32::try_from(v).ok().filter(|v| *v > 0)
+}
+
+/// Whether a confined VM supervisor's signals are scoped to its own process: Landlock
+/// ABI 6 with erratum 2 fixed. Before the fix, a thread could not signal its own
+/// process's threads in another domain (the vCPU kick would fail), so signals are
+/// scoped only where the kernel says the fix is in.
+pub fn signals_scoped() -> bool {
+    kernel_abi().is_some_and(|abi| abi >= 6)
+        && Erratum::current().contains(Erratum::ScopedSignalHandling)
+}
+
+/// A ruleset that handles every file-system right Cube knows, with the scopes the
+/// kernel gets right, and no TCP.
+fn base() -> Result<landlock::RulesetCreated, RulesetError> {
+    let mut scopes: landlock::BitFlags<Scope> = Scope::AbstractUnixSocket.into();
+    if signals_scoped() {
+        scopes |= Scope::Signal;
+    }
+    Ruleset::default()
+        .set_compatibility(CompatLevel::BestEffort)
+        .handle_access(AccessFs::from_all(TESTED_ABI))?
+        .handle_access(AccessNet::from_all(TESTED_ABI))?
+        .scope(scopes)?
+        .create()
+}
+
+/// The ruleset of a VM supervisor whose sandbox lies in `store`: everything beneath
+/// it, read-only `/proc`, `/sys` and `/dev`, nothing else. `None` where the kernel
+/// has no Landlock.
+pub fn vm_rules(store: &Path) -> Result<Option<OwnedFd>, FilesystemError> {
+    if kernel_abi().is_none() {
+        return Ok(None);
+    }
+    let store_fd = PathFd::new(store).map_err(|e| FilesystemError::Store(store.into(), e))?;
+    let created = base()?
+        .add_rule(PathBeneath::new(store_fd, AccessFs::from_all(TESTED_ABI)))?
+        .add_rules(path_beneath_rules(
+            READ_ONLY,
+            AccessFs::from_read(TESTED_ABI),
+        ))?;
+    Ok(created.into())
+}
+
+/// The ruleset of threads that need no file system at all (vCPU threads built ahead).
+/// `None` where the kernel has no Landlock.
+pub fn no_files() -> Result<Option<OwnedFd>, FilesystemError> {
+    if kernel_abi().is_none() {
+        return Ok(None);
+    }
+    Ok(base()?.into())
+}
+
+/// Where the store holding sandbox directory `dir` lies: `<store>/sandboxes/<id>`
+/// gives `<store>`; a directory outside a store's layout is its own store.
+pub fn store_of(dir: &Path) -> &Path {
+    match dir.parent() {
+        Some(parent) if parent.file_name().is_some_and(|n| n == "sandboxes") => {
+            parent.parent().unwrap_or(dir)
+        }
+        _ => dir,
+    }
+}
+
+/// The file-system confinement of a profile in words, for `cube doctor`.
+pub fn describe(vm_without_network: bool) -> String {
+    match (vm_without_network, kernel_abi()) {
+        (false, _) => "the host's, as uid 0 with the capabilities kept".into(),
+        (true, None) => {
+            "the host's, as uid 0 without capabilities (this kernel has no Landlock)".into()
+        }
+        (true, Some(abi)) => format!(
+            "Landlock (ABI {abi}): read-write beneath the store only, read-only /proc /sys \
+             /dev, no TCP, {}",
+            if signals_scoped() {
+                "signals to its own threads only"
+            } else {
+                "signals not scoped (this kernel's scoping is not fixed: Landlock erratum 2)"
+            }
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_store_is_found_from_a_sandbox_directory() {
+        assert_eq!(
+            store_of(Path::new("/var/lib/cube/sandboxes/sb-1")),
+            Path::new("/var/lib/cube")
+        );
+        assert_eq!(store_of(Path::new("/tmp/x/sb")), Path::new("/tmp/x/sb"));
+        assert_eq!(store_of(Path::new("/")), Path::new("/"));
+    }
+
+    #[test]
+    fn a_store_that_cannot_be_opened_is_an_error() {
+        if kernel_abi().is_none() {
+            eprintln!("skipped: this kernel has no Landlock");
+            return;
+        }
+        let e = vm_rules(Path::new("/nonexistent/store")).unwrap_err();
+        assert!(matches!(e, FilesystemError::Store(..)), "{e:?}");
+    }
+}
