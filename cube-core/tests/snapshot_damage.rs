@@ -434,10 +434,8 @@ fn full_store_fails_the_snapshot_cleanly(vm: bool) {
     // (CI saw it once).
     let root = std::fs::File::open(store.root()).unwrap();
     // SAFETY: syncfs on a descriptor this function owns.
-    assert_eq!(
-        unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&root)) },
-        0
-    );
+    let synced = unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&root)) };
+    assert_eq!(synced, 0, "syncfs of the store");
     // The sandbox went on, and snapshots work again.
     s1.check(&mut sb, "after the failed snapshot");
     let b = sb.snapshot().unwrap();
