@@ -290,6 +290,12 @@ struct Manifest {
     /// checkpoints written before (then unchecked).
     #[serde(default)]
     images: BTreeMap<String, ImageDigest>,
+    /// CRC32 of this manifest's compact JSON without this field, checked by
+    /// [`Checkpoint::open`]: a flipped bit that still parses (a bind source, a mount
+    /// target) is refused before the running sandbox goes, not by CRIU after. Absent
+    /// in checkpoints written before (then unchecked).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    digest: Option<u32>,
 }
 
 /// What a checkpoint's image file held when it was written.
@@ -339,6 +345,13 @@ fn image_digests(images: &Path) -> Result<BTreeMap<String, ImageDigest>> {
 }
 
 impl Manifest {
+    /// CRC32 of the manifest's compact JSON, its own digest left out.
+    fn compute_digest(&self) -> std::result::Result<u32, serde_json::Error> {
+        let mut bare = self.clone();
+        bare.digest = None;
+        Ok(crc32fast::hash(&serde_json::to_vec(&bare)?))
+    }
+
     fn validate(&self) -> std::result::Result<(), String> {
         if self.format != FORMAT {
             return Err(format!(
@@ -404,6 +417,31 @@ pub struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// Each of the checkpoint's bind mounts as (target, host source): the source that
+    /// `config` binds at that target (it may have moved), else the one recorded. A
+    /// source that does not exist is an error; a caller that must not lose a running
+    /// jail checks this before stopping it for [`restore`] (a damaged manifest can name
+    /// a path that parses but is not there).
+    pub fn mount_sources(&self, config: &JailConfig) -> Result<Vec<(PathBuf, PathBuf)>> {
+        let mut out = Vec::with_capacity(self.manifest.mounts.len());
+        for m in &self.manifest.mounts {
+            let source = config
+                .binds
+                .iter()
+                .find(|b| b.target == m.target)
+                .map_or(&m.source, |b| &b.source);
+            if fs::symlink_metadata(source).is_err() {
+                return Err(CheckpointError::Io {
+                    action: "find the bind source",
+                    path: source.clone(),
+                    source: io::ErrorKind::NotFound.into(),
+                });
+            }
+            out.push((m.target.clone(), source.clone()));
+        }
+        Ok(out)
+    }
+
     /// Opens the checkpoint in `dir`, rejecting a missing or malformed manifest.
     pub fn open(dir: &Path) -> Result<Checkpoint> {
         let path = dir.join(MANIFEST);
@@ -424,6 +462,14 @@ impl Checkpoint {
         }
         let manifest: Manifest =
             serde_json::from_reader(io::BufReader::new(file)).map_err(|e| bad(e.to_string()))?;
+        if let Some(want) = manifest.digest {
+            let found = manifest.compute_digest().map_err(|e| bad(e.to_string()))?;
+            if found != want {
+                return Err(bad(format!(
+                    "its digest is {found:#010x}, {want:#010x} was written: it was damaged"
+                )));
+            }
+        }
         manifest.validate().map_err(bad)?;
         for part in [IMAGES, LAYER] {
             if !dir.join(part).is_dir() {
@@ -768,6 +814,7 @@ pub fn dump(
         identity: Some((jail.identity().uid, jail.identity().gid)),
         // Filled in once CRIU has written them.
         images: BTreeMap::new(),
+        digest: None,
     };
     manifest
         .validate()
@@ -880,11 +927,13 @@ pub fn dump(
     }
 
     manifest.images = image_digests(&images)?;
-    let text = serde_json::to_vec_pretty(&manifest).map_err(|e| CheckpointError::Io {
+    let encode_error = |e: serde_json::Error| CheckpointError::Io {
         action: "encode",
         path: image_dir.join(MANIFEST),
         source: io::Error::other(e),
-    })?;
+    };
+    manifest.digest = Some(manifest.compute_digest().map_err(encode_error)?);
+    let text = serde_json::to_vec_pretty(&manifest).map_err(encode_error)?;
     let tmp = image_dir.join(format!("{MANIFEST}.tmp"));
     fs::write(&tmp, text).map_err(io_err("write", &tmp))?;
     let path = image_dir.join(MANIFEST);
@@ -1148,22 +1197,9 @@ pub fn restore(
     // criu starts in the new cgroups, and what it restores inherits them.
     // An optional argument: one word with the option.
     arg(&"--manage-cgroups=ignore");
-    for m in &manifest.mounts {
-        // A bind the configuration names comes from its source (it may have moved).
-        let source = config
-            .binds
-            .iter()
-            .find(|b| b.target == m.target)
-            .map_or(&m.source, |b| &b.source);
-        if fs::symlink_metadata(source).is_err() {
-            return Err(CheckpointError::Io {
-                action: "find the bind source",
-                path: source.clone(),
-                source: io::ErrorKind::NotFound.into(),
-            });
-        }
+    for (target, source) in checkpoint.mount_sources(config)? {
         arg(&"--external");
-        arg(&format!("mnt[{}]:{}", m.target.display(), source.display()));
+        arg(&format!("mnt[{}]:{}", target.display(), source.display()));
     }
     // Each inherited descriptor sits above every target number in the parent, so the
     // child's dup2 calls never overwrite a source.
@@ -1315,6 +1351,30 @@ mod tests {
             )],
             identity: Some((0x7000_0001, 0x7000_0001)),
             images: BTreeMap::new(),
+            digest: None,
+        }
+    }
+
+    #[test]
+    fn a_manifest_whose_digest_does_not_match_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        fs::create_dir(tmp.path().join(IMAGES)).unwrap();
+        fs::create_dir(tmp.path().join(LAYER)).unwrap();
+        let mut m = manifest();
+        m.digest = Some(m.compute_digest().unwrap());
+        let text = serde_json::to_string_pretty(&m).unwrap();
+        fs::write(tmp.path().join(MANIFEST), &text).unwrap();
+        Checkpoint::open(tmp.path()).unwrap();
+        // One letter of a bind source changed: still valid JSON and a valid manifest
+        // (the damage CI's snapshot_damage made: a restore then failed in CRIU).
+        let damaged = text.replacen("\"/usr\"", "\"/usq\"", 1);
+        assert_ne!(damaged, text);
+        fs::write(tmp.path().join(MANIFEST), damaged).unwrap();
+        match Checkpoint::open(tmp.path()) {
+            Err(CheckpointError::BadManifest { reason, .. }) => {
+                assert!(reason.contains("digest"), "{reason}")
+            }
+            other => panic!("a damaged manifest was taken: {other:?}"),
         }
     }
 

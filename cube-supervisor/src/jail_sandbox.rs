@@ -295,15 +295,20 @@ impl JailSandbox {
     }
 
     /// Restores the checkpoint in `image_dir` as this sandbox's jail.
-    fn restore(&mut self, criu: &Criu, image_dir: &Path) -> Result<(), String> {
-        let config = jail_config(
+    /// The configuration a restored jail gets.
+    fn restore_config(&self) -> Result<JailConfig, String> {
+        jail_config(
             &self.next_name(),
             &self.dir.jail(),
             &self.agent,
             &self.settings,
             self.tree.as_deref(),
             None,
-        )?;
+        )
+    }
+
+    fn restore(&mut self, criu: &Criu, image_dir: &Path) -> Result<(), String> {
+        let config = self.restore_config()?;
         let lifeline = Lifeline::new()?;
         let start = Instant::now();
         let jail = checkpoint::restore(criu, image_dir, &config, &lifeline.fds())
@@ -719,8 +724,13 @@ impl SandboxBackend for JailSandbox {
             SnapshotKind::Filesystem => None,
         };
         if let Some(criu) = criu {
-            // Refuse a damaged checkpoint before the running jail goes.
-            Checkpoint::open(snapshot).map_err(|e| error_chain(&e))?;
+            // Refuse a damaged checkpoint before the running jail goes: its manifest
+            // and images, and the host paths its binds come from.
+            let checkpoint = Checkpoint::open(snapshot).map_err(|e| error_chain(&e))?;
+            let config = self.restore_config()?;
+            checkpoint
+                .mount_sources(&config)
+                .map_err(|e| format!("restoring the jail: {}", error_chain(&e)))?;
             self.stop_current()?;
             tracing::debug!(elapsed = ?start.elapsed(), "rollback: old jail stopped");
             self.restore(criu, snapshot)?;
