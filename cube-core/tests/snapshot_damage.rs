@@ -429,13 +429,27 @@ fn full_store_fails_the_snapshot_cleanly(vm: bool) {
     let tmp = entries(&suite.root.join("tmp"));
     assert!(tmp.is_empty(), "a failed snapshot left {tmp:?} in tmp/");
     std::fs::remove_file(&filler).unwrap();
-    // ext4 reuses the filler's blocks only once the transaction that freed them has
-    // committed: without this sync, the next snapshot could still find the store full
-    // (CI saw it once).
+    // The filler's blocks come back once no process holds it: a child another test's
+    // thread forks before it execs holds a copy of every descriptor for a moment (CI
+    // saw the next snapshot find the store still full, 0 bytes free after the removal
+    // while the store's files held 1 MiB), and ext4 reuses them once the transaction
+    // that freed them has committed.
     let root = std::fs::File::open(store.root()).unwrap();
-    // SAFETY: syncfs on a descriptor this function owns.
-    let synced = unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&root)) };
-    assert_eq!(synced, 0, "syncfs of the store");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        // SAFETY: syncfs on a descriptor this function owns.
+        let synced = unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&root)) };
+        assert_eq!(synced, 0, "syncfs of the store");
+        if store.free() > size / 2 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the filler's space did not come back: {} bytes free",
+            store.free()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     // The sandbox went on, and snapshots work again.
     s1.check(&mut sb, "after the failed snapshot");
     let b = sb.snapshot().unwrap();
