@@ -46,5 +46,6 @@ pub use reflink::{
     CloneError, CloneMethod, TreeCloneStats, TreeOptions,
 };
 pub use store::{
-    is_valid_name, remove_dead_scratch, scratch_entry_name, StagingDir, Store, StoreError,
+    is_valid_name, remove_dead_scratch, scratch_entry_name, StagingDir, Store, StoreAreas,
+    StoreError,
 };

@@ -427,6 +427,17 @@ impl Store {
         root.join(TMP_DIR)
     }
 
+    /// The top-level directories of the store rooted at `root`, without opening (or
+    /// creating) it: for a caller that grants or withholds access to each.
+    pub fn areas_at(root: &Path) -> StoreAreas {
+        StoreAreas {
+            templates: root.join(Category::Template.dir_name()),
+            snapshots: root.join(Category::Snapshot.dir_name()),
+            sandboxes: root.join(Category::Sandbox.dir_name()),
+            tmp: Self::tmp_dir_at(root),
+        }
+    }
+
     /// Where snapshot `id` is written before it is renamed into place.
     pub fn snapshot_staging(&self, id: &str) -> PathBuf {
         self.tmp_dir().join(format!("{id}.staging"))
@@ -492,6 +503,19 @@ impl Store {
             source,
         })
     }
+}
+
+/// The top-level directories of a store (see [`Store::areas_at`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreAreas {
+    /// Every template, one directory each.
+    pub templates: PathBuf,
+    /// Every snapshot, one directory each.
+    pub snapshots: PathBuf,
+    /// Every sandbox, one directory each.
+    pub sandboxes: PathBuf,
+    /// Scratch space: staging and removal.
+    pub tmp: PathBuf,
 }
 
 /// A directory being built under the store's `tmp/`; deleted on drop unless
@@ -775,6 +799,15 @@ mod tests {
             assert_eq!(meta.mode() & 0o777, 0o700, "{sub}");
         }
         Store::open(store.root()).unwrap();
+        let areas = Store::areas_at(store.root());
+        assert_eq!(areas.templates, store.root().join("templates"));
+        assert_eq!(areas.snapshots, store.root().join("snapshots"));
+        assert_eq!(areas.sandboxes, store.root().join("sandboxes"));
+        assert_eq!(areas.tmp, store.tmp_dir());
+        assert_eq!(
+            store.sandbox_dir("sb-1").unwrap().parent(),
+            Some(&*areas.sandboxes)
+        );
     }
 
     #[test]

@@ -408,8 +408,7 @@ fn confine_for(held: &dyn SandboxBackend) -> Result<(), Failure> {
         join_retired_jails();
         tracing::debug!(waited = ?start.elapsed(), "retired jails joined");
     }
-    let store = crate::confinement::filesystem::store_of(held.dir());
-    confine(profile, store).map_err(|e| {
+    confine(profile, held.dir()).map_err(|e| {
         Failure::new(
             ErrorKind::HostCannot,
             format!("confining the supervisor: {}", error_chain(&e)),

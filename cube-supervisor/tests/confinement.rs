@@ -2,7 +2,8 @@
 //! blocked in the kernel, those started later) ends with the profile's capabilities,
 //! no_new_privs and the seccomp filters, blocked reads carry on, and a forbidden system
 //! call kills the process with SIGSYS. A VM supervisor without a network also loses the
-//! host's files but its store's (Landlock), on its old threads too, and TCP.
+//! host's files (Landlock), on its old threads too, but its own sandbox directory and
+//! its store's snapshots, scratch space and (read-only) templates; and TCP.
 //!
 //! Confinement cannot be undone, so each profile runs in a child: this test binary run
 //! again with `CUBE_CONFINE_CHILD` naming the profile and the forbidden call to make.
@@ -27,6 +28,19 @@ const DIRS: &str = "CUBE_CONFINE_DIRS";
 fn run_child(spec: &str) -> std::process::Output {
     let store = tempfile::TempDir::new().unwrap();
     let host = tempfile::TempDir::new().unwrap();
+    // A store as the child's sandbox finds it: its own directory, another sandbox's
+    // with a disk, a template, and the shared areas.
+    for dir in [
+        "sandboxes/own",
+        "sandboxes/other",
+        "templates/base",
+        "snapshots",
+        "tmp",
+    ] {
+        std::fs::create_dir_all(store.path().join(dir)).unwrap();
+    }
+    std::fs::write(store.path().join("sandboxes/other/rootfs.img"), "disk").unwrap();
+    std::fs::write(store.path().join("templates/base/rootfs.img"), "base").unwrap();
     Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -91,15 +105,17 @@ fn child(spec: &str) {
             std::thread::sleep(Duration::from_millis(20));
         }
     });
-    // The store this supervisor keeps, and a host directory outside it (as /etc is),
-    // both made by the parent (which removes them: this process dies confined).
+    // The store this supervisor's sandbox lies in, and a host directory outside it (as
+    // /etc is), both made by the parent (which removes them: this process dies
+    // confined).
     let dirs = std::env::var(DIRS).unwrap();
     let (store, host) = dirs.split_once(':').unwrap();
     let (store, host) = (std::path::Path::new(store), std::path::Path::new(host));
+    let own = store.join("sandboxes/own");
     std::fs::write(host.join("host-file"), "host").unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let held = held_capabilities().unwrap();
-    confine(profile, store).unwrap();
+    confine(profile, &own).unwrap();
 
     // A thread started after the confinement inherits it.
     let late = std::thread::spawn(|| std::fs::read_to_string("/proc/thread-self/status").unwrap())
@@ -117,16 +133,28 @@ fn child(spec: &str) {
     let (byte, host_read_by_old_thread) = blocked.join().unwrap();
     assert_eq!(byte, b'x');
     sleeper.join().unwrap();
-    // Its store stays its own: files made, renamed, read, removed.
-    let made = store.join("made");
-    std::fs::write(&made, "snapshot").unwrap();
-    std::fs::rename(&made, store.join("renamed")).unwrap();
+    // Its sandbox's directory stays its own: files made, renamed, read, removed.
+    let made = own.join("made");
+    std::fs::write(&made, "memory").unwrap();
+    std::fs::rename(&made, own.join("renamed")).unwrap();
     assert_eq!(
-        std::fs::read_to_string(store.join("renamed")).unwrap(),
-        "snapshot"
+        std::fs::read_to_string(own.join("renamed")).unwrap(),
+        "memory"
     );
-    std::fs::remove_file(store.join("renamed")).unwrap();
-    std::fs::create_dir(store.join("dir")).unwrap();
+    std::fs::remove_file(own.join("renamed")).unwrap();
+    std::fs::create_dir(own.join("dir")).unwrap();
+    // A snapshot is staged in scratch space, renamed into place, marked, and removed
+    // with its sandbox; a template is read (a rollback's disk comes from either).
+    let staging = store.join("tmp/snap.staging");
+    std::fs::create_dir(&staging).unwrap();
+    std::fs::write(staging.join("memory.bin"), "memory").unwrap();
+    let snapshot = store.join("snapshots/snap");
+    std::fs::rename(&staging, &snapshot).unwrap();
+    std::fs::write(snapshot.join("durable"), "boot").unwrap();
+    std::fs::copy(snapshot.join("memory.bin"), own.join("memory.bin")).unwrap();
+    std::fs::remove_dir_all(&snapshot).unwrap();
+    let base = store.join("templates/base/rootfs.img");
+    assert_eq!(std::fs::read_to_string(&base).unwrap(), "base");
     // The host's files: out of reach of a VM supervisor without a network, from any of
     // its threads, where the kernel has Landlock; the others keep them (they mount,
     // pin namespaces and run CRIU on host paths).
@@ -152,6 +180,24 @@ fn child(spec: &str) {
         (
             "makes a host file",
             std::fs::write(host.join("new"), "x").map_err(|e| e.kind()),
+        ),
+        (
+            "reads another sandbox's disk",
+            std::fs::read(store.join("sandboxes/other/rootfs.img"))
+                .map(drop)
+                .map_err(|e| e.kind()),
+        ),
+        (
+            "writes another sandbox's disk",
+            std::fs::write(store.join("sandboxes/other/rootfs.img"), "x").map_err(|e| e.kind()),
+        ),
+        (
+            "makes a file in another sandbox",
+            std::fs::write(store.join("sandboxes/other/new"), "x").map_err(|e| e.kind()),
+        ),
+        (
+            "writes a template",
+            std::fs::write(&base, "changed").map_err(|e| e.kind()),
         ),
         (
             "binds a TCP port",
@@ -204,6 +250,8 @@ fn child(spec: &str) {
             "Seccomp:\t0"
         );
     }
+    // Its destroy removes its own directory, emptied first.
+    std::fs::remove_dir_all(&own).unwrap();
     println!("confined");
     std::io::stdout().flush().unwrap();
     let r = forbidden(call);

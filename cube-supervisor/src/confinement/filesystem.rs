@@ -4,9 +4,12 @@
 //! rewrite `/etc/passwd` as their owner. Landlock takes that away without a mount
 //! namespace (which a process can no longer enter once it runs threads):
 //!
-//! - a VM supervisor without a network may read and write only beneath the store that
-//!   holds its sandbox (its directory, its snapshots), and read `/proc`, `/sys` and
-//!   `/dev` (what it already opened, such as `/dev/kvm`, stays open); it may bind or
+//! - a VM supervisor without a network may read and write only its own sandbox's
+//!   directory and the store's snapshots and scratch space (where its snapshots are
+//!   staged, committed, flushed and, with it, removed), read the store's templates,
+//!   remove its own directory, and read `/proc`, `/sys` and `/dev` (what it already
+//!   opened, such as `/dev/kvm`, stays open). Other sandboxes' directories (their
+//!   disks, memory images, consoles) are out of its reach. It may bind or
 //!   connect no TCP port, reach no abstract unix socket made outside it and, where the
 //!   kernel scopes signals correctly, signal no process but its own threads (uid 0 may
 //!   otherwise signal every root process);
@@ -21,9 +24,10 @@
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
+use cube_storage::Store;
 use landlock::{
-    path_beneath_rules, Access, AccessFs, AccessNet, CompatLevel, Compatible, Erratum, PathBeneath,
-    PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetError, Scope, ABI,
+    path_beneath_rules, Access, AccessFs, AccessNet, BitFlags, CompatLevel, Compatible, Erratum,
+    PathBeneath, PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetError, Scope, ABI,
 };
 
 /// The newest Landlock ABI whose rights Cube has tested and asks for; older kernels
@@ -40,8 +44,9 @@ const READ_ONLY: &[&str] = &["/proc", "/sys", "/dev"];
 /// Why a file-system ruleset could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum FilesystemError {
-    /// The store the supervisor keeps could not be opened for its rule.
-    #[error("opening the store {0} for the file-system rule")]
+    /// A directory of the store the supervisor works in could not be opened for its
+    /// rule.
+    #[error("opening {0} for the file-system rule")]
     Store(PathBuf, #[source] landlock::PathFdError),
     /// The kernel refused the ruleset.
     #[error("building the Landlock ruleset")]
@@ -75,7 +80,7 @@ pub fn signals_scoped() -> bool {
 /// A ruleset that handles every file-system right Cube knows, with the scopes the
 /// kernel gets right, and no TCP.
 fn base() -> Result<landlock::RulesetCreated, RulesetError> {
-    let mut scopes: landlock::BitFlags<Scope> = Scope::AbstractUnixSocket.into();
+    let mut scopes: BitFlags<Scope> = Scope::AbstractUnixSocket.into();
     if signals_scoped() {
         scopes |= Scope::Signal;
     }
@@ -87,21 +92,46 @@ fn base() -> Result<landlock::RulesetCreated, RulesetError> {
         .create()
 }
 
-/// The ruleset of a VM supervisor whose sandbox lies in `store`: everything beneath
-/// it, read-only `/proc`, `/sys` and `/dev`, nothing else. `None` where the kernel
-/// has no Landlock.
-pub fn vm_rules(store: &Path) -> Result<Option<OwnedFd>, FilesystemError> {
+/// The ruleset of a VM supervisor whose sandbox directory is `sandbox_dir`: the parts
+/// of its store [`store_rules`] names, read-only `/proc`, `/sys` and `/dev`, nothing
+/// else. `None` where the kernel has no Landlock.
+pub fn vm_rules(sandbox_dir: &Path) -> Result<Option<OwnedFd>, FilesystemError> {
     if kernel_abi().is_none() {
         return Ok(None);
     }
-    let store_fd = PathFd::new(store).map_err(|e| FilesystemError::Store(store.into(), e))?;
-    let created = base()?
-        .add_rule(PathBeneath::new(store_fd, AccessFs::from_all(TESTED_ABI)))?
-        .add_rules(path_beneath_rules(
-            READ_ONLY,
-            AccessFs::from_read(TESTED_ABI),
-        ))?;
+    let mut created = base()?;
+    for (path, access) in store_rules(sandbox_dir) {
+        let fd = PathFd::new(&path).map_err(|e| FilesystemError::Store(path.clone(), e))?;
+        created = created.add_rule(PathBeneath::new(fd, access))?;
+    }
+    let created = created.add_rules(path_beneath_rules(
+        READ_ONLY,
+        AccessFs::from_read(TESTED_ABI),
+    ))?;
     Ok(created.into())
+}
+
+/// What a VM supervisor may do where in the store holding `sandbox_dir`: everything in
+/// its own directory; everything among snapshots and in scratch space, where its
+/// snapshots are staged, renamed into place, marked durable and removed with it (a
+/// snapshot is shared by whoever rolls back to or clones it, so it has no one owner to
+/// confine it to); read templates; and remove its own, emptied, directory, which
+/// Landlock grants only as a right beneath `sandboxes/` (an empty directory of
+/// another sandbox could be removed too). A directory outside a store's layout is all
+/// it gets.
+fn store_rules(sandbox_dir: &Path) -> Vec<(PathBuf, BitFlags<AccessFs>)> {
+    let all = AccessFs::from_all(TESTED_ABI);
+    let mut rules = vec![(sandbox_dir.to_path_buf(), all)];
+    if let Some(root) = store_root_of(sandbox_dir) {
+        let areas = Store::areas_at(root);
+        rules.extend([
+            (areas.snapshots, all),
+            (areas.tmp, all),
+            (areas.templates, AccessFs::from_read(TESTED_ABI)),
+            (areas.sandboxes, AccessFs::RemoveDir.into()),
+        ]);
+    }
+    rules
 }
 
 /// The ruleset of threads that need no file system at all (vCPU threads built ahead).
@@ -113,15 +143,12 @@ pub fn no_files() -> Result<Option<OwnedFd>, FilesystemError> {
     Ok(base()?.into())
 }
 
-/// Where the store holding sandbox directory `dir` lies: `<store>/sandboxes/<id>`
-/// gives `<store>`; a directory outside a store's layout is its own store.
-pub fn store_of(dir: &Path) -> &Path {
-    match dir.parent() {
-        Some(parent) if parent.file_name().is_some_and(|n| n == "sandboxes") => {
-            parent.parent().unwrap_or(dir)
-        }
-        _ => dir,
-    }
+/// The root of the store holding sandbox directory `dir` (`<store>/sandboxes/<id>`);
+/// `None` for a directory outside a store's layout.
+pub fn store_root_of(dir: &Path) -> Option<&Path> {
+    let sandboxes = dir.parent()?;
+    let root = sandboxes.parent()?;
+    (Store::areas_at(root).sandboxes == sandboxes).then_some(root)
 }
 
 /// The file-system confinement of a profile in words, for `cube doctor`.
@@ -132,8 +159,9 @@ pub fn describe(vm_without_network: bool) -> String {
             "the host's, as uid 0 without capabilities (this kernel has no Landlock)".into()
         }
         (true, Some(abi)) => format!(
-            "Landlock (ABI {abi}): read-write beneath the store only, read-only /proc /sys \
-             /dev, no TCP, {}",
+            "Landlock (ABI {abi}): read-write in its own sandbox directory and the store's \
+             snapshots and scratch space only, read-only templates /proc /sys /dev, no \
+             TCP, {}",
             if signals_scoped() {
                 "signals to its own threads only"
             } else {
@@ -150,11 +178,31 @@ mod tests {
     #[test]
     fn the_store_is_found_from_a_sandbox_directory() {
         assert_eq!(
-            store_of(Path::new("/var/lib/cube/sandboxes/sb-1")),
-            Path::new("/var/lib/cube")
+            store_root_of(Path::new("/var/lib/cube/sandboxes/sb-1")),
+            Some(Path::new("/var/lib/cube"))
         );
-        assert_eq!(store_of(Path::new("/tmp/x/sb")), Path::new("/tmp/x/sb"));
-        assert_eq!(store_of(Path::new("/")), Path::new("/"));
+        assert_eq!(store_root_of(Path::new("/tmp/x/sb")), None);
+        assert_eq!(store_root_of(Path::new("/sandboxes")), None);
+        assert_eq!(store_root_of(Path::new("/")), None);
+    }
+
+    #[test]
+    fn a_sandbox_gets_its_own_directory_and_the_shared_areas_only() {
+        let rules = store_rules(Path::new("/s/sandboxes/sb-1"));
+        let all = AccessFs::from_all(TESTED_ABI);
+        let of = |p: &str| {
+            rules
+                .iter()
+                .find(|(path, _)| path == Path::new(p))
+                .map(|(_, access)| *access)
+        };
+        assert_eq!(of("/s/sandboxes/sb-1"), Some(all));
+        assert_eq!(of("/s/snapshots"), Some(all));
+        assert_eq!(of("/s/tmp"), Some(all));
+        assert_eq!(of("/s/templates"), Some(AccessFs::from_read(TESTED_ABI)));
+        assert_eq!(of("/s/sandboxes"), Some(AccessFs::RemoveDir.into()));
+        assert_eq!(rules.len(), 5, "{rules:?}");
+        assert_eq!(store_rules(Path::new("/x/sb")).len(), 1);
     }
 
     #[test]
@@ -163,7 +211,7 @@ mod tests {
             eprintln!("skipped: this kernel has no Landlock");
             return;
         }
-        let e = vm_rules(Path::new("/nonexistent/store")).unwrap_err();
+        let e = vm_rules(Path::new("/nonexistent/store/sandboxes/sb-1")).unwrap_err();
         assert!(matches!(e, FilesystemError::Store(..)), "{e:?}");
     }
 }

@@ -229,9 +229,10 @@ pub fn confine_vcpu_threads() -> Result<usize, ConfinementError> {
 
 /// Confines this process, all its threads included, to `profile`: capabilities,
 /// no_new_privs and (for a VM without a network) Landlock first, then the seccomp
-/// filters if it has any. `store` is the store its sandbox lies in, the one part of
-/// the host's file system a VM supervisor without a network keeps.
-pub fn confine(profile: Profile, store: &Path) -> Result<(), ConfinementError> {
+/// filters if it has any. `sandbox_dir` is its sandbox's directory: with the parts
+/// of its store [`filesystem::vm_rules`] names, all of the host's file system a VM
+/// supervisor without a network keeps.
+pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementError> {
     let start = std::time::Instant::now();
     let last_cap = cube_jail::capabilities::last_cap().map_err(ConfinementError::LastCap)?;
     // Built before anything is dropped: building allocates and may read /proc.
@@ -240,7 +241,7 @@ pub fn confine(profile: Profile, store: &Path) -> Result<(), ConfinementError> {
         None => Vec::new(),
     };
     let rules = match profile {
-        Profile::Vm => filesystem::vm_rules(store)?,
+        Profile::Vm => filesystem::vm_rules(sandbox_dir)?,
         Profile::VmNetworked | Profile::Jail => None,
     };
     if profile != Profile::Jail {
