@@ -353,12 +353,14 @@ impl CgroupLayout {
 
     /// Removes the sandbox cgroups named `<prefix><pid>`, or `<prefix><pid>-<start
     /// ticks>-<anything>` (a store scratch name, whose start time tells a reused pid
-    /// apart), whose process is gone (or a zombie) and that hold no process: what a
-    /// process that named its cgroups after itself left behind when it was killed
-    /// (SIGKILL gives it no chance to remove them). Cgroups of live processes, or
-    /// still holding tasks, are left alone. Returns how many directories were removed.
+    /// apart), whose process is gone (or a zombie): what a process that named its
+    /// cgroups after itself left behind when it was killed (SIGKILL gives it no chance
+    /// to remove them). Its jails die with it, but may still be exiting when this
+    /// runs: what is still inside is thawed and killed, and the removal waits for it
+    /// (see [`end_and_remove`]). Cgroups of live processes are left alone. Returns how
+    /// many directories were removed.
     pub fn remove_orphaned(&self, prefix: &str) -> usize {
-        let mut removed = 0;
+        let mut orphans = Vec::new();
         for parent in self.parents() {
             let Ok(entries) = fs::read_dir(&parent) else {
                 continue;
@@ -372,17 +374,13 @@ impl CgroupLayout {
                 else {
                     continue;
                 };
-                if owner_runs(owner) {
-                    continue;
-                }
-                // rmdir refuses (EBUSY) a cgroup with tasks or children: nothing
-                // running is touched.
-                if fs::remove_dir(entry.path()).is_ok() {
-                    removed += 1;
+                if !owner_runs(owner) {
+                    orphans.push(entry.path());
                 }
             }
         }
-        removed
+        let found = orphans.len();
+        found - end_and_remove(orphans).len()
     }
 
     /// Ends and removes the cgroups of the jails named `<name>-<n>` (one per start of
@@ -408,31 +406,36 @@ impl CgroupLayout {
                 }
             }
         }
-        // A killed process leaves its cgroup only once its last thread has exited
-        // (its leader shows as a zombie before that): retry until every directory
-        // goes or the time is up.
-        let start = Instant::now();
-        loop {
-            dirs.retain(|dir| {
-                // Best effort: a controller without a freezer has no file to write.
-                let _ = fs::write(dir.join("freezer.state"), "THAWED");
-                let _ = fs::write(dir.join("cgroup.freeze"), "0");
-                let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
-                for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-                    // SAFETY: kill() has no memory effects; the pid is in the jail's
-                    // cgroup (an exited one gives ESRCH).
-                    unsafe { libc::kill(pid, libc::SIGKILL) };
-                }
-                match fs::remove_dir(dir) {
-                    Ok(()) => false,
-                    Err(e) => e.kind() != std::io::ErrorKind::NotFound,
-                }
-            });
-            if dirs.is_empty() || start.elapsed() > 2 * SETTLE_TIMEOUT {
-                return dirs;
+        end_and_remove(dirs)
+    }
+}
+
+/// Thaws the cgroups `dirs`, SIGKILLs what is inside and removes them. A killed
+/// process leaves its cgroup only once its last thread has exited (its leader shows
+/// as a zombie before that): this retries until every directory goes or the time is
+/// up. Returns the directories it could not remove.
+fn end_and_remove(mut dirs: Vec<PathBuf>) -> Vec<PathBuf> {
+    let start = Instant::now();
+    loop {
+        dirs.retain(|dir| {
+            // Best effort: a controller without a freezer has no file to write.
+            let _ = fs::write(dir.join("freezer.state"), "THAWED");
+            let _ = fs::write(dir.join("cgroup.freeze"), "0");
+            let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+            for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                // SAFETY: kill() has no memory effects; the pid is in a cgroup whose
+                // owner is gone (an exited one gives ESRCH).
+                unsafe { libc::kill(pid, libc::SIGKILL) };
             }
-            std::thread::sleep(Duration::from_millis(5));
+            match fs::remove_dir(dir) {
+                Ok(()) => false,
+                Err(e) => e.kind() != std::io::ErrorKind::NotFound,
+            }
+        });
+        if dirs.is_empty() || start.elapsed() > 2 * SETTLE_TIMEOUT {
+            return dirs;
         }
+        std::thread::sleep(Duration::from_millis(5));
     }
 }
 

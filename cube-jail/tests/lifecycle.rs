@@ -298,6 +298,15 @@ fn cgroups_named_after_a_dead_process_are_swept_and_a_live_ones_are_kept() {
         cube_jail::SandboxCgroup::create(&layout, &format!("{prefix}{dead}"), &limits).unwrap();
     let orphan_dirs: Vec<std::path::PathBuf> = orphan.dirs().map(|d| d.to_path_buf()).collect();
     assert!(!orphan_dirs.is_empty());
+    // Its jail was still exiting when the sweep came (CI: `cube run` after a killed
+    // one): a process is left inside.
+    let mut straggler = std::process::Command::new("sleep")
+        .arg("1000")
+        .spawn()
+        .unwrap();
+    for procs in orphan.procs_files() {
+        std::fs::write(procs, straggler.id().to_string()).unwrap();
+    }
     // As a SIGKILLed owner would: nothing removes it.
     std::mem::forget(orphan);
     let kept =
@@ -306,6 +315,12 @@ fn cgroups_named_after_a_dead_process_are_swept_and_a_live_ones_are_kept() {
     assert!(orphan_dirs.iter().all(|d| !d.exists()), "{orphan_dirs:?}");
     assert!(kept.dirs().all(|d| d.exists()));
     kept.remove().unwrap();
+    let status = straggler.wait().unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(libc::SIGKILL),
+        "the process left in the orphaned cgroup was not killed"
+    );
 }
 
 #[test]
