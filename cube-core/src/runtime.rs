@@ -290,14 +290,26 @@ impl Runtime {
                 Ok(())
             },
         )?;
-        let result = (|| -> Result<TemplateMeta, SandboxError> {
+        // The builder's supervisor writes the image into scratch space, not among the
+        // templates: once set up it may only read those (its file-system confinement).
+        // It is published here, once the builder is gone and its flush with it.
+        let built = self
+            .store
+            .tmp_dir()
+            .join(cube_storage::scratch_entry_name("template")?);
+        let snapshot = (|| -> Result<(), SandboxError> {
             builder.call_ok(&Request::GuestWaitWorkingSet)?;
             let staging = self.store.snapshot_staging(&format!("template-{name}"));
             let _ = std::fs::remove_dir_all(&staging);
             builder.call(&Request::Snapshot {
                 staging,
-                dest: dest.to_path_buf(),
+                dest: built.clone(),
             })?;
+            Ok(())
+        })();
+        let destroyed = builder.destroy();
+        let published = snapshot.and(destroyed).and_then(|()| {
+            std::fs::rename(&built, &*dest).map_err(io_error("publishing the template"))?;
             // A template outlives reboots: flush it now rather than in the background.
             let boot = cube_storage::durable_marker::boot_id()?;
             cube_storage::durable_marker::make_durable(&dest, &boot)?;
@@ -313,11 +325,11 @@ impl Runtime {
             };
             cube_storage::write_atomic(&dest.record(), TemplateDir::RECORD_KIND, &meta)?;
             Ok(meta)
-        })();
-        let destroyed = builder.destroy();
-        let meta = result?;
-        destroyed?;
-        Ok(meta)
+        });
+        if published.is_err() {
+            let _ = std::fs::remove_dir_all(&built);
+        }
+        published
     }
 
     /// Templates: those in the store, then the built-in [`HOST_TEMPLATE`].
