@@ -454,11 +454,11 @@ fn destroy(state: &State) {
 }
 
 /// Removes the sandbox's directory (its socket with it) and the snapshots it owns
-/// from the store it lies in.
+/// from the store it lies in (a directory outside a store's layout is left alone).
 fn remove_files(state: &State) {
     let dir = state.lock().dir().to_path_buf();
     let (Some(root), Some(id)) = (
-        dir.parent().and_then(|p| p.parent()),
+        crate::confinement::filesystem::store_root_of(&dir),
         dir.file_name().and_then(|n| n.to_str()),
     ) else {
         return;
