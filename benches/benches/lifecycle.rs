@@ -28,7 +28,7 @@ use criterion::measurement::WallTime;
 use criterion::{BenchmarkGroup, Criterion, SamplingMode};
 
 use cube_core::error_report::chain;
-use cube_core::store::{filesystem_name, SandboxDir, SnapshotDir};
+use cube_core::store::{filesystem_name, flushed_in_this_boot, SandboxDir};
 use cube_core::templates::{MachineConfig, WorkingSet};
 use cube_core::testing::floor::BareVm;
 use cube_core::testing::{supervisor_binary, TestGuestControl};
@@ -171,9 +171,8 @@ impl Drop for Fixture {
 /// has finished, so it neither competes with the next timed operation for the disk nor
 /// races the removal of the directory.
 fn wait_durable(dir: &Path) {
-    let marker = SnapshotDir::new(dir).durable_marker();
     let start = Instant::now();
-    while !marker.exists() {
+    while !flushed_in_this_boot(dir) {
         if start.elapsed() > DURABLE_TIMEOUT {
             panic!(
                 "{} was not flushed within {DURABLE_TIMEOUT:?}",

@@ -290,21 +290,19 @@ impl Runtime {
                 Ok(())
             },
         )?;
-        // The builder's supervisor writes the image into scratch space, not among the
-        // templates: once set up it may only read those (its file-system confinement).
-        // It is published here, once the builder is gone and its flush with it.
-        let built = self
-            .store
-            .tmp_dir()
-            .join(cube_storage::scratch_entry_name("template")?);
+        // Once set up, the builder's supervisor may read the templates but not write
+        // them (its file-system confinement): its image is moved in by the library,
+        // under a hidden name that listings pass over (the builder reads its memory
+        // from there as the parent of any later diff, which scratch space would not
+        // let it), and published under `name` once the builder is gone and its flush
+        // with it.
+        let built = Store::areas_at(self.store.root()).templates.join(format!(
+            ".{}",
+            cube_storage::scratch_entry_name("template")?
+        ));
         let snapshot = (|| -> Result<(), SandboxError> {
             builder.call_ok(&Request::GuestWaitWorkingSet)?;
-            let staging = self.store.snapshot_staging(&format!("template-{name}"));
-            let _ = std::fs::remove_dir_all(&staging);
-            builder.call(&Request::Snapshot {
-                staging,
-                dest: built.clone(),
-            })?;
+            builder.write_snapshot(&format!("template-{name}"), &built)?;
             Ok(())
         })();
         let destroyed = builder.destroy();

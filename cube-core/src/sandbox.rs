@@ -183,33 +183,9 @@ impl Sandbox {
     /// connections ended), else [`SnapshotKind::Filesystem`] with the reason in
     /// [`Snapshot::fallback`]: the layer, cloned while its processes are frozen.
     pub fn snapshot(&mut self) -> Result<Snapshot, SandboxError> {
-        let store = &self.store;
         let id = cube_storage::Store::new_id("snap")?;
-        let dest = store.snapshot_dir(&id)?;
-        let staging = store.snapshot_staging(&id);
-        let response = self.call(&Request::Snapshot {
-            staging: staging.clone(),
-            dest: dest.clone(),
-        });
-        if response.is_err() {
-            // A supervisor that fails cleans its staging up; one killed on the way
-            // cannot, and the name is ours, not a dead process's that a sweep of the
-            // store would recognise. The snapshot itself is whole or absent: it is
-            // renamed into place only once written.
-            if let Err(e) = std::fs::remove_dir_all(&staging) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(path = %staging.display(), error = %e, "Cannot remove a failed snapshot's staging");
-                }
-            }
-        }
-        let (stats, kind, fallback) = match response? {
-            Response::Snapshot {
-                stats,
-                kind,
-                fallback,
-            } => (stats, kind, fallback),
-            other => return Err(self.unexpected(other)),
-        };
+        let dest = self.store.snapshot_dir(&id)?;
+        let (stats, kind, fallback) = self.write_snapshot(&id, &dest)?;
         Ok(Snapshot {
             id,
             dir: dest,
@@ -217,6 +193,56 @@ impl Sandbox {
             kind,
             fallback,
         })
+    }
+
+    /// Has the supervisor write snapshot `id` into staging in the sandbox's own
+    /// directory, moves it to `dest` and tells the supervisor it is there. The move is
+    /// the library's, as a confined VM supervisor may read the store's snapshots but
+    /// not add to them (nor alter another sandbox's). The snapshot is whole at `dest`
+    /// or absent: on any failure nothing is left there, and what a VM's snapshot
+    /// held stays pending for its next one.
+    pub(crate) fn write_snapshot(
+        &mut self,
+        id: &str,
+        dest: &Path,
+    ) -> Result<(SnapshotStats, SnapshotKind, Option<String>), SandboxError> {
+        let staging = SandboxDir::new(&self.dir).snapshot_staging(id);
+        let response = self.call(&Request::Snapshot {
+            staging: staging.clone(),
+            dest: dest.to_path_buf(),
+        });
+        let written = match response {
+            Ok(Response::Snapshot {
+                stats,
+                kind,
+                fallback,
+            }) => Ok((stats, kind, fallback)),
+            Ok(other) => Err(self.unexpected(other)),
+            Err(e) => Err(e),
+        };
+        let moved = written.and_then(|written| {
+            std::fs::rename(&staging, dest)
+                .map_err(|e| SandboxError::Io(format!("moving snapshot {id} into place"), e))?;
+            Ok(written)
+        });
+        let written = match moved {
+            Ok(written) => written,
+            Err(e) => {
+                // A supervisor that fails cleans its staging up; one killed on the
+                // way cannot, and one that answered left it for this move.
+                remove_debris(&staging);
+                return Err(e);
+            }
+        };
+        if let Err(e) = self.call_ok(&Request::SnapshotCommitted {
+            dest: dest.to_path_buf(),
+        }) {
+            // Not committed in the sandbox (a VM's parent for its next diff is still
+            // the earlier snapshot): it must not stay as if it were.
+            remove_debris(dest);
+            return Err(e);
+        }
+        Ok(written)
     }
 
     /// Puts the sandbox back to `snapshot`, which this sandbox must own; it keeps its
@@ -304,6 +330,15 @@ impl Sandbox {
         }
         self.store.remove_sandbox_files(&self.id)?;
         result
+    }
+}
+
+/// Removes a snapshot's staging or an uncommitted snapshot, saying so where it cannot.
+fn remove_debris(path: &Path) {
+    if let Err(e) = std::fs::remove_dir_all(path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(path = %path.display(), error = %e, "Cannot remove a failed snapshot's files");
+        }
     }
 }
 

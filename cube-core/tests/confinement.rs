@@ -1,7 +1,7 @@
 //! Each sandbox's supervisor confines itself once the sandbox is set up: on every one
 //! of its threads, the capabilities of its profile only, no_new_privs and (for a VM)
 //! seccomp; the
-//! sandbox works as before (snapshot, rollback); a forbidden system call made in a
+//! sandbox works as before (snapshot, rollback, its snapshot marked durable); a forbidden system call made in a
 //! supervisor (injected with ptrace, as code that took it over would make it) kills
 //! that supervisor alone, and the host's other sandboxes go on.
 
@@ -181,6 +181,25 @@ fn supervisors_are_confined_and_a_forbidden_call_kills_only_its_own() {
     jsb.rollback(&jsnap.id).unwrap();
     v1.check(&mut vsb, "vm, rolled back while confined");
     j1.check(&mut jsb, "jail, rolled back while confined");
+    // The snapshot was moved into place by the library, and the confined VM
+    // supervisor, which may not write there, still marked it durable once flushed.
+    let boot = cube_storage::durable_marker::boot_id().unwrap();
+    assert!(
+        wait_until(Duration::from_secs(30), || {
+            cube_storage::durable_marker::marked_durable(&vsnap.dir, &boot)
+        }),
+        "the confined VM supervisor's snapshot was never marked durable"
+    );
+    assert!(
+        std::fs::read_dir(vm.rt.store().sandbox_dir(vsb.id()).unwrap())
+            .unwrap()
+            .all(|e| !e
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .ends_with(".staging")),
+        "staging left in the sandbox's directory"
+    );
     // Threads started by the rollback are confined too.
     assert_confined(vpid, SupervisorProfile::Vm);
     assert_confined(jsb.status().unwrap().pid, SupervisorProfile::Jail);

@@ -127,9 +127,13 @@ fn a_running_linux_vm_sandbox_snapshots_diffs_rolls_back_clones_hibernates_and_w
     std::fs::remove_dir(&disk).unwrap();
     std::fs::rename(&moved, &disk).unwrap();
     assert_eq!(rt.snapshots(Some(sb.id())).unwrap().len(), snapshots_before);
-    let staging_left = std::fs::read_dir(rt.store().root().join("tmp"))
-        .map(|d| d.count())
-        .unwrap_or(0);
+    let staging_left = std::fs::read_dir(sb.dir())
+        .unwrap()
+        .filter(|e| {
+            let name = e.as_ref().unwrap().file_name();
+            name.to_string_lossy().ends_with(".staging")
+        })
+        .count();
     assert_eq!(
         staging_left, 0,
         "a failed snapshot left its staging directory"

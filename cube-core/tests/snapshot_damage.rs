@@ -428,6 +428,14 @@ fn full_store_fails_the_snapshot_cleanly(vm: bool) {
     }
     let tmp = entries(&suite.root.join("tmp"));
     assert!(tmp.is_empty(), "a failed snapshot left {tmp:?} in tmp/");
+    let staged: Vec<String> = entries(sb.dir())
+        .into_iter()
+        .filter(|e| e.ends_with(".staging"))
+        .collect();
+    assert!(
+        staged.is_empty(),
+        "a failed snapshot left {staged:?} in its sandbox's directory"
+    );
     std::fs::remove_file(&filler).unwrap();
     // The filler's blocks come back once no process holds it: a child another test's
     // thread forks before it execs holds a copy of every descriptor for a moment (CI

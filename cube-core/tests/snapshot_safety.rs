@@ -351,18 +351,22 @@ fn failed_snapshot_loses_no_dirty_page() {
             return;
         };
         // The memory file is written into staging (collecting and clearing KVM's dirty
-        // log), then committing it into snapshots/ fails.
+        // log), then moving it into snapshots/ fails.
         sb.snapshot()
     };
     let err = failed.expect_err("a snapshot into a frozen store succeeded");
     assert!(
-        error_chain(&err).contains("committing snapshot"),
+        error_chain(&err).contains("into place"),
         "{}",
         error_chain(&err)
     );
     assert_eq!(sb.status().unwrap().status, MachineStatus::Running);
     assert_eq!(entries(&snapshots_dir), vec![base.id.clone()]);
-    assert!(entries(&env.root().join("tmp")).is_empty(), "staging left");
+    assert!(entries(&env.root().join("tmp")).is_empty(), "scratch left");
+    assert!(
+        entries(sb.dir()).iter().all(|e| !e.ends_with(".staging")),
+        "staging left"
+    );
 
     // Nothing was written since the failure: only the pages the failed attempt took
     // from the dirty log can bring the pattern into this snapshot.

@@ -6,6 +6,9 @@
 //! snapshot from an earlier boot is accepted only with that marker, so a snapshot
 //! interrupted by a crash is refused instead of restored from half-written files.
 
+use std::fs::File;
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 use crate::layout::SnapshotDir;
@@ -23,6 +26,9 @@ pub enum DurabilityError {
     /// Syncing a file failed.
     #[error("Syncing {0}")]
     Sync(String, #[source] std::io::Error),
+    /// The empty marker could not be created in the staging directory.
+    #[error("Creating the durability marker {0}")]
+    CreateMarker(String, #[source] std::io::Error),
     /// Writing the marker failed.
     #[error("Writing the durability marker")]
     Marker(#[source] MetadataError),
@@ -41,7 +47,6 @@ pub fn boot_id() -> Result<String, DurabilityError> {
 }
 
 fn sync_path(path: &Path) -> Result<(), DurabilityError> {
-    use std::os::unix::fs::OpenOptionsExt;
     let describe = |e| DurabilityError::Sync(path.display().to_string(), e);
     // Not through a symlink: only what the snapshot itself holds is synced.
     std::fs::OpenOptions::new()
@@ -87,17 +92,64 @@ pub fn make_durable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityE
         .map_err(DurabilityError::Marker)
 }
 
+/// Creates the empty durability marker of the snapshot being staged in `dir` and
+/// returns it open for writing, for [`make_durable_through`]. A process that may read
+/// the place the snapshot is then moved to, but not write it (a confined VM
+/// supervisor), can still mark it durable through this descriptor. Empty, the marker
+/// vouches for nothing.
+pub fn create_marker(dir: &Path) -> Result<File, DurabilityError> {
+    let path = SnapshotDir::new(dir).durable_marker();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|e| DurabilityError::CreateMarker(path.display().to_string(), e))
+}
+
+/// [`make_durable`] for a snapshot whose marker was made by [`create_marker`]: once
+/// everything else is synced, the marker is written in place through `marker` and
+/// synced. A write cut short leaves an envelope whose length or checksum is wrong,
+/// which vouches for nothing, as no marker would.
+pub fn make_durable_through(
+    dir: &Path,
+    written_in_boot: &str,
+    mut marker: File,
+) -> Result<(), DurabilityError> {
+    let marker_path = SnapshotDir::new(dir).durable_marker();
+    sync_tree(dir, &marker_path)?;
+    sync_path(dir)?;
+    if let Some(parent) = dir.parent() {
+        sync_path(parent)?;
+    }
+    let bytes = crate::metadata::encode_envelope(DURABLE_KIND, written_in_boot.as_bytes())
+        .map_err(DurabilityError::Marker)?;
+    let describe = |e| DurabilityError::Sync(marker_path.display().to_string(), e);
+    marker.write_all(&bytes).map_err(describe)?;
+    marker.sync_all().map_err(describe)
+}
+
 /// Whether the snapshot in `dir`, written during boot `written_in_boot`, can be used.
 pub fn check_usable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityError> {
     if boot_id()? == written_in_boot {
         // Same boot: the page cache holds everything that was written.
         return Ok(());
     }
-    let marker = SnapshotDir::new(dir).durable_marker();
-    match crate::metadata::read_verified_bytes(&marker, DURABLE_KIND, 64) {
-        Ok(marker) if marker == written_in_boot.as_bytes() => Ok(()),
-        _ => Err(DurabilityError::NotDurable),
+    if marked_durable(dir, written_in_boot) {
+        Ok(())
+    } else {
+        Err(DurabilityError::NotDurable)
     }
+}
+
+/// Whether the snapshot in `dir` carries a whole marker saying it was flushed after
+/// being written during boot `written_in_boot`.
+pub fn marked_durable(dir: &Path, written_in_boot: &str) -> bool {
+    let marker = SnapshotDir::new(dir).durable_marker();
+    matches!(
+        crate::metadata::read_verified_bytes(&marker, DURABLE_KIND, 64),
+        Ok(marker) if marker == written_in_boot.as_bytes()
+    )
 }
 
 #[cfg(test)]
@@ -120,6 +172,29 @@ mod tests {
         // A marker for another boot does not vouch for this snapshot.
         make_durable(dir.path(), &now).unwrap();
         assert!(check_usable(dir.path(), other).is_err());
+    }
+
+    #[test]
+    fn a_marker_made_while_staging_is_written_after_the_move_and_vouches_only_then() {
+        let store = tempfile::tempdir().unwrap();
+        let staging = store.path().join("snap.staging");
+        std::fs::create_dir(&staging).unwrap();
+        std::fs::write(SnapshotDir::new(&staging).memory(), b"m").unwrap();
+        let marker = create_marker(&staging).unwrap();
+        assert!(matches!(
+            create_marker(&staging),
+            Err(DurabilityError::CreateMarker(..))
+        ));
+        let dest = store.path().join("snap");
+        std::fs::rename(&staging, &dest).unwrap();
+        let other = "00000000-0000-0000-0000-000000000000";
+        // Created but not yet written: it vouches for nothing.
+        assert!(matches!(
+            check_usable(&dest, other),
+            Err(DurabilityError::NotDurable)
+        ));
+        make_durable_through(&dest, other, marker).unwrap();
+        assert!(check_usable(&dest, other).is_ok());
     }
 
     #[test]

@@ -251,6 +251,12 @@ impl SandboxDir {
         self.0.join(VSOCK_ASIDE)
     }
 
+    /// Where its supervisor writes snapshot `id` before the library moves it among
+    /// the store's snapshots (which a confined VM supervisor may not write).
+    pub fn snapshot_staging(&self, id: &str) -> PathBuf {
+        self.0.join(format!("{id}.staging"))
+    }
+
     /// A VM sandbox's hibernation image.
     pub fn hibernation(&self) -> SnapshotDir {
         SnapshotDir(self.0.join(HIBERNATION))

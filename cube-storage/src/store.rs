@@ -438,11 +438,6 @@ impl Store {
         }
     }
 
-    /// Where snapshot `id` is written before it is renamed into place.
-    pub fn snapshot_staging(&self, id: &str) -> PathBuf {
-        self.tmp_dir().join(format!("{id}.staging"))
-    }
-
     fn entry_dir(&self, category: Category, name: &str) -> Result<PathBuf, StoreError> {
         if !is_valid_name(name) {
             return Err(StoreError::InvalidName {

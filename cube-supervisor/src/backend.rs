@@ -32,10 +32,14 @@ pub trait SandboxBackend: Send {
     /// Lets a paused sandbox run on.
     fn resume(&mut self) -> Result<(), Failure>;
 
-    /// Writes a snapshot into `staging` and moves it to `dest` (through a
+    /// Writes a snapshot into `staging`, for the library to move to `dest` (through a
     /// [`crate::snapshot_transaction::SnapshotTransaction`]); the sandbox runs on (or
     /// stays paused) as it was, whatever happens.
     fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure>;
+
+    /// The snapshot staged last is now at `dest`: what it holds is no longer pending
+    /// (a VM's dirty pages), and it is flushed in the background.
+    fn snapshot_committed(&mut self, dest: &Path) -> Result<(), Failure>;
 
     /// Puts the sandbox back to the state of `snapshot`, checked before anything
     /// running is touched.
@@ -126,6 +130,10 @@ pub fn dispatch(backend: &mut dyn SandboxBackend, request: Request) -> Result<Re
                 fallback: meta.fallback,
             })
         }
+        Request::SnapshotCommitted { dest } => backend
+            .snapshot_committed(&dest)
+            .map(|()| Response::Ok)
+            .map_err(snapshot_failed),
         Request::Rollback { snapshot } => backend
             .rollback(&snapshot)
             .map(|()| Response::Ok)

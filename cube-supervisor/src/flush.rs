@@ -1,10 +1,11 @@
 //! Making a finished snapshot durable off the request path (see
 //! [`cube_storage::durable_marker`]).
 
+use std::fs::File;
 use std::path::PathBuf;
 use std::thread::JoinHandle;
 
-use cube_storage::durable_marker::{boot_id, make_durable};
+use cube_storage::durable_marker::{boot_id, make_durable, make_durable_through};
 
 /// The background flushes of the snapshots (and hibernation images) one sandbox
 /// wrote: joined before its files go, since a flush still writing into a snapshot
@@ -13,11 +14,20 @@ use cube_storage::durable_marker::{boot_id, make_durable};
 pub struct Flushes(Vec<JoinHandle<()>>);
 
 impl Flushes {
-    /// Syncs the finished snapshot `dir` to disk and marks it durable, off the
-    /// request path; forgets flushes that have finished.
-    pub fn start(&mut self, dir: PathBuf) {
+    /// Syncs the finished snapshot `dir` to disk and marks it durable through
+    /// `marker` (made while it was staged: the supervisor may not be able to create
+    /// files where it now lies), off the request path; forgets flushes that have
+    /// finished.
+    pub fn start(&mut self, dir: PathBuf, marker: File) {
         self.0.retain(|f| !f.is_finished());
-        self.0.extend(flush_in_background(dir));
+        self.0.extend(flush_in_background(dir, Some(marker)));
+    }
+
+    /// [`Flushes::start`] for a directory of this sandbox's own (a jail's
+    /// hibernation checkpoint), where the marker is made when the flush is done.
+    pub fn start_in_own_dir(&mut self, dir: PathBuf) {
+        self.0.retain(|f| !f.is_finished());
+        self.0.extend(flush_in_background(dir, None));
     }
 
     /// Waits for every flush still under way.
@@ -43,7 +53,7 @@ fn lower_own_priority() {
     }
 }
 
-fn flush_in_background(dir: PathBuf) -> Option<JoinHandle<()>> {
+fn flush_in_background(dir: PathBuf, marker: Option<File>) -> Option<JoinHandle<()>> {
     let boot = match boot_id() {
         Ok(b) => b,
         Err(e) => {
@@ -55,7 +65,11 @@ fn flush_in_background(dir: PathBuf) -> Option<JoinHandle<()>> {
         .name("flush".into())
         .spawn(move || {
             lower_own_priority();
-            if let Err(e) = make_durable(&dir, &boot) {
+            let flushed = match marker {
+                Some(marker) => make_durable_through(&dir, &boot, marker),
+                None => make_durable(&dir, &boot),
+            };
+            if let Err(e) = flushed {
                 tracing::warn!("flushing snapshot {}: {e}", dir.display());
             }
         });

@@ -44,7 +44,7 @@ use crate::network::NetnsChoice;
 use crate::protocol::{ErrorKind, Failure, JailStatus, MachineStatus, Settings, StatusReport};
 use crate::records::{Engine, SnapshotKind, SnapshotMeta};
 use crate::resident_memory::own_rss_kib;
-use crate::snapshot_transaction::{SnapshotTransaction, Staged};
+use crate::snapshot_transaction::{PendingCommit, SnapshotTransaction, Staged};
 
 /// Where the agent listens inside the sandbox: on its private /tmp, which CRIU saves.
 pub const AGENT_INNER_SOCKET: &str = "/tmp/.cube-agent.sock";
@@ -114,6 +114,8 @@ pub struct JailSandbox {
     network: Option<Box<JailNetwork>>,
     /// Background flushes of the snapshots this sandbox wrote; joined by destroy.
     flushes: Flushes,
+    /// The snapshot staged last, until the library has moved it into place.
+    pending: Option<PendingCommit>,
 }
 
 impl JailSandbox {
@@ -148,6 +150,7 @@ impl JailSandbox {
             retiring: Vec::new(),
             network: None,
             flushes: Flushes::default(),
+            pending: None,
         };
         let snapshot = layer.and_then(Path::parent).filter(|s| is_checkpoint(s));
         if let Some(snapshot) = snapshot {
@@ -223,6 +226,7 @@ impl JailSandbox {
             retiring: Vec::new(),
             network: None,
             flushes: Flushes::default(),
+            pending: None,
         };
         match (standby, sandbox.settings.network.clone()) {
             // The device attached while the jail waited: only its policy and ports
@@ -572,7 +576,7 @@ impl JailSandbox {
             Some(why),
         );
         match recorded {
-            Ok(()) => self.flushes.start(image_dir.to_path_buf()),
+            Ok(()) => self.flushes.start_in_own_dir(image_dir.to_path_buf()),
             Err(e) => {
                 tracing::warn!(sandbox = %self.id, "the hibernated files are kept unrecorded: {}", error_chain(&e));
                 std::fs::rename(&keep, &legacy)
@@ -646,7 +650,8 @@ impl SandboxBackend for JailSandbox {
         Ok(())
     }
 
-    /// Writes a snapshot into `staging` with its record, then moves it to `dest`: a
+    /// Writes a snapshot into `staging` with its record, for the library to move to
+    /// `dest`: a
     /// full-state one through CRIU where it works, else the layer alone (the reason
     /// recorded). The processes are frozen while the layer is copied, so the copy is
     /// one instant of the files (and of the processes, for a full one).
@@ -696,14 +701,14 @@ impl SandboxBackend for JailSandbox {
             fallback,
         };
         jail_snapshot::record_files(staging, tx.id())?;
+        let (meta, pending) = tx.stage(&self.id, Engine::Jail, staged)?;
+        self.pending = Some(pending);
+        Ok(meta)
+    }
+
+    fn snapshot_committed(&mut self, dest: &Path) -> Result<(), Failure> {
         // Nothing to commit in a guest.
-        tx.commit(
-            &self.id,
-            Engine::Jail,
-            staged,
-            |_| Ok(()),
-            &mut self.flushes,
-        )
+        PendingCommit::take_for(&mut self.pending, dest)?.finish(|_| Ok(()), &mut self.flushes)
     }
 
     /// Puts the snapshot back: a full-state one restores the processes, a filesystem
@@ -780,7 +785,7 @@ impl SandboxBackend for JailSandbox {
         let stopped = match dumped {
             Ok(()) => {
                 // Synced to disk and marked off the request path, as a snapshot is.
-                self.flushes.start(image_dir);
+                self.flushes.start_in_own_dir(image_dir);
                 jail.destroy()
                     .map_err(|e| format!("removing the dumped jail: {}", error_chain(&e)))
             }

@@ -42,7 +42,9 @@ use crate::jail_network::{JailNetwork, JailNetworkError};
 use crate::protocol::{ErrorKind, Failure, MachineStatus, Settings, StatusReport};
 use crate::records::{Engine, SnapshotMeta};
 use crate::resident_memory::own_rss_kib;
-use crate::snapshot_transaction::{write_hibernation_image, SnapshotTransaction, Staged};
+use crate::snapshot_transaction::{
+    write_hibernation_image, PendingCommit, SnapshotTransaction, Staged,
+};
 use crate::vm_agent::{agent_client, VmAgentError};
 use crate::vm_devices::{snapshot_devices, TEMPLATE_GUEST_MAC};
 
@@ -63,6 +65,8 @@ pub struct LinuxSandbox {
     stop_reseed: Arc<AtomicBool>,
     /// Background flushes of snapshots this sandbox wrote.
     flushes: Flushes,
+    /// The snapshot staged last, until the library has moved it into place.
+    pending: Option<PendingCommit>,
 }
 
 /// How long after a restore the host keeps trying to reach the agent to reseed it.
@@ -136,6 +140,7 @@ impl LinuxSandbox {
             generation: 0,
             stop_reseed: Arc::new(AtomicBool::new(true)),
             flushes: Flushes::default(),
+            pending: None,
         };
         if let Some(options) = &settings.network {
             let fail = |e: JailNetworkError| format!("attaching the network: {}", error_chain(&e));
@@ -258,7 +263,7 @@ impl SandboxBackend for LinuxSandbox {
 
     /// Memory diff, devices and disk, taken live: the vCPUs and devices stop only
     /// while the state and the dirty set are taken ([`LinuxVm::snapshot`]). The dirty
-    /// pages stay pending in the VM until the snapshot is committed.
+    /// pages stay pending in the VM until the library says the snapshot is in place.
     fn snapshot(&mut self, staging: &Path, dest: &Path) -> Result<SnapshotMeta, Failure> {
         let sandbox_id = self
             .dir
@@ -272,17 +277,19 @@ impl SandboxBackend for LinuxSandbox {
         let stats = vm
             .snapshot(&staged_dir, Some(&disk))
             .map_err(|e| Failure::from(error_chain(&e)))?;
+        let (meta, pending) = tx.stage(&sandbox_id, Engine::Vm, Staged::full(stats))?;
+        self.pending = Some(pending);
+        Ok(meta)
+    }
+
+    fn snapshot_committed(&mut self, dest: &Path) -> Result<(), Failure> {
+        let pending = PendingCommit::take_for(&mut self.pending, dest)?;
+        let vm = awake(&mut self.vm, self.hibernated, VM_GONE)?;
         let committed = |dest: &Path| {
             vm.snapshot_committed(dest)
                 .map_err(|e| error_chain(&e).into())
         };
-        tx.commit(
-            &sandbox_id,
-            Engine::Vm,
-            Staged::full(stats),
-            committed,
-            &mut self.flushes,
-        )
+        pending.finish(committed, &mut self.flushes)
     }
 
     /// Replaces the VM with one restored from `snapshot` (its disk copied over the

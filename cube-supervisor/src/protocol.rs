@@ -233,11 +233,19 @@ pub enum Request {
     Pause,
     /// Continue the vCPUs.
     Resume,
-    /// Write a snapshot into `staging`, then move it to `dest`.
+    /// Write a snapshot into `staging`, for the caller to move to `dest` and then send
+    /// [`Request::SnapshotCommitted`].
     Snapshot {
-        /// An empty directory on the store's filesystem.
+        /// A path in the sandbox's own directory, not yet there.
         staging: PathBuf,
         /// Where the finished snapshot goes.
+        dest: PathBuf,
+    },
+    /// The snapshot written last is now at `dest` (moved there by the caller, which
+    /// a confined VM supervisor could not do): its pages are no longer pending, and
+    /// it is flushed.
+    SnapshotCommitted {
+        /// The `dest` of that [`Request::Snapshot`].
         dest: PathBuf,
     },
     /// Replace the machine with one restored from `snapshot`.

@@ -1,20 +1,23 @@
 //! The one way a snapshot or hibernation image comes into being, for every backend:
-//! staged in a directory of its own, its record written, renamed into place, the
-//! guest told it is committed, then flushed in the background (a jail's layer and
-//! checkpoint as a VM's memory and disk).
+//! staged in a directory of its own, its record and an empty durability marker
+//! written, moved into place, the guest told it is committed, then flushed in the
+//! background (a jail's layer and checkpoint as a VM's memory and disk).
 //!
-//! A snapshot is whole or absent: until the rename nothing is at `dest`, and a
-//! failure anywhere before it removes the staging directory (on every path, by
-//! [`Drop`]), so the sandbox's earlier snapshots stay as they were. A VM's diff
-//! snapshot is two-phase: its dirty pages stay pending in the VM until the commit
-//! step, after the rename, says the snapshot is in place. The record names the boot
-//! it was written in; the flush leaves the boot-id durability marker (see
-//! [`cube_storage::durable_marker`]) that restores check before they apply a snapshot
-//! from another boot.
+//! A snapshot is whole or absent: until the move nothing is at `dest`, and a failure
+//! before the staging directory is handed over removes it (on every path, by
+//! [`Drop`]), so the sandbox's earlier snapshots stay as they were. The move itself
+//! is the library's: a confined VM supervisor may read the store's snapshots but not
+//! add to them, so it stages in its own sandbox directory, answers, and hears from
+//! the library once the snapshot is in place ([`PendingCommit`]). A VM's diff
+//! snapshot is two-phase: its dirty pages stay pending in the VM until then. The
+//! record names the boot it was written in; the flush writes the durability marker
+//! (see [`cube_storage::durable_marker`]), made while staging and kept open, that
+//! restores check before they apply a snapshot from another boot.
 
+use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use cube_storage::durable_marker::boot_id;
+use cube_storage::durable_marker::{boot_id, create_marker};
 use cube_storage::{Durability, SandboxDir, SnapshotDir};
 use cube_vmm::persist::SnapshotStats;
 
@@ -49,8 +52,8 @@ pub struct SnapshotTransaction {
     id: String,
     staging: PathBuf,
     dest: PathBuf,
-    /// Renamed into place: nothing is left to clean up.
-    committed: bool,
+    /// Handed over to the library to move into place: not ours to clean up.
+    handed_over: bool,
 }
 
 impl SnapshotTransaction {
@@ -71,7 +74,7 @@ impl SnapshotTransaction {
             id,
             staging: staging.to_path_buf(),
             dest: dest.to_path_buf(),
-            committed: false,
+            handed_over: false,
         })
     }
 
@@ -87,17 +90,16 @@ impl SnapshotTransaction {
         Ok(SnapshotDir::new(&self.staging))
     }
 
-    /// Writes the record of `sandbox`'s snapshot of `staged` (naming this boot) into
-    /// the staging directory, renames it into place, runs `committed` (a VM forgets the
-    /// dirty pages the snapshot now holds), then has it flushed into `flushes`.
-    pub fn commit(
+    /// Writes the record of `sandbox`'s snapshot of `staged` (naming this boot) and
+    /// the empty durability marker into the staging directory, and hands it over: the
+    /// library moves it to `dest`, then says so, and the backend finishes the
+    /// returned [`PendingCommit`].
+    pub fn stage(
         mut self,
         sandbox: &str,
         engine: Engine,
         staged: Staged,
-        committed: impl FnOnce(&Path) -> Result<(), Failure>,
-        flushes: &mut Flushes,
-    ) -> Result<SnapshotMeta, Failure> {
+    ) -> Result<(SnapshotMeta, PendingCommit), Failure> {
         let boot_id = boot_id().map_err(|e| error_chain(&e))?;
         let meta = SnapshotMeta {
             id: std::mem::take(&mut self.id),
@@ -119,18 +121,58 @@ impl SnapshotTransaction {
             Durability::Deferred,
         )
         .map_err(|e| error_chain(&e))?;
-        std::fs::rename(&self.staging, &self.dest)
-            .map_err(|e| format!("committing snapshot: {e}"))?;
-        self.committed = true;
+        let marker = create_marker(&self.staging).map_err(|e| error_chain(&e))?;
+        self.handed_over = true;
+        let pending = PendingCommit {
+            dest: std::mem::take(&mut self.dest),
+            marker,
+        };
+        Ok((meta, pending))
+    }
+}
+
+/// A staged snapshot the library is moving into place: what is left to do once it
+/// is there.
+pub struct PendingCommit {
+    dest: PathBuf,
+    marker: File,
+}
+
+impl PendingCommit {
+    /// Takes the snapshot pending in `pending` if it is the one for `dest`, which the
+    /// library says now holds it.
+    pub fn take_for(pending: &mut Option<PendingCommit>, dest: &Path) -> Result<Self, Failure> {
+        match pending.take() {
+            Some(p) if p.dest == dest => Ok(p),
+            other => {
+                *pending = other;
+                Err(Failure::invalid(format!(
+                    "no snapshot of this sandbox is waiting to be committed as {}",
+                    dest.display()
+                )))
+            }
+        }
+    }
+
+    /// Checks the snapshot is in place, runs `committed` (a VM forgets the dirty pages
+    /// the snapshot now holds) and has it flushed into `flushes`.
+    pub fn finish(
+        self,
+        committed: impl FnOnce(&Path) -> Result<(), Failure>,
+        flushes: &mut Flushes,
+    ) -> Result<(), Failure> {
+        if !SnapshotDir::new(&self.dest).record().is_file() {
+            return Err(format!("{} holds no snapshot", self.dest.display()).into());
+        }
         committed(&self.dest)?;
-        flushes.start(self.dest.clone());
-        Ok(meta)
+        flushes.start(self.dest, self.marker);
+        Ok(())
     }
 }
 
 impl Drop for SnapshotTransaction {
     fn drop(&mut self) {
-        if !self.committed {
+        if !self.handed_over {
             let _ = std::fs::remove_dir_all(&self.staging);
         }
     }
@@ -155,16 +197,21 @@ pub fn write_hibernation_image(
     let _ = std::fs::remove_dir_all(&old);
     std::fs::create_dir(&staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
     let written = write(&staging).and_then(|()| {
+        let marker = create_marker(&staging).map_err(|e| error_chain(&e))?;
         if image.exists() {
             std::fs::rename(&image, &old).map_err(|e| format!("moving old image: {e}"))?;
         }
-        std::fs::rename(&staging, &image).map_err(|e| format!("committing image: {e}").into())
+        std::fs::rename(&staging, &image).map_err(|e| format!("committing image: {e}"))?;
+        Ok(marker)
     });
-    if let Err(e) = written {
-        let _ = std::fs::remove_dir_all(&staging);
-        return Err(e);
-    }
+    let marker = match written {
+        Ok(marker) => marker,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&staging);
+            return Err(e);
+        }
+    };
     let _ = std::fs::remove_dir_all(&old);
-    flushes.start(image.into_path());
+    flushes.start(image.into_path(), marker);
     Ok(())
 }

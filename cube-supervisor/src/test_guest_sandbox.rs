@@ -25,7 +25,9 @@ use crate::flush::Flushes;
 use crate::protocol::{ErrorKind, Failure, MachineStatus, Source, StatusReport, MAX_FRAME};
 use crate::records::{Engine, SnapshotMeta};
 use crate::resident_memory::own_rss_kib;
-use crate::snapshot_transaction::{write_hibernation_image, SnapshotTransaction, Staged};
+use crate::snapshot_transaction::{
+    write_hibernation_image, PendingCommit, SnapshotTransaction, Staged,
+};
 
 /// One test-guest sandbox.
 pub struct TestGuestSandbox {
@@ -34,6 +36,8 @@ pub struct TestGuestSandbox {
     dir: SandboxDir,
     /// Background flushes of snapshots this sandbox wrote.
     flushes: Flushes,
+    /// The snapshot staged last, until the library has moved it into place.
+    pending: Option<PendingCommit>,
     machine: Option<Machine>,
     hibernated: bool,
 }
@@ -69,6 +73,7 @@ impl TestGuestSandbox {
             ctx,
             id: id.to_string(),
             flushes: Flushes::default(),
+            pending: None,
             dir: SandboxDir::new(dir),
             machine: Some(machine),
             hibernated: false,
@@ -147,15 +152,16 @@ impl SandboxBackend for TestGuestSandbox {
         let stats = m
             .snapshot(&staged_dir, disk)
             .map_err(|e| Failure::from(error_chain(&e)))?;
+        let (meta, pending) = tx.stage(&self.id, Engine::Vm, Staged::full(stats))?;
+        self.pending = Some(pending);
+        Ok(meta)
+    }
+
+    fn snapshot_committed(&mut self, dest: &Path) -> Result<(), Failure> {
+        let pending = PendingCommit::take_for(&mut self.pending, dest)?;
+        let m = awake(&mut self.machine, self.hibernated, NO_MACHINE)?;
         let committed = |dest: &Path| m.snapshot_committed(dest).map_err(snapshot_failure);
-        let flushes = &mut self.flushes;
-        tx.commit(
-            &self.id,
-            Engine::Vm,
-            Staged::full(stats),
-            committed,
-            flushes,
-        )
+        pending.finish(committed, &mut self.flushes)
     }
 
     /// Loads the snapshot into the running VM where its shape allows, else builds a

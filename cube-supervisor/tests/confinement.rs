@@ -2,8 +2,9 @@
 //! blocked in the kernel, those started later) ends with the profile's capabilities,
 //! no_new_privs and the seccomp filters, blocked reads carry on, and a forbidden system
 //! call kills the process with SIGSYS. A VM supervisor without a network also loses the
-//! host's files (Landlock), on its old threads too, but its own sandbox directory and
-//! its store's snapshots, scratch space and (read-only) templates; and TCP.
+//! host's files (Landlock), on its old threads too, but its own sandbox directory, its
+//! store's snapshots (read and removed, never altered or added to) and templates
+//! (read); and TCP.
 //!
 //! Confinement cannot be undone, so each profile runs in a child: this test binary run
 //! again with `CUBE_CONFINE_CHILD` naming the profile and the forbidden call to make.
@@ -15,6 +16,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 use std::time::Duration;
 
+use cube_storage::durable_marker::{create_marker, make_durable_through, marked_durable};
 use cube_supervisor::confinement::all_threads::{
     held_capabilities, status_field, verify_all_threads,
 };
@@ -30,16 +32,20 @@ fn run_child(spec: &str) -> std::process::Output {
     let host = tempfile::TempDir::new().unwrap();
     // A store as the child's sandbox finds it: its own directory, another sandbox's
     // with a disk, a template, and the shared areas.
+    // Among the snapshots: one the child's sandbox was cloned from, and one it
+    // staged before it was confined and the library has since moved into place.
     for dir in [
         "sandboxes/own",
         "sandboxes/other",
         "templates/base",
-        "snapshots",
+        "snapshots/origin",
+        "snapshots/moved",
         "tmp",
     ] {
         std::fs::create_dir_all(store.path().join(dir)).unwrap();
     }
     std::fs::write(store.path().join("sandboxes/other/rootfs.img"), "disk").unwrap();
+    std::fs::write(store.path().join("snapshots/origin/memory.bin"), "origin").unwrap();
     std::fs::write(store.path().join("templates/base/rootfs.img"), "base").unwrap();
     Command::new(std::env::current_exe().unwrap())
         .args([
@@ -114,6 +120,9 @@ fn child(spec: &str) {
     let own = store.join("sandboxes/own");
     std::fs::write(host.join("host-file"), "host").unwrap();
     std::thread::sleep(Duration::from_millis(50));
+    // The durability marker of the snapshot staged before, made while it could be.
+    let moved = store.join("snapshots/moved");
+    let marker = create_marker(&moved).unwrap();
     let held = held_capabilities().unwrap();
     confine(profile, &own).unwrap();
 
@@ -143,16 +152,18 @@ fn child(spec: &str) {
     );
     std::fs::remove_file(own.join("renamed")).unwrap();
     std::fs::create_dir(own.join("dir")).unwrap();
-    // A snapshot is staged in scratch space, renamed into place, marked, and removed
-    // with its sandbox; a template is read (a rollback's disk comes from either).
-    let staging = store.join("tmp/snap.staging");
+    // A snapshot is staged in its own directory (the library moves it into place);
+    // the one moved is marked durable through the marker made while staging; the one
+    // it was cloned from is read (a rollback's disk comes from a snapshot or a
+    // template).
+    let staging = own.join("snap.staging");
     std::fs::create_dir(&staging).unwrap();
     std::fs::write(staging.join("memory.bin"), "memory").unwrap();
-    let snapshot = store.join("snapshots/snap");
-    std::fs::rename(&staging, &snapshot).unwrap();
-    std::fs::write(snapshot.join("durable"), "boot").unwrap();
-    std::fs::copy(snapshot.join("memory.bin"), own.join("memory.bin")).unwrap();
-    std::fs::remove_dir_all(&snapshot).unwrap();
+    create_marker(&staging).unwrap();
+    make_durable_through(&moved, "boot", marker).unwrap();
+    assert!(marked_durable(&moved, "boot"));
+    let origin = store.join("snapshots/origin");
+    std::fs::copy(origin.join("memory.bin"), own.join("memory.bin")).unwrap();
     let base = store.join("templates/base/rootfs.img");
     assert_eq!(std::fs::read_to_string(&base).unwrap(), "base");
     // The host's files: out of reach of a VM supervisor without a network, from any of
@@ -198,6 +209,30 @@ fn child(spec: &str) {
         (
             "writes a template",
             std::fs::write(&base, "changed").map_err(|e| e.kind()),
+        ),
+        (
+            "moves a staged snapshot among the snapshots",
+            std::fs::rename(&staging, store.join("snapshots/new")).map_err(|e| e.kind()),
+        ),
+        (
+            "makes a directory among the snapshots",
+            std::fs::create_dir(store.join("snapshots/made")).map_err(|e| e.kind()),
+        ),
+        (
+            "writes a snapshot",
+            std::fs::write(origin.join("memory.bin"), "changed").map_err(|e| e.kind()),
+        ),
+        (
+            "makes a file in a snapshot",
+            std::fs::write(origin.join("state.bin"), "x").map_err(|e| e.kind()),
+        ),
+        (
+            "makes a directory in a snapshot",
+            std::fs::create_dir(origin.join("layer")).map_err(|e| e.kind()),
+        ),
+        (
+            "writes scratch space",
+            std::fs::write(store.join("tmp/import"), "x").map_err(|e| e.kind()),
         ),
         (
             "binds a TCP port",
@@ -250,7 +285,8 @@ fn child(spec: &str) {
             "Seccomp:\t0"
         );
     }
-    // Its destroy removes its own directory, emptied first.
+    // Its destroy removes its snapshots and its own directory, emptied first.
+    std::fs::remove_dir_all(&moved).unwrap();
     std::fs::remove_dir_all(&own).unwrap();
     println!("confined");
     std::io::stdout().flush().unwrap();

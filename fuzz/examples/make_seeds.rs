@@ -290,6 +290,9 @@ fn main() -> Result<(), Error> {
             staging: "/tmp/s.staging".into(),
             dest: "/tmp/s".into(),
         },
+        Request::SnapshotCommitted {
+            dest: "/tmp/s".into(),
+        },
         Request::Rollback {
             snapshot: "/tmp/s".into(),
         },

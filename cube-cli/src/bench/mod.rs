@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use cube_core::store::{filesystem_name, supports_reflink, SnapshotDir};
+use cube_core::store::{filesystem_name, flushed_in_this_boot, supports_reflink};
 use cube_core::templates::{MachineConfig, WorkingSet};
 use cube_core::testing::{floor, max_dirty_mib, TestGuestControl};
 use cube_core::{CreateOptions, Runtime, RuntimeConfig, Sandbox};
@@ -540,9 +540,8 @@ fn run_plan(
 
 /// Waits (bounded) until the snapshot in `dir` has been flushed to disk.
 fn wait_durable(dir: &Path) -> Result<(), CliError> {
-    let marker = SnapshotDir::new(dir).durable_marker();
     let start = Instant::now();
-    while !marker.exists() {
+    while !flushed_in_this_boot(dir) {
         if start.elapsed() > Duration::from_secs(120) {
             return Err(CliError::failed(format!(
                 "snapshot {} was not flushed within 120 s",

@@ -538,9 +538,10 @@ pub fn py(client: &cube_agent::client::Client, code: &str) -> String {
 /// Waits for the background flush of the snapshot (or hibernation checkpoint) in `dir`
 /// to leave its marker.
 pub fn wait_flushed(dir: &Path) {
-    let marker = cube_storage::SnapshotDir::new(dir).durable_marker();
+    // The marker is made empty while the snapshot is staged and written by the flush.
+    let boot = cube_storage::durable_marker::boot_id().unwrap();
     for _ in 0..1000 {
-        if marker.exists() {
+        if cube_storage::durable_marker::marked_durable(dir, &boot) {
             return;
         }
         std::thread::sleep(std::time::Duration::from_millis(10));

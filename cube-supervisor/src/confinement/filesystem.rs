@@ -5,11 +5,12 @@
 //! namespace (which a process can no longer enter once it runs threads):
 //!
 //! - a VM supervisor without a network may read and write only its own sandbox's
-//!   directory and the store's snapshots and scratch space (where its snapshots are
-//!   staged, committed, flushed and, with it, removed), read the store's templates,
-//!   remove its own directory, and read `/proc`, `/sys` and `/dev` (what it already
-//!   opened, such as `/dev/kvm`, stays open). Other sandboxes' directories (their
-//!   disks, memory images, consoles) are out of its reach. It may bind or
+//!   directory (where its snapshots are staged, for the library to move into place),
+//!   read and remove the store's snapshots (it removes its own with it) but neither
+//!   alter nor add to them, read the store's templates, remove its own directory,
+//!   and read `/proc`, `/sys` and `/dev` (what it already opened, such as
+//!   `/dev/kvm`, stays open). Other sandboxes' directories (their disks, memory
+//!   images, consoles) and the store's scratch space are out of its reach. It may bind or
 //!   connect no TCP port, reach no abstract unix socket made outside it and, where the
 //!   kernel scopes signals correctly, signal no process but its own threads (uid 0 may
 //!   otherwise signal every root process);
@@ -112,22 +113,30 @@ pub fn vm_rules(sandbox_dir: &Path) -> Result<Option<OwnedFd>, FilesystemError> 
 }
 
 /// What a VM supervisor may do where in the store holding `sandbox_dir`: everything in
-/// its own directory; everything among snapshots and in scratch space, where its
-/// snapshots are staged, renamed into place, marked durable and removed with it (a
-/// snapshot is shared by whoever rolls back to or clones it, so it has no one owner to
-/// confine it to); read templates; and remove its own, emptied, directory, which
-/// Landlock grants only as a right beneath `sandboxes/` (an empty directory of
-/// another sandbox could be removed too). A directory outside a store's layout is all
-/// it gets.
+/// its own directory, where it stages its snapshots; read the snapshots (those it
+/// rolls back to or was cloned from) and templates; remove snapshots, as it removes
+/// its own when it is destroyed on its own (a lifetime's end, its creator gone); and
+/// remove its own, emptied, directory. Landlock grants removal only as a right
+/// beneath a directory, so the snapshots of other sandboxes and their empty
+/// directories could be removed too, though not altered or added to: the library
+/// moves a staged snapshot into place, and the supervisor marks it durable through
+/// a marker it made while staging ([`cube_storage::durable_marker::create_marker`]).
+/// A snapshot's files are checked against its record or manifest when restored, so
+/// a removed one is refused, never restored in part. The store's scratch space is
+/// not reached (the library verifies imports there). A directory outside a store's
+/// layout is all it gets.
 fn store_rules(sandbox_dir: &Path) -> Vec<(PathBuf, BitFlags<AccessFs>)> {
     let all = AccessFs::from_all(TESTED_ABI);
     let mut rules = vec![(sandbox_dir.to_path_buf(), all)];
     if let Some(root) = store_root_of(sandbox_dir) {
         let areas = Store::areas_at(root);
+        let read = AccessFs::from_read(TESTED_ABI);
         rules.extend([
-            (areas.snapshots, all),
-            (areas.tmp, all),
-            (areas.templates, AccessFs::from_read(TESTED_ABI)),
+            (
+                areas.snapshots,
+                read | AccessFs::RemoveFile | AccessFs::RemoveDir,
+            ),
+            (areas.templates, read),
             (areas.sandboxes, AccessFs::RemoveDir.into()),
         ]);
     }
@@ -159,9 +168,9 @@ pub fn describe(vm_without_network: bool) -> String {
             "the host's, as uid 0 without capabilities (this kernel has no Landlock)".into()
         }
         (true, Some(abi)) => format!(
-            "Landlock (ABI {abi}): read-write in its own sandbox directory and the store's \
-             snapshots and scratch space only, read-only templates /proc /sys /dev, no \
-             TCP, {}",
+            "Landlock (ABI {abi}): read-write in its own sandbox directory only, the \
+             store's snapshots read and removed but not written, read-only templates \
+             /proc /sys /dev, no TCP, {}",
             if signals_scoped() {
                 "signals to its own threads only"
             } else {
@@ -187,7 +196,7 @@ mod tests {
     }
 
     #[test]
-    fn a_sandbox_gets_its_own_directory_and_the_shared_areas_only() {
+    fn a_sandbox_writes_its_own_directory_only_and_reads_or_removes_the_rest() {
         let rules = store_rules(Path::new("/s/sandboxes/sb-1"));
         let all = AccessFs::from_all(TESTED_ABI);
         let of = |p: &str| {
@@ -196,12 +205,16 @@ mod tests {
                 .find(|(path, _)| path == Path::new(p))
                 .map(|(_, access)| *access)
         };
+        let read = AccessFs::from_read(TESTED_ABI);
         assert_eq!(of("/s/sandboxes/sb-1"), Some(all));
-        assert_eq!(of("/s/snapshots"), Some(all));
-        assert_eq!(of("/s/tmp"), Some(all));
-        assert_eq!(of("/s/templates"), Some(AccessFs::from_read(TESTED_ABI)));
+        assert_eq!(
+            of("/s/snapshots"),
+            Some(read | AccessFs::RemoveFile | AccessFs::RemoveDir)
+        );
+        assert_eq!(of("/s/tmp"), None);
+        assert_eq!(of("/s/templates"), Some(read));
         assert_eq!(of("/s/sandboxes"), Some(AccessFs::RemoveDir.into()));
-        assert_eq!(rules.len(), 5, "{rules:?}");
+        assert_eq!(rules.len(), 4, "{rules:?}");
         assert_eq!(store_rules(Path::new("/x/sb")).len(), 1);
     }
 
