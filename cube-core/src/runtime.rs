@@ -15,6 +15,11 @@ use cube_supervisor::server::WarmFor;
 use cube_supervisor::templates::{self, tree::TreeSource, vm::VmTemplateSpec};
 use cube_vmm::persist::{MachineConfig, WorkingSet};
 
+/// The name (with its builder's pid and start time) under which a test template's
+/// image lies among the templates until it is published: hidden from listings, and
+/// removed by the next build once its builder has ended.
+const TEMPLATE_BEING_BUILT: &str = ".template";
+
 use crate::engine_choice::EngineChoice;
 use crate::error::SandboxError;
 use crate::portable::{self, ExportReport, ImportReport};
@@ -272,6 +277,9 @@ impl Runtime {
         if dest.exists() || name == HOST_TEMPLATE {
             return Err(SandboxError::TemplateExists(name.to_string()));
         }
+        let templates = Store::areas_at(self.store.root()).templates;
+        // What builds killed outright left (no listing shows it, being hidden).
+        cube_storage::remove_dead_scratch(&templates, TEMPLATE_BEING_BUILT);
         let mut builder = self.start(
             Source::BootTestGuest {
                 config: machine,
@@ -296,10 +304,7 @@ impl Runtime {
         // from there as the parent of any later diff, which scratch space would not
         // let it), and published under `name` once the builder is gone and its flush
         // with it.
-        let built = Store::areas_at(self.store.root()).templates.join(format!(
-            ".{}",
-            cube_storage::scratch_entry_name("template")?
-        ));
+        let built = templates.join(cube_storage::scratch_entry_name(TEMPLATE_BEING_BUILT)?);
         let snapshot = (|| -> Result<(), SandboxError> {
             builder.call_ok(&Request::GuestWaitWorkingSet)?;
             builder.write_snapshot(&format!("template-{name}"), &built)?;

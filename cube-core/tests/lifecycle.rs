@@ -163,6 +163,26 @@ fn clone_writes_never_reach_source_siblings_or_snapshot() {
 }
 
 #[test]
+fn a_template_build_killed_outright_leaves_nothing_after_the_next_build() {
+    let Some(env) = TestEnv::new() else {
+        return;
+    };
+    // What a build killed outright leaves: its image, hidden among the templates under
+    // the name of a process that has ended (no pid is this large).
+    let templates = env.root().join("templates");
+    let killed = templates.join(".template-999999999-1-0123456789abcdef");
+    std::fs::create_dir_all(&killed).unwrap();
+    std::fs::write(killed.join("memory.bin"), b"half").unwrap();
+    let template = env.template("after-a-killed-build", NO_WORKING_SET);
+    assert_eq!(
+        entries(&templates),
+        vec![template],
+        "the killed build's image stayed, or the build left its own"
+    );
+    env.finish();
+}
+
+#[test]
 fn paused_guest_makes_no_progress() {
     let Some(mut env) = TestEnv::new() else {
         return;

@@ -380,7 +380,7 @@ impl CgroupLayout {
             }
         }
         let found = orphans.len();
-        found - end_and_remove(orphans).len()
+        found - end_and_remove(orphans, ORPHAN_SWEEP_LIMIT).len()
     }
 
     /// Ends and removes the cgroups of the jails named `<name>-<n>` (one per start of
@@ -406,36 +406,59 @@ impl CgroupLayout {
                 }
             }
         }
-        end_and_remove(dirs)
+        end_and_remove(dirs, 2 * SETTLE_TIMEOUT)
     }
 }
 
-/// Thaws the cgroups `dirs`, SIGKILLs what is inside and removes them. A killed
-/// process leaves its cgroup only once its last thread has exited (its leader shows
-/// as a zombie before that): this retries until every directory goes or the time is
-/// up. Returns the directories it could not remove.
-fn end_and_remove(mut dirs: Vec<PathBuf>) -> Vec<PathBuf> {
+/// How long a sweep of dead owners' cgroups (on the start of a `cube run` or of a
+/// pooled supervisor) waits for what it killed to go: a killed process is gone in
+/// milliseconds, and one that never goes (stuck in the kernel) must not hold up every
+/// later start; the next sweep tries again.
+const ORPHAN_SWEEP_LIMIT: Duration = Duration::from_secs(1);
+
+/// Thaws the cgroups `dirs` and those nested in them (a jail may have made its own),
+/// SIGKILLs what is inside and removes them, innermost first. A killed process leaves
+/// its cgroup only once its last thread has exited (its leader shows as a zombie
+/// before that): this retries until every directory goes or `limit` has passed.
+/// Returns the directories it could not remove.
+fn end_and_remove(mut dirs: Vec<PathBuf>, limit: Duration) -> Vec<PathBuf> {
     let start = Instant::now();
     loop {
-        dirs.retain(|dir| {
-            // Best effort: a controller without a freezer has no file to write.
-            let _ = fs::write(dir.join("freezer.state"), "THAWED");
-            let _ = fs::write(dir.join("cgroup.freeze"), "0");
-            let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
-            for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
-                // SAFETY: kill() has no memory effects; the pid is in a cgroup whose
-                // owner is gone (an exited one gives ESRCH).
-                unsafe { libc::kill(pid, libc::SIGKILL) };
-            }
-            match fs::remove_dir(dir) {
-                Ok(()) => false,
-                Err(e) => e.kind() != std::io::ErrorKind::NotFound,
-            }
+        dirs.retain(|dir| match end_and_remove_tree(dir) {
+            Ok(()) => false,
+            Err(e) => e.kind() != io::ErrorKind::NotFound,
         });
-        if dirs.is_empty() || start.elapsed() > 2 * SETTLE_TIMEOUT {
+        if dirs.is_empty() || start.elapsed() > limit {
             return dirs;
         }
         std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// One pass over cgroup `dir`: its nested cgroups first, then its own processes and
+/// the directory itself.
+fn end_and_remove_tree(dir: &Path) -> io::Result<()> {
+    // Best effort: a controller without a freezer has no file to write.
+    let _ = fs::write(dir.join("freezer.state"), "THAWED");
+    let _ = fs::write(dir.join("cgroup.freeze"), "0");
+    // A cgroup's files are not directories: every directory in it is a nested cgroup.
+    let mut nested_left = None;
+    for entry in fs::read_dir(dir)?.flatten() {
+        if entry.file_type().is_ok_and(|t| t.is_dir()) {
+            if let Err(e) = end_and_remove_tree(&entry.path()) {
+                nested_left.get_or_insert(e);
+            }
+        }
+    }
+    let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
+    for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+        // SAFETY: kill() has no memory effects; the pid is in a cgroup whose owner is
+        // gone (an exited one gives ESRCH).
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    match nested_left {
+        Some(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => fs::remove_dir(dir),
     }
 }
 

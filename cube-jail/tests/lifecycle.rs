@@ -299,13 +299,18 @@ fn cgroups_named_after_a_dead_process_are_swept_and_a_live_ones_are_kept() {
     let orphan_dirs: Vec<std::path::PathBuf> = orphan.dirs().map(|d| d.to_path_buf()).collect();
     assert!(!orphan_dirs.is_empty());
     // Its jail was still exiting when the sweep came (CI: `cube run` after a killed
-    // one): a process is left inside.
-    let mut straggler = std::process::Command::new("sleep")
-        .arg("1000")
-        .spawn()
-        .unwrap();
-    for procs in orphan.procs_files() {
-        std::fs::write(procs, straggler.id().to_string()).unwrap();
+    // one): a process is left inside, in a cgroup the jail made of its own (a
+    // directory nested in each of the sandbox's, which its removal must go through).
+    let mut straggler = KilledOnDrop(
+        std::process::Command::new("sleep")
+            .arg("1000")
+            .spawn()
+            .unwrap(),
+    );
+    for dir in &orphan_dirs {
+        let nested = dir.join("inner");
+        std::fs::create_dir(&nested).unwrap();
+        std::fs::write(nested.join("cgroup.procs"), straggler.0.id().to_string()).unwrap();
     }
     // As a SIGKILLed owner would: nothing removes it.
     std::mem::forget(orphan);
@@ -315,12 +320,23 @@ fn cgroups_named_after_a_dead_process_are_swept_and_a_live_ones_are_kept() {
     assert!(orphan_dirs.iter().all(|d| !d.exists()), "{orphan_dirs:?}");
     assert!(kept.dirs().all(|d| d.exists()));
     kept.remove().unwrap();
-    let status = straggler.wait().unwrap();
+    let status = straggler.0.wait().unwrap();
     assert_eq!(
         std::os::unix::process::ExitStatusExt::signal(&status),
         Some(libc::SIGKILL),
         "the process left in the orphaned cgroup was not killed"
     );
+}
+
+/// A child that a failing test does not leave running (it would hold the test
+/// runner's output open).
+struct KilledOnDrop(std::process::Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 #[test]
