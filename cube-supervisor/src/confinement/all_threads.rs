@@ -391,13 +391,19 @@ pub fn verify_all_threads(keep: u64) -> Result<(), AllThreadsError> {
         let path = format!("/proc/self/task/{tid}/status");
         let status = match std::fs::read_to_string(&path) {
             Ok(s) => s,
-            // Exited since the listing.
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) if thread_exited(&e) => continue,
             Err(e) => return Err(AllThreadsError::Proc(path, e)),
         };
         check_status(tid, &status, keep)?;
     }
     Ok(())
+}
+
+/// Whether reading a thread's `/proc` file failed because the thread has exited since
+/// the listing: before the open (ENOENT) or between the open and the read (ESRCH,
+/// which CI met once: a supervisor refused its sandbox over a thread that had ended).
+fn thread_exited(e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH)
 }
 
 /// Checks one thread's `/proc/.../status` text against `keep`.
@@ -446,6 +452,14 @@ mod tests {
     const STATUS: &str = "Name:\tvcpu0\nNoNewPrivs:\t1\nSeccomp:\t2\nCapInh:\t0000000000000000\n\
                           CapPrm:\t0000000000003000\nCapEff:\t0000000000003000\n\
                           CapBnd:\t0000000000003000\nCapAmb:\t0000000000000000\n";
+
+    #[test]
+    fn a_thread_gone_before_or_during_the_read_counts_as_exited() {
+        use std::io::Error;
+        assert!(thread_exited(&Error::from_raw_os_error(libc::ENOENT)));
+        assert!(thread_exited(&Error::from_raw_os_error(libc::ESRCH)));
+        assert!(!thread_exited(&Error::from_raw_os_error(libc::EACCES)));
+    }
 
     #[test]
     fn a_status_matching_the_kept_set_or_less_passes() {
