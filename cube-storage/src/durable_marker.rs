@@ -81,15 +81,21 @@ fn sync_tree(dir: &Path, marker: &Path) -> Result<(), DurabilityError> {
 /// Flushes the snapshot in `dir` (every file under it), its directory entry and its
 /// parent's to disk, then marks it durable.
 pub fn make_durable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityError> {
-    let snapshot = SnapshotDir::new(dir);
-    let marker = snapshot.durable_marker();
+    let marker = sync_all_but_marker(dir)?;
+    crate::metadata::write_atomic_bytes(&marker, DURABLE_KIND, written_in_boot.as_bytes())
+        .map_err(DurabilityError::Marker)
+}
+
+/// Syncs the snapshot in `dir` (every file under it but its marker), its directory
+/// entry and its parent's; returns the marker's path, for the caller to write.
+fn sync_all_but_marker(dir: &Path) -> Result<std::path::PathBuf, DurabilityError> {
+    let marker = SnapshotDir::new(dir).durable_marker();
     sync_tree(dir, &marker)?;
     sync_path(dir)?;
     if let Some(parent) = dir.parent() {
         sync_path(parent)?;
     }
-    crate::metadata::write_atomic_bytes(&marker, DURABLE_KIND, written_in_boot.as_bytes())
-        .map_err(DurabilityError::Marker)
+    Ok(marker)
 }
 
 /// Creates the empty durability marker of the snapshot being staged in `dir` and
@@ -116,12 +122,7 @@ pub fn make_durable_through(
     written_in_boot: &str,
     mut marker: File,
 ) -> Result<(), DurabilityError> {
-    let marker_path = SnapshotDir::new(dir).durable_marker();
-    sync_tree(dir, &marker_path)?;
-    sync_path(dir)?;
-    if let Some(parent) = dir.parent() {
-        sync_path(parent)?;
-    }
+    let marker_path = sync_all_but_marker(dir)?;
     let bytes = crate::metadata::encode_envelope(DURABLE_KIND, written_in_boot.as_bytes())
         .map_err(DurabilityError::Marker)?;
     let describe = |e| DurabilityError::Sync(marker_path.display().to_string(), e);

@@ -19,15 +19,18 @@ impl Flushes {
     /// files where it now lies), off the request path; forgets flushes that have
     /// finished.
     pub fn start(&mut self, dir: PathBuf, marker: File) {
-        self.0.retain(|f| !f.is_finished());
-        self.0.extend(flush_in_background(dir, Some(marker)));
+        self.push(dir, Some(marker));
     }
 
     /// [`Flushes::start`] for a directory of this sandbox's own (a jail's
     /// hibernation checkpoint), where the marker is made when the flush is done.
     pub fn start_in_own_dir(&mut self, dir: PathBuf) {
+        self.push(dir, None);
+    }
+
+    fn push(&mut self, dir: PathBuf, marker: Option<File>) {
         self.0.retain(|f| !f.is_finished());
-        self.0.extend(flush_in_background(dir, None));
+        self.0.extend(flush_in_background(dir, marker));
     }
 
     /// Waits for every flush still under way.
