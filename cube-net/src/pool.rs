@@ -200,7 +200,8 @@ impl PoolConfig {
         Ok(())
     }
 
-    fn pin_dir(&self) -> PathBuf {
+    /// Where the pool's maps, programs and links are pinned in bpffs.
+    pub fn pin_dir(&self) -> PathBuf {
         self.bpffs.join("cube-net").join(&self.name)
     }
 

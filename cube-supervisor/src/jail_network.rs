@@ -139,10 +139,15 @@ pub struct PoolLock {
 }
 
 impl PoolLock {
+    /// The lock file of pool `config`.
+    pub fn path(config: &PoolConfig) -> PathBuf {
+        config.run_dir.join(format!("{}.lock", config.name))
+    }
+
     /// Blocks until this process holds the lock of pool `config`.
     pub fn take(config: &PoolConfig) -> Result<PoolLock> {
         let dir = config.run_dir.clone();
-        let path = dir.join(format!("{}.lock", config.name));
+        let path = Self::path(config);
         let file = std::fs::create_dir_all(&dir)
             .and_then(|()| {
                 std::fs::OpenOptions::new()

@@ -1,10 +1,10 @@
 //! A supervisor's confinement on a whole multi-threaded process: every thread (those
 //! blocked in the kernel, those started later) ends with the profile's capabilities,
 //! no_new_privs and the seccomp filters, blocked reads carry on, and a forbidden system
-//! call kills the process with SIGSYS. A VM supervisor without a network also loses the
-//! host's files (Landlock), on its old threads too, but its own sandbox directory, its
-//! store's snapshots (read and removed, never altered or added to) and templates
-//! (read); and TCP.
+//! call kills the process with SIGSYS. A VM supervisor also loses the host's files
+//! (Landlock), on its old threads too, but its own sandbox directory, its store's
+//! snapshots (read and removed, never altered or added to) and templates (read), and,
+//! with a network, its pool's lock file and bpffs pins; and TCP.
 //!
 //! Confinement cannot be undone, so each profile runs in a child: this test binary run
 //! again with `CUBE_CONFINE_CHILD` naming the profile and the forbidden call to make.
@@ -12,6 +12,7 @@
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 use std::time::Duration;
@@ -21,13 +22,62 @@ use cube_supervisor::confinement::all_threads::{
     held_capabilities, status_field, verify_all_threads,
 };
 use cube_supervisor::confinement::{confine, filesystem, Profile};
+use cube_supervisor::jail_network::pool_config;
 
 const CHILD: &str = "CUBE_CONFINE_CHILD";
 /// `STORE:HOST`, two directories the parent made for the child.
 const DIRS: &str = "CUBE_CONFINE_DIRS";
 
+/// The network pool of a networked child, as the parent made it on the host: its lock
+/// file and its bpffs pin directory (`None` where bpffs is not mounted). Removed when
+/// dropped, the test failing too (the child dies confined).
+struct TestPool {
+    name: String,
+    made: Vec<std::path::PathBuf>,
+}
+
+impl TestPool {
+    fn make() -> Option<TestPool> {
+        let name = format!("cf{:x}", std::process::id() & 0xff_ffff);
+        let paths = filesystem::PoolPaths::of(&pool_config(&name));
+        let mut made = Vec::new();
+        // Parents first, each recorded only when this test made it.
+        let run_dir = paths.lock_file.parent().unwrap().to_path_buf();
+        let parents = [run_dir, paths.pin_dir.parent().unwrap().to_path_buf()];
+        for dir in parents.iter().chain([&paths.pin_dir]) {
+            if !dir.exists() {
+                if let Err(e) = std::fs::create_dir(dir) {
+                    eprintln!(
+                        "vm-networked skipped: making {} ({e}): no bpffs?",
+                        dir.display()
+                    );
+                    drop(TestPool { name, made });
+                    return None;
+                }
+                made.push(dir.clone());
+            }
+        }
+        std::fs::write(&paths.lock_file, "").unwrap();
+        made.push(paths.lock_file);
+        Some(TestPool { name, made })
+    }
+}
+
+impl Drop for TestPool {
+    fn drop(&mut self) {
+        for path in self.made.iter().rev() {
+            let _ = std::fs::remove_file(path).or_else(|_| std::fs::remove_dir(path));
+        }
+    }
+}
+
 /// Runs this test binary again as the child confined to `spec` (`profile:call`).
 fn run_child(spec: &str) -> std::process::Output {
+    run_child_with(spec, None)
+}
+
+/// Like [`run_child`], with the child's network pool `pool`.
+fn run_child_with(spec: &str, pool: Option<&TestPool>) -> std::process::Output {
     let store = tempfile::TempDir::new().unwrap();
     let host = tempfile::TempDir::new().unwrap();
     // A store as the child's sandbox finds it: its own directory, another sandbox's
@@ -47,7 +97,11 @@ fn run_child(spec: &str) -> std::process::Output {
     std::fs::write(store.path().join("sandboxes/other/rootfs.img"), "disk").unwrap();
     std::fs::write(store.path().join("snapshots/origin/memory.bin"), "origin").unwrap();
     std::fs::write(store.path().join("templates/base/rootfs.img"), "base").unwrap();
-    Command::new(std::env::current_exe().unwrap())
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    if let Some(pool) = pool {
+        command.env("CUBE_NET_POOL", &pool.name);
+    }
+    command
         .args([
             "--exact",
             "confinement_reaches_every_thread_and_a_forbidden_call_kills_the_process",
@@ -169,7 +223,7 @@ fn child(spec: &str) {
     // The host's files: out of reach of a VM supervisor without a network, from any of
     // its threads, where the kernel has Landlock; the others keep them (they mount,
     // pin namespaces and run CRIU on host paths).
-    let landlocked = profile == Profile::Vm && filesystem::kernel_abi().is_some();
+    let landlocked = profile != Profile::Jail && filesystem::kernel_abi().is_some();
     let denied = |r: Result<(), std::io::ErrorKind>| match r {
         Err(std::io::ErrorKind::PermissionDenied) => true,
         Ok(()) => false,
@@ -244,6 +298,26 @@ fn child(spec: &str) {
     for (what, result) in results {
         assert_eq!(denied(result), landlocked, "{profile:?} {what}");
     }
+    if landlocked && profile == Profile::VmNetworked {
+        // Its pool: the lock taken around releasing its TAP, the TAP's link pin
+        // removed with it; nothing else of the pool's run directory.
+        let pool = filesystem::PoolPaths::of_host_pool().unwrap();
+        let lock = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&pool.lock_file)
+            .unwrap();
+        // SAFETY: flock on a descriptor this test owns.
+        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+        let pin = pool.pin_dir.join("links");
+        std::fs::create_dir(&pin).unwrap();
+        std::fs::remove_dir(&pin).unwrap();
+        let beside = pool.lock_file.with_extension("other");
+        assert_eq!(
+            std::fs::write(&beside, "x").map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::PermissionDenied),
+            "a file made beside the pool's lock"
+        );
+    }
     if landlocked {
         // uid 0 writes most sysctls with no capability; /proc is read-only to it now.
         // (Its own value: were the confinement missing, nothing would change.)
@@ -312,8 +386,12 @@ fn confinement_reaches_every_thread_and_a_forbidden_call_kills_the_process() {
         ("vm", "x32"),
         ("vm-networked", "execve"),
     ];
+    let pool = TestPool::make();
     for (profile, call) in cases {
-        let out = run_child(&format!("{profile}:{call}"));
+        if profile == "vm-networked" && pool.is_none() {
+            continue;
+        }
+        let out = run_child_with(&format!("{profile}:{call}"), pool.as_ref());
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             stdout.contains("confined"),
@@ -325,6 +403,7 @@ fn confinement_reaches_every_thread_and_a_forbidden_call_kills_the_process() {
             "{profile}: {call} did not kill the process: {stdout}"
         );
     }
+    drop(pool);
     // The jail profile: capabilities and no_new_privs, no filter (CRIU runs under it).
     let out = run_child("jail:x32");
     let stdout = String::from_utf8_lossy(&out.stdout);

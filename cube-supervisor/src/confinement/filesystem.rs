@@ -14,6 +14,10 @@
 //!   connect no TCP port, reach no abstract unix socket made outside it and, where the
 //!   kernel scopes signals correctly, signal no process but its own threads (uid 0 may
 //!   otherwise signal every root process);
+//! - a VM supervisor with a network gets the same, and the two parts of the host's
+//!   network pool it still works on: the pool's lock file (taken while it releases
+//!   its TAP) and the pool's pins in bpffs (the TAP's link pin goes with the TAP).
+//!   Its TAP stays open from before; it creates no device;
 //! - vCPU threads built ahead, before their sandbox is known, get no file system at
 //!   all: guest code and device emulation use descriptors opened before.
 //!
@@ -52,6 +56,62 @@ pub enum FilesystemError {
     /// The kernel refused the ruleset.
     #[error("building the Landlock ruleset")]
     Ruleset(#[from] RulesetError),
+    /// The network pool's name is unusable.
+    #[error("naming the network pool")]
+    PoolName(#[source] crate::jail_network::JailNetworkError),
+    /// A part of the network pool could not be opened for its rule.
+    #[error("opening {0} for the file-system rule")]
+    Pool(PathBuf, #[source] std::io::Error),
+}
+
+/// The parts of the host's network pool a networked VM supervisor still works on
+/// once confined.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PoolPaths {
+    /// The pool's lock file, taken around releasing a device.
+    pub lock_file: PathBuf,
+    /// Where the pool's maps, programs and links are pinned in bpffs.
+    pub pin_dir: PathBuf,
+}
+
+impl PoolPaths {
+    /// The host pool's (`$CUBE_NET_POOL`, else the default one).
+    pub fn of_host_pool() -> Result<PoolPaths, FilesystemError> {
+        let name = crate::jail_network::pool_name().map_err(FilesystemError::PoolName)?;
+        Ok(Self::of(&crate::jail_network::pool_config(&name)))
+    }
+
+    /// Those of the pool `config` describes.
+    pub fn of(config: &cube_net::PoolConfig) -> PoolPaths {
+        PoolPaths {
+            lock_file: crate::jail_network::PoolLock::path(config),
+            pin_dir: config.pin_dir(),
+        }
+    }
+
+    /// Adds its rules to `created`: the lock file read and written (never truncated,
+    /// replaced or removed), everything beneath the pin directory. The lock file is
+    /// made if it is missing, so that its rule has a file to name (the confined
+    /// supervisor could not make it); the descriptor that opened it names it.
+    fn add_rules(
+        &self,
+        created: landlock::RulesetCreated,
+    ) -> Result<landlock::RulesetCreated, FilesystemError> {
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&self.lock_file)
+            .map_err(|e| FilesystemError::Pool(self.lock_file.clone(), e))?;
+        let pins = PathFd::new(&self.pin_dir)
+            .map_err(|e| FilesystemError::Pool(self.pin_dir.clone(), std::io::Error::other(e)))?;
+        Ok(created
+            .add_rule(PathBeneath::new(
+                lock,
+                AccessFs::ReadFile | AccessFs::WriteFile,
+            ))?
+            .add_rule(PathBeneath::new(pins, AccessFs::from_all(TESTED_ABI)))?)
+    }
 }
 
 /// The Landlock ABI of the running kernel (`None`: no Landlock, or not enabled).
@@ -94,9 +154,13 @@ fn base() -> Result<landlock::RulesetCreated, RulesetError> {
 }
 
 /// The ruleset of a VM supervisor whose sandbox directory is `sandbox_dir`: the parts
-/// of its store [`store_rules`] names, read-only `/proc`, `/sys` and `/dev`, nothing
-/// else. `None` where the kernel has no Landlock.
-pub fn vm_rules(sandbox_dir: &Path) -> Result<Option<OwnedFd>, FilesystemError> {
+/// of its store [`store_rules`] names, read-only `/proc`, `/sys` and `/dev`, and for
+/// one with a network the parts of its `pool` [`PoolPaths`] names; nothing else.
+/// `None` where the kernel has no Landlock.
+pub fn vm_rules(
+    sandbox_dir: &Path,
+    pool: Option<&PoolPaths>,
+) -> Result<Option<OwnedFd>, FilesystemError> {
     if kernel_abi().is_none() {
         return Ok(None);
     }
@@ -104,6 +168,9 @@ pub fn vm_rules(sandbox_dir: &Path) -> Result<Option<OwnedFd>, FilesystemError> 
     for (path, access) in store_rules(sandbox_dir) {
         let fd = PathFd::new(&path).map_err(|e| FilesystemError::Store(path.clone(), e))?;
         created = created.add_rule(PathBeneath::new(fd, access))?;
+    }
+    if let Some(pool) = pool {
+        created = pool.add_rules(created)?;
     }
     let created = created.add_rules(path_beneath_rules(
         READ_ONLY,
@@ -160,17 +227,37 @@ pub fn store_root_of(dir: &Path) -> Option<&Path> {
     (Store::areas_at(root).sandboxes == sandboxes).then_some(root)
 }
 
+/// What a supervisor's file-system confinement covers, for [`describe`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reach {
+    /// A VM supervisor without a network.
+    Vm,
+    /// A VM supervisor with a device from the host's network pool.
+    VmNetworked,
+    /// A jail supervisor: not confined to parts of the file system.
+    Jail,
+}
+
 /// The file-system confinement of a profile in words, for `cube doctor`.
-pub fn describe(vm_without_network: bool) -> String {
-    match (vm_without_network, kernel_abi()) {
-        (false, _) => "the host's, as uid 0 with the capabilities kept".into(),
-        (true, None) => {
-            "the host's, as uid 0 without capabilities (this kernel has no Landlock)".into()
-        }
-        (true, Some(abi)) => format!(
+pub fn describe(reach: Reach) -> String {
+    let pool = match reach {
+        Reach::Jail => return "the host's, as uid 0 with the capabilities kept".into(),
+        Reach::Vm => "",
+        Reach::VmNetworked => ", its network pool's lock file and bpffs pins",
+    };
+    match kernel_abi() {
+        None => format!(
+            "the host's, as uid 0{} (this kernel has no Landlock)",
+            if reach == Reach::Vm {
+                " without capabilities"
+            } else {
+                " with the capabilities kept"
+            }
+        ),
+        Some(abi) => format!(
             "Landlock (ABI {abi}): read-write in its own sandbox directory only, the \
              store's snapshots read and removed but not written, read-only templates \
-             /proc /sys /dev, no TCP, {}",
+             /proc /sys /dev{pool}, no TCP, {}",
             if signals_scoped() {
                 "signals to its own threads only"
             } else {
@@ -224,7 +311,25 @@ mod tests {
             eprintln!("skipped: this kernel has no Landlock");
             return;
         }
-        let e = vm_rules(Path::new("/nonexistent/store/sandboxes/sb-1")).unwrap_err();
+        let e = vm_rules(Path::new("/nonexistent/store/sandboxes/sb-1"), None).unwrap_err();
         assert!(matches!(e, FilesystemError::Store(..)), "{e:?}");
+    }
+
+    #[test]
+    fn a_pool_that_is_not_there_is_an_error_that_names_it() {
+        if kernel_abi().is_none() {
+            eprintln!("skipped: this kernel has no Landlock");
+            return;
+        }
+        let sandbox = tempfile::TempDir::new().unwrap();
+        let pool = PoolPaths {
+            lock_file: sandbox.path().join("pool.lock"),
+            pin_dir: PathBuf::from("/nonexistent/bpffs/cube-net/p"),
+        };
+        let e = vm_rules(sandbox.path(), Some(&pool)).unwrap_err();
+        assert!(
+            matches!(&e, FilesystemError::Pool(path, _) if path == &pool.pin_dir),
+            "{e:?}"
+        );
     }
 }

@@ -12,13 +12,13 @@
 //!   kills this supervisor, and only it (each sandbox has its own). A jail supervisor
 //!   gets none: CRIU, which it starts, must be under no filter (see there);
 //! - for a VM, a core file limit of 0: a killed VMM leaves no copy of guest memory;
-//! - for a VM without a network, Landlock ([`filesystem`]): the host's files but its
-//!   store's out of reach, though it stays uid 0.
+//! - for a VM, Landlock ([`filesystem`]): the host's files but its store's (and, with
+//!   a network, its pool's lock file and pins) out of reach, though it stays uid 0.
 //!
 //! Left for later: an unprivileged uid (the supervisor still writes its store as uid
-//! 0), Landlock for networked VM and jail supervisors (which mount, pin namespaces and
-//! run CRIU on host paths), and allow lists per thread kind in place of deny lists
-//! per engine.
+//! 0), Landlock for jail supervisors (which mount, pin namespaces and run CRIU on
+//! host paths: a Landlocked process may not mount at all), and allow lists per thread
+//! kind in place of deny lists per engine.
 //!
 //! [`Profile::summary`] describes a profile for `cube doctor` and the docs; the
 //! supervisor applies it with [`confine`] right after adopting its sandbox, before the
@@ -206,7 +206,11 @@ impl Profile {
                 .filters()
                 .map(|f| f.killed().iter().map(|k| k.name).collect())
                 .unwrap_or_default(),
-            filesystem: filesystem::describe(self == Profile::Vm),
+            filesystem: filesystem::describe(match self {
+                Profile::Vm => filesystem::Reach::Vm,
+                Profile::VmNetworked => filesystem::Reach::VmNetworked,
+                Profile::Jail => filesystem::Reach::Jail,
+            }),
         }
     }
 }
@@ -228,10 +232,10 @@ pub fn confine_vcpu_threads() -> Result<usize, ConfinementError> {
 }
 
 /// Confines this process, all its threads included, to `profile`: capabilities,
-/// no_new_privs and (for a VM without a network) Landlock first, then the seccomp
+/// no_new_privs and (for a VM) Landlock first, then the seccomp
 /// filters if it has any. `sandbox_dir` is its sandbox's directory: with the parts
-/// of its store [`filesystem::vm_rules`] names, all of the host's file system a VM
-/// supervisor without a network keeps.
+/// of its store [`filesystem::vm_rules`] names (and, for a networked VM, of the
+/// host's network pool), all of the host's file system a VM supervisor keeps.
 pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementError> {
     let start = std::time::Instant::now();
     let last_cap = cube_jail::capabilities::last_cap().map_err(ConfinementError::LastCap)?;
@@ -241,8 +245,12 @@ pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementEr
         None => Vec::new(),
     };
     let rules = match profile {
-        Profile::Vm => filesystem::vm_rules(sandbox_dir)?,
-        Profile::VmNetworked | Profile::Jail => None,
+        Profile::Vm => filesystem::vm_rules(sandbox_dir, None)?,
+        Profile::VmNetworked => {
+            let pool = filesystem::PoolPaths::of_host_pool()?;
+            filesystem::vm_rules(sandbox_dir, Some(&pool))?
+        }
+        Profile::Jail => None,
     };
     if profile != Profile::Jail {
         no_core_files()?;
