@@ -946,13 +946,17 @@ pub fn dump(
     })
 }
 
-/// Writes the dirty data of the filesystem holding `dir` to disk (`syncfs`); best
+/// Writes the dirty data of the layer `dir` to disk, its files only (not the whole
+/// filesystem's, which held the previous snapshot's images still being flushed); best
 /// effort: what it leaves is written by the reflink, inside the freeze.
 fn write_back(dir: &Path) {
-    let Ok(d) = File::open(dir) else { return };
-    // SAFETY: syncfs takes a descriptor this function owns.
-    if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
-        tracing::debug!(error = %io::Error::last_os_error(), "syncfs before a dump");
+    match cube_storage::writeback::write_back_tree(dir) {
+        Ok(stats) => tracing::debug!(
+            files = stats.files,
+            skipped = stats.skipped,
+            "layer written back before a dump"
+        ),
+        Err(e) => tracing::debug!(error = %e, "writing the layer back before a dump"),
     }
 }
 

@@ -28,6 +28,7 @@ pub mod project_quota;
 pub mod reflink;
 pub mod store;
 pub mod tree_manifest;
+pub mod writeback;
 
 mod random_id;
 mod removal_guard;
