@@ -305,6 +305,7 @@ fn measure(
             clone_rows.push(CloneRow {
                 n: 1,
                 concurrency: 1,
+                samples: 1,
                 wall_ms: round2(snapshot_ms + clone_ms),
                 per_clone_ms: round2(clone_ms),
             });

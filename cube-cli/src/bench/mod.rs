@@ -437,19 +437,29 @@ fn run_plan(
     let mut clone_rows = Vec::new();
     for &(n, concurrency) in &plan.clones {
         progress(&format!("clone n {n}, concurrency {concurrency}"));
+        // A single clone is a few ms: one sample made its bar (CI: 282 ms once, 11 to
+        // 17 ms otherwise), so it is repeated and the row is the median.
+        let samples = if n == 1 { plan.repeats } else { 1 };
         let mut source = rt.create(template, ephemeral()).map_err(CliError::from)?;
-        rt.wait_pool_ready();
-        let result = timed(|| rt.clone_sandbox(&mut source, n, concurrency, ephemeral()));
+        let walls: Result<Vec<Duration>, CliError> = (0..samples)
+            .map(|_| {
+                rt.wait_pool_ready();
+                let (wall, clones) =
+                    timed(|| rt.clone_sandbox(&mut source, n, concurrency, ephemeral()))?;
+                for c in clones {
+                    let _ = c.destroy();
+                }
+                Ok(wall)
+            })
+            .collect();
         let _ = source.destroy();
-        let (wall, clones) = result?;
-        for c in clones {
-            let _ = c.destroy();
-        }
+        let (wall_ms, _) = percentiles_ms(&walls?);
         clone_rows.push(CloneRow {
             n,
             concurrency,
-            wall_ms: round2(wall.as_secs_f64() * 1e3),
-            per_clone_ms: round2(wall.as_secs_f64() * 1e3 / n as f64),
+            samples,
+            wall_ms: round2(wall_ms),
+            per_clone_ms: round2(wall_ms / n as f64),
         });
     }
 

@@ -18,6 +18,8 @@ pub struct CreateRow {
 pub struct CloneRow {
     pub n: usize,
     pub concurrency: usize,
+    /// How many times the clone was made; `wall_ms` is their median.
+    pub samples: usize,
     pub wall_ms: f64,
     pub per_clone_ms: f64,
 }
