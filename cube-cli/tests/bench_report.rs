@@ -182,3 +182,34 @@ fn a_chart_without_data_says_so_and_bad_input_is_refused() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("broken.json"));
 }
+
+#[test]
+fn bad_input_is_refused_before_the_report_directory_is_made() {
+    let inputs = tempfile::tempdir().unwrap();
+    std::fs::write(inputs.path().join("broken.json"), b"{ not json").unwrap();
+    // A --network report is JSON but draws nothing on the page.
+    write(
+        inputs.path(),
+        "network.json",
+        &json!({ "attach_veth_into_netns_ms": 1.0 }),
+    );
+    let cases: [(&[&str], &str); 4] = [
+        (&["broken.json"], "broken.json is no JSON report"),
+        (&["missing.json"], "missing.json"),
+        (&["network.json"], "nothing to draw"),
+        (&[], "no reports: give --input FILE"),
+    ];
+    for (given, expected) in cases {
+        let dir = inputs.path().join("report");
+        let mut cmd = Command::new(CUBE);
+        cmd.args(["bench", "--report"]).arg(&dir);
+        for name in given {
+            cmd.arg("--input").arg(inputs.path().join(name));
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{given:?} was accepted");
+        assert!(stderr.contains(expected), "{given:?}: {stderr}");
+        assert!(!dir.exists(), "{given:?} left {} behind", dir.display());
+    }
+}

@@ -63,28 +63,10 @@ struct Inputs {
 }
 
 /// Reads the reports (`inputs`, else every `*.json` in `dir`) and writes
-/// `dir/index.html`.
+/// `dir/index.html`. Every input is read and checked before `dir` is made, so bad
+/// input leaves nothing behind.
 pub fn run(dir: &Path, inputs: &[PathBuf]) -> Result<(), CliError> {
-    std::fs::create_dir_all(dir)
-        .map_err(|e| CliError::failed(format!("creating {}: {e}", dir.display())))?;
-    let files: Vec<PathBuf> = if inputs.is_empty() {
-        let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|e| CliError::failed(format!("reading {}: {e}", dir.display())))?
-            .filter_map(Result::ok)
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "json"))
-            .collect();
-        found.sort();
-        found
-    } else {
-        inputs.to_vec()
-    };
-    if files.is_empty() {
-        return Err(CliError::failed(format!(
-            "no reports: give --input FILE or put `cube bench --json` output in {}",
-            dir.display()
-        )));
-    }
+    let files = report_files(dir, inputs)?;
     let mut read = Inputs::default();
     for file in &files {
         let text = std::fs::read_to_string(file)
@@ -93,12 +75,58 @@ pub fn run(dir: &Path, inputs: &[PathBuf]) -> Result<(), CliError> {
             .map_err(|e| CliError::failed(format!("{} is no JSON report: {e}", file.display())))?;
         read.add(file, value);
     }
+    if read.files.is_empty() {
+        return Err(CliError::failed(format!(
+            "nothing to draw: none of {} is a lifecycle or scaling report \
+             (`cube bench --json`, `cube bench --scaling --json`)",
+            files_named(&files)
+        )));
+    }
     let html = render(&read);
+    std::fs::create_dir_all(dir)
+        .map_err(|e| CliError::failed(format!("creating {}: {e}", dir.display())))?;
     let out = dir.join("index.html");
     std::fs::write(&out, html)
         .map_err(|e| CliError::failed(format!("writing {}: {e}", out.display())))?;
     println!("{}", out.display());
     Ok(())
+}
+
+/// The reports to read: `inputs`, else the `*.json` files already in `dir`.
+fn report_files(dir: &Path, inputs: &[PathBuf]) -> Result<Vec<PathBuf>, CliError> {
+    if !inputs.is_empty() {
+        return Ok(inputs.to_vec());
+    }
+    let no_reports = || {
+        CliError::failed(format!(
+            "no reports: give --input FILE or put `cube bench --json` output in {}",
+            dir.display()
+        ))
+    };
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(no_reports()),
+        Err(e) => return Err(CliError::failed(format!("reading {}: {e}", dir.display()))),
+    };
+    let mut found: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .collect();
+    if found.is_empty() {
+        return Err(no_reports());
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// `a.json, b.json` for an error message.
+fn files_named(files: &[PathBuf]) -> String {
+    files
+        .iter()
+        .map(|f| f.display().to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 impl Inputs {
