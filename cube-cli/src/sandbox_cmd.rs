@@ -245,6 +245,25 @@ pub enum SandboxCommand {
         #[arg(short, default_value_t = 1)]
         n: usize,
     },
+    /// Change a running jail sandbox's limits; those not given stay. They hold
+    /// across rollbacks, hibernation and wake. A VM's are fixed at create.
+    ///
+    /// Example: cube sandbox limits sb-0123456789abcdef --memory-mib 4096 --pids-max 512
+    #[command(group(clap::ArgGroup::new("limit").required(true).multiple(true)))]
+    Limits {
+        /// Sandbox id.
+        id: String,
+        /// Memory limit, MiB (its /tmp and /dev/shm take their new size at its next
+        /// start).
+        #[arg(long, value_name = "N", group = "limit", value_parser = clap::value_parser!(u64).range(1..))]
+        memory_mib: Option<u64>,
+        /// CPU limit in thousandths of a core.
+        #[arg(long, value_name = "N", group = "limit", value_parser = clap::value_parser!(u32).range(1..))]
+        cpu_millis: Option<u32>,
+        /// Most processes and threads at once.
+        #[arg(long, value_name = "N", group = "limit", value_parser = clap::value_parser!(u32).range(1..))]
+        pids_max: Option<u32>,
+    },
     /// Stop a sandbox's vCPUs (memory stays).
     ///
     /// Example: cube sandbox pause sb-0123456789abcdef
@@ -642,6 +661,16 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
                 eprintln!("clones made from a {FILESYSTEM_NOTE}");
             }
         }
+        SandboxCommand::Limits {
+            id,
+            memory_mib,
+            cpu_millis,
+            pids_max,
+        } => rt.attach(&id)?.set_limits(cube_core::LimitChange {
+            memory_mib,
+            cpu_millis,
+            pids_max,
+        })?,
         SandboxCommand::Pause { id } => rt.attach(&id)?.pause()?,
         SandboxCommand::Resume { id } => rt.attach(&id)?.resume()?,
         SandboxCommand::Hibernate { id } => rt.attach(&id)?.hibernate()?,

@@ -145,6 +145,22 @@ fn usage_errors_exit_2() {
     fails(s, &["sandbox", "cat", "sb-0000000000000000"], 2);
     fails(s, &["sandbox", "rm"], 2);
     fails(s, &["sandbox", "rollback", "sb-0000000000000000"], 2);
+    let err = fails(s, &["sandbox", "limits", "sb-0000000000000000"], 2);
+    assert!(
+        err.contains("--memory-mib") && err.contains("--pids-max"),
+        "{err}"
+    );
+    fails(
+        s,
+        &[
+            "sandbox",
+            "limits",
+            "sb-0000000000000000",
+            "--pids-max",
+            "0",
+        ],
+        2,
+    );
     // Bad flag values.
     fails(
         s,
@@ -208,6 +224,7 @@ fn unknown_things_exit_3_with_what_to_do() {
         &["sandbox", "code", unknown, "1"],
         &["sandbox", "exec", unknown, "--", "true"],
         &["sandbox", "pause", unknown],
+        &["sandbox", "limits", unknown, "--pids-max", "9"],
     ] {
         let err = fails(s, args, 3);
         assert!(err.contains(unknown), "cube {args:?}: {err}");
@@ -262,6 +279,41 @@ impl Drop for Cleanup<'_> {
     fn drop(&mut self) {
         let _ = cube(self.0, &["sandbox", "rm", &self.1]);
     }
+}
+
+#[test]
+fn a_jail_sandboxs_limits_change_while_it_runs() {
+    if jail_skip() {
+        return;
+    }
+    let store = tempfile::tempdir().unwrap();
+    let s = store.path();
+    let id = ok(s, &["sandbox", "create", "--pids-max", "64"])
+        .trim()
+        .to_string();
+    let _cleanup = Cleanup(s, id.clone());
+    let pids_max = || {
+        let inspect = json(s, &["sandbox", "inspect", &id, "--json"]);
+        let file = inspect["jail"]["cgroups"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| Path::new(d.as_str().unwrap()).join("pids.max"))
+            .find(|f| f.is_file());
+        file.map(|f| std::fs::read_to_string(f).unwrap().trim().to_string())
+    };
+    if pids_max().is_none() {
+        println!("skipped: no pids cgroup controller on this host");
+        return;
+    }
+    assert_eq!(pids_max().as_deref(), Some("64"));
+    ok(s, &["sandbox", "limits", &id, "--pids-max", "77"]);
+    assert_eq!(pids_max().as_deref(), Some("77"));
+    // The sandbox runs on, its other limits as they were.
+    assert_eq!(
+        ok(s, &["sandbox", "exec", &id, "--", "echo", "on"]).trim(),
+        "on"
+    );
 }
 
 #[test]

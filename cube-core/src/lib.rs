@@ -97,7 +97,9 @@ pub use cube_supervisor::jail_sandbox::connect_agent as connect_jail_agent;
 pub use cube_supervisor::jail_spec::{
     DEFAULT_CPU_MILLIS, DEFAULT_DISK_MIB, DEFAULT_MEMORY_MIB, DEFAULT_PIDS_MAX,
 };
-pub use cube_supervisor::protocol::{ErrorKind, JailStatus, MachineStatus, StatusReport};
+pub use cube_supervisor::protocol::{
+    ErrorKind, JailStatus, LimitChange, MachineStatus, StatusReport,
+};
 pub use cube_supervisor::records::{
     Engine, ProcessDefaults, SandboxMeta, SnapshotKind, SnapshotMeta, TemplateMeta, HOST_TEMPLATE,
 };

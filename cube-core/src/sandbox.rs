@@ -6,7 +6,7 @@ use cube_storage::{SandboxDir, SnapshotDir};
 use cube_supervisor::client::{ClientError, SupervisorClient};
 use cube_supervisor::jail_sandbox::connect_agent;
 use cube_supervisor::network::{NetworkPolicy, NetworkReport, PortMapping};
-use cube_supervisor::protocol::{MachineStatus, Request, Response, StatusReport};
+use cube_supervisor::protocol::{LimitChange, MachineStatus, Request, Response, StatusReport};
 use cube_supervisor::records::{Engine, SnapshotKind, SnapshotMeta};
 use cube_supervisor::vm_agent::{agent_client, DEFAULT_CONNECT_TIMEOUT};
 use cube_vmm::persist::SnapshotStats;
@@ -299,6 +299,18 @@ impl Sandbox {
             .to_egress()
             .map_err(|e| SandboxError::Network(e.into()))?;
         self.call_ok(&Request::SetPolicy(policy.clone()))
+    }
+
+    /// Changes the running sandbox's resource limits (jail engine): each limit
+    /// `change` gives replaces the sandbox's, the others stay. They hold from then
+    /// on, across rollbacks, hibernation and wake. A VM's memory and vCPUs are fixed
+    /// at create: a VM sandbox refuses. Memory below what the sandbox uses now is
+    /// reclaimed from it, or refused by the host where it cannot be.
+    pub fn set_limits(&mut self, change: LimitChange) -> Result<(), SandboxError> {
+        if change.is_empty() {
+            return Ok(());
+        }
+        self.call_ok(&Request::SetLimits(change))
     }
 
     /// Serves sandbox port `port.sandbox_port` at `port.host_port` on the host's

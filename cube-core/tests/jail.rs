@@ -17,7 +17,7 @@ use cube_core::{
     CreateOptions, Engine, Runtime, RuntimeConfig, Sandbox, DEFAULT_PIDS_MAX, HOST_TEMPLATE,
 };
 use cube_core::{EngineChoice, SandboxError, SnapshotKind};
-use cube_core::{JailStatus, MachineStatus};
+use cube_core::{JailStatus, LimitChange, MachineStatus};
 
 /// Why this host cannot run jails, if it cannot.
 fn skip() -> bool {
@@ -316,6 +316,63 @@ fn a_sandbox_that_names_no_pids_limit_gets_the_default_one() {
         destroy_and_check(plain);
         destroy_and_check(limited);
     }
+}
+
+/// The first of `files` found in the sandbox's cgroups, trimmed.
+fn cgroup_value(sb: &mut Sandbox, files: &[&str]) -> String {
+    let dirs = jail_status(sb).cgroups;
+    let file = files
+        .iter()
+        .flat_map(|f| dirs.iter().map(move |d| d.join(f)))
+        .find(|f| f.is_file())
+        .unwrap_or_else(|| panic!("no cgroup of the sandbox has {files:?}"));
+    std::fs::read_to_string(file).unwrap().trim().to_string()
+}
+
+#[test]
+fn limits_change_while_the_sandbox_runs_and_hold_after_a_rollback() {
+    if skip() {
+        return;
+    }
+    let env = Env::new(1);
+    let mut options = CreateOptions::new(false);
+    options.memory_mib = Some(64);
+    options.pids_max = Some(32);
+    let mut sb = env.create(options);
+    let memory = ["memory.max", "memory.limit_in_bytes"];
+    assert_eq!(cgroup_value(&mut sb, &memory), (64u64 << 20).to_string());
+    let touch = "python3 -c 'b = bytearray(100 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint(\"fit\")'";
+    assert_ne!(sh(&sb.agent().unwrap(), touch).0, 0, "100 MiB fit into 64");
+
+    sb.set_limits(LimitChange {
+        memory_mib: Some(256),
+        pids_max: Some(48),
+        cpu_millis: None,
+    })
+    .unwrap();
+    assert_eq!(cgroup_value(&mut sb, &memory), (256u64 << 20).to_string());
+    assert_eq!(cgroup_value(&mut sb, &["pids.max"]), "48");
+    let (code, out, err) = sh(&sb.agent().unwrap(), touch);
+    assert_eq!((code, out.trim()), (0, "fit"), "{err}");
+    // Nothing to change is no call; a limit the host refuses is an error naming it,
+    // and the limits stay as they were.
+    sb.set_limits(LimitChange::default()).unwrap();
+    let refused = sb
+        .set_limits(LimitChange {
+            pids_max: Some(0),
+            ..LimitChange::default()
+        })
+        .unwrap_err();
+    let why = format!("{refused:?}");
+    assert!(why.contains("pids_max must be positive"), "{why}");
+    assert_eq!(cgroup_value(&mut sb, &["pids.max"]), "48");
+
+    // A rollback starts a new jail: with the new limits.
+    let snap = sb.snapshot().unwrap();
+    sb.rollback(&snap.id).unwrap();
+    assert_eq!(cgroup_value(&mut sb, &memory), (256u64 << 20).to_string());
+    assert_eq!(cgroup_value(&mut sb, &["pids.max"]), "48");
+    destroy_and_check(sb);
 }
 
 #[test]
@@ -732,4 +789,21 @@ fn a_sandbox_hosting_containers_runs_a_process_in_a_root_of_its_own() {
         .to_string();
     assert!(err.contains("No such file"), "{err}");
     pod.destroy().unwrap();
+}
+
+#[test]
+fn a_pooled_create_gets_more_memory_than_its_jail_started_with() {
+    if skip() {
+        return;
+    }
+    // The pool's jail starts with the default limits; the create raises memory past
+    // them (on cgroup v1 with swap accounting: memory+swap first, or EINVAL).
+    let env = Env::new(1);
+    env.rt.wait_pool_ready();
+    let mut options = CreateOptions::new(true);
+    options.memory_mib = Some(4096);
+    let mut sb = env.create(options);
+    let memory = ["memory.max", "memory.limit_in_bytes"];
+    assert_eq!(cgroup_value(&mut sb, &memory), (4096u64 << 20).to_string());
+    destroy_and_check(sb);
 }

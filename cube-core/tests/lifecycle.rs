@@ -375,3 +375,32 @@ fn requests_racing_a_destroy_are_served_before_it_or_refused() {
         );
     }
 }
+
+#[test]
+fn a_vm_refuses_new_limits_and_runs_on() {
+    let Some(mut env) = TestEnv::new() else {
+        return;
+    };
+    let template = env.template("limits", NO_WORKING_SET);
+    let mut sb = env.create(&template);
+    let refused = sb
+        .set_limits(cube_core::LimitChange {
+            memory_mib: Some(64),
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert_eq!(
+        refused.kind(),
+        cube_core::ErrorKind::Unsupported,
+        "{refused:?}"
+    );
+    assert!(
+        error_chain(&refused).contains("fixed when it is created"),
+        "{}",
+        error_chain(&refused)
+    );
+    sb.guest_spin(true).unwrap();
+    wait_counter_above(&mut sb, 0);
+    sb.destroy().unwrap();
+    env.finish();
+}

@@ -652,10 +652,23 @@ impl SandboxCgroup {
                     }
                 }
                 CgroupVersion::V1 => {
-                    write(dir.join("memory.limit_in_bytes"), &v)?;
+                    let memory = dir.join("memory.limit_in_bytes");
                     let memsw = dir.join("memory.memsw.limit_in_bytes");
-                    if memsw.exists() {
-                        write(memsw, &v)?;
+                    if !memsw.exists() {
+                        write(memory, &v)?;
+                    } else {
+                        // The kernel keeps memory at most memory+swap at every step:
+                        // a limit raised moves memory+swap first, a lowered one last.
+                        let current = std::fs::read_to_string(&memory)
+                            .ok()
+                            .and_then(|s| s.trim().parse::<u64>().ok());
+                        if current.is_some_and(|c| bytes > c) {
+                            write(memsw, &v)?;
+                            write(memory, &v)?;
+                        } else {
+                            write(memory, &v)?;
+                            write(memsw, &v)?;
+                        }
                     }
                 }
             }

@@ -163,6 +163,25 @@ impl NativeSandbox {
         self.with_handle(py, |sb| sb.rollback(&snapshot))
     }
 
+    /// Changes the running sandbox's limits (jail): each one given replaces the
+    /// sandbox's, the others stay.
+    #[pyo3(signature = (memory_mib=None, cpu_millis=None, pids_max=None))]
+    fn set_limits(
+        &self,
+        py: Python<'_>,
+        memory_mib: Option<u64>,
+        cpu_millis: Option<u32>,
+        pids_max: Option<u32>,
+    ) -> PyResult<()> {
+        self.with_handle(py, |sb| {
+            sb.set_limits(cube_core::LimitChange {
+                memory_mib,
+                cpu_millis,
+                pids_max,
+            })
+        })
+    }
+
     /// Freezes the sandbox's processes; memory stays.
     fn pause(&self, py: Python<'_>) -> PyResult<()> {
         self.with_handle(py, |sb| sb.pause())

@@ -250,3 +250,32 @@ def test_limits_contain_memory_and_forks() -> None:
     forked = int(sb.commands.run(f"python3 -c '{_FORKS}'").stdout)
     assert 0 < forked < 32
     sb.kill()
+
+
+_FORK_64 = """
+import os, time
+pids = []
+for _ in range(64):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    pids.append(pid)
+for p in pids:
+    os.kill(p, 9)
+for p in pids:
+    os.waitpid(p, 0)
+len(pids)
+"""
+
+
+def test_limits_change_while_the_sandbox_runs(sandbox: Sandbox) -> None:
+    sandbox.set_limits(pids_max=16)
+    assert 0 < int(sandbox.run_code(_FORK_64).text) < 16
+    sandbox.set_limits(pids_max=256)
+    assert sandbox.run_code(_FORK_64).text == "64"
+    with pytest.raises(cubesandbox.InvalidArgument, match="pids_max"):
+        sandbox.set_limits(pids_max=0)

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use containerd_shim::protos::types::mount::Mount;
 use cube_agent::client::Client;
 use cube_core::JailStatus;
-use cube_core::{CreateOptions, Runtime, Sandbox, SandboxError};
+use cube_core::{CreateOptions, LimitChange, Runtime, Sandbox, SandboxError};
 
 use crate::pod_mount::{PodMount, PodMountError};
 use crate::process::{AgentLink, Process, ProcessError};
@@ -249,7 +249,11 @@ impl Container {
         if let Some(pod) = spec.pod() {
             labels.insert("kubernetes.pod".to_string(), pod.to_string());
         }
+        let limits = spec.limits()?;
         let options = CreateOptions {
+            memory_mib: limits.memory_mib,
+            cpu_millis: limits.cpu_millis,
+            pids_max: limits.pids_max,
             ephemeral: true,
             engine: spec.engine()?,
             metadata: labels,
@@ -479,6 +483,15 @@ impl Container {
             return Err(ContainerError::InPod(operation));
         }
         self.with_sandbox(f)
+    }
+
+    /// Changes the limits of the container's sandbox: its own, or the pod's for a
+    /// pod's pause container. A container of a pod has none of its own to change.
+    pub fn set_limits(&self, change: LimitChange) -> Result<(), ContainerError> {
+        if matches!(self.role, Role::InPod(_)) {
+            return Err(ContainerError::InPod("Changing the resources of"));
+        }
+        self.with_sandbox(|sb| sb.set_limits(change))
     }
 
     /// Runs `f` on the sandbox.

@@ -31,6 +31,7 @@ pub mod container;
 pub mod detached_tree;
 pub mod pod_mount;
 pub mod process;
+pub mod resources;
 pub mod service;
 pub mod shim;
 pub mod spec;

@@ -29,6 +29,7 @@ use cube_core::Runtime;
 use crate::calls_in_flight::CallsInFlight;
 use crate::container::{Container, ContainerError, CreateRequest, Role, CHECKPOINT_ARCHIVE};
 use crate::process::{Exit, Phase, Process, StdioPaths};
+use crate::resources::Resources;
 use crate::spec::{ProcessSpec, Spec};
 
 /// Where events go, and in which containerd namespace.
@@ -505,11 +506,16 @@ impl Task for Service {
 
     fn update(&self, _ctx: &TtrpcContext, req: UpdateTaskRequest) -> ttrpc::Result<Empty> {
         let _call = self.calls.enter();
-        self.container(&req.id)?;
-        Err(status(
-            Code::UNIMPLEMENTED,
-            "changing a running Cube sandbox's resources is not supported yet",
-        ))
+        let container = self.container(&req.id)?;
+        let resources = req
+            .resources
+            .as_ref()
+            .ok_or_else(|| status(Code::INVALID_ARGUMENT, "Update without resources"))?;
+        let change = Resources::from_any(&resources.type_url, &resources.value)
+            .and_then(|r| r.limits())
+            .map_err(|e| status(Code::INVALID_ARGUMENT, e))?;
+        container.set_limits(change).map_err(failed)?;
+        Ok(Empty::new())
     }
 
     fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> ttrpc::Result<StatsResponse> {

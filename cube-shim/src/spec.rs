@@ -1,13 +1,15 @@
 //! What the shim reads of an OCI runtime spec (the bundle's `config.json`, and the
-//! process spec of an exec): the process, the network namespace, and the annotations
-//! the CRI plugin and Cube's users set.
+//! process spec of an exec): the process, the network namespace, the resource limits,
+//! and the annotations the CRI plugin and Cube's users set.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use cube_core::network::NetnsChoice;
-use cube_core::EngineChoice;
+use cube_core::{EngineChoice, LimitChange};
 use serde::Deserialize;
+
+use crate::resources::{Resources, ResourcesError};
 
 /// Annotation the CRI plugin sets on every container: `sandbox` for a pod's pause
 /// container, `container` for the others.
@@ -35,6 +37,9 @@ pub enum SpecError {
     /// The engine annotation names no engine.
     #[error("Annotation {ENGINE}: {0}")]
     Engine(String),
+    /// `linux.resources` cannot be honoured.
+    #[error("linux.resources: {0}")]
+    Resources(#[from] ResourcesError),
 }
 
 /// The parts of a runtime spec the shim uses.
@@ -114,6 +119,9 @@ pub struct Linux {
     /// Namespaces to create or join.
     #[serde(default)]
     pub namespaces: Vec<Namespace>,
+    /// Resource limits.
+    #[serde(default)]
+    pub resources: Option<Resources>,
 }
 
 /// One namespace entry.
@@ -182,6 +190,14 @@ impl Spec {
         self.mounts
             .iter()
             .filter(|m| m.is_bind() && !m.under_sandbox_filesystems())
+    }
+
+    /// The limits `linux.resources` asks for (see [`Resources::limits`]).
+    pub fn limits(&self) -> Result<LimitChange, SpecError> {
+        match self.linux.as_ref().and_then(|l| l.resources.as_ref()) {
+            Some(resources) => Ok(resources.limits()?),
+            None => Ok(LimitChange::default()),
+        }
     }
 
     /// The container's process.

@@ -16,10 +16,10 @@ use common::{skip, Containerd, CRI_NAMESPACE, IMAGE};
 use k8s_cri::v1::runtime_service_client::RuntimeServiceClient;
 use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec,
-    LinuxContainerConfig, LinuxContainerSecurityContext, LinuxPodSandboxConfig,
-    LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption, PodSandboxConfig,
-    PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest, StartContainerRequest,
-    StopPodSandboxRequest,
+    LinuxContainerConfig, LinuxContainerResources, LinuxContainerSecurityContext,
+    LinuxPodSandboxConfig, LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption,
+    PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest,
+    StartContainerRequest, StopPodSandboxRequest, UpdateContainerResourcesRequest,
 };
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -275,6 +275,24 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
         assert!(
             !out.contains(".cube"),
             "the sandbox's own root shows: {out}"
+        );
+        // A container of a pod has no sandbox of its own to resize: the refusal says
+        // why (so the resources reached the shim in a shape it reads).
+        let refused = client
+            .update_container_resources(UpdateContainerResourcesRequest {
+                container_id: side.clone(),
+                linux: Some(LinuxContainerResources {
+                    memory_limit_in_bytes: 256 << 20,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            refused.message().contains("its sandbox is the pod's"),
+            "{}",
+            refused.message()
         );
         let cube = c.cube_store();
         let sandboxes = cube.list().unwrap();

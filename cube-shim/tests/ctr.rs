@@ -164,10 +164,12 @@ fn ctr_runs_execs_measures_kills_and_deletes_a_cube_container() {
         "PID 1 is not Cube's agent: {stdout}"
     );
 
-    // Detached: exec, metrics, ps, kill, delete.
+    // Detached, with a memory limit in its spec: exec, metrics, ps, kill, delete.
     c.ctr_ok(&[
         "run",
         "-d",
+        "--memory-limit",
+        "201326592",
         "--runtime",
         RUNTIME,
         IMAGE,
@@ -196,6 +198,13 @@ fn ctr_runs_execs_measures_kills_and_deletes_a_cube_container() {
     let metrics = c.ctr_ok(&["task", "metrics", "c2"]);
     assert!(metrics.contains("pids.current"), "{metrics}");
     assert!(metrics.contains("memory.usage_in_bytes"), "{metrics}");
+    // The spec's limit is the sandbox's (192 MiB, Cube's default is larger).
+    let limit = metrics
+        .lines()
+        .find(|l| l.trim_start().starts_with("memory.limit_in_bytes"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or_else(|| panic!("no memory limit in {metrics}"));
+    assert_eq!(limit, "201326592", "{metrics}");
     let pids = task_pids(&c, "c2");
     assert!(pids.len() >= 2, "agent and sleep: {pids:?}");
 

@@ -11,7 +11,7 @@ use std::path::Path;
 
 use crate::confinement::Profile;
 use crate::jail_network::{network_failure, JailNetwork};
-use crate::protocol::{ErrorKind, Failure, Request, Response, StatusReport};
+use crate::protocol::{ErrorKind, Failure, LimitChange, Request, Response, StatusReport};
 use crate::records::SnapshotMeta;
 
 /// A sandbox as its supervisor holds it: a test-guest VM, a Linux VM or a jail.
@@ -54,6 +54,16 @@ pub trait SandboxBackend: Send {
     /// Releases everything the sandbox holds (its files stay for the store to
     /// remove); waits for its background work.
     fn destroy(&mut self);
+
+    /// Changes its resource limits (see [`LimitChange`]). A VM's memory and vCPUs are
+    /// fixed when it is made: VM backends refuse.
+    fn set_limits(&mut self, change: LimitChange) -> Result<(), Failure> {
+        let _ = change;
+        Err(Failure::unsupported(
+            "a VM's memory and vCPUs are fixed when it is created: only a jail sandbox's \
+             limits change while it runs",
+        ))
+    }
 
     /// Its network controls, where the engine can have a network.
     fn networked(&mut self) -> Option<&mut dyn Networked> {
@@ -162,6 +172,7 @@ pub fn dispatch(backend: &mut dyn SandboxBackend, request: Request) -> Result<Re
             let withdrawn = networked(backend)?.network()?.unexpose(host_port);
             withdrawn.map(|()| Response::Ok).map_err(network_failure)
         }
+        Request::SetLimits(change) => backend.set_limits(change).map(|()| Response::Ok),
         Request::GuestDirty { mib, pattern } => test_guest(backend)?
             .guest_dirty(mib, pattern)
             .map(|()| Response::Ok),

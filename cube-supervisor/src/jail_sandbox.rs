@@ -41,7 +41,9 @@ use crate::jail_network::{JailNetwork, JailNetworkError};
 use crate::jail_snapshot;
 use crate::jail_spec::{locate_agent, JailSpec, AGENT_PATH};
 use crate::network::NetnsChoice;
-use crate::protocol::{ErrorKind, Failure, JailStatus, MachineStatus, Settings, StatusReport};
+use crate::protocol::{
+    ErrorKind, Failure, JailStatus, LimitChange, MachineStatus, Settings, StatusReport,
+};
 use crate::records::{Engine, SnapshotKind, SnapshotMeta};
 use crate::resident_memory::own_rss_kib;
 use crate::snapshot_transaction::{PendingCommit, SnapshotTransaction, Staged};
@@ -853,6 +855,20 @@ impl SandboxBackend for JailSandbox {
             let _ = std::fs::remove_dir_all(leftover);
         }
         let _ = std::fs::remove_file(self.dir.agent_socket());
+    }
+
+    /// Writes the new limits to the running jail's cgroups (and a hibernated one's
+    /// settings), and keeps them for every later start or restore of its jail. The
+    /// sizes of its tmpfs follow at the next start.
+    fn set_limits(&mut self, change: LimitChange) -> Result<(), Failure> {
+        let settings = change.applied_to(&self.settings);
+        let limits = limits(&settings, self.dir.path())?;
+        if let Some(jail) = &self.jail {
+            jail.set_limits(&limits)
+                .map_err(|e| format!("setting limits: {}", error_chain(&e)))?;
+        }
+        self.settings = settings;
+        Ok(())
     }
 
     fn networked(&mut self) -> Option<&mut dyn Networked> {

@@ -293,6 +293,38 @@ pub enum Request {
         /// The host port.
         host_port: u16,
     },
+    /// Change the running sandbox's resource limits (jail).
+    SetLimits(LimitChange),
+}
+
+/// New resource limits for a running sandbox: each one given replaces the sandbox's,
+/// each one left out (`None`) stays as it is. They hold from then on, across
+/// rollbacks, hibernation and wake too.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LimitChange {
+    /// Memory limit, MiB.
+    pub memory_mib: Option<u64>,
+    /// CPU limit in thousandths of a core.
+    pub cpu_millis: Option<u32>,
+    /// Most processes and threads.
+    pub pids_max: Option<u32>,
+}
+
+impl LimitChange {
+    /// Whether it changes nothing.
+    pub fn is_empty(&self) -> bool {
+        *self == LimitChange::default()
+    }
+
+    /// `settings` with these limits in place of theirs.
+    pub fn applied_to(&self, settings: &Settings) -> Settings {
+        Settings {
+            memory_mib: self.memory_mib.or(settings.memory_mib),
+            cpu_millis: self.cpu_millis.or(settings.cpu_millis),
+            pids_max: self.pids_max.or(settings.pids_max),
+            ..settings.clone()
+        }
+    }
 }
 
 /// Machine state as a supervisor reports it.

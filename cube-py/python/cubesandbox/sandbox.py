@@ -252,6 +252,14 @@ class Files:
 PortSpec = Union[int, str, Tuple[int, int]]
 
 
+def _check_limits(**limits: Optional[int]) -> None:
+    """Refuses a limit that is given but is no positive integer, naming it."""
+    for name, value in limits.items():
+        positive = isinstance(value, int) and not isinstance(value, bool) and value > 0
+        if value is not None and not positive:
+            raise InvalidArgument(f"{name} must be a positive integer, not {value!r}")
+
+
 def _port(spec: PortSpec) -> str:
     """``8080``, ``"8080:80"`` or ``(8080, 80)`` as ``"HOST:SANDBOX"``."""
     if isinstance(spec, bool):
@@ -366,15 +374,9 @@ class Sandbox:
         MiB, ENOSPC inside past it; default 4096 on a store with project quotas, where
         alone it can be asked for).
         """
-        for name, value in (
-            ("memory_mib", memory_mib),
-            ("cpu_millis", cpu_millis),
-            ("pids_max", pids_max),
-            ("disk_mib", disk_mib),
-        ):
-            positive = isinstance(value, int) and not isinstance(value, bool) and value > 0
-            if value is not None and not positive:
-                raise InvalidArgument(f"{name} must be a positive integer, not {value!r}")
+        _check_limits(
+            memory_mib=memory_mib, cpu_millis=cpu_millis, pids_max=pids_max, disk_mib=disk_mib
+        )
         if snapshot is not None and template is not None:
             raise InvalidArgument("name a template or a snapshot to create from, not both")
         native = _native.create(
@@ -456,6 +458,20 @@ class Sandbox:
         return [
             Sandbox(_native_sandbox=c, _store=self._store) for c in self._native.clone(n)
         ]
+
+    def set_limits(
+        self,
+        *,
+        memory_mib: Optional[int] = None,
+        cpu_millis: Optional[int] = None,
+        pids_max: Optional[int] = None,
+    ) -> None:
+        """Changes a running jail sandbox's limits (as :meth:`create` takes them):
+        each one given replaces the sandbox's, the others stay, and they hold across
+        rollbacks, hibernation and wake. A VM's are fixed when it is created
+        (:class:`cubesandbox.CubeError` says so)."""
+        _check_limits(memory_mib=memory_mib, cpu_millis=cpu_millis, pids_max=pids_max)
+        self._native.set_limits(memory_mib, cpu_millis, pids_max)
 
     def pause(self) -> None:
         """Freezes every process in the sandbox; memory stays."""
