@@ -320,6 +320,11 @@ fn main() -> Result<(), Error> {
             sandbox_port: 80,
         }),
         Request::Unexpose { host_port: 8080 },
+        Request::SetLimits(cube_supervisor::protocol::LimitChange {
+            memory_mib: Some(4096),
+            cpu_millis: None,
+            pids_max: Some(512),
+        }),
         Request::Destroy,
     ];
     let responses = [
