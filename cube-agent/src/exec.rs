@@ -173,9 +173,12 @@ struct Entry {
 /// end; and the output written while nobody listened, for the next one.
 #[derive(Default)]
 struct Followers {
-    senders: Vec<Sender<ResponseBody>>,
+    /// Each follower, with the number of the first output event it follows from.
+    senders: Vec<(Sender<ResponseBody>, u64)>,
     unheard: VecDeque<ResponseBody>,
     unheard_bytes: usize,
+    /// The number the next output event takes (see [`Entry::next_event`]).
+    next_event: u64,
 }
 
 impl Followers {
@@ -199,10 +202,11 @@ impl Followers {
         self.unheard_bytes = 0;
     }
 
-    /// A new follower: it gets what nobody heard first.
+    /// A new follower: it gets what nobody heard first, then the output events
+    /// numbered from now on.
     fn add(&mut self, follower: Sender<ResponseBody>) {
         self.replay_to(&follower);
-        self.senders.push(follower);
+        self.senders.push((follower, self.next_event));
     }
 }
 
@@ -215,15 +219,31 @@ fn output_len(body: &ResponseBody) -> usize {
 }
 
 impl Entry {
-    /// Passes an output event to the followers, forgetting those that went away; when
-    /// none is left and the starting connection did not take it either (`heard`
-    /// false), keeps it for the next follower.
-    fn forward(&self, body: ResponseBody, heard: bool) {
+    /// Numbers an output event before the starting connection is given it: a
+    /// follower that attaches while that write is under way follows from the next
+    /// event, so it is not handed one the starting connection already took.
+    fn next_event(&self) -> u64 {
         let mut followers = lock(&self.followers);
-        if !followers.senders.is_empty() {
-            followers.senders.retain(|f| f.send(body.clone()).is_ok());
-        }
-        if followers.senders.is_empty() && !heard {
+        let number = followers.next_event;
+        followers.next_event += 1;
+        number
+    }
+
+    /// Passes output event `number` to the followers that follow from it, forgetting
+    /// those that went away. One the starting connection did not take (`heard`
+    /// false) goes to every follower, or, when none is left, is kept for the next.
+    fn forward(&self, body: ResponseBody, number: u64, heard: bool) {
+        let mut followers = lock(&self.followers);
+        let mut delivered = false;
+        followers.senders.retain(|(follower, from)| {
+            if heard && *from > number {
+                return true;
+            }
+            let sent = follower.send(body.clone()).is_ok();
+            delivered |= sent;
+            sent
+        });
+        if !heard && !delivered {
             followers.keep_unheard(body);
         }
     }
@@ -444,10 +464,11 @@ impl ExecTable {
             &mut |body| {
                 // The starting connection first: a write that fails there (it has just
                 // gone) leaves the event to the followers, or to the next one.
+                let number = entry.next_event();
                 if listening {
                     listening = emit(body.clone());
                 }
-                entry.forward(body, listening);
+                entry.forward(body, number, listening);
             },
         );
         let exit = match result {
@@ -481,7 +502,7 @@ impl ExecTable {
             self.entries().retain(|_, e| !Arc::ptr_eq(e, entry));
         }
         // After the exit is recorded: a follower attaching from now on reads it there.
-        for follower in lock(&entry.followers).senders.drain(..) {
+        for (follower, _) in lock(&entry.followers).senders.drain(..) {
             let _ = follower.send(ResponseBody::Exited(info));
         }
     }
@@ -782,6 +803,57 @@ fn pump(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn entry() -> Entry {
+        Entry {
+            pgid: Pid::from_raw(1),
+            background: false,
+            stdin: Mutex::new(None),
+            exit: Mutex::new(None),
+            ended: Condvar::new(),
+            followers: Mutex::default(),
+        }
+    }
+
+    fn stdout(text: &str) -> ResponseBody {
+        ResponseBody::Stdout(text.as_bytes().to_vec())
+    }
+
+    /// The interleaving CI met once: a follower attaches while the starting
+    /// connection is being written an event it then reads. The follower must not get
+    /// that event again (it got `before\nafter\n` where `after\n` was due).
+    #[test]
+    fn a_follower_attaching_during_a_heard_write_does_not_get_it_again() {
+        let e = entry();
+        let number = e.next_event();
+        // The write to the starting connection is under way; a follower attaches.
+        let (tx, rx) = std::sync::mpsc::channel();
+        lock(&e.followers).add(tx);
+        e.forward(stdout("before\n"), number, true);
+        let after = e.next_event();
+        e.forward(stdout("after\n"), after, false);
+        assert_eq!(rx.try_iter().collect::<Vec<_>>(), [stdout("after\n")]);
+    }
+
+    #[test]
+    fn an_event_nobody_heard_reaches_every_follower_or_waits_for_the_next() {
+        let e = entry();
+        // Nobody: kept for the next follower.
+        let first = e.next_event();
+        e.forward(stdout("a"), first, false);
+        // A follower attaching during an unheard write gets that event too.
+        let second = e.next_event();
+        let (tx, rx) = std::sync::mpsc::channel();
+        lock(&e.followers).add(tx);
+        e.forward(stdout("b"), second, false);
+        // Attached before: it gets what the starting connection heard as well.
+        let third = e.next_event();
+        e.forward(stdout("c"), third, true);
+        assert_eq!(
+            rx.try_iter().collect::<Vec<_>>(),
+            [stdout("a"), stdout("b"), stdout("c")]
+        );
+    }
 
     fn req(argv: &[&str]) -> ExecRequest {
         ExecRequest {
