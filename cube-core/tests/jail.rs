@@ -284,13 +284,7 @@ for pid in pids:
 
 /// The `pids.max` of a jail sandbox's cgroup.
 fn pids_max_of(sb: &mut Sandbox) -> String {
-    let file = jail_status(sb)
-        .cgroups
-        .iter()
-        .map(|dir| dir.join("pids.max"))
-        .find(|f| f.is_file())
-        .expect("the sandbox has a pids cgroup");
-    std::fs::read_to_string(file).unwrap().trim().to_string()
+    cgroup_value(sb, &["pids.max"])
 }
 
 #[test]
@@ -351,7 +345,7 @@ fn limits_change_while_the_sandbox_runs_and_hold_after_a_rollback() {
     })
     .unwrap();
     assert_eq!(cgroup_value(&mut sb, &memory), (256u64 << 20).to_string());
-    assert_eq!(cgroup_value(&mut sb, &["pids.max"]), "48");
+    assert_eq!(pids_max_of(&mut sb), "48");
     let (code, out, err) = sh(&sb.agent().unwrap(), touch);
     assert_eq!((code, out.trim()), (0, "fit"), "{err}");
     // Nothing to change is no call; a limit the host refuses is an error naming it,
@@ -365,13 +359,13 @@ fn limits_change_while_the_sandbox_runs_and_hold_after_a_rollback() {
         .unwrap_err();
     let why = format!("{refused:?}");
     assert!(why.contains("pids_max must be positive"), "{why}");
-    assert_eq!(cgroup_value(&mut sb, &["pids.max"]), "48");
+    assert_eq!(pids_max_of(&mut sb), "48");
 
     // A rollback starts a new jail: with the new limits.
     let snap = sb.snapshot().unwrap();
     sb.rollback(&snap.id).unwrap();
     assert_eq!(cgroup_value(&mut sb, &memory), (256u64 << 20).to_string());
-    assert_eq!(cgroup_value(&mut sb, &["pids.max"]), "48");
+    assert_eq!(pids_max_of(&mut sb), "48");
     destroy_and_check(sb);
 }
 
