@@ -31,6 +31,26 @@ pub struct CubeShim {
     bundle: String,
 }
 
+/// Blocks SIGCHLD and SIGPIPE in the `start` process, which has nothing left to do but
+/// print the address and exit.
+///
+/// Why: containerd_shim hooks both (signal-hook) and, on its way out, drops the hook's
+/// socket pair read end first. A SIGCHLD in that moment (the process spawned for a
+/// second container of a pod exits at once: the pod's shim serves it) has the handler
+/// write to a socket without a reader: the write raises SIGPIPE, whose handler writes
+/// again, forever. The `start` process spun at full CPU and containerd, waiting for
+/// it, never finished the CreateContainer (seen in `cube-shim --test cri`). Blocked,
+/// they stay pending until the process exits.
+fn quiet_signals_for_exit() {
+    use nix::sys::signal::{SigSet, Signal};
+    let mut set = SigSet::empty();
+    set.add(Signal::SIGCHLD);
+    set.add(Signal::SIGPIPE);
+    if let Err(e) = set.thread_block() {
+        log::warn!("blocking SIGCHLD and SIGPIPE before exit: {e}");
+    }
+}
+
 impl Shim for CubeShim {
     type T = Service;
 
@@ -52,6 +72,7 @@ impl Shim for CubeShim {
             .unwrap_or_else(|| opts.id.clone());
         let (_, address) = containerd_shim::spawn(opts, &grouping, Vec::new())?;
         containerd_shim::util::write_address(&address)?;
+        quiet_signals_for_exit();
         Ok(address)
     }
 
