@@ -14,7 +14,7 @@ use std::time::Duration;
 use crate::frame::{self, FrameError};
 use crate::protocol::{
     CodeResult, ContextInfo, ErrorReply, ExecRequest, ExitInfo, FileInfo, Language, Request,
-    RequestBody, Response, ResponseBody, PROTOCOL_VERSION,
+    RequestBody, Response, ResponseBody, TerminalSize, PROTOCOL_VERSION,
 };
 use crate::transport::Transport;
 
@@ -320,6 +320,12 @@ impl Client {
     /// Closes that standard input: the process reads end-of-file.
     pub fn close_stdin(&self, exec_id: u64) -> Result<(), ClientError> {
         self.call_done(RequestBody::StdinClose { exec_id })
+    }
+
+    /// Sets the size of the terminal of an exec started with
+    /// [`RequestBody::ExecInTerminal`] (or followed) on this connection.
+    pub fn resize_terminal(&self, exec_id: u64, size: TerminalSize) -> Result<(), ClientError> {
+        self.call_done(RequestBody::ResizeTerminal { exec_id, size })
     }
 
     /// Waits for a background exec to end.

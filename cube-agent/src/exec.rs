@@ -16,7 +16,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::CommandExt;
-use std::process::{ChildStdin, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 
-use crate::protocol::{ErrorCode, ErrorReply, ExecRequest, ExitInfo, ResponseBody};
+use crate::protocol::{ErrorCode, ErrorReply, ExecRequest, ExitInfo, ResponseBody, TerminalSize};
 use crate::reaper::{ChildStatus, Reaper, ReaperError};
+use crate::terminal::{Pty, TerminalError};
 
 /// Bytes read from a pipe at a time (and so the largest output event).
 const OUTPUT_CHUNK: usize = 64 * 1024;
@@ -112,6 +113,18 @@ pub enum ExecError {
     /// Waiting for the pipes failed.
     #[error("polling the output pipes failed")]
     Poll(#[source] std::io::Error),
+    /// The exec's terminal could not be made or resized.
+    #[error("the terminal of exec {id}")]
+    Terminal {
+        /// The exec.
+        id: u64,
+        /// Why.
+        #[source]
+        source: TerminalError,
+    },
+    /// A terminal's size was to change and the exec has none.
+    #[error("exec {0} has no terminal")]
+    NoTerminal(u64),
 }
 
 impl ExecError {
@@ -126,7 +139,7 @@ impl ExecError {
             ExecError::NoSuchExec(_) | ExecError::NoSuchProcess(_) => {
                 ErrorReply::new(ErrorCode::NoSuchExec, message)
             }
-            ExecError::NotRunning(_) | ExecError::StdinClosed(_) => {
+            ExecError::NotRunning(_) | ExecError::StdinClosed(_) | ExecError::NoTerminal(_) => {
                 ErrorReply::new(ErrorCode::NotRunning, message)
             }
             ExecError::StdinWrite { source, .. } => ErrorReply::from_io(source, message),
@@ -140,7 +153,9 @@ impl ExecError {
             ExecError::Kill { source, .. } => {
                 ErrorReply::from_io(&std::io::Error::from_raw_os_error(*source as i32), message)
             }
-            ExecError::Spawn { .. } | ExecError::Poll(_) => ErrorReply::new(ErrorCode::Io, message),
+            ExecError::Spawn { .. } | ExecError::Poll(_) | ExecError::Terminal { .. } => {
+                ErrorReply::new(ErrorCode::Io, message)
+            }
         }
     }
 }
@@ -161,8 +176,11 @@ pub(crate) fn error_chain(err: &dyn std::error::Error) -> String {
 struct Entry {
     pgid: Pid,
     background: bool,
-    /// The standard input of an exec started with it kept open; None once closed.
-    stdin: Mutex<Option<ChildStdin>>,
+    /// The standard input of an exec started with it kept open (a pipe, or its
+    /// terminal's master); None once closed.
+    stdin: Mutex<Option<File>>,
+    /// The master of the exec's terminal, for its size; None without one.
+    terminal: Option<File>,
     exit: Mutex<Option<ExitInfo>>,
     ended: Condvar,
     /// Connections following the exec ([`ExecTable::attach`]), and what nobody heard.
@@ -271,6 +289,19 @@ pub struct ProcessDefaults<'a> {
     pub user: Option<crate::protocol::UserSpec>,
 }
 
+/// Where an exec's standard input comes from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Input {
+    /// The request's `stdin` bytes, then end-of-file (none: `/dev/null`).
+    Given,
+    /// A pipe kept open for [`ExecTable::write_stdin`] until [`ExecTable::close_stdin`].
+    Open,
+    /// A terminal of its own of this size, which is also its standard output and
+    /// error and its controlling terminal; typed into by [`ExecTable::write_stdin`],
+    /// resized by [`ExecTable::resize`].
+    Terminal(TerminalSize),
+}
+
 /// Receives the events of a running exec; returns false once nobody listens any more
 /// (the exec still runs to its end).
 pub type Emit<'a> = &'a mut dyn FnMut(ResponseBody) -> bool;
@@ -320,20 +351,25 @@ impl ExecTable {
         keep_stdin: bool,
         emit: Emit<'_>,
     ) -> Result<ExitInfo, ExecError> {
-        self.run_in(key, req, None, defaults, keep_stdin, emit)
+        let input = if keep_stdin {
+            Input::Open
+        } else {
+            Input::Given
+        };
+        self.run_in(key, req, None, defaults, input, emit)
     }
 
     /// [`ExecTable::run`], the process's root changed to `root` (a directory of the
     /// sandbox) first where one is given: its program, `PATH` and working directory
     /// are then looked up in that tree, and the default user does not apply (the
-    /// container there names its own).
+    /// container there names its own). Its standard input is `input`.
     pub fn run_in(
         &self,
         key: ExecKey,
         req: &ExecRequest,
         root: Option<&str>,
         defaults: ProcessDefaults<'_>,
-        keep_stdin: bool,
+        input: Input,
         emit: Emit<'_>,
     ) -> Result<ExitInfo, ExecError> {
         let id = key.1;
@@ -344,32 +380,52 @@ impl ExecTable {
         if req.argv.iter().any(|a| a.contains('\0')) {
             return Err(ExecError::Invalid("argv contains a NUL byte"));
         }
-        if keep_stdin && !req.stdin.is_empty() {
+        if input != Input::Given && !req.stdin.is_empty() {
             return Err(ExecError::Invalid(
                 "an exec with its standard input kept open takes its input by StdinWrite",
             ));
         }
         let mut cmd = Command::new(program);
-        cmd.args(&req.argv[1..])
-            .env_clear()
-            .stdin(if req.stdin.is_empty() && !keep_stdin {
-                Stdio::null()
-            } else {
-                Stdio::piped()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0);
+        cmd.args(&req.argv[1..]).env_clear();
+        // The terminal's master, kept by the agent.
+        let mut master = None;
+        match input {
+            Input::Given | Input::Open => {
+                cmd.stdin(if input == Input::Given && req.stdin.is_empty() {
+                    Stdio::null()
+                } else {
+                    Stdio::piped()
+                })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .process_group(0);
+            }
+            Input::Terminal(size) => {
+                let terminal = |source| ExecError::Terminal { id, source };
+                let pty = Pty::open(size).map_err(terminal)?;
+                let [stdin, stdout, stderr] = pty.peer_streams().map_err(terminal)?;
+                // No process group of its own here: the session the child leads
+                // (see below) is one, and setsid refuses a group leader.
+                cmd.stdin(stdin).stdout(stdout).stderr(stderr);
+                master = Some(pty.master);
+            }
+        }
         let mut has_path = false;
+        let mut has_term = false;
         for (k, v) in defaults.env.iter().chain(&req.env) {
             if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
                 return Err(ExecError::Invalid("bad environment variable"));
             }
             has_path |= k == "PATH";
+            has_term |= k == "TERM";
             cmd.env(k, v);
         }
         if !has_path {
             cmd.env("PATH", DEFAULT_PATH);
+        }
+        if master.is_some() && !has_term {
+            // What programs on a terminal read to know how to drive it.
+            cmd.env("TERM", "xterm");
         }
         // SAFETY: the closure runs in the forked child before exec and only makes
         // async-signal-safe calls (sigprocmask, signal) on values it owns.
@@ -412,6 +468,26 @@ impl ExecTable {
                 }
             }
         }
+        if master.is_some() {
+            // SAFETY: runs in the forked child before exec, after the root change;
+            // setsid and ioctl are async-signal-safe system calls.
+            unsafe {
+                cmd.pre_exec(crate::terminal::take_as_controlling_terminal);
+            }
+        }
+        // The agent's own copies of the master: input and size.
+        let (terminal_input, terminal) = match &master {
+            Some(m) => {
+                let dup = || {
+                    m.try_clone().map_err(|e| ExecError::Terminal {
+                        id,
+                        source: TerminalError::Duplicate(e),
+                    })
+                };
+                (Some(dup()?), Some(dup()?))
+            }
+            None => (None, None),
+        };
 
         // Holding the table lock across spawn keeps the id check and insert atomic.
         let (mut child, status, entry) = {
@@ -426,11 +502,17 @@ impl ExecTable {
                         program: program.clone(),
                         source,
                     })?;
+            let stdin = match input {
+                Input::Given => None,
+                Input::Open => child.stdin.take().map(|p| File::from(OwnedFd::from(p))),
+                Input::Terminal(_) => terminal_input,
+            };
             let entry = Arc::new(Entry {
                 pgid: Pid::from_raw(child.id() as i32),
                 background: req.background,
                 // In place before `Started` goes out, so a write right after finds it.
-                stdin: Mutex::new(if keep_stdin { child.stdin.take() } else { None }),
+                stdin: Mutex::new(stdin),
+                terminal,
                 exit: Mutex::new(None),
                 ended: Condvar::new(),
                 followers: Mutex::default(),
@@ -438,6 +520,9 @@ impl ExecTable {
             entries.insert(key, Arc::clone(&entry));
             (child, status, entry)
         };
+        // The command holds the agent's copies of the terminal's other end: closed
+        // now, so the master reads end-of-file (EIO) once the process's side is gone.
+        drop(cmd);
         let mut listening = emit(ResponseBody::Started { pid: child.id() });
 
         if let Some(mut stdin) = child.stdin.take() {
@@ -452,10 +537,14 @@ impl ExecTable {
                 tracing::warn!(id, "no thread for stdin; closing it");
             }
         }
-        let pipes = [
-            child.stdout.take().map(|p| File::from(OwnedFd::from(p))),
-            child.stderr.take().map(|p| File::from(OwnedFd::from(p))),
-        ];
+        let pipes = match master {
+            // The terminal carries both streams.
+            Some(master) => [Some(master), None],
+            None => [
+                child.stdout.take().map(|p| File::from(OwnedFd::from(p))),
+                child.stderr.take().map(|p| File::from(OwnedFd::from(p))),
+            ],
+        };
         let result = pump(
             &status,
             &entry,
@@ -567,7 +656,20 @@ impl ExecTable {
             .map_err(|source| ExecError::StdinWrite { id, source })
     }
 
-    /// Closes the open standard input of a running exec: the process reads end-of-file.
+    /// Sets the size of a running exec's terminal.
+    pub fn resize(&self, key: ExecKey, size: TerminalSize) -> Result<(), ExecError> {
+        let id = key.1;
+        let entry = self.entry(key)?;
+        let terminal = entry.terminal.as_ref().ok_or(ExecError::NoTerminal(id))?;
+        if lock(&entry.exit).is_some() {
+            return Err(ExecError::NotRunning(id));
+        }
+        crate::terminal::set_size(terminal, size)
+            .map_err(|source| ExecError::Terminal { id, source })
+    }
+
+    /// Closes the open standard input of a running exec: the process reads end-of-file
+    /// (on a terminal, input stops; the terminal stays).
     pub fn close_stdin(&self, key: ExecKey) -> Result<(), ExecError> {
         let id = key.1;
         let entry = self.entry(key)?;
@@ -809,6 +911,7 @@ mod tests {
             pgid: Pid::from_raw(1),
             background: false,
             stdin: Mutex::new(None),
+            terminal: None,
             exit: Mutex::new(None),
             ended: Condvar::new(),
             followers: Mutex::default(),

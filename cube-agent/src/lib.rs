@@ -2,7 +2,7 @@
 //! host<->agent protocol it speaks.
 //!
 //! The host side uses [`frame`], [`protocol`], [`transport`] and [`client`]; the agent
-//! side adds [`server`], [`exec`], [`files`], [`reaper`] and [`init`], and
+//! side adds [`server`], [`exec`] (with [`terminal`]), [`files`], [`reaper`] and [`init`], and
 //! [`one_command`] for a sandbox that runs one command and ends.
 
 pub mod client;
@@ -17,6 +17,7 @@ pub mod reaper;
 pub mod reseed;
 pub mod run_code;
 pub mod server;
+pub mod terminal;
 pub mod transport;
 pub mod tunnel;
 pub mod vm_init;

@@ -20,7 +20,7 @@ pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// How many [`RequestBody`] variants this version knows; a larger variant index is an
 /// unknown message rather than a malformed one.
-pub const REQUEST_KINDS: u32 = 29;
+pub const REQUEST_KINDS: u32 = 31;
 
 /// One request from the host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -228,6 +228,44 @@ pub enum RequestBody {
         /// What to run.
         exec: ExecRequest,
     },
+    /// [`RequestBody::ExecWithStdin`] on a terminal of its own: the process leads a
+    /// new session whose controlling terminal is a pseudo-terminal the agent opens, of
+    /// `size`; its standard input, output and error are that terminal. Its output
+    /// comes as `Stdout` events (the terminal merges both streams); `StdinWrite` types
+    /// into it; [`RequestBody::ResizeTerminal`] changes its size. What `kubectl exec
+    /// -it`, `ctr run -t` and E2B's PTY sessions ask for.
+    ExecInTerminal {
+        /// A root of its own, as [`RequestBody::ExecInRoot`]'s; the agent's when absent.
+        root: Option<String>,
+        /// The terminal's size at start.
+        size: TerminalSize,
+        /// What to run (`stdin` must be empty: input goes by `StdinWrite`).
+        exec: ExecRequest,
+    },
+    /// Changes the size of a running [`RequestBody::ExecInTerminal`] exec's terminal
+    /// (its foreground processes get `SIGWINCH`). Answered by `Done`.
+    ResizeTerminal {
+        /// The id of the exec on this connection.
+        exec_id: u64,
+        /// The new size.
+        size: TerminalSize,
+    },
+}
+
+/// The size of a terminal, in characters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TerminalSize {
+    /// Lines.
+    pub rows: u16,
+    /// Columns.
+    pub cols: u16,
+}
+
+impl Default for TerminalSize {
+    /// 24 lines of 80 columns, a terminal's size when nobody said otherwise.
+    fn default() -> Self {
+        TerminalSize { rows: 24, cols: 80 }
+    }
 }
 
 /// The language of an interpreter context.
@@ -630,10 +668,9 @@ mod tests {
     fn request_kinds_matches_the_last_variant() {
         let last = Request {
             id: 1,
-            body: RequestBody::ExecInRoot {
-                root: "/".into(),
-                keep_stdin: false,
-                exec: ExecRequest::default(),
+            body: RequestBody::ResizeTerminal {
+                exec_id: 2,
+                size: TerminalSize::default(),
             },
         };
         let bytes = postcard::to_allocvec(&last).unwrap();

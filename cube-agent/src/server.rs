@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 
-use crate::exec::{ExecTable, ProcessDefaults};
+use crate::exec::{ExecTable, Input, ProcessDefaults};
 use crate::files::{self, WriteSession};
 use crate::frame::{self, FrameError, MAX_FRAME_LEN};
 use crate::protocol::{
@@ -425,6 +425,13 @@ impl Agent {
                 };
                 replies.send(id, body);
             }
+            RequestBody::ResizeTerminal { exec_id, size } => {
+                let body = match self.inner.execs.resize((conn.number, exec_id), size) {
+                    Ok(()) => ResponseBody::Done,
+                    Err(e) => ResponseBody::Error(e.to_reply()),
+                };
+                replies.send(id, body);
+            }
             RequestBody::WriteStart {
                 path,
                 mode,
@@ -539,7 +546,7 @@ impl Agent {
         id: u64,
         req: &crate::protocol::ExecRequest,
         root: Option<&str>,
-        keep_stdin: bool,
+        input: Input,
         emit: crate::exec::Emit<'_>,
     ) -> ResponseBody {
         let env = self.env_snapshot();
@@ -548,7 +555,7 @@ impl Agent {
             req,
             root,
             self.defaults(&env),
-            keep_stdin,
+            input,
             emit,
         ) {
             Ok(exit) => ResponseBody::Exited(exit),
@@ -570,15 +577,32 @@ impl Agent {
             Err(e) => ResponseBody::Error(e.to_reply()),
         };
         match body {
-            RequestBody::Exec(req) => self.exec(connection, id, &req, None, false, &mut emit),
+            RequestBody::Exec(req) => {
+                self.exec(connection, id, &req, None, Input::Given, &mut emit)
+            }
             RequestBody::ExecWithStdin(req) => {
-                self.exec(connection, id, &req, None, true, &mut emit)
+                self.exec(connection, id, &req, None, Input::Open, &mut emit)
             }
             RequestBody::ExecInRoot {
                 root,
                 keep_stdin,
                 exec,
-            } => self.exec(connection, id, &exec, Some(&root), keep_stdin, &mut emit),
+            } => {
+                let input = if keep_stdin {
+                    Input::Open
+                } else {
+                    Input::Given
+                };
+                self.exec(connection, id, &exec, Some(&root), input, &mut emit)
+            }
+            RequestBody::ExecInTerminal { root, size, exec } => self.exec(
+                connection,
+                id,
+                &exec,
+                root.as_deref(),
+                Input::Terminal(size),
+                &mut emit,
+            ),
             RequestBody::StdinWrite { exec_id, data } => {
                 match self.inner.execs.write_stdin((connection, exec_id), &data) {
                     Ok(()) => ResponseBody::Done,
@@ -675,6 +699,7 @@ impl Agent {
             | RequestBody::Version
             | RequestBody::SetEnv { .. }
             | RequestBody::Kill { .. }
+            | RequestBody::ResizeTerminal { .. }
             | RequestBody::ListContexts
             | RequestBody::Reseed { .. }
             | RequestBody::WriteStart { .. }

@@ -227,7 +227,7 @@ fn add_default_route(interface: &str, gateway: [u8; 4]) -> Result<(), VmInitErro
     Ok(())
 }
 
-/// Mounts /proc, /sys and /dev (devtmpfs) where they are not mounted yet.
+/// Mounts /proc, /sys, /dev (devtmpfs) and /dev/pts where they are not mounted yet.
 pub fn mount_kernel_filesystems() -> Result<(), VmInitError> {
     use nix::mount::{mount, MsFlags};
     for (fstype, target) in [("proc", "/proc"), ("sysfs", "/sys"), ("devtmpfs", "/dev")] {
@@ -248,6 +248,20 @@ pub fn mount_kernel_filesystems() -> Result<(), VmInitError> {
                 })
             }
         }
+    }
+    // Terminals for execs that ask for one: /dev/ptmx opens a terminal of the devpts
+    // mounted beside it. Without it the VM still serves everything else, so a kernel
+    // without terminals is said on the console, not a failed boot.
+    let _ = std::fs::create_dir_all("/dev/pts");
+    match mount(
+        Some("devpts"),
+        "/dev/pts",
+        Some("devpts"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("ptmxmode=0666,mode=0620"),
+    ) {
+        Ok(()) | Err(nix::Error::EBUSY) => {}
+        Err(e) => eprintln!("cube-agent: no terminals in this VM: mounting devpts: {e}"),
     }
     Ok(())
 }

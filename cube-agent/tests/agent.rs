@@ -14,7 +14,7 @@ use cube_agent::client::{Client, ClientError};
 use cube_agent::frame::MAX_FRAME_LEN;
 use cube_agent::protocol::{
     ErrorCode, ErrorReply, ExecRequest, ExitInfo, FileKind, Language, RequestBody, ResponseBody,
-    UserSpec, REQUEST_KINDS,
+    TerminalSize, UserSpec, REQUEST_KINDS,
 };
 
 const AGENT: &str = env!("CARGO_BIN_EXE_cube-agent");
@@ -1039,4 +1039,99 @@ fn attach_follows_an_exec_of_a_closed_connection() {
         ResponseBody::Exited(e) => assert_eq!(e.signal, Some(libc::SIGTERM)),
         other => panic!("{other:?}"),
     }
+}
+
+/// Output of `call` until `marker` appears in it (an exec on a terminal writes in
+/// pieces).
+fn stdout_until(call: &mut cube_agent::client::Call, marker: &str) -> String {
+    let mut out = Vec::new();
+    while !String::from_utf8_lossy(&out).contains(marker) {
+        match call.recv().unwrap() {
+            Some(ResponseBody::Stdout(b)) => out.extend(b),
+            other => panic!(
+                "before {marker:?} in {:?}: {other:?}",
+                String::from_utf8_lossy(&out)
+            ),
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn exec_in_a_terminal_is_typed_into_resized_and_killed() {
+    let agent = AgentProcess::start();
+    let client = agent.client();
+    let mut call = client
+        .start(RequestBody::ExecInTerminal {
+            root: None,
+            size: TerminalSize { rows: 33, cols: 77 },
+            exec: sh("tty; stty size; exec 3</dev/tty && echo controlling; \
+                      echo TERM=$TERM; echo ready; read l; stty size; echo got:$l; exit 4"),
+        })
+        .unwrap();
+    assert!(matches!(
+        call.recv().unwrap(),
+        Some(ResponseBody::Started { .. })
+    ));
+    let first = stdout_until(&mut call, "ready");
+    assert!(first.contains("/dev/pts/"), "{first:?}");
+    assert!(first.contains("33 77\r\n"), "size at start: {first:?}");
+    // /dev/tty opens only for a process with a controlling terminal.
+    assert!(first.contains("controlling"), "{first:?}");
+    assert!(first.contains("TERM=xterm\r\n"), "{first:?}");
+    client
+        .resize_terminal(
+            call.id,
+            TerminalSize {
+                rows: 40,
+                cols: 100,
+            },
+        )
+        .unwrap();
+    client.write_stdin(call.id, b"hi\n".to_vec()).unwrap();
+    let (rest, exit) = stdout_until_exit(&mut call);
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        rest.contains("40 100\r\n"),
+        "size after the resize: {rest:?}"
+    );
+    assert!(rest.contains("got:hi\r\n"), "{rest:?}");
+    assert_eq!(exit.code, Some(4));
+
+    // A signal reaches the session the exec leads.
+    let mut sleeper = client
+        .start(RequestBody::ExecInTerminal {
+            root: None,
+            size: TerminalSize::default(),
+            exec: sh("sleep 30 & echo started; wait"),
+        })
+        .unwrap();
+    assert!(matches!(
+        sleeper.recv().unwrap(),
+        Some(ResponseBody::Started { .. })
+    ));
+    stdout_until(&mut sleeper, "started");
+    client.kill(sleeper.id, libc::SIGKILL).unwrap();
+    let (_, exit) = stdout_until_exit(&mut sleeper);
+    assert_eq!(exit.signal, Some(libc::SIGKILL));
+
+    // A plain exec has no terminal to resize; a terminal takes no initial bytes.
+    let mut plain = client.start(RequestBody::Exec(sh("sleep 5"))).unwrap();
+    assert!(matches!(
+        plain.recv().unwrap(),
+        Some(ResponseBody::Started { .. })
+    ));
+    let err = agent_error(client.resize_terminal(plain.id, TerminalSize::default()));
+    assert_eq!(err.code, ErrorCode::NotRunning);
+    assert!(err.message.contains("has no terminal"), "{}", err.message);
+    client.kill(plain.id, 9).unwrap();
+    let err = agent_error(client.call(RequestBody::ExecInTerminal {
+        root: None,
+        size: TerminalSize::default(),
+        exec: ExecRequest {
+            stdin: b"x".to_vec(),
+            ..sh("cat")
+        },
+    }));
+    assert_eq!(err.code, ErrorCode::InvalidArgument);
 }

@@ -186,6 +186,38 @@ fn envelope(msg: &Value) -> Vec<u8> {
     v
 }
 
+/// Starts a command in sandbox `sb` through `Start` on a connection of its own; the
+/// thread ends with the call's status and every message of its stream.
+fn start_in_background(
+    server: &Server,
+    sb: &Value,
+    start: Value,
+) -> std::thread::JoinHandle<(u16, Vec<Value>)> {
+    let addr = server.addr;
+    let (id, token) = (
+        sb["sandboxID"].as_str().unwrap().to_string(),
+        sb["envdAccessToken"].as_str().unwrap().to_string(),
+    );
+    std::thread::spawn(move || {
+        let s = Server {
+            addr,
+            stop: None,
+            thread: None,
+        };
+        let (status, _, body) = s.request(
+            "POST",
+            "/process.Process/Start",
+            &[
+                ("E2b-Sandbox-Id", &id),
+                ("X-Access-Token", &token),
+                ("Content-Type", "application/connect+json"),
+            ],
+            &envelope(&start),
+        );
+        (status, envelopes(&body))
+    })
+}
+
 fn store() -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::TempDir::new().unwrap();
     let root = dir.path().canonicalize().unwrap();
@@ -365,30 +397,14 @@ fn stdin_signals_and_the_port_proxy() {
     );
     // Interactive stdin: `cat` started with stdin open, fed and closed over SendInput
     // and CloseStdin while its Start stream is read on another connection.
-    let start = envelope(&json!({
-        "process": { "cmd": "/bin/cat", "args": [] },
-        "stdin": true,
-    }));
-    let addr = server.addr;
-    let (id2, token2) = (id.to_string(), token.to_string());
-    let reader = std::thread::spawn(move || {
-        let s = Server {
-            addr,
-            stop: None,
-            thread: None,
-        };
-        let (status, _, body) = s.request(
-            "POST",
-            "/process.Process/Start",
-            &[
-                ("E2b-Sandbox-Id", &id2),
-                ("X-Access-Token", &token2),
-                ("Content-Type", "application/connect+json"),
-            ],
-            &start,
-        );
-        (status, envelopes(&body))
-    });
+    let reader = start_in_background(
+        &server,
+        &sb,
+        json!({
+            "process": { "cmd": "/bin/cat", "args": [] },
+            "stdin": true,
+        }),
+    );
     let deadline = Instant::now() + Duration::from_secs(30);
     let pid = loop {
         let (_, list) = server.rpc(&sb, "/process.Process/List", json!({}));
@@ -526,6 +542,110 @@ fn stdin_signals_and_the_port_proxy() {
         b"",
     );
     assert_eq!(status, 502);
+    server.destroy_all();
+}
+
+#[test]
+fn a_pty_command_is_typed_into_and_resized() {
+    if skip() {
+        return;
+    }
+    let (_dir, root) = store();
+    let server = Server::start(&root, None);
+    let sb = server.create(json!({}));
+    // A shell on a 33 x 77 terminal: it prints its size, says it is ready, reads a
+    // typed line, prints its size again (after the resize) and what it read.
+    let reader = start_in_background(
+        &server,
+        &sb,
+        json!({
+            "process": { "cmd": "/bin/sh", "args": ["-c",
+                "tty; stty size; touch /tmp/pty-ready; read l; stty size; echo got:$l; exit 3"] },
+            "pty": { "size": { "rows": 33, "cols": 77 } },
+        }),
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let pid = loop {
+        let (status, _) = server.rpc(
+            &sb,
+            "/filesystem.Filesystem/Stat",
+            json!({ "path": "/tmp/pty-ready" }),
+        );
+        let (_, list) = server.rpc(&sb, "/process.Process/List", json!({}));
+        if let (200, Some(p)) = (status, list["processes"].as_array().and_then(|a| a.first())) {
+            break p["pid"].as_u64().unwrap();
+        }
+        assert!(Instant::now() < deadline, "the shell never got ready");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    use base64::Engine as _;
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    // Input for a terminal goes as pty input: stdin input is refused, saying why.
+    let (status, v) = server.rpc(
+        &sb,
+        "/process.Process/SendInput",
+        json!({ "process": { "pid": pid }, "input": { "stdin": b64(b"x\n") } }),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert!(v["message"].as_str().unwrap().contains("as pty"), "{v}");
+    // A size of nothing is refused; a real one is taken.
+    let (status, v) = server.rpc(
+        &sb,
+        "/process.Process/Update",
+        json!({ "process": { "pid": pid }, "pty": { "size": { "rows": 0, "cols": 100 } } }),
+    );
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (400, Some("invalid_argument")),
+        "{v}"
+    );
+    let (status, v) = server.rpc(
+        &sb,
+        "/process.Process/Update",
+        json!({ "process": { "pid": pid }, "pty": { "size": { "rows": 40, "cols": 100 } } }),
+    );
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = server.rpc(
+        &sb,
+        "/process.Process/SendInput",
+        json!({ "process": { "pid": pid }, "input": { "pty": b64(b"hi\n") } }),
+    );
+    assert_eq!(status, 200, "{v}");
+    let (status, events) = reader.join().unwrap();
+    assert_eq!(status, 200);
+    let shown: Vec<u8> = events
+        .iter()
+        .filter_map(|e| e["event"]["data"]["pty"].as_str())
+        .flat_map(|s| base64::engine::general_purpose::STANDARD.decode(s).unwrap())
+        .collect();
+    let shown = String::from_utf8_lossy(&shown);
+    assert!(
+        events
+            .iter()
+            .all(|e| e["event"]["data"]["stdout"].is_null()),
+        "a terminal's output came as stdout: {events:?}"
+    );
+    assert!(shown.contains("/dev/pts/"), "{shown:?}");
+    let first = shown.find("33 77\r\n").expect("the size at start");
+    let second = shown.find("40 100\r\n").expect("the size after Update");
+    assert!(first < second, "{shown:?}");
+    assert!(shown.contains("got:hi\r\n"), "{shown:?}");
+    let end = events
+        .iter()
+        .find(|e| e["event"]["end"].is_object())
+        .unwrap();
+    assert_eq!(end["event"]["end"]["exitCode"], 3);
+    // The shell has ended: resizing it is not_found.
+    let (status, v) = server.rpc(
+        &sb,
+        "/process.Process/Update",
+        json!({ "process": { "pid": pid }, "pty": { "size": { "rows": 40, "cols": 100 } } }),
+    );
+    assert_eq!(
+        (status, v["code"].as_str()),
+        (404, Some("not_found")),
+        "{v}"
+    );
     server.destroy_all();
 }
 

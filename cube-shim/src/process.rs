@@ -2,19 +2,26 @@
 //! sandbox by the sandbox's agent. Its output is relayed from the agent's stream to the
 //! FIFOs containerd handed over; its exit is recorded once and wakes every waiter.
 //!
+//! Standard input is relayed the other way, from containerd's FIFO to the agent, until
+//! the FIFO ends or containerd closes it (`CloseIO`). A process that asked for a
+//! terminal runs on one of its own in the sandbox (`kubectl exec -it`, `ctr run -t`):
+//! its output is the terminal's, input is typed into it, `ResizePty` sets its size.
+//!
 //! A snapshot of the sandbox (a checkpoint) has the agent drop every host connection;
 //! the process runs on, so the relay connects again and follows it by its pid
 //! ([`AgentLink`]). A container restored from a checkpoint takes its main process
 //! back the same way ([`Process::adopt`]) instead of starting its command again.
 
 use std::fs::{File, OpenOptions};
-use std::io::Write;
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
 use std::time::{Duration, Instant, SystemTime};
 
 use cube_agent::client::{Call, Client, ClientError};
-use cube_agent::protocol::{ExecRequest, RequestBody, ResponseBody};
+use cube_agent::protocol::{ExecRequest, RequestBody, ResponseBody, TerminalSize};
 
 use crate::spec::ProcessSpec;
 
@@ -23,6 +30,11 @@ use crate::spec::ProcessSpec;
 const REFOLLOW_TIMEOUT: Duration = Duration::from_secs(60);
 /// Between those tries.
 const REFOLLOW_STEP: Duration = Duration::from_millis(100);
+/// How often a quiet standard input relay looks whether it was closed or its
+/// process ended.
+const STDIN_POLL_MS: i32 = 100;
+/// Bytes read from the standard input FIFO at a time.
+const STDIN_CHUNK: usize = 32 * 1024;
 
 /// How a process reaches its sandbox's agent, again after its connection was lost.
 pub trait AgentLink: Send + Sync {
@@ -62,9 +74,6 @@ pub enum ProcessError {
     /// The process was started already.
     #[error("The process was started already")]
     AlreadyStarted,
-    /// A terminal was asked for; the shim relays plain streams only.
-    #[error("Terminals are not supported by the Cube shim yet (run without -t)")]
-    Terminal,
 }
 
 /// Where a process is in its life.
@@ -90,7 +99,7 @@ pub struct Exit {
 /// The FIFO paths containerd hands over (empty: none).
 #[derive(Clone, Debug, Default)]
 pub struct StdioPaths {
-    /// Standard input (not relayed: the agent takes input at start only).
+    /// Standard input.
     pub stdin: String,
     /// Standard output.
     pub stdout: String,
@@ -100,6 +109,20 @@ pub struct StdioPaths {
     pub terminal: bool,
 }
 
+impl State {
+    fn new(pid: u32) -> State {
+        State {
+            phase: Phase::Created,
+            pid,
+            inner: 0,
+            exit: None,
+            agent: None,
+            size: TerminalSize::default(),
+            stdin_closed: false,
+        }
+    }
+}
+
 struct State {
     phase: Phase,
     /// The host pid (0 until started).
@@ -107,8 +130,14 @@ struct State {
     /// The pid in the sandbox (0 until started).
     inner: u32,
     exit: Option<Exit>,
-    /// The agent connection and the exec's request id on it (for signals).
+    /// The agent connection and the exec's request id on it (for signals, input and
+    /// the terminal's size).
     agent: Option<(Arc<Client>, u64)>,
+    /// The size of its terminal (the last one asked for).
+    size: TerminalSize,
+    /// containerd closed its standard input (`CloseIO`): the relay ends once the FIFO
+    /// holds nothing more.
+    stdin_closed: bool,
 }
 
 /// One process.
@@ -149,6 +178,20 @@ fn open_output(path: &str) -> Result<Option<File>, ProcessError> {
         .map_err(|e| ProcessError::Fifo(path.to_string(), e))
 }
 
+/// Opens containerd's standard input FIFO for reading without waiting for its
+/// writer (which may come later, or never).
+fn open_input(path: &str) -> Result<Option<File>, ProcessError> {
+    if path.is_empty() {
+        return Ok(None);
+    }
+    OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(Path::new(path))
+        .map(Some)
+        .map_err(|e| ProcessError::Fifo(path.to_string(), e))
+}
+
 impl Process {
     /// A process to start later.
     pub fn new(
@@ -156,22 +199,18 @@ impl Process {
         stdio: StdioPaths,
         spec: ProcessSpec,
     ) -> Result<Process, ProcessError> {
-        if stdio.terminal || spec.terminal {
-            return Err(ProcessError::Terminal);
-        }
         Ok(Process {
             exec_id: exec_id.to_string(),
             stdio,
             spec,
-            state: Mutex::new(State {
-                phase: Phase::Created,
-                pid: 0,
-                inner: 0,
-                exit: None,
-                agent: None,
-            }),
+            state: Mutex::new(State::new(0)),
             ended: Condvar::new(),
         })
+    }
+
+    /// Whether it runs on a terminal of its own.
+    pub fn has_terminal(&self) -> bool {
+        self.stdio.terminal || self.spec.terminal
     }
 
     /// A process that is no process: a pod's pause container, absorbed by Cube. It
@@ -182,13 +221,7 @@ impl Process {
             exec_id: String::new(),
             stdio: StdioPaths::default(),
             spec: ProcessSpec::default(),
-            state: Mutex::new(State {
-                phase: Phase::Created,
-                pid,
-                inner: 0,
-                exit: None,
-                agent: None,
-            }),
+            state: Mutex::new(State::new(pid)),
             ended: Condvar::new(),
         }
     }
@@ -234,13 +267,23 @@ impl Process {
             cwd: (!self.spec.cwd.is_empty()).then(|| self.spec.cwd.clone()),
             ..ExecRequest::default()
         };
-        let request = match root {
-            Some(root) => RequestBody::ExecInRoot {
+        let keep_stdin = !self.stdio.stdin.is_empty();
+        let request = if self.has_terminal() {
+            RequestBody::ExecInTerminal {
                 root,
-                keep_stdin: false,
+                size: lock(&self.state).size,
                 exec,
-            },
-            None => RequestBody::Exec(exec),
+            }
+        } else {
+            match root {
+                Some(root) => RequestBody::ExecInRoot {
+                    root,
+                    keep_stdin,
+                    exec,
+                },
+                None if keep_stdin => RequestBody::ExecWithStdin(exec),
+                None => RequestBody::Exec(exec),
+            }
         };
         self.begin(link, request, host_pid, on_exit)
     }
@@ -270,11 +313,13 @@ impl Process {
         }
         let stdout = open_output(&self.stdio.stdout)?;
         let stderr = open_output(&self.stdio.stderr)?;
+        let stdin = open_input(&self.stdio.stdin)?;
         let adopting = match &request {
             RequestBody::Attach { pid } => Some(*pid),
             _ => None,
         };
         let mut agent = link.current()?;
+        let request_sent = request.clone();
         let mut call = match agent.start(request.clone()) {
             Ok(call) => call,
             // Nothing was sent: the connection had ended (a snapshot drops them all).
@@ -298,12 +343,26 @@ impl Process {
             (other, _) => return Err(ProcessError::NotStarted(format!("{other:?}"))),
         };
         let pid = host_pid(inner);
-        {
+        let resized = {
             let mut s = lock(&self.state);
             s.phase = Phase::Running;
             s.pid = pid;
             s.inner = inner;
             s.agent = Some((Arc::clone(&agent), call.id));
+            s.size
+        };
+        if let RequestBody::ExecInTerminal { size, .. } = &request_sent {
+            // A ResizePty that came while the process was being started.
+            if *size != resized {
+                let _ = agent.resize_terminal(call.id, resized);
+            }
+        }
+        if let Some(fifo) = stdin {
+            let me = Arc::clone(self);
+            std::thread::Builder::new()
+                .name(format!("stdin-{}", self.exec_id))
+                .spawn(move || me.relay_input(fifo))
+                .map_err(|e| ProcessError::Fifo("a standard input thread".into(), e))?;
         }
         let me = Arc::clone(self);
         std::thread::Builder::new()
@@ -373,6 +432,89 @@ impl Process {
                 return None;
             }
             std::thread::sleep(REFOLLOW_STEP);
+        }
+    }
+
+    /// Copies standard input from containerd's FIFO to the process until the FIFO
+    /// ends (every writer closed it), containerd closed it and it holds nothing more,
+    /// or the process ended. The process then reads end-of-file (on a terminal, input
+    /// stops).
+    fn relay_input(&self, mut fifo: File) {
+        let mut buf = vec![0u8; STDIN_CHUNK];
+        loop {
+            let (agent, closed) = {
+                let s = lock(&self.state);
+                if s.exit.is_some() {
+                    return;
+                }
+                (s.agent.clone(), s.stdin_closed)
+            };
+            let Some((client, id)) = agent else { return };
+            let mut pfd = libc::pollfd {
+                fd: fifo.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd whose descriptor `fifo` keeps open for the call.
+            let rc = unsafe { libc::poll(&mut pfd, 1, STDIN_POLL_MS) };
+            if rc < 0 {
+                if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                break;
+            }
+            // A FIFO opened before any writer came reports neither until one has:
+            // nothing to read yet is not its end.
+            if pfd.revents == 0 {
+                if closed {
+                    break;
+                }
+                continue;
+            }
+            match fifo.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => {
+                    if let Err(e) = client.write_stdin(id, buf[..n].to_vec()) {
+                        log::info!("standard input of {:?} ends: {e}", self.exec_id);
+                        return;
+                    }
+                }
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::Interrupted | std::io::ErrorKind::WouldBlock
+                    ) => {}
+                Err(_) => break,
+            }
+        }
+        if let Some((client, id)) = lock(&self.state).agent.clone() {
+            let _ = client.close_stdin(id);
+        }
+    }
+
+    /// containerd closed the process's standard input (`CloseIO`): what its FIFO still
+    /// holds is passed on, then the process reads end-of-file.
+    pub fn close_input(&self) {
+        lock(&self.state).stdin_closed = true;
+    }
+
+    /// Sets the size of the process's terminal (kept for its start when it has not
+    /// started yet). Nothing to do for a process without one, or one that ended.
+    pub fn resize(&self, size: TerminalSize) -> Result<(), ProcessError> {
+        if !self.has_terminal() {
+            return Ok(());
+        }
+        let agent = {
+            let mut s = lock(&self.state);
+            s.size = size;
+            if s.exit.is_some() {
+                return Ok(());
+            }
+            s.agent.clone()
+        };
+        match agent {
+            Some((client, id)) => Ok(client.resize_terminal(id, size)?),
+            None => Ok(()),
         }
     }
 

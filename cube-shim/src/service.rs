@@ -24,6 +24,7 @@ use containerd_shim::protos::ttrpc::{self, Code};
 use containerd_shim::protos::types::task::ProcessInfo;
 use containerd_shim::publisher::RemotePublisher;
 use containerd_shim::{Context, ExitSignal, Task, TtrpcContext};
+use cube_agent::protocol::TerminalSize;
 use cube_core::Runtime;
 
 use crate::calls_in_flight::CallsInFlight;
@@ -490,17 +491,23 @@ impl Task for Service {
 
     fn resize_pty(&self, _ctx: &TtrpcContext, req: ResizePtyRequest) -> ttrpc::Result<Empty> {
         let _call = self.calls.enter();
-        // Processes get no terminal (Create and Exec refuse one), so there is none to
-        // resize; the container's existence is still checked.
-        self.container(&req.id)?;
+        let container = self.container(&req.id)?;
+        let process = container.process(&req.exec_id).map_err(failed)?;
+        let size = TerminalSize {
+            rows: u16::try_from(req.height).unwrap_or(u16::MAX),
+            cols: u16::try_from(req.width).unwrap_or(u16::MAX),
+        };
+        process.resize(size).map_err(|e| failed(e.into()))?;
         Ok(Empty::new())
     }
 
     fn close_io(&self, _ctx: &TtrpcContext, req: CloseIORequest) -> ttrpc::Result<Empty> {
         let _call = self.calls.enter();
-        // Standard input is not relayed (the agent takes input at start only), so
-        // there is no stream to close.
-        self.container(&req.id)?;
+        let container = self.container(&req.id)?;
+        let process = container.process(&req.exec_id).map_err(failed)?;
+        if req.stdin {
+            process.close_input();
+        }
         Ok(Empty::new())
     }
 

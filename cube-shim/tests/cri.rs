@@ -98,6 +98,30 @@ async fn start_pod(
     Ok((pod, container))
 }
 
+/// Container `name` of the test image running `command` with `mounts`.
+fn container_config(name: &str, command: &[&str], mounts: Vec<Mount>) -> ContainerConfig {
+    ContainerConfig {
+        metadata: Some(ContainerMetadata {
+            name: name.into(),
+            attempt: 0,
+        }),
+        image: Some(ImageSpec {
+            image: IMAGE.into(),
+            ..Default::default()
+        }),
+        command: command.iter().map(|a| a.to_string()).collect(),
+        mounts,
+        linux: Some(LinuxContainerConfig {
+            security_context: Some(LinuxContainerSecurityContext {
+                namespace_options: host_network(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
 /// Creates and starts container `name` running `command` in `pod`; returns its id.
 async fn start_container(
     client: &mut RuntimeServiceClient<Channel>,
@@ -107,29 +131,26 @@ async fn start_container(
     command: &[&str],
     mounts: Vec<Mount>,
 ) -> Result<String, String> {
+    start_container_with(
+        client,
+        pod,
+        pod_config,
+        container_config(name, command, mounts),
+    )
+    .await
+}
+
+/// Creates and starts the container `config` describes in `pod`; returns its id.
+async fn start_container_with(
+    client: &mut RuntimeServiceClient<Channel>,
+    pod: &str,
+    pod_config: &PodSandboxConfig,
+    config: ContainerConfig,
+) -> Result<String, String> {
     let container = client
         .create_container(CreateContainerRequest {
             pod_sandbox_id: pod.into(),
-            config: Some(ContainerConfig {
-                metadata: Some(ContainerMetadata {
-                    name: name.into(),
-                    attempt: 0,
-                }),
-                image: Some(ImageSpec {
-                    image: IMAGE.into(),
-                    ..Default::default()
-                }),
-                command: command.iter().map(|a| a.to_string()).collect(),
-                mounts,
-                linux: Some(LinuxContainerConfig {
-                    security_context: Some(LinuxContainerSecurityContext {
-                        namespace_options: host_network(),
-                        ..Default::default()
-                    }),
-                    ..Default::default()
-                }),
-                ..Default::default()
-            }),
+            config: Some(config),
             sandbox_config: Some(pod_config.clone()),
         })
         .await
@@ -276,6 +297,37 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
             !out.contains(".cube"),
             "the sandbox's own root shows: {out}"
         );
+        // A container on a terminal (a pod spec's `tty: true`): a terminal of its own in
+        // the pod's sandbox, which its root shows, of the default size (no client
+        // attached to resize it); its output goes to the container's log.
+        let logs = tempfile::tempdir().unwrap();
+        let logged = PodSandboxConfig {
+            log_directory: logs.path().display().to_string(),
+            ..pod_config("first")
+        };
+        start_container_with(
+            &mut client,
+            &pod,
+            &logged,
+            ContainerConfig {
+                tty: true,
+                log_path: "tty.log".into(),
+                ..container_config(
+                    "tty",
+                    &["sh", "-c", "tty; stty size; echo tty-done; exec sleep 4343"],
+                    Vec::new(),
+                )
+            },
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
+        let log = logs.path().join("tty.log");
+        common::wait_until(Duration::from_secs(10), || {
+            std::fs::read_to_string(&log).is_ok_and(|l| l.contains("tty-done"))
+        });
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(text.contains("/dev/pts/"), "no terminal: {text}");
+        assert!(text.contains("24 80"), "{text}");
         // A container of a pod has no sandbox of its own to resize: the refusal says
         // why (so the resources reached the shim in a shape it reads).
         let refused = client

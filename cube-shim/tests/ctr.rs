@@ -406,3 +406,108 @@ fn checkpoint_and_restore_into_a_new_container_keep_a_process_memory() {
     );
     assert_eq!(net_devices(), devices_before, "network devices changed");
 }
+
+#[test]
+fn ctr_relays_standard_input_and_runs_processes_on_terminals() {
+    if skip() {
+        return;
+    }
+    if std::process::Command::new("script")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("skipped: util-linux's script is not installed (it gives ctr a terminal)");
+        return;
+    }
+    let c = Containerd::start();
+    c.import_images(common::NAMESPACE);
+
+    // A foreground container reads what ctr is given, to its end.
+    let out = c.ctr_with_input(
+        &[
+            "run",
+            "--rm",
+            "--runtime",
+            RUNTIME,
+            IMAGE,
+            "in1",
+            "sh",
+            "-c",
+            "while read l; do echo got:$l; done; echo end; exit 6",
+        ],
+        b"one\ntwo\n",
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(6),
+        "{stdout}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        c.log()
+    );
+    assert_eq!(stdout, "got:one\ngot:two\nend\n");
+
+    c.ctr_ok(&[
+        "run",
+        "-d",
+        "--runtime",
+        RUNTIME,
+        IMAGE,
+        "in2",
+        "sleep",
+        "1000",
+    ]);
+    // An exec's input, larger than one FIFO buffer.
+    let big: Vec<u8> = (0..200_000u32).map(|i| b'a' + (i % 26) as u8).collect();
+    let out = c.ctr_with_input(
+        &["task", "exec", "--exec-id", "e1", "in2", "wc", "-c"],
+        &big,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "200000");
+
+    // An exec on a terminal: its own pty in the sandbox, the size of ctr's terminal
+    // (ctr sends it with ResizePty once started, so the command waits for it to
+    // change from Cube's 24 x 80 first), a line typed, and its exit status back.
+    let out = c.ctr_on_terminal(
+        &[
+            "task",
+            "exec",
+            "-t",
+            "--exec-id",
+            "t1",
+            "in2",
+            "sh",
+            "-c",
+            "for i in $(seq 100); do [ \"$(stty size)\" != '24 80' ] && break; sleep 0.05; done; \
+             tty; stty size; read l; echo typed-$((l+2)); exit 3",
+        ],
+        33,
+        77,
+        b"40\n",
+    );
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{shown}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        c.log()
+    );
+    assert!(
+        shown.contains("/dev/pts/"),
+        "no terminal in the sandbox: {shown}"
+    );
+    assert!(shown.contains("33 77"), "size not passed on: {shown}");
+    assert!(shown.contains("typed-42"), "{shown}");
+
+    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "in2"]);
+    wait_stopped(&c, "in2");
+    c.ctr_ok(&["task", "delete", "in2"]);
+    c.ctr_ok(&["container", "rm", "in2"]);
+}

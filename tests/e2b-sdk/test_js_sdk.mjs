@@ -55,6 +55,21 @@ test('commands: exit codes, env, background and kill', async () => {
   await assert.rejects(h.wait())
 })
 
+test('pty: typed input and a resize', async () => {
+  const sb = await create(Base)
+  let shown = ''
+  const text = new TextDecoder()
+  const term = await sb.pty.create({ rows: 33, cols: 77, onData: (d) => { shown += text.decode(d) } })
+  const typed = new TextEncoder()
+  await sb.pty.sendInput(term.pid, typed.encode('stty size; echo mark-$((40+2))\n'))
+  for (let i = 0; i < 300 && !shown.includes('mark-42'); i++) await new Promise((r) => setTimeout(r, 100))
+  assert.ok(shown.includes('33 77'), shown)
+  await sb.pty.resize(term.pid, { rows: 40, cols: 100 })
+  await sb.pty.sendInput(term.pid, typed.encode('stty size; exit 0\n'))
+  assert.equal((await term.wait()).exitCode, 0)
+  assert.ok(shown.includes('40 100'), shown)
+})
+
 test('list, getInfo and metadata', async () => {
   const sb = await create(Base, { metadata: { ...meta, role: 'listed' } })
   const info = await sb.getInfo()

@@ -90,6 +90,24 @@ def test_commands_exit_codes_env_background_and_kill(sb):
     assert handle.pid not in [p.pid for p in sb.commands.list()]
 
 
+def test_pty_takes_typed_input_and_resizes(sb):
+    from e2b import PtySize
+
+    term = sb.pty.create(PtySize(rows=33, cols=77))
+    sb.pty.send_stdin(term.pid, b"stty size; echo mark-$((40+2))\n")
+    shown = b""
+    events = iter(term)
+    while b"mark-42" not in shown:
+        _, _, pty = next(events)
+        shown += pty or b""
+    assert b"33 77" in shown
+    sb.pty.resize(term.pid, PtySize(rows=40, cols=100))
+    sb.pty.send_stdin(term.pid, b"stty size; exit 0\n")
+    rest = []
+    assert term.wait(on_pty=rest.append).exit_code == 0
+    assert b"40 100" in b"".join(rest)
+
+
 def test_list_get_info_and_metadata(sb):
     info = sb.get_info()
     assert info.metadata == {"suite": RUN, "role": "shared"}

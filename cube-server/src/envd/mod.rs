@@ -143,8 +143,10 @@ pub async fn rpc(
                 let proc = entry
                     .processes
                     .find(req.process.as_ref().and_then(|p| p.selector.as_ref()))?;
-                let data = input_bytes(req.input)?;
-                process::write_stdin(proc, data).await.map(|()| Empty {})
+                let (data, pty) = input_bytes(req.input)?;
+                process::write_input(proc, data, pty)
+                    .await
+                    .map(|()| Empty {})
             }
             .await;
             unary!(result)
@@ -161,11 +163,17 @@ pub async fn rpc(
             unary!(result)
         }
         "/process.Process/Update" => {
-            let _req = decode!(UpdateRequest);
-            unary!(Err::<Empty, _>(RpcError::new(
-                Code::Unimplemented,
-                "PTY sessions are not supported by Cube, so there is nothing to resize",
-            )))
+            let req = decode!(UpdateRequest);
+            let result = match entry
+                .processes
+                .find(req.process.as_ref().and_then(|p| p.selector.as_ref()))
+            {
+                Ok(proc) => process::resize(proc, req.pty.as_ref())
+                    .await
+                    .map(|()| Empty {}),
+                Err(e) => Err(e),
+            };
+            unary!(result)
         }
         "/filesystem.Filesystem/Stat" => {
             let req = decode!(PathRequest);
@@ -220,13 +228,11 @@ pub async fn rpc(
     }
 }
 
-fn input_bytes(input: Option<proto::ProcessInput>) -> Result<Vec<u8>, RpcError> {
+/// The bytes of an input message, and whether they are for a terminal (`pty`).
+fn input_bytes(input: Option<proto::ProcessInput>) -> Result<(Vec<u8>, bool), RpcError> {
     match input.and_then(|i| i.input) {
-        Some(proto::Input::Stdin(data)) => Ok(data),
-        Some(proto::Input::Pty(_)) => Err(RpcError::new(
-            Code::Unimplemented,
-            "PTY input is not supported by Cube",
-        )),
+        Some(proto::Input::Stdin(data)) => Ok((data, false)),
+        Some(proto::Input::Pty(data)) => Ok((data, true)),
         None => Err(RpcError::new(Code::InvalidArgument, "No input")),
     }
 }
@@ -255,7 +261,8 @@ async fn stream_input(
                 let p = proc.clone().ok_or_else(|| {
                     RpcError::new(Code::InvalidArgument, "Input before the start message")
                 })?;
-                process::write_stdin(p, input_bytes(data.input)?).await?;
+                let (bytes, pty) = input_bytes(data.input)?;
+                process::write_input(p, bytes, pty).await?;
             }
             Some(StreamInputEvent::Keepalive(_)) | None => {}
         }

@@ -2,13 +2,19 @@
 //! the sandbox's shared connection, pumped by a thread into the streams that watch it
 //! (the `Start` call's, and any `Connect` calls'). Commands outlive the streams: a
 //! client that disconnects can connect again by pid, list, signal and feed them.
+//!
+//! A command started with a PTY runs on a terminal of its own in the sandbox (the
+//! agent's `ExecInTerminal`): its output comes as envd's `pty` data, its input is
+//! `pty` input, and `Update` resizes the terminal.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cube_agent::client::{Call, Client, ClientError};
-use cube_agent::protocol::{ErrorCode, ExecRequest, ExitInfo, RequestBody, ResponseBody};
+use cube_agent::protocol::{
+    ErrorCode, ExecRequest, ExitInfo, RequestBody, ResponseBody, TerminalSize,
+};
 use futures_util::Stream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -28,6 +34,8 @@ pub struct Proc {
     pub pid: u32,
     exec_id: u64,
     client: Arc<Client>,
+    /// Whether it runs on a terminal (started with a PTY).
+    pub pty: bool,
     config: ProcessConfig,
     tag: Option<String>,
     watchers: Mutex<Vec<mpsc::UnboundedSender<Watch>>>,
@@ -199,12 +207,11 @@ pub async fn start(
     client: Arc<Client>,
     req: StartRequest,
 ) -> Result<(u32, mpsc::UnboundedReceiver<Watch>), RpcError> {
-    if req.pty.is_some() {
-        return Err(RpcError::new(
-            Code::Unimplemented,
-            "PTY sessions are not supported by Cube; run commands without a terminal",
-        ));
-    }
+    let terminal = req
+        .pty
+        .as_ref()
+        .map(|pty| terminal_size(pty.size.as_ref()))
+        .transpose()?;
     let config = req
         .process
         .ok_or_else(|| RpcError::new(Code::InvalidArgument, "No process config"))?;
@@ -232,11 +239,17 @@ pub async fn start(
         ..ExecRequest::default()
     };
     // envd's default keeps stdin open (older SDKs rely on it); new SDKs say false.
-    let body = if req.stdin.unwrap_or(true) {
-        RequestBody::ExecWithStdin(exec)
-    } else {
-        RequestBody::Exec(exec)
+    // A terminal always takes input.
+    let body = match terminal {
+        Some(size) => RequestBody::ExecInTerminal {
+            root: None,
+            size,
+            exec,
+        },
+        None if req.stdin.unwrap_or(true) => RequestBody::ExecWithStdin(exec),
+        None => RequestBody::Exec(exec),
     };
+    let pty = terminal.is_some();
     let (started_tx, started_rx) = oneshot::channel();
     let (first_tx, first_rx) = mpsc::unbounded_channel();
     let table = Arc::clone(table);
@@ -251,7 +264,13 @@ pub async fn start(
                     return;
                 }
             };
-            pump(call, client, config, tag, table, started_tx, first_tx);
+            let command = Command {
+                client,
+                pty,
+                config,
+                tag,
+            };
+            pump(call, command, table, started_tx, first_tx);
         })
         .map_err(|e| RpcError::new(Code::ResourceExhausted, format!("No thread: {e}")))?;
     let pid = started_rx
@@ -260,24 +279,49 @@ pub async fn start(
     Ok((pid, first_rx))
 }
 
+/// The size a `PTY` message asks for; envd's terminals need one.
+fn terminal_size(size: Option<&super::proto::PtySize>) -> Result<TerminalSize, RpcError> {
+    let size = size.ok_or_else(|| RpcError::new(Code::InvalidArgument, "PTY without a size"))?;
+    let dimension = |n: u32, what: &str| {
+        u16::try_from(n).ok().filter(|n| *n > 0).ok_or_else(|| {
+            RpcError::new(
+                Code::InvalidArgument,
+                format!("PTY {what} must be 1 to 65535, not {n}"),
+            )
+        })
+    };
+    Ok(TerminalSize {
+        rows: dimension(size.rows, "rows")?,
+        cols: dimension(size.cols, "cols")?,
+    })
+}
+
+/// A command as started, before the agent gave its pid.
+struct Command {
+    client: Arc<Client>,
+    pty: bool,
+    config: ProcessConfig,
+    tag: Option<String>,
+}
+
 /// Moves one exec's events to its watchers until it ends.
 fn pump(
     mut call: Call,
-    client: Arc<Client>,
-    config: ProcessConfig,
-    tag: Option<String>,
+    command: Command,
     table: Arc<ProcessTable>,
     started: oneshot::Sender<Result<u32, RpcError>>,
     first: mpsc::UnboundedSender<Watch>,
 ) {
+    let pty = command.pty;
     let proc = match call.recv() {
         Ok(Some(ResponseBody::Started { pid })) => {
             let proc = Arc::new(Proc {
                 pid,
                 exec_id: call.id,
-                client,
-                config,
-                tag,
+                client: command.client,
+                pty,
+                config: command.config,
+                tag: command.tag,
                 watchers: Mutex::new(vec![first]),
             });
             lock(&table.procs).insert(pid, Arc::clone(&proc));
@@ -302,6 +346,10 @@ fn pump(
     };
     loop {
         let item = match call.recv() {
+            // A terminal's output is envd's `pty` data.
+            Ok(Some(ResponseBody::Stdout(b))) if pty => Ok(Event::Data(DataEvent {
+                output: Some(Output::Pty(b)),
+            })),
             Ok(Some(ResponseBody::Stdout(b))) => Ok(Event::Data(DataEvent {
                 output: Some(Output::Stdout(b)),
             })),
@@ -363,11 +411,46 @@ pub async fn signal(proc: Arc<Proc>, signal: i32) -> Result<(), RpcError> {
         })
 }
 
-/// Writes to a command's standard input.
-pub async fn write_stdin(proc: Arc<Proc>, data: Vec<u8>) -> Result<(), RpcError> {
+/// Writes to a command's standard input, or types into its terminal (`pty` says
+/// which the client meant: each goes to its own kind of command, as in envd).
+pub async fn write_input(proc: Arc<Proc>, data: Vec<u8>, pty: bool) -> Result<(), RpcError> {
+    match (pty, proc.pty) {
+        (true, false) => {
+            return Err(RpcError::new(
+                Code::FailedPrecondition,
+                "The process has no terminal: send its input as stdin",
+            ))
+        }
+        (false, true) => {
+            return Err(RpcError::new(
+                Code::FailedPrecondition,
+                "The process runs on a terminal: send its input as pty",
+            ))
+        }
+        _ => {}
+    }
     on_agent(proc, move |c, id| c.write_stdin(id, data))
         .await
         .map_err(stdin_error)
+}
+
+/// Sets the size of a command's terminal (envd's `Update`).
+pub async fn resize(proc: Arc<Proc>, size: Option<&super::proto::Pty>) -> Result<(), RpcError> {
+    if !proc.pty {
+        return Err(RpcError::new(
+            Code::FailedPrecondition,
+            "The process has no terminal to resize",
+        ));
+    }
+    let pty = size.ok_or_else(|| RpcError::new(Code::InvalidArgument, "Update without a PTY"))?;
+    let size = terminal_size(pty.size.as_ref())?;
+    on_agent(proc, move |c, id| c.resize_terminal(id, size))
+        .await
+        .map_err(|e| match e.code {
+            // It ended between the lookup and the resize.
+            Code::FailedPrecondition => RpcError::new(Code::NotFound, "Process not found"),
+            _ => e,
+        })
 }
 
 /// Closes a command's standard input.

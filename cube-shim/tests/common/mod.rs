@@ -63,6 +63,27 @@ pub fn static_agent() -> Option<PathBuf> {
     built.exists().then_some(built)
 }
 
+/// Runs `command` with `input` written to its standard input (a pipe, closed after
+/// it unless `hold_open`, then closed once the command has ended); its output.
+fn output_with_input(mut command: Command, input: &[u8], hold_open: bool) -> Output {
+    let mut child = command
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let input = input.to_vec();
+    let writer = std::thread::spawn(move || {
+        use std::io::Write;
+        let _ = stdin.write_all(&input);
+        hold_open.then_some(stdin)
+    });
+    let out = child.wait_with_output().unwrap();
+    drop(writer.join().unwrap());
+    out
+}
+
 /// A containerd of the test's own; stopped and its directory removed on drop.
 pub struct Containerd {
     pub dir: tempfile::TempDir,
@@ -178,6 +199,35 @@ state = "{d}/state"
             .stdin(Stdio::null())
             .output()
             .unwrap()
+    }
+
+    /// `ctr` with `input` on its standard input (a pipe).
+    pub fn ctr_with_input(&self, args: &[&str], input: &[u8]) -> Output {
+        let mut ctr = Command::new("/usr/bin/ctr");
+        ctr.arg("--address")
+            .arg(self.socket())
+            .arg("--namespace")
+            .arg(NAMESPACE)
+            .args(args);
+        output_with_input(ctr, input, false)
+    }
+
+    /// `ctr` on a terminal of `rows` x `cols` (util-linux `script` makes it), `typed`
+    /// typed into that terminal; what the terminal showed, and ctr's exit status.
+    pub fn ctr_on_terminal(&self, args: &[&str], rows: u16, cols: u16, typed: &[u8]) -> Output {
+        let mut line = format!(
+            "stty rows {rows} cols {cols}; exec /usr/bin/ctr --address {} --namespace {NAMESPACE}",
+            self.socket().display()
+        );
+        for arg in args {
+            line.push_str(" '");
+            line.push_str(&arg.replace('\'', "'\\''"));
+            line.push('\'');
+        }
+        let mut script = Command::new("script");
+        script.args(["--quiet", "--return", "--command", &line, "/dev/null"]);
+        // Held open until ctr is done: script ends the session at its input's end.
+        output_with_input(script, typed, true)
     }
 
     /// `ctr`, which must succeed; its standard output.
