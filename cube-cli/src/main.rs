@@ -17,6 +17,7 @@ mod store_cmd;
 mod table;
 mod template_build_cmd;
 mod terminal;
+mod tty_exec;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -632,21 +632,24 @@ pub fn stream_exec(
                 let _ = stderr.write_all(&b);
             }
             ResponseBody::Exited(exit) => return Ok(exit_code(&exit)),
-            ResponseBody::Error(e) => {
-                let code = match e.code {
-                    ErrorCode::NotFound => 127,
-                    ErrorCode::PermissionDenied => 126,
-                    _ => 1,
-                };
-                eprintln!("cube: cannot run {}: {}", argv[0], e.message);
-                return Ok(code);
-            }
+            ResponseBody::Error(e) => return Ok(not_started(&argv[0], &e)),
             other => {
                 return Err(CliError::failed(format!(
                     "unexpected answer from the agent: {other:?}"
                 )))
             }
         }
+    }
+}
+
+/// Says why the agent did not start `program`; the exit code a shell gives then (127
+/// not found, 126 not runnable, 1 otherwise).
+pub fn not_started(program: &str, e: &cube_agent::protocol::ErrorReply) -> u8 {
+    eprintln!("cube: cannot run {program}: {}", e.message);
+    match e.code {
+        ErrorCode::NotFound => 127,
+        ErrorCode::PermissionDenied => 126,
+        _ => 1,
     }
 }
 

@@ -122,12 +122,19 @@ pub enum SandboxCommand {
     /// Run a command in a sandbox, streaming its output; exits with its exit code.
     ///
     /// Example: cube sandbox exec sb-0123456789abcdef -- python3 -c 'print(1)'
+    ///
+    /// Interactive: cube sandbox exec --tty sb-0123456789abcdef -- bash
     Exec {
         /// Sandbox id.
         id: String,
         /// Kill the command after this many seconds and exit 124.
         #[arg(long, value_name = "S")]
         timeout: Option<f64>,
+        /// Run the command on a terminal of its own in the sandbox, typed into from
+        /// this terminal (which goes raw meanwhile) and resized with its window.
+        /// Needs a terminal on standard input.
+        #[arg(short = 't', long)]
+        tty: bool,
         /// The command and its arguments (after `--`).
         #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
         command: Vec<String>,
@@ -465,6 +472,17 @@ pub fn run_sandbox(store: Option<&Path>, command: SandboxCommand) -> Result<u8, 
         SandboxCommand::Exec {
             id,
             timeout,
+            tty: true,
+            command,
+        } => {
+            let timeout = run_cmd::parse_timeout(timeout)?;
+            let sandbox = rt.attach(&id)?;
+            return crate::tty_exec::run(|| Ok(sandbox.agent()?), &command, timeout);
+        }
+        SandboxCommand::Exec {
+            id,
+            timeout,
+            tty: false,
             command,
         } => {
             let timeout = run_cmd::parse_timeout(timeout)?;

@@ -19,12 +19,49 @@ use std::thread::JoinHandle;
 use crate::cli_error::CliError;
 
 /// The host terminal a window size is read from and settings are restored to.
-#[derive(Clone, Copy)]
 struct HostTerminal {
     /// The first of this process's standard streams that is a terminal.
     fd: RawFd,
-    /// Its settings before the run, when it is stdin (which goes raw meanwhile).
-    saved: Option<libc::termios>,
+    /// Stdin in raw mode during the run, when it is a terminal.
+    raw: Option<RawMode>,
+}
+
+/// A terminal on standard input in raw mode (keys pass as typed, no echo, no line
+/// editing, Ctrl-C a byte like others); its settings are put back on drop.
+pub struct RawMode {
+    saved: libc::termios,
+}
+
+impl RawMode {
+    /// Puts standard input, when it is a terminal, into raw mode.
+    pub fn enter() -> Option<RawMode> {
+        // SAFETY: `termios` is plain data tcgetattr fills in; cfmakeraw edits a copy.
+        unsafe {
+            let mut saved: libc::termios = std::mem::zeroed();
+            if libc::tcgetattr(0, &mut saved) != 0 {
+                return None;
+            }
+            let mut raw = saved;
+            libc::cfmakeraw(&mut raw);
+            (libc::tcsetattr(0, libc::TCSANOW, &raw) == 0).then_some(RawMode { saved })
+        }
+    }
+}
+
+impl Drop for RawMode {
+    fn drop(&mut self) {
+        // SAFETY: `saved` is the termios tcgetattr returned for this descriptor.
+        unsafe { libc::tcsetattr(0, libc::TCSANOW, &self.saved) };
+    }
+}
+
+/// The window size of terminal `fd`, as (rows, columns); None when it is no terminal.
+pub fn window_size(fd: RawFd) -> Option<(u16, u16)> {
+    // SAFETY: `winsize` is plain data TIOCGWINSZ fills in.
+    unsafe {
+        let mut size: libc::winsize = std::mem::zeroed();
+        (libc::ioctl(fd, libc::TIOCGWINSZ, &mut size) == 0).then_some((size.ws_row, size.ws_col))
+    }
 }
 
 /// The sandbox's terminal and the copying between it and the host's.
@@ -38,7 +75,8 @@ pub struct SandboxTerminal {
     output: Option<JoinHandle<()>>,
 }
 
-fn is_terminal(fd: RawFd) -> bool {
+/// Whether descriptor `fd` is a terminal.
+pub fn is_terminal(fd: RawFd) -> bool {
     // SAFETY: isatty only inspects the descriptor.
     unsafe { libc::isatty(fd) == 1 }
 }
@@ -103,7 +141,7 @@ impl SandboxTerminal {
             streams,
             host: HostTerminal {
                 fd: host_fd,
-                saved: None,
+                raw: None,
             },
             output: None,
         }))
@@ -124,17 +162,7 @@ impl SandboxTerminal {
     pub fn start(&mut self) -> Result<(), CliError> {
         self.slave = None;
         if self.streams[0] {
-            // SAFETY: `termios` is plain data tcgetattr fills in; cfmakeraw edits a copy.
-            unsafe {
-                let mut saved: libc::termios = std::mem::zeroed();
-                if libc::tcgetattr(0, &mut saved) == 0 {
-                    let mut raw = saved;
-                    libc::cfmakeraw(&mut raw);
-                    if libc::tcsetattr(0, libc::TCSANOW, &raw) == 0 {
-                        self.host.saved = Some(saved);
-                    }
-                }
-            }
+            self.host.raw = RawMode::enter();
             let to_sandbox = self.master_file()?;
             // Ends with this process: a read of the host terminal cannot be called off.
             std::thread::Builder::new()
@@ -187,10 +215,7 @@ impl SandboxTerminal {
     }
 
     fn restore(&mut self) {
-        if let Some(saved) = self.host.saved.take() {
-            // SAFETY: `saved` is the termios tcgetattr returned for this descriptor.
-            unsafe { libc::tcsetattr(0, libc::TCSANOW, &saved) };
-        }
+        self.host.raw = None;
     }
 }
 

@@ -317,6 +317,71 @@ fn a_jail_sandboxs_limits_change_while_it_runs() {
 }
 
 #[test]
+fn exec_tty_runs_a_command_on_a_terminal_of_the_sandboxs_own() {
+    if jail_skip() {
+        return;
+    }
+    if Command::new("script").arg("--version").output().is_err() {
+        println!("skipped: util-linux's script is not installed (it makes the host terminal)");
+        return;
+    }
+    let store = tempfile::tempdir().unwrap();
+    let s = store.path();
+    let id = ok(s, &["sandbox", "create"]).trim().to_string();
+    let _cleanup = Cleanup(s, id.clone());
+    let settings = tempfile::tempdir().unwrap();
+    let (before, after) = (
+        settings.path().join("before"),
+        settings.path().join("after"),
+    );
+    let cube_here = format!("{CUBE} --store {}", s.display());
+    // In the sandbox: its terminal and size, a mark once the size is printed, then
+    // wait for the resize, read a typed line, exit 5. On the host terminal (33 x 77,
+    // made by script): once the mark is there, the window becomes 40 x 100.
+    let inner = "tty; stty size; touch /tmp/sized; n=0; \
+        while [ \"$(stty size)\" = '33 77' ] && [ $n -lt 200 ]; do n=$((n+1)); sleep 0.05; done; \
+        stty size; read l; echo got:$l; exit 5";
+    let line = format!(
+        "stty rows 33 cols 77; stty -g > {before}; \
+         (until {cube_here} sandbox cat {id} /tmp/sized >/dev/null 2>&1; do sleep 0.05; done; \
+          stty rows 40 cols 100 < /dev/tty) & \
+         {cube_here} sandbox exec --tty {id} -- sh -c \"{inner}\"; echo rc=$?; wait; \
+         stty -g > {after}",
+        before = before.display(),
+        after = after.display(),
+        inner = inner.replace('"', "\\\"").replace('$', "\\$"),
+    );
+    let mut script = Command::new("script")
+        .args(["--quiet", "--command", &line, "/dev/null"])
+        .env_remove("CUBE_HOME")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut typed = script.stdin.take().unwrap();
+    typed.write_all(b"hi\n").unwrap();
+    let out = script.wait_with_output().unwrap();
+    drop(typed);
+    let shown = text(&out.stdout);
+    assert!(shown.contains("rc=5"), "{shown}");
+    assert!(shown.contains("/dev/pts/"), "not on a terminal: {shown}");
+    assert!(shown.contains("33 77"), "the host window's size: {shown}");
+    assert!(
+        shown.contains("40 100"),
+        "the resize did not follow: {shown}"
+    );
+    assert!(shown.contains("got:hi"), "{shown}");
+    assert_eq!(
+        std::fs::read_to_string(&before).unwrap(),
+        std::fs::read_to_string(&after).unwrap(),
+        "the host terminal's settings were not put back"
+    );
+    // Without a terminal to drive it, --tty is a usage error that says so.
+    let err = fails(s, &["sandbox", "exec", "--tty", &id, "--", "true"], 2);
+    assert!(err.contains("--tty needs a terminal"), "{err}");
+}
+
+#[test]
 fn files_go_in_and_out_of_a_jail_sandbox() {
     if jail_skip() {
         return;
