@@ -83,6 +83,106 @@ fn frames<T: serde::Serialize>(messages: &[T]) -> Result<Vec<u8>, Error> {
     Ok(out)
 }
 
+/// `messages` as agent protocol frames, one after another.
+fn agent_frames<T: serde::Serialize>(messages: &[T]) -> Result<Vec<u8>, Error> {
+    let mut out = Vec::new();
+    for m in messages {
+        out.extend(cube_agent::frame::encode_frame(m)?);
+    }
+    Ok(out)
+}
+
+/// Frames of the agent protocol: a session's requests (an exec with input, one on a
+/// terminal and its resize, a streamed write, an attach), the answers an agent gives,
+/// a frame whose prefix announces more than the limit, and a request of an unknown kind.
+fn agent_seeds(dir: &Path) -> Result<(), Error> {
+    use cube_agent::protocol::{
+        ErrorCode, ErrorReply, ExecRequest, ExitInfo, Request, RequestBody, Response, ResponseBody,
+        TerminalSize, PROTOCOL_VERSION, REQUEST_KINDS,
+    };
+    let exec = ExecRequest {
+        argv: vec!["sh".into(), "-c".into(), "cat; exit 3".into()],
+        env: vec![("GREETING".into(), "hi".into())],
+        cwd: Some("/tmp".into()),
+        stdin: b"input".to_vec(),
+        timeout_ms: Some(1000),
+        ..ExecRequest::default()
+    };
+    let bodies = [
+        RequestBody::Hello {
+            protocol: PROTOCOL_VERSION,
+        },
+        RequestBody::Exec(exec.clone()),
+        RequestBody::ExecInTerminal {
+            root: Some("/.cube-containers/c1".into()),
+            size: TerminalSize { rows: 33, cols: 77 },
+            exec: ExecRequest {
+                stdin: Vec::new(),
+                ..exec
+            },
+        },
+        RequestBody::ResizeTerminal {
+            exec_id: 2,
+            size: TerminalSize::default(),
+        },
+        RequestBody::StdinWrite {
+            exec_id: 2,
+            data: b"typed\n".to_vec(),
+        },
+        RequestBody::WriteStart {
+            path: "/home/user/f".into(),
+            mode: Some(0o600),
+            append: false,
+            create_parents: true,
+        },
+        RequestBody::WriteChunk { data: vec![7; 64] },
+        RequestBody::WriteEnd { sync: true },
+        RequestBody::Attach { pid: 42 },
+    ];
+    let requests: Vec<Request> = bodies
+        .into_iter()
+        .zip(1u64..)
+        .map(|(body, id)| Request { id, body })
+        .collect();
+    let answers = [
+        ResponseBody::Hello {
+            protocol: PROTOCOL_VERSION,
+            agent: "0.1.0".into(),
+        },
+        ResponseBody::Started { pid: 42 },
+        ResponseBody::Stdout(b"33 77\r\n".to_vec()),
+        ResponseBody::Stderr(b"oops\n".to_vec()),
+        ResponseBody::Exited(ExitInfo {
+            code: Some(3),
+            signal: None,
+            timed_out: false,
+        }),
+        ResponseBody::Written { size: 64 },
+        ResponseBody::Error(ErrorReply::new(
+            ErrorCode::NotRunning,
+            "exec 2 has no terminal",
+        )),
+    ];
+    let responses: Vec<Response> = answers
+        .into_iter()
+        .zip(1u64..)
+        .map(|(body, id)| Response { id, body })
+        .collect();
+    write(dir, "requests.bin", &agent_frames(&requests)?)?;
+    write(dir, "responses.bin", &agent_frames(&responses)?)?;
+    // 5 MiB announced, 16 bytes given: skipped (or refused as truncated), never allocated.
+    let mut oversized = (5u32 << 20).to_le_bytes().to_vec();
+    oversized.extend([9u8; 16]);
+    write(dir, "oversized.bin", &oversized)?;
+    // Request id 77 of a kind this protocol does not know.
+    let mut unknown = postcard::to_allocvec(&77u64)?;
+    unknown.extend(postcard::to_allocvec(&(REQUEST_KINDS + 4))?);
+    let mut frame = (unknown.len() as u32).to_le_bytes().to_vec();
+    frame.extend(unknown);
+    write(dir, "unknown.bin", &frame)?;
+    Ok(())
+}
+
 /// A small snapshot archive: a directory, a file with a data chunk past a hole, a
 /// symlink, an opaque-directory marker.
 fn archive_seed() -> Result<Vec<u8>, Error> {
@@ -385,6 +485,8 @@ fn main() -> Result<(), Error> {
     write(&frame_seeds, "responses.bin", &frames(&responses)?)?;
     write(&frame_seeds, "adopt.bin", &frames(&requests[..1])?)?;
     write(&frame_seeds, "status.bin", &frames(&responses[1..2])?)?;
+
+    agent_seeds(&seeds.join("agent_frame"))?;
 
     let envelope = cube_storage::encode_envelope("sandbox", br#"{"id":"sb-1","ephemeral":true}"#)?;
     write(&seeds.join("metadata_envelope"), "sandbox.bin", &envelope)?;

@@ -11,7 +11,9 @@ fuzz_target!(|data: &[u8]| {
     let Ok((mut reader, manifest)) = ArchiveReader::open(data) else {
         return;
     };
-    manifest.validate().expect("the reader returned an invalid manifest");
+    manifest
+        .validate()
+        .expect("the reader returned an invalid manifest");
     loop {
         match reader.next_chunk() {
             Ok(Some(chunk)) => {

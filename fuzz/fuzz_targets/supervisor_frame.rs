@@ -8,64 +8,19 @@
 
 #![no_main]
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
+use cube_fuzz::allocation_watch::{self, watched, LargestAllocation};
 use cube_supervisor::protocol::{read_frame, write_frame, MAX_FRAME};
 use cube_supervisor::protocol::{Request, Response};
 use libfuzzer_sys::fuzz_target;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-/// Records the largest single allocation made while [`WATCHING`], so the target can
-/// check what `read_frame` asked for (and not what its own checks allocate).
-struct LargestAllocation;
-
-static WATCHING: AtomicBool = AtomicBool::new(false);
-static LARGEST: AtomicUsize = AtomicUsize::new(0);
-
-fn record(size: usize) {
-    if WATCHING.load(Ordering::Relaxed) {
-        LARGEST.fetch_max(size, Ordering::Relaxed);
-    }
-}
-
-// SAFETY: every call is forwarded unchanged to the system allocator; the only addition
-// is an atomic update of a statistic.
-unsafe impl GlobalAlloc for LargestAllocation {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        record(layout.size());
-        // SAFETY: the caller's contract for `alloc` is passed on unchanged.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        record(layout.size());
-        // SAFETY: as for `alloc`.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        record(new_size);
-        // SAFETY: as for `alloc`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: as for `alloc`.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-}
-
 #[global_allocator]
 static ALLOCATOR: LargestAllocation = LargestAllocation;
 
 /// `read_frame`, with its allocations watched.
 fn read_watched<T: DeserializeOwned>(stream: &mut &[u8]) -> Option<T> {
-    WATCHING.store(true, Ordering::Relaxed);
-    let message = read_frame::<T>(stream).ok();
-    WATCHING.store(false, Ordering::Relaxed);
-    message
+    watched(|| read_frame::<T>(stream).ok())
 }
 
 /// Reads frames of `T` until the stream ends or a frame is refused.
@@ -85,10 +40,10 @@ fn read_all<T: Serialize + DeserializeOwned>(data: &[u8]) {
 }
 
 fuzz_target!(|data: &[u8]| {
-    LARGEST.store(0, Ordering::Relaxed);
+    allocation_watch::reset();
     read_all::<Request>(data);
     read_all::<Response>(data);
-    let largest = LARGEST.load(Ordering::Relaxed);
+    let largest = allocation_watch::largest();
     assert!(
         largest <= MAX_FRAME as usize,
         "one allocation of {largest} bytes exceeds MAX_FRAME ({MAX_FRAME})"

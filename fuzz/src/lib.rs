@@ -1,0 +1,3 @@
+//! What Cube's fuzz targets share.
+
+pub mod allocation_watch;
