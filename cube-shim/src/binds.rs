@@ -1,6 +1,9 @@
 //! The spec's bind mounts (volumes, the kubelet's `/etc/hosts`, `/etc/hostname` and
-//! `/etc/resolv.conf`) made in a pod container's root filesystem on the host, before
-//! that root is cloned into the pod's sandbox (the clone takes them along).
+//! `/etc/resolv.conf`, `ctr run --mount`): made in a pod container's root filesystem
+//! on the host, before that root is cloned into the pod's sandbox (the clone takes
+//! them along); for a container with a sandbox of its own, made in the running
+//! sandbox's root, moved in by a helper in its mount namespace
+//! ([`crate::mount_helper`]).
 //!
 //! Destinations are resolved inside the container's root (`openat2` with
 //! `RESOLVE_IN_ROOT`): the image is untrusted, and a symlink in it must not send a
@@ -35,6 +38,12 @@ pub enum BindError {
     /// The mount itself failed.
     #[error("binding {0}")]
     Mount(String, #[source] TreeError),
+    /// The sandbox's root could not be opened (the sandbox ended).
+    #[error("opening the root of the sandbox (pid {0})")]
+    SandboxRoot(u32, #[source] std::io::Error),
+    /// Moving the binds into the sandbox failed.
+    #[error("binding into the sandbox")]
+    InSandbox(#[from] crate::mount_helper::HelperError),
 }
 
 /// Makes every bind of `binds` under `root`, the container's root filesystem mounted
@@ -46,22 +55,78 @@ pub fn bind_into<'a>(
     let root_fd = open_path(libc::AT_FDCWD, root, libc::O_DIRECTORY, 0)
         .map_err(|e| BindError::Target(root.display().to_string(), e))?;
     for bind in binds {
-        let source = Path::new(&bind.source);
-        let is_dir = std::fs::metadata(source)
-            .map_err(|e| BindError::Source(source.to_path_buf(), e))?
-            .is_dir();
-        let dest = relative(&bind.destination)?;
-        let target = if is_dir {
-            ensure_dir(&root_fd, &dest)
-        } else {
-            ensure_file(&root_fd, &dest)
-        }
-        .map_err(|e| BindError::Target(bind.destination.clone(), e))?;
-        DetachedTree::clone_of(source, bind.read_only())
-            .and_then(|tree| tree.move_onto(target.as_fd()))
+        let (tree, target) = prepare(&root_fd, bind)?;
+        tree.move_onto(target.as_fd())
             .map_err(|e| BindError::Mount(bind.destination.clone(), e))?;
     }
     Ok(())
+}
+
+/// The steps of the helper that moves binds into a sandbox, numbered for its report.
+const SANDBOX_STEPS: [&str; 2] = ["joining the mount namespace", "moving a bind in"];
+
+/// Makes every bind of `binds` in the running sandbox whose PID 1 is `jail_pid`:
+/// destinations resolved and made inside its root (reached through
+/// `/proc/<pid>/root`), the clones of the sources moved onto them from inside its
+/// mount namespace.
+pub fn bind_into_sandbox<'a>(
+    jail_pid: u32,
+    binds: impl Iterator<Item = &'a MountSpec>,
+) -> Result<(), BindError> {
+    let root = std::fs::File::open(format!("/proc/{jail_pid}/root"))
+        .map_err(|e| BindError::SandboxRoot(jail_pid, e))?;
+    let root = OwnedFd::from(root);
+    let prepared = binds
+        .map(|bind| prepare(&root, bind))
+        .collect::<Result<Vec<_>, _>>()?;
+    if prepared.is_empty() {
+        return Ok(());
+    }
+    // Descriptor pairs made before the fork: the helper must not allocate.
+    let moves: Vec<(RawFd, RawFd)> = prepared
+        .iter()
+        .map(|(tree, target)| (tree.as_raw_fd(), target.as_raw_fd()))
+        .collect();
+    let ns = crate::mount_helper::open_namespace(jail_pid)?;
+    crate::mount_helper::run(&SANDBOX_STEPS, || {
+        crate::mount_helper::join(0, ns.as_raw_fd())?;
+        for (tree, target) in &moves {
+            // SAFETY: both paths are empty and the flags say so: the descriptors name
+            // the detached tree and the target, a mount of this namespace now.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_move_mount,
+                    *tree,
+                    c"".as_ptr(),
+                    *target,
+                    c"".as_ptr(),
+                    libc::MOVE_MOUNT_F_EMPTY_PATH | libc::MOVE_MOUNT_T_EMPTY_PATH,
+                )
+            };
+            crate::mount_helper::check(1, rc as libc::c_int)?;
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
+
+/// One bind's clone of its source and its destination inside `root`, made where
+/// missing (a directory for a directory, an empty file for a file).
+fn prepare(root: &OwnedFd, bind: &MountSpec) -> Result<(DetachedTree, OwnedFd), BindError> {
+    let source = Path::new(&bind.source);
+    let is_dir = std::fs::metadata(source)
+        .map_err(|e| BindError::Source(source.to_path_buf(), e))?
+        .is_dir();
+    let dest = relative(&bind.destination)?;
+    let target = if is_dir {
+        ensure_dir(root, &dest)
+    } else {
+        ensure_file(root, &dest)
+    }
+    .map_err(|e| BindError::Target(bind.destination.clone(), e))?;
+    let tree = DetachedTree::clone_of(source, bind.read_only())
+        .map_err(|e| BindError::Mount(bind.destination.clone(), e))?;
+    Ok((tree, target))
 }
 
 /// `/a/b` as `a/b`; refuses relative paths and `..`.

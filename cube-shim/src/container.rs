@@ -290,6 +290,13 @@ impl Container {
         let jail_pid = sandbox.status()?.jail.and_then(|j| j.pid).unwrap_or(0);
         if pod_sandbox {
             init = Process::placeholder(jail_pid);
+        } else if request.checkpoint.is_empty() {
+            // A pod's containers get theirs in join_pod; a restored checkpoint brings
+            // its binds back itself (they are external mounts of its image).
+            if let Err(e) = crate::binds::bind_into_sandbox(jail_pid, spec.binds()) {
+                let _ = sandbox.destroy();
+                return Err(e.into());
+            }
         }
         Ok(Container {
             id: request.id.to_string(),

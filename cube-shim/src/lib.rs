@@ -29,6 +29,7 @@ pub mod binds;
 pub mod calls_in_flight;
 pub mod container;
 pub mod detached_tree;
+pub mod mount_helper;
 pub mod pod_mount;
 pub mod process;
 pub mod resources;

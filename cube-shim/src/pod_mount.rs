@@ -11,13 +11,13 @@
 //! clone is `nosuid,nodev`: an image's setuid files and devices mean nothing inside.
 
 use std::ffi::CString;
-use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 
 use nix::errno::Errno;
 
 use crate::detached_tree::{DetachedTree, TreeError};
+use crate::mount_helper::{check, join, open_namespace, HelperError};
 
 /// Where container roots go in a pod's sandbox.
 pub const CONTAINERS_DIR: &str = "/.cube-containers";
@@ -31,21 +31,9 @@ pub enum PodMountError {
     /// The host-side root could not be cloned.
     #[error("Cloning the container's root")]
     Tree(#[from] TreeError),
-    /// The sandbox's mount namespace could not be opened (the sandbox ended).
-    #[error("opening the mount namespace of the pod's sandbox (pid {0})")]
-    Namespace(u32, #[source] std::io::Error),
-    /// The helper process could not be forked or waited for.
-    #[error("forking the mount helper")]
-    Fork(#[source] Errno),
-    /// A step inside the sandbox failed.
-    #[error("{step} in the pod's sandbox")]
-    InSandbox {
-        /// What was being done.
-        step: &'static str,
-        /// Why.
-        #[source]
-        errno: Errno,
-    },
+    /// The mount helper failed.
+    #[error("Showing the container's root")]
+    Helper(#[from] HelperError),
 }
 
 /// The steps the helper takes, numbered for its report.
@@ -83,7 +71,9 @@ impl PodMount {
         let paths = Paths::new(&inner)?;
         let tree = DetachedTree::clone_of(host_root, false)?;
         let ns = open_namespace(jail_pid)?;
-        run_helper(|| attach_in_child(ns.as_raw_fd(), tree.as_raw_fd(), &paths))?;
+        crate::mount_helper::run(&STEPS, || {
+            attach_in_child(ns.as_raw_fd(), tree.as_raw_fd(), &paths)
+        })?;
         Ok(PodMount {
             jail_pid,
             inner,
@@ -106,10 +96,12 @@ impl PodMount {
         let ns = match open_namespace(self.jail_pid) {
             Ok(ns) => ns,
             Err(_) if !Path::new(&format!("/proc/{}", self.jail_pid)).exists() => return Ok(()),
-            Err(e) => return Err(e),
+            Err(e) => return Err(e.into()),
         };
         let paths = Paths::new(&self.inner)?;
-        run_helper(|| detach_in_child(ns.as_raw_fd(), &paths))
+        Ok(crate::mount_helper::run(&STEPS, || {
+            detach_in_child(ns.as_raw_fd(), &paths)
+        })?)
     }
 }
 
@@ -147,74 +139,6 @@ impl Paths {
     }
 }
 
-fn open_namespace(jail_pid: u32) -> Result<File, PodMountError> {
-    File::open(format!("/proc/{jail_pid}/ns/mnt"))
-        .map_err(|e| PodMountError::Namespace(jail_pid, e))
-}
-
-/// Forks a child that runs `step` (raw system calls only: the shim has threads) and
-/// reports which step failed and why.
-fn run_helper(step: impl Fn() -> Result<(), (usize, Errno)>) -> Result<(), PodMountError> {
-    let mut pipe = [0 as RawFd; 2];
-    // SAFETY: `pipe` has room for the two descriptors.
-    if unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return Err(PodMountError::Fork(Errno::last()));
-    }
-    // SAFETY: both descriptors are new and owned here.
-    let (read, write) = unsafe { (OwnedFd::from_raw_fd(pipe[0]), OwnedFd::from_raw_fd(pipe[1])) };
-    // SAFETY: the child only makes raw system calls over memory prepared before the
-    // fork and ends with _exit; it neither allocates nor takes locks.
-    let pid = unsafe { libc::fork() };
-    if pid < 0 {
-        return Err(PodMountError::Fork(Errno::last()));
-    }
-    if pid == 0 {
-        // The record says how it went, success included: the shim reaps its children
-        // on SIGCHLD (containerd-shim does), so the exit status may never reach us.
-        let (record, code) = match step() {
-            Ok(()) => ([-1i32, 0], 0),
-            Err((index, errno)) => ([index as i32, errno as i32], 1),
-        };
-        // SAFETY: writes the 8 bytes of `record` to the pipe.
-        unsafe { libc::write(write.as_raw_fd(), record.as_ptr().cast(), 8) };
-        // SAFETY: ends the child without running the parent's exit handlers.
-        unsafe { libc::_exit(code) };
-    }
-    drop(write);
-    let mut record = [0i32; 2];
-    let n = loop {
-        // SAFETY: reads at most 8 bytes into `record`; returns once the child wrote
-        // its record or ended (the pipe's only write end closes with it).
-        let n = unsafe { libc::read(read.as_raw_fd(), record.as_mut_ptr().cast(), 8) };
-        if n >= 0 || Errno::last() != Errno::EINTR {
-            break n;
-        }
-    };
-    let mut status = 0;
-    // SAFETY: reaps the child forked above if nobody else did; `status` is live.
-    // ECHILD (reaped elsewhere) is fine: the record carries the outcome.
-    while unsafe { libc::waitpid(pid, &mut status, 0) } < 0 && Errno::last() == Errno::EINTR {}
-    match (n, record) {
-        (8, [-1, _]) => Ok(()),
-        (8, [index, errno]) => Err(PodMountError::InSandbox {
-            step: STEPS.get(index as usize).copied().unwrap_or("a step"),
-            errno: Errno::from_raw(errno),
-        }),
-        _ => Err(PodMountError::InSandbox {
-            step: "the mount helper, which ended without a word",
-            errno: Errno::ECHILD,
-        }),
-    }
-}
-
-fn check(index: usize, rc: libc::c_int) -> Result<(), (usize, Errno)> {
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err((index, Errno::last()))
-    }
-}
-
 fn mkdir_existing_ok(
     index: usize,
     path: &CString,
@@ -244,8 +168,7 @@ fn bind(index: usize, source: &std::ffi::CStr, target: &CString) -> Result<(), (
 
 /// In the forked child: into the sandbox, then the tree in, then /proc and /dev.
 fn attach_in_child(ns: RawFd, tree: RawFd, p: &Paths) -> Result<(), (usize, Errno)> {
-    // SAFETY: integer arguments; after this the child's root is the sandbox's.
-    check(0, unsafe { libc::setns(ns, libc::CLONE_NEWNS) })?;
+    join(0, ns)?;
     mkdir_existing_ok(1, &p.parent, 0o711)?;
     mkdir_existing_ok(2, &p.inner, 0o755)?;
     // SAFETY: the empty path with MOVE_MOUNT_F_EMPTY_PATH names the detached tree;
@@ -267,8 +190,7 @@ fn attach_in_child(ns: RawFd, tree: RawFd, p: &Paths) -> Result<(), (usize, Errn
 
 /// In the forked child: into the sandbox, then the container's root out.
 fn detach_in_child(ns: RawFd, p: &Paths) -> Result<(), (usize, Errno)> {
-    // SAFETY: integer arguments.
-    check(0, unsafe { libc::setns(ns, libc::CLONE_NEWNS) })?;
+    join(0, ns)?;
     // SAFETY: live NUL-terminated string.
     match unsafe { libc::umount2(p.inner.as_ptr(), libc::MNT_DETACH) } {
         0 => {}

@@ -561,7 +561,13 @@ impl Process {
             s.agent.clone()
         };
         match agent {
-            Some((client, id)) => Ok(client.kill(id, signal as i32)?),
+            Some((client, id)) => match client.kill(id, signal as i32) {
+                Ok(()) => Ok(()),
+                // The connection ended (a checkpoint drops them all): once the relay
+                // follows the process on a new one, the signal goes there.
+                Err(ClientError::Agent(e)) => Err(ProcessError::Agent(ClientError::Agent(e))),
+                Err(lost) => self.kill_after_refollow(&client, signal, lost),
+            },
             None => {
                 self.finish(Exit {
                     status: 128 + signal,
@@ -570,6 +576,35 @@ impl Process {
                 Ok(())
             }
         }
+    }
+
+    /// Sends `signal` on the connection the relay follows the process on once it
+    /// replaced `lost`; `error` when none comes within [`REFOLLOW_TIMEOUT`].
+    fn kill_after_refollow(
+        &self,
+        lost: &Arc<Client>,
+        signal: u32,
+        error: ClientError,
+    ) -> Result<(), ProcessError> {
+        let deadline = Instant::now() + REFOLLOW_TIMEOUT;
+        while Instant::now() < deadline {
+            let agent = {
+                let s = lock(&self.state);
+                if s.exit.is_some() {
+                    return Ok(());
+                }
+                s.agent.clone()
+            };
+            match agent {
+                Some((client, id)) if !Arc::ptr_eq(&client, lost) => {
+                    return Ok(client.kill(id, signal as i32)?)
+                }
+                // Ended meanwhile (the state drops its connection at the end).
+                None => return Ok(()),
+                Some(_) => std::thread::sleep(REFOLLOW_STEP / 2),
+            }
+        }
+        Err(error.into())
     }
 }
 

@@ -511,3 +511,114 @@ fn ctr_relays_standard_input_and_runs_processes_on_terminals() {
     c.ctr_ok(&["task", "delete", "in2"]);
     c.ctr_ok(&["container", "rm", "in2"]);
 }
+
+#[test]
+fn ctr_run_mounts_bind_host_directories_into_its_sandbox() {
+    if skip() {
+        return;
+    }
+    let c = Containerd::start();
+    c.import_images(common::NAMESPACE);
+    use std::os::unix::fs::PermissionsExt;
+    // A volume the sandbox's uid may write, and one it may only read.
+    let rw = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(rw.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::write(rw.path().join("from-host"), "host data\n").unwrap();
+    let ro = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(ro.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::write(ro.path().join("readme"), "read only\n").unwrap();
+    let out = c.ctr(&[
+        "run",
+        "--rm",
+        "--runtime",
+        RUNTIME,
+        "--mount",
+        &format!(
+            "type=bind,src={},dst=/data,options=rbind:rw",
+            rw.path().display()
+        ),
+        // A destination the image lacks: made in the sandbox's own layer.
+        "--mount",
+        &format!(
+            "type=bind,src={},dst=/deep/ro,options=rbind:ro",
+            ro.path().display()
+        ),
+        IMAGE,
+        "b1",
+        "sh",
+        "-c",
+        "cat /data/from-host /deep/ro/readme; echo inside > /data/from-inside; \
+         touch /deep/ro/x 2>/dev/null && echo wrote-read-only; exit 4",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(4),
+        "{stdout}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        c.log()
+    );
+    assert!(stdout.contains("host data\nread only\n"), "{stdout}");
+    assert!(!stdout.contains("wrote-read-only"), "{stdout}");
+    assert_eq!(
+        std::fs::read_to_string(rw.path().join("from-inside")).unwrap(),
+        "inside\n"
+    );
+    assert!(!ro.path().join("x").exists());
+    // A checkpoint carries a bind (an external mount of its image); the container
+    // restored from it has the bind again.
+    c.ctr_ok(&[
+        "run",
+        "-d",
+        "--runtime",
+        RUNTIME,
+        "--mount",
+        &format!(
+            "type=bind,src={},dst=/data,options=rbind:rw",
+            rw.path().display()
+        ),
+        IMAGE,
+        "b2",
+        "sleep",
+        "1000",
+    ]);
+    let out = c.ctr(&["container", "checkpoint", "--task", "b2", "checkpoint/b2:1"]);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        c.log()
+    );
+    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "b2"]);
+    wait_stopped(&c, "b2");
+    c.ctr_ok(&["task", "delete", "b2"]);
+    c.ctr_ok(&["container", "rm", "b2"]);
+    let out = c.ctr(&["container", "restore", "--live", "b3", "checkpoint/b2:1"]);
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        c.log()
+    );
+    let seen = c.ctr_ok(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "e1",
+        "b3",
+        "cat",
+        "/data/from-host",
+    ]);
+    assert_eq!(seen, "host data\n");
+    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "b3"]);
+    wait_stopped(&c, "b3");
+    c.ctr_ok(&["task", "delete", "b3"]);
+    c.ctr_ok(&["container", "rm", "b3"]);
+    // Nothing of the binds is left on the host once the container is gone.
+    let prefix = c.dir.path().display().to_string();
+    assert!(
+        wait_until(Duration::from_secs(10), || mounts_under(&prefix).is_empty()),
+        "mounts left: {:?}",
+        mounts_under(&prefix)
+    );
+}
