@@ -553,22 +553,16 @@ impl Process {
     /// Sends `signal` to the process's group. Nothing to do once it ended; a
     /// placeholder ends on any signal.
     pub fn kill(&self, signal: u32) -> Result<(), ProcessError> {
-        let agent = {
-            let s = lock(&self.state);
-            if s.exit.is_some() {
-                return Ok(());
-            }
-            s.agent.clone()
-        };
-        match agent {
-            Some((client, id)) => match client.kill(id, signal as i32) {
+        match self.reach() {
+            Reach::Ended => Ok(()),
+            Reach::Agent(client, id) => match client.kill(id, signal as i32) {
                 Ok(()) => Ok(()),
                 // The connection ended (a checkpoint drops them all): once the relay
                 // follows the process on a new one, the signal goes there.
                 Err(ClientError::Agent(e)) => Err(ProcessError::Agent(ClientError::Agent(e))),
                 Err(lost) => self.kill_after_refollow(&client, signal, lost),
             },
-            None => {
+            Reach::NoAgent => {
                 self.finish(Exit {
                     status: 128 + signal,
                     at: SystemTime::now(),
@@ -588,24 +582,37 @@ impl Process {
     ) -> Result<(), ProcessError> {
         let deadline = Instant::now() + REFOLLOW_TIMEOUT;
         while Instant::now() < deadline {
-            let agent = {
-                let s = lock(&self.state);
-                if s.exit.is_some() {
-                    return Ok(());
-                }
-                s.agent.clone()
-            };
-            match agent {
-                Some((client, id)) if !Arc::ptr_eq(&client, lost) => {
+            match self.reach() {
+                Reach::Agent(client, id) if !Arc::ptr_eq(&client, lost) => {
                     return Ok(client.kill(id, signal as i32)?)
                 }
                 // Ended meanwhile (the state drops its connection at the end).
-                None => return Ok(()),
-                Some(_) => std::thread::sleep(REFOLLOW_STEP / 2),
+                Reach::Ended | Reach::NoAgent => return Ok(()),
+                Reach::Agent(..) => std::thread::sleep(REFOLLOW_STEP / 2),
             }
         }
         Err(error.into())
     }
+
+    /// How the process is reached now.
+    fn reach(&self) -> Reach {
+        let s = lock(&self.state);
+        match (&s.exit, &s.agent) {
+            (Some(_), _) => Reach::Ended,
+            (None, Some((client, id))) => Reach::Agent(Arc::clone(client), *id),
+            (None, None) => Reach::NoAgent,
+        }
+    }
+}
+
+/// How a process is reached (see [`Process::reach`]).
+enum Reach {
+    /// It ended.
+    Ended,
+    /// Through this connection, under this request id.
+    Agent(Arc<Client>, u64),
+    /// Through no agent: not started, or a placeholder.
+    NoAgent,
 }
 
 /// Where a process's output goes.

@@ -117,6 +117,14 @@ fn task_pids(c: &Containerd, id: &str) -> Vec<u32> {
         .collect()
 }
 
+/// Kills task `id`, waits for it to stop, deletes it and removes its container.
+fn kill_and_remove(c: &Containerd, id: &str) {
+    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", id]);
+    wait_stopped(c, id);
+    c.ctr_ok(&["task", "delete", id]);
+    c.ctr_ok(&["container", "rm", id]);
+}
+
 /// Waits until task `id` is stopped.
 fn wait_stopped(c: &Containerd, id: &str) {
     assert!(
@@ -211,10 +219,7 @@ fn ctr_runs_execs_measures_kills_and_deletes_a_cube_container() {
     // What the container holds on the host, to check after delete.
     let held = Held::of(&c, "c2", pids);
 
-    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "c2"]);
-    wait_stopped(&c, "c2");
-    c.ctr_ok(&["task", "delete", "c2"]);
-    c.ctr_ok(&["container", "rm", "c2"]);
+    kill_and_remove(&c, "c2");
     held.assert_released();
     assert_eq!(net_devices(), devices_before, "network devices changed");
     // The shim exits once its last container is gone.
@@ -336,10 +341,7 @@ fn checkpoint_and_restore_into_a_new_container_keep_a_process_memory() {
     let after_checkpoint = tick(&c, "c1", "t2", &log, 1);
     assert!(after_checkpoint > before, "{after_checkpoint} <= {before}");
     let held = Held::of(&c, "c1", task_pids(&c, "c1"));
-    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "c1"]);
-    wait_stopped(&c, "c1");
-    c.ctr_ok(&["task", "delete", "c1"]);
-    c.ctr_ok(&["container", "rm", "c1"]);
+    kill_and_remove(&c, "c1");
     held.assert_released();
 
     // Restored into a new container: the process's memory is back.
@@ -395,10 +397,7 @@ fn checkpoint_and_restore_into_a_new_container_keep_a_process_memory() {
 
     // The restored main process is the task's: its kill stops the task.
     let held = Held::of(&c, "c2", task_pids(&c, "c2"));
-    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "c2"]);
-    wait_stopped(&c, "c2");
-    c.ctr_ok(&["task", "delete", "c2"]);
-    c.ctr_ok(&["container", "rm", "c2"]);
+    kill_and_remove(&c, "c2");
     held.assert_released();
     assert!(
         held.runtime.snapshots(None).unwrap().is_empty(),
@@ -506,10 +505,7 @@ fn ctr_relays_standard_input_and_runs_processes_on_terminals() {
     assert!(shown.contains("33 77"), "size not passed on: {shown}");
     assert!(shown.contains("typed-42"), "{shown}");
 
-    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "in2"]);
-    wait_stopped(&c, "in2");
-    c.ctr_ok(&["task", "delete", "in2"]);
-    c.ctr_ok(&["container", "rm", "in2"]);
+    kill_and_remove(&c, "in2");
 }
 
 #[test]
@@ -589,10 +585,7 @@ fn ctr_run_mounts_bind_host_directories_into_its_sandbox() {
         String::from_utf8_lossy(&out.stderr),
         c.log()
     );
-    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "b2"]);
-    wait_stopped(&c, "b2");
-    c.ctr_ok(&["task", "delete", "b2"]);
-    c.ctr_ok(&["container", "rm", "b2"]);
+    kill_and_remove(&c, "b2");
     let out = c.ctr(&["container", "restore", "--live", "b3", "checkpoint/b2:1"]);
     assert!(
         out.status.success(),
@@ -610,10 +603,7 @@ fn ctr_run_mounts_bind_host_directories_into_its_sandbox() {
         "/data/from-host",
     ]);
     assert_eq!(seen, "host data\n");
-    c.ctr_ok(&["task", "kill", "-s", "SIGKILL", "b3"]);
-    wait_stopped(&c, "b3");
-    c.ctr_ok(&["task", "delete", "b3"]);
-    c.ctr_ok(&["container", "rm", "b3"]);
+    kill_and_remove(&c, "b3");
     // Nothing of the binds is left on the host once the container is gone.
     let prefix = c.dir.path().display().to_string();
     assert!(
