@@ -337,6 +337,20 @@ fn limits_change_while_the_sandbox_runs_and_hold_after_a_rollback() {
     assert_eq!(cgroup_value(&mut sb, &memory), (64u64 << 20).to_string());
     let touch = "python3 -c 'b = bytearray(100 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint(\"fit\")'";
     assert_ne!(sh(&sb.agent().unwrap(), touch).0, 0, "100 MiB fit into 64");
+    assert_eq!(tmpfs_sizes(&mut sb), [64 << 20, 64 << 20]);
+    // 40 MiB in /tmp: it may not shrink below that (the limits stay), and may grow.
+    let agent = sb.agent().unwrap();
+    assert_eq!(sh(&agent, "head -c 41943040 /dev/zero > /tmp/fill").0, 0);
+    let refused = sb
+        .set_limits(LimitChange {
+            memory_mib: Some(32),
+            ..LimitChange::default()
+        })
+        .unwrap_err();
+    let why = format!("{refused:?}");
+    assert!(why.contains("cannot shrink below what it holds"), "{why}");
+    assert_eq!(cgroup_value(&mut sb, &memory), (64u64 << 20).to_string());
+    assert_eq!(sh(&agent, "rm /tmp/fill").0, 0);
 
     sb.set_limits(LimitChange {
         memory_mib: Some(256),
@@ -346,6 +360,8 @@ fn limits_change_while_the_sandbox_runs_and_hold_after_a_rollback() {
     .unwrap();
     assert_eq!(cgroup_value(&mut sb, &memory), (256u64 << 20).to_string());
     assert_eq!(pids_max_of(&mut sb), "48");
+    // /tmp and /dev/shm follow the memory limit.
+    assert_eq!(tmpfs_sizes(&mut sb), [256 << 20, 256 << 20]);
     let (code, out, err) = sh(&sb.agent().unwrap(), touch);
     assert_eq!((code, out.trim()), (0, "fit"), "{err}");
     // Nothing to change is no call; a limit the host refuses is an error naming it,
@@ -366,7 +382,19 @@ fn limits_change_while_the_sandbox_runs_and_hold_after_a_rollback() {
     sb.rollback(&snap.id).unwrap();
     assert_eq!(cgroup_value(&mut sb, &memory), (256u64 << 20).to_string());
     assert_eq!(pids_max_of(&mut sb), "48");
+    assert_eq!(tmpfs_sizes(&mut sb), [256 << 20, 256 << 20]);
     destroy_and_check(sb);
+}
+
+/// The sizes of the sandbox's /tmp and /dev/shm, in bytes.
+fn tmpfs_sizes(sb: &mut cube_core::Sandbox) -> [u64; 2] {
+    let (code, out, err) = sh(
+        &sb.agent().unwrap(),
+        "python3 -c 'import os\nfor p in (\"/tmp\", \"/dev/shm\"): s = os.statvfs(p); print(s.f_blocks * s.f_frsize)'",
+    );
+    assert_eq!(code, 0, "{err}");
+    let sizes: Vec<u64> = out.lines().map(|l| l.trim().parse().unwrap()).collect();
+    [sizes[0], sizes[1]]
 }
 
 #[test]
@@ -799,5 +827,7 @@ fn a_pooled_create_gets_more_memory_than_its_jail_started_with() {
     let mut sb = env.create(options);
     let memory = ["memory.max", "memory.limit_in_bytes"];
     assert_eq!(cgroup_value(&mut sb, &memory), (4096u64 << 20).to_string());
+    // Its /tmp and /dev/shm too (they had the default limit's size).
+    assert_eq!(tmpfs_sizes(&mut sb), [4096 << 20, 4096 << 20]);
     destroy_and_check(sb);
 }

@@ -128,6 +128,9 @@ pub enum JailError {
     /// The disk limit could not be set.
     #[error(transparent)]
     Disk(#[from] DiskLimitError),
+    /// The jail's tmpfs mounts could not be resized.
+    #[error(transparent)]
+    Tmpfs(#[from] crate::tmpfs_resize::TmpfsResizeError),
     /// A network namespace to join was given together with a new one to create.
     #[error("a jail joins a network namespace or creates one, not both")]
     NetnsConflict,
@@ -995,6 +998,11 @@ impl Jail {
     /// unset is left as it is, except disk, which is lifted.
     pub fn set_limits(&self, limits: &Limits) -> Result<()> {
         limits.validate()?;
+        if let Some(bytes) = limits.memory_bytes {
+            // First: a tmpfs that holds more than the new limit refuses it, and then
+            // nothing has changed.
+            crate::tmpfs_resize::resize(self.pid, bytes)?;
+        }
         if limits.needs_cgroup() {
             let layout = CgroupLayout::detect()?;
             self.live_cgroup()?.set_limits(&layout, limits)?;

@@ -57,6 +57,7 @@ pub mod rootfs;
 pub mod sandbox_uid;
 pub mod seccomp;
 pub mod tmpfs_image;
+pub mod tmpfs_resize;
 
 pub use capabilities::Identity;
 pub use cgroup::{
