@@ -14,11 +14,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use containerd_shim::protos::types::mount::Mount;
 use cube_agent::client::Client;
 use cube_core::JailStatus;
-use cube_core::{CreateOptions, LimitChange, Runtime, Sandbox, SandboxError};
+use cube_core::{CreateOptions, EngineChoice, LimitChange, Runtime, Sandbox, SandboxError};
 
 use crate::pod_mount::{PodMount, PodMountError};
 use crate::process::{AgentLink, Process, ProcessError};
 use crate::spec::{Spec, SpecError};
+use crate::vm_container::{VmContainerError, VmTemplate};
 
 /// The bundle directory containerd's snapshot is mounted on.
 pub const ROOTFS: &str = "rootfs";
@@ -80,6 +81,9 @@ pub enum ContainerError {
     /// A checkpoint names its main process with something else than a pid.
     #[error("Checkpoint file {0} holds no pid")]
     CheckpointPid(PathBuf),
+    /// The container cannot run on the VM engine.
+    #[error("VM container")]
+    Vm(#[from] VmContainerError),
 }
 
 /// containerd's snapshot mounted on the bundle's rootfs; unmounted on drop.
@@ -189,8 +193,12 @@ pub struct Container {
     pub init: Arc<Process>,
     execs: Mutex<HashMap<String, Arc<Process>>>,
     link: Arc<SandboxLink>,
-    /// The jail's PID 1 on the host.
+    /// The jail's PID 1 on the host; a VM's supervisor.
     jail_pid: u32,
+    /// Whether its sandbox is a VM.
+    vm: bool,
+    /// The VM template built for it, removed after its sandbox.
+    vm_template: Mutex<Option<VmTemplate>>,
     /// Its sandbox's own, the pod's, or its pod's guest.
     role: Role,
     /// Restored from a checkpoint: the main process's pid in the sandbox, running
@@ -231,11 +239,16 @@ impl Container {
     /// is the pod's, made to host the pod's containers, and the pause process is the
     /// sandbox's PID 1: nothing of the pause image runs.
     pub fn create(
-        runtime: &Runtime,
+        runtime: &Arc<Runtime>,
         spec: &Spec,
         request: CreateRequest<'_>,
         pod_sandbox: bool,
     ) -> Result<Container, ContainerError> {
+        // A pod's sandbox is a jail (cube-core says so for `vm`).
+        let vm = !pod_sandbox && spec.engine()? == EngineChoice::Vm;
+        if vm {
+            refuse_for_vm(spec, &request)?;
+        }
         let process = spec.process()?.clone();
         let mut init = Process::new("", request.stdio, process)?;
         let target = request.bundle.join(ROOTFS);
@@ -258,12 +271,39 @@ impl Container {
             engine: spec.engine()?,
             metadata: labels,
             netns: spec.netns(),
-            rootfs: Some(target),
+            rootfs: Some(target.clone()),
             hosts_containers: pod_sandbox,
             ..CreateOptions::new(true)
         };
         let mut restored_init = None;
-        let sandbox = if !request.checkpoint.is_empty() {
+        let mut vm_template = None;
+        let sandbox = if vm {
+            // The guest's root disk is the container's root; its shape is the
+            // template's (a VM's memory and vCPUs are fixed when it is made).
+            let options = CreateOptions {
+                memory_mib: None,
+                cpu_millis: None,
+                pids_max: None,
+                rootfs: None,
+                netns: Default::default(),
+                ..options
+            };
+            match spec.snapshot() {
+                Some(snapshot) => runtime.create_from_snapshot(snapshot, options)?,
+                None => {
+                    let template = VmTemplate::build(
+                        runtime,
+                        request.namespace,
+                        request.id,
+                        &target,
+                        &limits,
+                    )?;
+                    let sandbox = runtime.create(template.name(), options)?;
+                    vm_template = Some(template);
+                    sandbox
+                }
+            }
+        } else if !request.checkpoint.is_empty() {
             let dir = Path::new(request.checkpoint);
             restored_init = read_init_pid(dir)?;
             let archive = dir.join(CHECKPOINT_ARCHIVE);
@@ -287,10 +327,15 @@ impl Container {
             runtime.create(cube_core::HOST_TEMPLATE, options)?
         };
         let mut sandbox = sandbox;
-        let jail_pid = sandbox.status()?.jail.and_then(|j| j.pid).unwrap_or(0);
+        let status = sandbox.status()?;
+        let jail_pid = match status.jail {
+            Some(jail) => jail.pid.unwrap_or(0),
+            // A VM's processes have no host pids: its supervisor stands for them.
+            None => status.pid,
+        };
         if pod_sandbox {
             init = Process::placeholder(jail_pid);
-        } else if request.checkpoint.is_empty() {
+        } else if !vm && request.checkpoint.is_empty() {
             // A pod's containers get theirs in join_pod; a restored checkpoint brings
             // its binds back itself (they are external mounts of its image).
             if let Err(e) = crate::binds::bind_into_sandbox(jail_pid, spec.binds()) {
@@ -309,6 +354,8 @@ impl Container {
                 jail_pid,
             }),
             jail_pid,
+            vm,
+            vm_template: Mutex::new(vm_template),
             role: if pod_sandbox {
                 Role::PodSandbox
             } else {
@@ -348,11 +395,18 @@ impl Container {
             execs: Mutex::new(HashMap::new()),
             link: Arc::clone(&pod.link),
             jail_pid: pod.jail_pid,
+            vm: false,
+            vm_template: Mutex::new(None),
             role: Role::InPod(Mutex::new(shown)),
             restored_init: None,
             rootfs: Mutex::new(mount),
             ending: Mutex::new(()),
         })
+    }
+
+    /// Whether it runs on the VM engine.
+    pub fn is_vm(&self) -> bool {
+        self.vm
     }
 
     /// Whether this is a pod's pause container (its "process" runs nothing).
@@ -420,7 +474,14 @@ impl Container {
         }
         let link: Arc<dyn AgentLink> = self.link.clone();
         let jail_pid = self.jail_pid;
-        let host = move |inner| host_pid(jail_pid, inner);
+        let vm = self.is_vm();
+        let host = move |inner| {
+            if vm {
+                jail_pid
+            } else {
+                host_pid(jail_pid, inner)
+            }
+        };
         Ok(match self.restored_init.filter(|_| exec_id.is_empty()) {
             Some(pid) => process.adopt(link, pid, host, on_exit)?,
             None => process.start(link, self.process_root(), host, on_exit)?,
@@ -438,6 +499,9 @@ impl Container {
     ) -> Result<cube_core::Snapshot, ContainerError> {
         if !matches!(self.role, Role::Own) {
             return Err(ContainerError::InPod("Checkpointing"));
+        }
+        if self.is_vm() {
+            return Err(VmContainerError::Unsupported("Checkpointing").into());
         }
         let before = lock(&self.link.agent).clone();
         let snapshot = self.with_sandbox(|sb| sb.snapshot())?;
@@ -523,10 +587,16 @@ impl Container {
             Role::Own | Role::PodSandbox => {
                 lock(&self.link.agent).take();
                 let sandbox = lock(&self.link.sandbox).take();
-                match sandbox {
+                let destroyed = match sandbox {
                     Some(sb) => sb.destroy().map_err(ContainerError::from),
                     None => Ok(()),
-                }
+                };
+                // Its template, now that no sandbox uses it.
+                let removed = match lock(&self.vm_template).as_mut() {
+                    Some(template) => template.remove().map_err(ContainerError::from),
+                    None => Ok(()),
+                };
+                destroyed.and(removed)
             }
             Role::InPod(shown) => {
                 self.kill_processes();
@@ -580,6 +650,17 @@ impl Container {
             process.wait_timeout(left);
         }
     }
+}
+
+/// Refuses what a VM container cannot do yet (see [`crate::vm_container`]).
+fn refuse_for_vm(spec: &Spec, request: &CreateRequest<'_>) -> Result<(), VmContainerError> {
+    if !request.checkpoint.is_empty() {
+        return Err(VmContainerError::Unsupported("Restoring a checkpoint"));
+    }
+    if spec.binds().next().is_some() {
+        return Err(VmContainerError::Unsupported("A bind mount"));
+    }
+    Ok(())
 }
 
 /// Gives the top directory of the container's writable layer (the `upperdir` of

@@ -37,6 +37,7 @@ pub mod service;
 pub mod shim;
 pub mod spec;
 pub mod stats;
+pub mod vm_container;
 
 /// The runtime type containerd names this shim by.
 pub const RUNTIME_ID: &str = "io.containerd.cubesandbox.v2";

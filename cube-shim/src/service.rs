@@ -528,6 +528,12 @@ impl Task for Service {
     fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> ttrpc::Result<StatsResponse> {
         let _call = self.calls.enter();
         let container = self.container(&req.id)?;
+        if container.is_vm() {
+            return Err(status(
+                Code::UNIMPLEMENTED,
+                "Stats are not collected for VM containers yet",
+            ));
+        }
         // A container of a pod reads the pod's use: they share one sandbox.
         let jail = container
             .jail()

@@ -117,6 +117,20 @@ fn task_pids(c: &Containerd, id: &str) -> Vec<u32> {
         .collect()
 }
 
+/// The standard output of a `ctr` that exited with `code` (else a failure that shows
+/// its output and containerd's log).
+fn exited_with(c: &Containerd, out: &std::process::Output, code: i32) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{stdout}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        c.log()
+    );
+    stdout
+}
+
 /// Kills task `id`, waits for it to stop, deletes it and removes its container.
 fn kill_and_remove(c: &Containerd, id: &str) {
     c.ctr_ok(&["task", "kill", "-s", "SIGKILL", id]);
@@ -158,14 +172,7 @@ fn ctr_runs_execs_measures_kills_and_deletes_a_cube_container() {
         "-c",
         "echo hello from cube; tr '\\0' ' ' < /proc/1/cmdline; echo; exit 7",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(7),
-        "{stdout}\n{}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        c.log()
-    );
+    let stdout = exited_with(&c, &out, 7);
     assert!(stdout.contains("hello from cube"), "{stdout}");
     assert!(
         stdout.contains("cube-agent"),
@@ -437,14 +444,7 @@ fn ctr_relays_standard_input_and_runs_processes_on_terminals() {
         ],
         b"one\ntwo\n",
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(6),
-        "{stdout}\n{}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        c.log()
-    );
+    let stdout = exited_with(&c, &out, 6);
     assert_eq!(stdout, "got:one\ngot:two\nend\n");
 
     c.ctr_ok(&[
@@ -490,14 +490,7 @@ fn ctr_relays_standard_input_and_runs_processes_on_terminals() {
         77,
         b"40\n",
     );
-    let shown = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(3),
-        "{shown}\n{}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        c.log()
-    );
+    let shown = exited_with(&c, &out, 3);
     assert!(
         shown.contains("/dev/pts/"),
         "no terminal in the sandbox: {shown}"
@@ -546,14 +539,7 @@ fn ctr_run_mounts_bind_host_directories_into_its_sandbox() {
         "cat /data/from-host /deep/ro/readme; echo inside > /data/from-inside; \
          touch /deep/ro/x 2>/dev/null && echo wrote-read-only; exit 4",
     ]);
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(4),
-        "{stdout}\n{}\n{}",
-        String::from_utf8_lossy(&out.stderr),
-        c.log()
-    );
+    let stdout = exited_with(&c, &out, 4);
     assert!(stdout.contains("host data\nread only\n"), "{stdout}");
     assert!(!stdout.contains("wrote-read-only"), "{stdout}");
     assert_eq!(
@@ -610,5 +596,96 @@ fn ctr_run_mounts_bind_host_directories_into_its_sandbox() {
         wait_until(Duration::from_secs(10), || mounts_under(&prefix).is_empty()),
         "mounts left: {:?}",
         mounts_under(&prefix)
+    );
+}
+
+#[test]
+fn ctr_runs_a_container_in_a_vm_when_its_annotation_asks() {
+    if skip() {
+        return;
+    }
+    if !Path::new("/dev/kvm").exists() {
+        println!("skipped: no /dev/kvm (VM containers need KVM)");
+        return;
+    }
+    let c = Containerd::start();
+    if cube_core::templates::cube_guest_kernel(&c.store).is_none() {
+        println!("skipped: no Cube guest kernel in the store or /var/lib/cube (scripts/setup.sh builds it)");
+        return;
+    }
+    c.import_images(common::NAMESPACE);
+    // `ctr run --rm` on the VM engine, with `args` after the engine's annotation.
+    let run_in_vm = |args: &[&str]| {
+        let mut all = vec![
+            "run",
+            "--rm",
+            "--runtime",
+            RUNTIME,
+            "--annotation",
+            "io.cubesandbox.engine=vm",
+        ];
+        all.extend_from_slice(args);
+        c.ctr(&all)
+    };
+    // The container's root is the guest's root disk; the agent is the guest's init.
+    let started = std::time::Instant::now();
+    let out = run_in_vm(&[
+        IMAGE,
+        "v1",
+        "sh",
+        "-c",
+        "tr '\\0' ' ' < /proc/1/cmdline; echo; uname -r; test -x /bin/busybox && echo image-root; \
+         echo vm-ok; exit 3",
+    ]);
+    let stdout = exited_with(&c, &out, 3);
+    println!(
+        "ctr run in a VM (template built, guest booted, command run, all removed): {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    assert!(
+        stdout.contains("vm-ok") && stdout.contains("image-root"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("cube-agent"),
+        "PID 1 is not Cube's agent: {stdout}"
+    );
+    let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let guest_kernel = stdout.lines().nth(1).unwrap_or_default();
+    assert_ne!(
+        guest_kernel.trim(),
+        host_kernel.trim(),
+        "the command ran on the host's kernel: {stdout}"
+    );
+    // Its template and sandbox went with it.
+    let store = c.cube_store();
+    assert!(
+        wait_until(Duration::from_secs(10), || store.list().unwrap().is_empty()
+            && store
+                .templates()
+                .unwrap()
+                .iter()
+                .all(|t| !t.name.starts_with("ctr-"))),
+        "left: {:?} {:?}",
+        store.list().unwrap(),
+        store.templates().unwrap()
+    );
+    // What a VM container lacks is refused, saying so.
+    let dir = tempfile::tempdir().unwrap();
+    let out = run_in_vm(&[
+        "--mount",
+        &format!(
+            "type=bind,src={},dst=/data,options=rbind:ro",
+            dir.path().display()
+        ),
+        IMAGE,
+        "v2",
+        "true",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("not supported for VM containers"),
+        "{stderr}"
     );
 }
