@@ -614,49 +614,60 @@ fn ctr_runs_a_container_in_a_vm_when_its_annotation_asks() {
         return;
     }
     c.import_images(common::NAMESPACE);
-    // `ctr run --rm` on the VM engine, with `args` after the engine's annotation.
-    let run_in_vm = |args: &[&str]| {
-        let mut all = vec![
+    let vm = "io.cubesandbox.engine=vm";
+    // The container's root is the guest's root disk, the agent the guest's init, and
+    // the command runs on a terminal of its own in the guest, sized by ctr's (once
+    // ResizePty has come), with a line typed into it.
+    let started = std::time::Instant::now();
+    let out = c.ctr_on_terminal(
+        &[
             "run",
+            "-t",
             "--rm",
             "--runtime",
             RUNTIME,
             "--annotation",
-            "io.cubesandbox.engine=vm",
-        ];
-        all.extend_from_slice(args);
-        c.ctr(&all)
-    };
-    // The container's root is the guest's root disk; the agent is the guest's init.
-    let started = std::time::Instant::now();
-    let out = run_in_vm(&[
-        IMAGE,
-        "v1",
-        "sh",
-        "-c",
-        "tr '\\0' ' ' < /proc/1/cmdline; echo; uname -r; test -x /bin/busybox && echo image-root; \
-         echo vm-ok; exit 3",
-    ]);
-    let stdout = exited_with(&c, &out, 3);
+            vm,
+            IMAGE,
+            "v1",
+            "sh",
+            "-c",
+            "for i in $(seq 200); do [ \"$(stty size)\" != '24 80' ] && break; sleep 0.05; done; \
+             echo init=$(tr '\\0' ' ' < /proc/1/cmdline); echo kernel=$(uname -r); \
+             test -x /bin/busybox && echo image-root; tty; stty size; read l; echo typed-$l; exit 3",
+        ],
+        33,
+        77,
+        b"42\n",
+    );
+    let shown = exited_with(&c, &out, 3);
     println!(
-        "ctr run in a VM (template built, guest booted, command run, all removed): {:.1} s",
+        "ctr run -t in a VM (template built, guest booted, command run, all removed): {:.1} s",
         started.elapsed().as_secs_f64()
     );
+    let value = |key: &str| {
+        shown
+            .lines()
+            .find_map(|l| l.trim_end().strip_prefix(key).map(str::to_string))
+            .unwrap_or_else(|| panic!("no {key} in {shown}"))
+    };
     assert!(
-        stdout.contains("vm-ok") && stdout.contains("image-root"),
-        "{stdout}"
-    );
-    assert!(
-        stdout.contains("cube-agent"),
-        "PID 1 is not Cube's agent: {stdout}"
+        value("init=").contains("cube-agent"),
+        "PID 1 is not Cube's agent: {shown}"
     );
     let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
-    let guest_kernel = stdout.lines().nth(1).unwrap_or_default();
     assert_ne!(
-        guest_kernel.trim(),
+        value("kernel="),
         host_kernel.trim(),
-        "the command ran on the host's kernel: {stdout}"
+        "the command ran on the host's kernel: {shown}"
     );
+    assert!(shown.contains("image-root"), "{shown}");
+    assert!(
+        shown.contains("/dev/pts/"),
+        "no terminal in the guest: {shown}"
+    );
+    assert!(shown.contains("33 77"), "the terminal's size: {shown}");
+    assert!(shown.contains("typed-42"), "{shown}");
     // Its template and sandbox went with it.
     let store = c.cube_store();
     assert!(
@@ -672,7 +683,13 @@ fn ctr_runs_a_container_in_a_vm_when_its_annotation_asks() {
     );
     // What a VM container lacks is refused, saying so.
     let dir = tempfile::tempdir().unwrap();
-    let out = run_in_vm(&[
+    let out = c.ctr(&[
+        "run",
+        "--rm",
+        "--runtime",
+        RUNTIME,
+        "--annotation",
+        vm,
         "--mount",
         &format!(
             "type=bind,src={},dst=/data,options=rbind:ro",
