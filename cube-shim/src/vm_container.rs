@@ -66,7 +66,7 @@ impl VmTemplate {
             machine: MachineConfig {
                 vcpus: limits
                     .cpu_millis
-                    .map_or(1, |m| m.div_ceil(1000).max(1) as u8),
+                    .map_or(1, |m| m.div_ceil(1000).clamp(1, u8::MAX.into()) as u8),
                 memory_bytes: limits.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB) << 20,
                 irqchip: true,
             },
