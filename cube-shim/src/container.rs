@@ -409,6 +409,13 @@ impl Container {
         self.vm
     }
 
+    /// The guest's memory of a VM container built from its image (None otherwise).
+    pub fn vm_guest_bytes(&self) -> Option<u64> {
+        lock(&self.vm_template)
+            .as_ref()
+            .map(VmTemplate::memory_bytes)
+    }
+
     /// Whether this is a pod's pause container (its "process" runs nothing).
     pub fn is_placeholder(&self) -> bool {
         matches!(self.role, Role::PodSandbox)
@@ -533,7 +540,16 @@ impl Container {
         Ok(snapshot)
     }
 
-    /// The sandbox's host-side facts (cgroups, PID 1).
+    /// Its sandbox's status (its supervisor's pid and memory, the machine's shape).
+    pub fn status(&self) -> Result<cube_core::StatusReport, ContainerError> {
+        let mut sandbox = lock(&self.link.sandbox);
+        match sandbox.as_mut() {
+            Some(sb) => Ok(sb.status()?),
+            None => Err(ContainerError::Gone),
+        }
+    }
+
+    /// What its sandbox is made of on the host, where it is a jail.
     pub fn jail(&self) -> Result<Option<JailStatus>, ContainerError> {
         let mut sandbox = lock(&self.link.sandbox);
         match sandbox.as_mut() {

@@ -528,18 +528,27 @@ impl Task for Service {
     fn stats(&self, _ctx: &TtrpcContext, req: StatsRequest) -> ttrpc::Result<StatsResponse> {
         let _call = self.calls.enter();
         let container = self.container(&req.id)?;
-        if container.is_vm() {
-            return Err(status(
-                Code::UNIMPLEMENTED,
-                "Stats are not collected for VM containers yet",
-            ));
-        }
-        // A container of a pod reads the pod's use: they share one sandbox.
-        let jail = container
-            .jail()
-            .map_err(failed)?
-            .ok_or_else(|| status(Code::FAILED_PRECONDITION, "the sandbox was deleted"))?;
-        let metrics = crate::stats::metrics(&jail.cgroups);
+        let metrics = if container.is_vm() {
+            let report = container.status().map_err(failed)?;
+            let guest = report
+                .config
+                .map(|c| c.memory_bytes)
+                .or_else(|| container.vm_guest_bytes())
+                .unwrap_or(0);
+            crate::stats::vm_metrics(
+                report.pid,
+                report.rss_kib * 1024,
+                guest,
+                container.running_pids().len() as u64,
+            )
+        } else {
+            // A container of a pod reads the pod's use: they share one sandbox.
+            let jail = container
+                .jail()
+                .map_err(failed)?
+                .ok_or_else(|| status(Code::FAILED_PRECONDITION, "the sandbox was deleted"))?;
+            crate::stats::metrics(&jail.cgroups)
+        };
         let any = containerd_shim::util::convert_to_any(Box::new(metrics))
             .map_err(|e| status(Code::INTERNAL, e))?;
         Ok(StatsResponse {

@@ -5,8 +5,9 @@
 //! The template goes when the container does.
 //!
 //! What a VM container does not have yet: a network (its guest has loopback only),
-//! the spec's binds, checkpoints, Stats, and pods (a pod's containers are processes of
-//! one jail sandbox). Each is refused saying so. Building the template boots the guest
+//! the spec's binds, checkpoints, and pods (a pod's containers are processes of one
+//! jail sandbox). Each is refused saying so. Its Stats are the VM's use on the host
+//! ([`crate::stats::vm_metrics`]). Building the template boots the guest
 //! once: about a second where the guest kernel runs natively (VMX/SVM), a minute or
 //! more where it is emulated (PVM hosts).
 
@@ -44,6 +45,8 @@ pub enum VmContainerError {
 pub struct VmTemplate {
     runtime: Arc<Runtime>,
     name: String,
+    /// The guest's memory, bytes.
+    memory_bytes: u64,
     removed: bool,
 }
 
@@ -59,6 +62,7 @@ impl VmTemplate {
     ) -> Result<VmTemplate, VmContainerError> {
         let name = template_name(namespace, id);
         let agent = image_agent::locate().map_err(VmContainerError::Agent)?;
+        let memory_bytes = limits.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB) << 20;
         let spec = VmTemplateSpec {
             tree: TreeSource::Directory(rootfs.to_path_buf()),
             kernel: None,
@@ -67,7 +71,7 @@ impl VmTemplate {
                 vcpus: limits
                     .cpu_millis
                     .map_or(1, |m| m.div_ceil(1000).clamp(1, u8::MAX.into()) as u8),
-                memory_bytes: limits.memory_mib.unwrap_or(DEFAULT_MEMORY_MIB) << 20,
+                memory_bytes,
                 irqchip: true,
             },
             boot_timeout: match KernelMode::of_this_host() {
@@ -82,6 +86,7 @@ impl VmTemplate {
         Ok(VmTemplate {
             runtime: Arc::clone(runtime),
             name,
+            memory_bytes,
             removed: false,
         })
     }
@@ -89,6 +94,11 @@ impl VmTemplate {
     /// Its name in the store.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// The guest's memory, bytes.
+    pub fn memory_bytes(&self) -> u64 {
+        self.memory_bytes
     }
 
     /// Removes it (once the container's sandbox is gone; idempotent).

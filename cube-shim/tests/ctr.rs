@@ -131,6 +131,34 @@ fn exited_with(c: &Containerd, out: &std::process::Output, code: i32) -> String 
     stdout
 }
 
+/// Runs an exec on a terminal in container `id`: its own pty in the sandbox (or the
+/// guest), the size of ctr's terminal (ctr sends it with ResizePty once started, so
+/// the command waits for it to change from Cube's 24 x 80 first), a line typed, and
+/// its exit status back.
+fn exec_on_a_terminal(c: &Containerd, id: &str) {
+    let out = c.ctr_on_terminal(
+        &[
+            "task",
+            "exec",
+            "-t",
+            "--exec-id",
+            "t1",
+            id,
+            "sh",
+            "-c",
+            "for i in $(seq 200); do [ \"$(stty size)\" != '24 80' ] && break; sleep 0.05; done; \
+             tty; stty size; read l; echo typed-$((l+2)); exit 3",
+        ],
+        33,
+        77,
+        b"40\n",
+    );
+    let shown = exited_with(c, &out, 3);
+    assert!(shown.contains("/dev/pts/"), "no terminal in {id}: {shown}");
+    assert!(shown.contains("33 77"), "size not passed on: {shown}");
+    assert!(shown.contains("typed-42"), "{shown}");
+}
+
 /// Kills task `id`, waits for it to stop, deletes it and removes its container.
 fn kill_and_remove(c: &Containerd, id: &str) {
     c.ctr_ok(&["task", "kill", "-s", "SIGKILL", id]);
@@ -470,33 +498,7 @@ fn ctr_relays_standard_input_and_runs_processes_on_terminals() {
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "200000");
 
-    // An exec on a terminal: its own pty in the sandbox, the size of ctr's terminal
-    // (ctr sends it with ResizePty once started, so the command waits for it to
-    // change from Cube's 24 x 80 first), a line typed, and its exit status back.
-    let out = c.ctr_on_terminal(
-        &[
-            "task",
-            "exec",
-            "-t",
-            "--exec-id",
-            "t1",
-            "in2",
-            "sh",
-            "-c",
-            "for i in $(seq 100); do [ \"$(stty size)\" != '24 80' ] && break; sleep 0.05; done; \
-             tty; stty size; read l; echo typed-$((l+2)); exit 3",
-        ],
-        33,
-        77,
-        b"40\n",
-    );
-    let shown = exited_with(&c, &out, 3);
-    assert!(
-        shown.contains("/dev/pts/"),
-        "no terminal in the sandbox: {shown}"
-    );
-    assert!(shown.contains("33 77"), "size not passed on: {shown}");
-    assert!(shown.contains("typed-42"), "{shown}");
+    exec_on_a_terminal(&c, "in2");
 
     kill_and_remove(&c, "in2");
 }
@@ -615,59 +617,63 @@ fn ctr_runs_a_container_in_a_vm_when_its_annotation_asks() {
     }
     c.import_images(common::NAMESPACE);
     let vm = "io.cubesandbox.engine=vm";
-    // The container's root is the guest's root disk, the agent the guest's init, and
-    // the command runs on a terminal of its own in the guest, sized by ctr's (once
-    // ResizePty has come), with a line typed into it.
+    // The container's root is the guest's root disk, the agent the guest's init.
     let started = std::time::Instant::now();
-    let out = c.ctr_on_terminal(
-        &[
-            "run",
-            "-t",
-            "--rm",
-            "--runtime",
-            RUNTIME,
-            "--annotation",
-            vm,
-            IMAGE,
-            "v1",
-            "sh",
-            "-c",
-            "for i in $(seq 200); do [ \"$(stty size)\" != '24 80' ] && break; sleep 0.05; done; \
-             echo init=$(tr '\\0' ' ' < /proc/1/cmdline); echo kernel=$(uname -r); \
-             test -x /bin/busybox && echo image-root; tty; stty size; read l; echo typed-$l; exit 3",
-        ],
-        33,
-        77,
-        b"42\n",
-    );
-    let shown = exited_with(&c, &out, 3);
+    c.ctr_ok(&[
+        "run",
+        "-d",
+        "--runtime",
+        RUNTIME,
+        "--annotation",
+        vm,
+        IMAGE,
+        "v1",
+        "sleep",
+        "1000",
+    ]);
     println!(
-        "ctr run -t in a VM (template built, guest booted, command run, all removed): {:.1} s",
+        "ctr run -d in a VM (template built from the image, guest booted): {:.1} s",
         started.elapsed().as_secs_f64()
     );
+    let out = c.ctr(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "e1",
+        "v1",
+        "sh",
+        "-c",
+        "echo init=$(tr '\\0' ' ' < /proc/1/cmdline); echo kernel=$(uname -r); \
+         test -x /bin/busybox && echo image-root; exit 3",
+    ]);
+    let stdout = exited_with(&c, &out, 3);
     let value = |key: &str| {
-        shown
+        stdout
             .lines()
-            .find_map(|l| l.trim_end().strip_prefix(key).map(str::to_string))
-            .unwrap_or_else(|| panic!("no {key} in {shown}"))
+            .find_map(|l| l.strip_prefix(key).map(str::to_string))
+            .unwrap_or_else(|| panic!("no {key} in {stdout}"))
     };
     assert!(
         value("init=").contains("cube-agent"),
-        "PID 1 is not Cube's agent: {shown}"
+        "PID 1 is not Cube's agent: {stdout}"
     );
     let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
     assert_ne!(
         value("kernel="),
         host_kernel.trim(),
-        "the command ran on the host's kernel: {shown}"
+        "the command ran on the host's kernel: {stdout}"
     );
-    assert!(shown.contains("image-root"), "{shown}");
-    assert!(
-        shown.contains("/dev/pts/"),
-        "no terminal in the guest: {shown}"
-    );
-    assert!(shown.contains("33 77"), "the terminal's size: {shown}");
-    assert!(shown.contains("typed-42"), "{shown}");
+    assert!(stdout.contains("image-root"), "{stdout}");
+    exec_on_a_terminal(&c, "v1");
+    // Metrics: the VM's use on the host, against the guest's 512 MiB.
+    let metrics = c.ctr_ok(&["task", "metrics", "v1"]);
+    let limit = metrics
+        .lines()
+        .find(|l| l.trim_start().starts_with("memory.limit_in_bytes"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .unwrap_or_else(|| panic!("no memory limit in {metrics}"));
+    assert_eq!(limit, (512u64 << 20).to_string(), "{metrics}");
+    kill_and_remove(&c, "v1");
     // Its template and sandbox went with it.
     let store = c.cube_store();
     assert!(
