@@ -474,7 +474,21 @@ impl Process {
             match fifo.read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => {
-                    if let Err(e) = client.write_stdin(id, buf[..n].to_vec()) {
+                    let chunk = buf[..n].to_vec();
+                    let written = match client.write_stdin(id, chunk.clone()) {
+                        Err(ClientError::Agent(e)) => Err(ClientError::Agent(e)),
+                        // The connection ended (a checkpoint drops them all): on the
+                        // one the relay follows the process on next.
+                        Err(_) => match self
+                            .on_new_connection(&client, |c, id| c.write_stdin(id, chunk))
+                        {
+                            Refollowed::Done(result) => result,
+                            Refollowed::Ended => return,
+                            Refollowed::TimedOut(e) => Err(e),
+                        },
+                        Ok(()) => Ok(()),
+                    };
+                    if let Err(e) = written {
                         log::info!("standard input of {:?} ends: {e}", self.exec_id);
                         return;
                     }
@@ -560,7 +574,13 @@ impl Process {
                 // The connection ended (a checkpoint drops them all): once the relay
                 // follows the process on a new one, the signal goes there.
                 Err(ClientError::Agent(e)) => Err(ProcessError::Agent(ClientError::Agent(e))),
-                Err(lost) => self.kill_after_refollow(&client, signal, lost),
+                Err(_) => {
+                    match self.on_new_connection(&client, |c, id| c.kill(id, signal as i32)) {
+                        Refollowed::Done(result) => Ok(result?),
+                        Refollowed::Ended => Ok(()),
+                        Refollowed::TimedOut(e) => Err(e.into()),
+                    }
+                }
             },
             Reach::NoAgent => {
                 self.finish(Exit {
@@ -572,26 +592,28 @@ impl Process {
         }
     }
 
-    /// Sends `signal` on the connection the relay follows the process on once it
-    /// replaced `lost`; `error` when none comes within [`REFOLLOW_TIMEOUT`].
-    fn kill_after_refollow(
+    /// Runs `f` on the connection the relay follows the process on once it replaced
+    /// `lost` (which ended: a checkpoint drops every connection), with the process's
+    /// request id there.
+    fn on_new_connection<T>(
         &self,
         lost: &Arc<Client>,
-        signal: u32,
-        error: ClientError,
-    ) -> Result<(), ProcessError> {
+        f: impl FnOnce(&Client, u64) -> Result<T, ClientError>,
+    ) -> Refollowed<T> {
         let deadline = Instant::now() + REFOLLOW_TIMEOUT;
         while Instant::now() < deadline {
             match self.reach() {
                 Reach::Agent(client, id) if !Arc::ptr_eq(&client, lost) => {
-                    return Ok(client.kill(id, signal as i32)?)
+                    return Refollowed::Done(f(&client, id))
                 }
                 // Ended meanwhile (the state drops its connection at the end).
-                Reach::Ended | Reach::NoAgent => return Ok(()),
+                Reach::Ended | Reach::NoAgent => return Refollowed::Ended,
                 Reach::Agent(..) => std::thread::sleep(REFOLLOW_STEP / 2),
             }
         }
-        Err(error.into())
+        Refollowed::TimedOut(ClientError::Unexpected(format!(
+            "no new connection to the agent within {REFOLLOW_TIMEOUT:?}"
+        )))
     }
 
     /// How the process is reached now.
@@ -603,6 +625,16 @@ impl Process {
             (None, None) => Reach::NoAgent,
         }
     }
+}
+
+/// What came of a call waiting for a new connection ([`Process::on_new_connection`]).
+enum Refollowed<T> {
+    /// It was made on the new connection.
+    Done(Result<T, ClientError>),
+    /// The process ended first.
+    Ended,
+    /// No new connection came in time.
+    TimedOut(ClientError),
 }
 
 /// How a process is reached (see [`Process::reach`]).

@@ -566,12 +566,56 @@ fn ctr_run_mounts_bind_host_directories_into_its_sandbox() {
         "sleep",
         "1000",
     ]);
+    // An exec reading its standard input across the checkpoint (the snapshot drops
+    // the agent's connections; the relay goes on on a new one).
+    let typed = rw.path().join("typed");
+    let mut reader = c.ctr_fed(&[
+        "task",
+        "exec",
+        "--exec-id",
+        "s1",
+        "b2",
+        "sh",
+        "-c",
+        "while read l; do echo got:$l >> /data/typed; done; echo end >> /data/typed",
+    ]);
+    let mut input = reader.stdin.take().unwrap();
+    use std::io::Write;
+    input.write_all(b"before\n").unwrap();
+    assert!(
+        wait_until(Duration::from_secs(10), || std::fs::read_to_string(&typed)
+            .is_ok_and(|t| t.contains("got:before"))),
+        "the exec did not read its input"
+    );
     let out = c.ctr(&["container", "checkpoint", "--task", "b2", "checkpoint/b2:1"]);
     assert!(
         out.status.success(),
         "{}\n{}",
         String::from_utf8_lossy(&out.stderr),
         c.log()
+    );
+    input.write_all(b"after\n").unwrap();
+    drop(input);
+    // Input lost after the checkpoint leaves the exec reading for ever: bounded.
+    let ended = wait_until(Duration::from_secs(30), || {
+        reader.try_wait().unwrap().is_some()
+    });
+    if !ended {
+        let _ = reader.kill();
+    }
+    let done = reader.wait_with_output().unwrap();
+    assert!(
+        ended,
+        "the exec never read the end of its input after the checkpoint"
+    );
+    assert!(
+        done.status.success(),
+        "{}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    assert_eq!(
+        std::fs::read_to_string(&typed).unwrap(),
+        "got:before\ngot:after\nend\n"
     );
     kill_and_remove(&c, "b2");
     let out = c.ctr(&["container", "restore", "--live", "b3", "checkpoint/b2:1"]);

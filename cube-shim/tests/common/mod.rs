@@ -201,6 +201,21 @@ state = "{d}/state"
             .unwrap()
     }
 
+    /// `ctr`, started with a pipe on its standard input for the test to write to.
+    pub fn ctr_fed(&self, args: &[&str]) -> Child {
+        Command::new("/usr/bin/ctr")
+            .arg("--address")
+            .arg(self.socket())
+            .arg("--namespace")
+            .arg(NAMESPACE)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
     /// `ctr` with `input` on its standard input (a pipe).
     pub fn ctr_with_input(&self, args: &[&str], input: &[u8]) -> Output {
         let mut ctr = Command::new("/usr/bin/ctr");
