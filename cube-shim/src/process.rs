@@ -318,8 +318,11 @@ impl Process {
             RequestBody::Attach { pid } => Some(*pid),
             _ => None,
         };
+        let asked_size = match &request {
+            RequestBody::ExecInTerminal { size, .. } => Some(*size),
+            _ => None,
+        };
         let mut agent = link.current()?;
-        let request_sent = request.clone();
         let mut call = match agent.start(request.clone()) {
             Ok(call) => call,
             // Nothing was sent: the connection had ended (a snapshot drops them all).
@@ -351,11 +354,9 @@ impl Process {
             s.agent = Some((Arc::clone(&agent), call.id));
             s.size
         };
-        if let RequestBody::ExecInTerminal { size, .. } = &request_sent {
-            // A ResizePty that came while the process was being started.
-            if *size != resized {
-                let _ = agent.resize_terminal(call.id, resized);
-            }
+        // A ResizePty that came while the process was being started.
+        if asked_size.is_some_and(|asked| asked != resized) {
+            let _ = agent.resize_terminal(call.id, resized);
         }
         if let Some(fifo) = stdin {
             let me = Arc::clone(self);
@@ -442,14 +443,10 @@ impl Process {
     fn relay_input(&self, mut fifo: File) {
         let mut buf = vec![0u8; STDIN_CHUNK];
         loop {
-            let (agent, closed) = {
-                let s = lock(&self.state);
-                if s.exit.is_some() {
-                    return;
-                }
-                (s.agent.clone(), s.stdin_closed)
+            let closed = lock(&self.state).stdin_closed;
+            let Reach::Agent(client, id) = self.reach() else {
+                return;
             };
-            let Some((client, id)) = agent else { return };
             let mut pfd = libc::pollfd {
                 fd: fifo.as_raw_fd(),
                 events: libc::POLLIN,
@@ -474,23 +471,16 @@ impl Process {
             match fifo.read(&mut buf) {
                 Ok(0) => break,
                 Ok(n) => {
-                    let chunk = buf[..n].to_vec();
-                    let written = match client.write_stdin(id, chunk.clone()) {
-                        Err(ClientError::Agent(e)) => Err(ClientError::Agent(e)),
-                        // The connection ended (a checkpoint drops them all): on the
-                        // one the relay follows the process on next.
-                        Err(_) => match self
-                            .on_new_connection(&client, |c, id| c.write_stdin(id, chunk))
-                        {
-                            Refollowed::Done(result) => result,
-                            Refollowed::Ended => return,
-                            Refollowed::TimedOut(e) => Err(e),
-                        },
-                        Ok(()) => Ok(()),
-                    };
-                    if let Err(e) = written {
-                        log::info!("standard input of {:?} ends: {e}", self.exec_id);
-                        return;
+                    let chunk = &buf[..n];
+                    match self
+                        .call_following(&client, id, |c, id| c.write_stdin(id, chunk.to_vec()))
+                    {
+                        Refollowed::Done(Ok(())) => {}
+                        Refollowed::Ended => return,
+                        Refollowed::Done(Err(e)) | Refollowed::TimedOut(e) => {
+                            log::info!("standard input of {:?} ends: {e}", self.exec_id);
+                            return;
+                        }
                     }
                 }
                 Err(e)
@@ -501,7 +491,7 @@ impl Process {
                 Err(_) => break,
             }
         }
-        if let Some((client, id)) = lock(&self.state).agent.clone() {
+        if let Reach::Agent(client, id) = self.reach() {
             let _ = client.close_stdin(id);
         }
     }
@@ -569,19 +559,13 @@ impl Process {
     pub fn kill(&self, signal: u32) -> Result<(), ProcessError> {
         match self.reach() {
             Reach::Ended => Ok(()),
-            Reach::Agent(client, id) => match client.kill(id, signal as i32) {
-                Ok(()) => Ok(()),
-                // The connection ended (a checkpoint drops them all): once the relay
-                // follows the process on a new one, the signal goes there.
-                Err(ClientError::Agent(e)) => Err(ProcessError::Agent(ClientError::Agent(e))),
-                Err(_) => {
-                    match self.on_new_connection(&client, |c, id| c.kill(id, signal as i32)) {
-                        Refollowed::Done(result) => Ok(result?),
-                        Refollowed::Ended => Ok(()),
-                        Refollowed::TimedOut(e) => Err(e.into()),
-                    }
+            Reach::Agent(client, id) => {
+                match self.call_following(&client, id, |c, id| c.kill(id, signal as i32)) {
+                    Refollowed::Done(result) => Ok(result?),
+                    Refollowed::Ended => Ok(()),
+                    Refollowed::TimedOut(e) => Err(e.into()),
                 }
-            },
+            }
             Reach::NoAgent => {
                 self.finish(Exit {
                     status: 128 + signal,
@@ -589,6 +573,22 @@ impl Process {
                 });
                 Ok(())
             }
+        }
+    }
+
+    /// Runs `f` on `client` with the process's request id `id` there; where the
+    /// connection has ended (a checkpoint drops them all, the agent's own refusals are
+    /// answers), again on the one the relay follows the process on next.
+    fn call_following<T>(
+        &self,
+        client: &Arc<Client>,
+        id: u64,
+        f: impl Fn(&Client, u64) -> Result<T, ClientError>,
+    ) -> Refollowed<T> {
+        match f(client, id) {
+            Err(ClientError::Agent(e)) => Refollowed::Done(Err(ClientError::Agent(e))),
+            Err(_) => self.on_new_connection(client, f),
+            done => Refollowed::Done(done),
         }
     }
 
