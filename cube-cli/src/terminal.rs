@@ -13,10 +13,13 @@
 
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::thread::JoinHandle;
 
-use crate::cli_error::CliError;
+use cube_agent::protocol::TerminalSize;
+use cube_agent::terminal::{set_size, Pty};
+
+use crate::cli_error::{chain, CliError};
 
 /// The host terminal a window size is read from and settings are restored to.
 struct HostTerminal {
@@ -81,10 +84,6 @@ pub fn is_terminal(fd: RawFd) -> bool {
     unsafe { libc::isatty(fd) == 1 }
 }
 
-fn os_error(what: &str) -> CliError {
-    CliError::failed(format!("{what}: {}", std::io::Error::last_os_error()))
-}
-
 impl SandboxTerminal {
     /// A new pseudo-terminal with the host terminal's settings and window size when
     /// one of this process's standard streams is a terminal; None otherwise (nothing
@@ -94,50 +93,24 @@ impl SandboxTerminal {
         let Some(host_fd) = (0..3).find(|fd| streams[*fd as usize]) else {
             return Ok(None);
         };
-        // SAFETY: posix_openpt returns a new descriptor or -1; it is owned right away.
-        let master = unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC) };
-        if master < 0 {
-            return Err(os_error("opening a terminal for the sandbox"));
-        }
-        // SAFETY: `master` was just opened and nothing else owns it.
-        let master = unsafe { OwnedFd::from_raw_fd(master) };
-        let mut name = [0 as libc::c_char; 64];
-        // SAFETY: grantpt/unlockpt take the master; ptsname_r writes at most
-        // `name.len()` bytes, NUL included, into `name`.
-        let ready = unsafe {
-            libc::grantpt(master.as_raw_fd()) == 0
-                && libc::unlockpt(master.as_raw_fd()) == 0
-                && libc::ptsname_r(master.as_raw_fd(), name.as_mut_ptr(), name.len()) == 0
-        };
-        if !ready {
-            return Err(os_error("preparing the sandbox's terminal"));
-        }
-        // SAFETY: `name` is NUL-terminated by ptsname_r; the descriptor is owned at once.
-        let slave = unsafe {
-            libc::open(
-                name.as_ptr(),
-                libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC,
-            )
-        };
-        if slave < 0 {
-            return Err(os_error("opening the sandbox's terminal"));
-        }
-        // SAFETY: `slave` was just opened and nothing else owns it.
-        let slave = unsafe { OwnedFd::from_raw_fd(slave) };
-        // SAFETY: `termios` and `winsize` are plain data the calls fill in or read.
+        // The host terminal's size where it says one (else 0 x 0, a new terminal's own).
+        let size = window_size(host_fd)
+            .map_or(TerminalSize { rows: 0, cols: 0 }, |(rows, cols)| {
+                TerminalSize { rows, cols }
+            });
+        let pty = Pty::open(size).map_err(|e| {
+            CliError::failed(format!("opening a terminal for the sandbox: {}", chain(&e)))
+        })?;
+        // SAFETY: `termios` is plain data tcgetattr fills in and tcsetattr reads.
         unsafe {
             let mut settings: libc::termios = std::mem::zeroed();
             if libc::tcgetattr(host_fd, &mut settings) == 0 {
-                libc::tcsetattr(slave.as_raw_fd(), libc::TCSANOW, &settings);
-            }
-            let mut size: libc::winsize = std::mem::zeroed();
-            if libc::ioctl(host_fd, libc::TIOCGWINSZ, &mut size) == 0 {
-                libc::ioctl(slave.as_raw_fd(), libc::TIOCSWINSZ, &size);
+                libc::tcsetattr(pty.peer.as_raw_fd(), libc::TCSANOW, &settings);
             }
         }
         Ok(Some(SandboxTerminal {
-            master,
-            slave: Some(slave),
+            master: OwnedFd::from(pty.master),
+            slave: Some(OwnedFd::from(pty.peer)),
             streams,
             host: HostTerminal {
                 fd: host_fd,
@@ -199,9 +172,7 @@ impl SandboxTerminal {
     pub fn resizer(&self) -> Result<Resizer, CliError> {
         Ok(Resizer {
             host: self.host.fd,
-            master: self.master.try_clone().map_err(|e| {
-                CliError::failed(format!("duplicating the sandbox's terminal: {e}"))
-            })?,
+            master: self.master_file()?,
         })
     }
 
@@ -230,18 +201,14 @@ impl Drop for SandboxTerminal {
 /// Copies the host terminal's window size onto the sandbox's terminal.
 pub struct Resizer {
     host: RawFd,
-    master: OwnedFd,
+    master: File,
 }
 
 impl Resizer {
     /// Copies the size now (the sandbox's foreground processes get SIGWINCH).
     pub fn resize(&self) {
-        // SAFETY: `winsize` is plain data TIOCGWINSZ fills in and TIOCSWINSZ reads.
-        unsafe {
-            let mut size: libc::winsize = std::mem::zeroed();
-            if libc::ioctl(self.host, libc::TIOCGWINSZ, &mut size) == 0 {
-                libc::ioctl(self.master.as_raw_fd(), libc::TIOCSWINSZ, &size);
-            }
+        if let Some((rows, cols)) = window_size(self.host) {
+            let _ = set_size(&self.master, TerminalSize { rows, cols });
         }
     }
 }
