@@ -244,8 +244,9 @@ impl Container {
         request: CreateRequest<'_>,
         pod_sandbox: bool,
     ) -> Result<Container, ContainerError> {
+        let engine = spec.engine()?;
         // A pod's sandbox is a jail (cube-core says so for `vm`).
-        let vm = !pod_sandbox && spec.engine()? == EngineChoice::Vm;
+        let vm = !pod_sandbox && engine == EngineChoice::Vm;
         if vm {
             refuse_for_vm(spec, &request)?;
         }
@@ -268,7 +269,7 @@ impl Container {
             cpu_millis: limits.cpu_millis,
             pids_max: limits.pids_max,
             ephemeral: true,
-            engine: spec.engine()?,
+            engine,
             metadata: labels,
             netns: spec.netns(),
             rootfs: Some(target.clone()),
