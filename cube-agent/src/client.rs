@@ -440,6 +440,20 @@ impl Client {
         })
     }
 
+    /// Unpacks the tar archive at `archive` in the guest into the new container root
+    /// `root` (see [`crate::container_root::install`]).
+    pub fn install_root(&self, archive: &str, root: &str) -> Result<(), ClientError> {
+        self.call_done(RequestBody::InstallRoot {
+            archive: archive.into(),
+            root: root.into(),
+        })
+    }
+
+    /// Takes away a root [`Client::install_root`] made.
+    pub fn remove_root(&self, root: &str) -> Result<(), ClientError> {
+        self.call_done(RequestBody::RemoveRoot { root: root.into() })
+    }
+
     /// Removes a path.
     pub fn remove(&self, path: &str, recursive: bool) -> Result<(), ClientError> {
         self.call_done(RequestBody::Remove {

@@ -2,10 +2,11 @@
 //! host<->agent protocol it speaks.
 //!
 //! The host side uses [`frame`], [`protocol`], [`transport`] and [`client`]; the agent
-//! side adds [`server`], [`exec`] (with [`terminal`]), [`files`], [`reaper`] and [`init`], and
+//! side adds [`server`], [`exec`] (with [`terminal`]), [`files`], [`container_root`], [`reaper`] and [`init`], and
 //! [`one_command`] for a sandbox that runs one command and ends.
 
 pub mod client;
+pub mod container_root;
 pub mod exec;
 pub mod files;
 pub mod frame;

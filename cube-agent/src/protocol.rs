@@ -20,7 +20,7 @@ pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// How many [`RequestBody`] variants this version knows; a larger variant index is an
 /// unknown message rather than a malformed one.
-pub const REQUEST_KINDS: u32 = 31;
+pub const REQUEST_KINDS: u32 = 33;
 
 /// One request from the host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -249,6 +249,23 @@ pub enum RequestBody {
         exec_id: u64,
         /// The new size.
         size: TerminalSize,
+    },
+    /// Sets up a container's root in a VM pod's guest (see
+    /// [`crate::container_root`]): unpacks the tar archive at `archive` (a file the
+    /// host wrote in the guest; removed after) into the new directory `root`, with a
+    /// `/proc` and the guest's `/dev` mounted in it, for `ExecInRoot`. Answered by
+    /// `Done`; refused where the agent may not mount (a jail).
+    InstallRoot {
+        /// The archive, an absolute path in the guest.
+        archive: String,
+        /// The root to make, an absolute path in the guest.
+        root: String,
+    },
+    /// Unmounts what `InstallRoot` mounted in `root` and removes it (`Done` where it
+    /// is gone already).
+    RemoveRoot {
+        /// The root, as `InstallRoot` named it.
+        root: String,
     },
 }
 
@@ -668,10 +685,7 @@ mod tests {
     fn request_kinds_matches_the_last_variant() {
         let last = Request {
             id: 1,
-            body: RequestBody::ResizeTerminal {
-                exec_id: 2,
-                size: TerminalSize::default(),
-            },
+            body: RequestBody::RemoveRoot { root: "/r".into() },
         };
         let bytes = postcard::to_allocvec(&last).unwrap();
         // id 1 is one varint byte; the variant index follows.

@@ -660,6 +660,16 @@ impl Agent {
                 done(files::make_dir(&path, parents, self.inner.default_user))
             }
             RequestBody::Remove { path, recursive } => done(files::remove(&path, recursive)),
+            RequestBody::InstallRoot { archive, root } => {
+                match crate::container_root::install(&archive, &root) {
+                    Ok(()) => ResponseBody::Done,
+                    Err(e) => ResponseBody::Error(e.to_reply()),
+                }
+            }
+            RequestBody::RemoveRoot { root } => match crate::container_root::remove(&root) {
+                Ok(()) => ResponseBody::Done,
+                Err(e) => ResponseBody::Error(e.to_reply()),
+            },
             RequestBody::Rename { from, to } => done(files::rename(&from, &to)),
             RequestBody::CreateContext {
                 name,

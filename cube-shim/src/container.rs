@@ -1,11 +1,13 @@
 //! One container as the shim holds it: its root filesystem mounted from containerd's
 //! snapshot, the Cube sandbox it runs in, its main process and its execs.
 //!
-//! Three roles (see [`Role`]): a container of its own (`ctr run`: a sandbox on its
+//! Four roles (see [`Role`]): a container of its own (`ctr run`: a sandbox on its
 //! root filesystem), a pod's pause container (the pod's sandbox, on the pause image's
-//! root; nothing runs for the pause process), and a container of a pod (processes in
+//! root; nothing runs for the pause process), a container of a jail pod (processes in
 //! the pod's sandbox, chrooted into its own root filesystem, which the shim shows
-//! inside that sandbox: see [`crate::pod_mount`]).
+//! inside that sandbox: see [`crate::pod_mount`]), and a container of a VM pod (the
+//! same in the pod's guest, chrooted into a copy of its root filesystem there: see
+//! [`crate::guest_root`]).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,6 +18,7 @@ use cube_agent::client::Client;
 use cube_core::JailStatus;
 use cube_core::{CreateOptions, EngineChoice, LimitChange, Runtime, Sandbox, SandboxError};
 
+use crate::guest_root::{Copy, GuestRoot, GuestRootError};
 use crate::pod_mount::{PodMount, PodMountError};
 use crate::process::{AgentLink, Process, ProcessError};
 use crate::spec::{Spec, SpecError};
@@ -84,6 +87,9 @@ pub enum ContainerError {
     /// The container cannot run on the VM engine.
     #[error("VM container")]
     Vm(#[from] VmContainerError),
+    /// The container's root could not be put in its VM pod's guest.
+    #[error("Putting the root filesystem in the pod's guest")]
+    GuestRoot(#[from] GuestRootError),
 }
 
 /// containerd's snapshot mounted on the bundle's rootfs; unmounted on drop.
@@ -181,6 +187,16 @@ pub enum Role {
     /// A container of a pod: its processes run in the pod's sandbox, chrooted into
     /// its root filesystem, shown there at the mount's inner path.
     InPod(Mutex<PodMount>),
+    /// A container of a VM pod: its processes run in the pod's guest, chrooted into
+    /// the copy of its root filesystem there.
+    InVmPod(Mutex<GuestRoot>),
+}
+
+impl Role {
+    /// Whether it is a container of a pod (of either engine).
+    pub fn in_pod(&self) -> bool {
+        matches!(self, Role::InPod(_) | Role::InVmPod(_))
+    }
 }
 
 /// One container.
@@ -245,15 +261,14 @@ impl Container {
         pod_sandbox: bool,
     ) -> Result<Container, ContainerError> {
         let engine = spec.engine()?;
-        // A pod's sandbox is a jail (cube-core says so for `vm`).
-        let vm = !pod_sandbox && engine == EngineChoice::Vm;
+        let vm = engine == EngineChoice::Vm;
         if vm {
-            refuse_for_vm(spec, &request)?;
+            refuse_for_vm(&request)?;
         }
         let process = spec.process()?.clone();
         let mut init = Process::new("", request.stdio, process)?;
         let target = request.bundle.join(ROOTFS);
-        let mount = RootfsMount::mount(request.rootfs, &target)?;
+        let mut mount = RootfsMount::mount(request.rootfs, &target)?;
         let mut labels = std::collections::BTreeMap::new();
         labels.insert("containerd.id".to_string(), request.id.to_string());
         labels.insert(
@@ -273,14 +288,23 @@ impl Container {
             metadata: labels,
             netns: spec.netns(),
             rootfs: Some(target.clone()),
-            hosts_containers: pod_sandbox,
+            // A jail's agent needs leave to change roots; a VM's is the guest's root.
+            hosts_containers: pod_sandbox && !vm,
             ..CreateOptions::new(true)
         };
         let mut restored_init = None;
         let mut vm_template = None;
         let sandbox = if vm {
-            // The guest's root disk is the container's root; its shape is the
-            // template's (a VM's memory and vCPUs are fixed when it is made).
+            // The guest's root disk is the container's root (the pause image's, for a
+            // pod); its shape is the template's (a VM's memory and vCPUs are fixed
+            // when it is made). A pod's network namespace is not bridged into the
+            // guest yet: its guest has loopback only.
+            if pod_sandbox && !matches!(options.netns, cube_core::network::NetnsChoice::Host) {
+                log::warn!(
+                    "pod {}: a VM pod does not join the pod's network namespace; its guest has loopback only",
+                    request.id
+                );
+            }
             let options = CreateOptions {
                 memory_mib: None,
                 cpu_millis: None,
@@ -292,13 +316,16 @@ impl Container {
             match spec.snapshot() {
                 Some(snapshot) => runtime.create_from_snapshot(snapshot, options)?,
                 None => {
-                    let template = VmTemplate::build(
-                        runtime,
-                        request.namespace,
-                        request.id,
-                        &target,
-                        &limits,
-                    )?;
+                    let template = {
+                        // The root is copied into the template's disk, with the spec's
+                        // binds at their places (copies, not shares); everything
+                        // mounted there, the root included, is let go after.
+                        let _mounted = mount.take().unwrap_or_else(|| RootfsMount(target.clone()));
+                        if !pod_sandbox {
+                            crate::binds::bind_into(&target, spec.binds())?;
+                        }
+                        VmTemplate::build(runtime, request.namespace, request.id, &target, &limits)?
+                    };
                     let sandbox = runtime.create(template.name(), options)?;
                     vm_template = Some(template);
                     sandbox
@@ -384,6 +411,12 @@ impl Container {
         let process = spec.process()?.clone();
         let init = Process::new("", request.stdio, process)?;
         let target = request.bundle.join(ROOTFS);
+        if pod.vm {
+            let CreateRequest {
+                id, bundle, rootfs, ..
+            } = request;
+            return Container::join_vm_pod(pod, spec, (id, bundle, rootfs), init, &target);
+        }
         // Before the mount: overlayfs takes the root's owner when it is mounted.
         give_upper_dir(request.rootfs, pod.jail_pid)?;
         let mount = RootfsMount::mount(request.rootfs, &target)?;
@@ -401,6 +434,44 @@ impl Container {
             role: Role::InPod(Mutex::new(shown)),
             restored_init: None,
             rootfs: Mutex::new(mount),
+            ending: Mutex::new(()),
+        })
+    }
+
+    /// [`Container::join_pod`] for a VM pod: the rootfs, mounted on the host, is
+    /// copied into the guest with the spec's binds, and unmounted again.
+    /// `(id, bundle, rootfs)` are the request's.
+    fn join_vm_pod(
+        pod: &Container,
+        spec: &Spec,
+        (id, bundle, rootfs): (&str, &Path, &[Mount]),
+        init: Process,
+        target: &Path,
+    ) -> Result<Container, ContainerError> {
+        let copies: Vec<Copy> = spec
+            .binds()
+            .map(|b| Copy {
+                source: PathBuf::from(&b.source),
+                destination: b.destination.clone(),
+            })
+            .collect();
+        let root = {
+            let _mount = RootfsMount::mount(rootfs, target)?;
+            let agent = pod.link.current()?;
+            GuestRoot::install(&agent, target, &copies, id)?
+        };
+        Ok(Container {
+            id: id.to_string(),
+            bundle: bundle.to_path_buf(),
+            init: Arc::new(init),
+            execs: Mutex::new(HashMap::new()),
+            link: Arc::clone(&pod.link),
+            jail_pid: pod.jail_pid,
+            vm: true,
+            vm_template: Mutex::new(None),
+            role: Role::InVmPod(Mutex::new(root)),
+            restored_init: None,
+            rootfs: Mutex::new(None),
             ending: Mutex::new(()),
         })
     }
@@ -436,6 +507,7 @@ impl Container {
     fn process_root(&self) -> Option<String> {
         match &self.role {
             Role::InPod(shown) => Some(lock(shown).inner().to_string()),
+            Role::InVmPod(root) => Some(lock(root).inner().to_string()),
             _ => None,
         }
     }
@@ -492,7 +564,7 @@ impl Container {
         };
         Ok(match self.restored_init.filter(|_| exec_id.is_empty()) {
             Some(pid) => process.adopt(link, pid, host, on_exit)?,
-            None => process.start(link, self.process_root(), host, on_exit)?,
+            None => process.start(link, self.process_root(), vm, host, on_exit)?,
         })
     }
 
@@ -576,7 +648,7 @@ impl Container {
     /// Changes the limits of the container's sandbox: its own, or the pod's for a
     /// pod's pause container. A container of a pod has none of its own to change.
     pub fn set_limits(&self, change: LimitChange) -> Result<(), ContainerError> {
-        if matches!(self.role, Role::InPod(_)) {
+        if self.role.in_pod() {
             return Err(ContainerError::InPod("Changing the resources of"));
         }
         self.with_sandbox(|sb| sb.set_limits(change))
@@ -618,6 +690,15 @@ impl Container {
             Role::InPod(shown) => {
                 self.kill_processes();
                 lock(shown).detach().map_err(ContainerError::from)
+            }
+            Role::InVmPod(root) => {
+                self.kill_processes();
+                match self.link.current() {
+                    Ok(agent) => lock(root).remove(&agent).map_err(ContainerError::from),
+                    // The pod's guest is gone, and the copy with it.
+                    Err(ProcessError::SandboxGone) => Ok(()),
+                    Err(e) => Err(e.into()),
+                }
             }
         };
         // Whatever ran in it has ended with it.
@@ -670,12 +751,9 @@ impl Container {
 }
 
 /// Refuses what a VM container cannot do yet (see [`crate::vm_container`]).
-fn refuse_for_vm(spec: &Spec, request: &CreateRequest<'_>) -> Result<(), VmContainerError> {
+fn refuse_for_vm(request: &CreateRequest<'_>) -> Result<(), VmContainerError> {
     if !request.checkpoint.is_empty() {
         return Err(VmContainerError::Unsupported("Restoring a checkpoint"));
-    }
-    if spec.binds().next().is_some() {
-        return Err(VmContainerError::Unsupported("A bind mount"));
     }
     Ok(())
 }

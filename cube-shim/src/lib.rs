@@ -3,13 +3,17 @@
 //! containerd, `ctr` and the kubelet's CRI drive Cube like any other runtime.
 //!
 //! - One shim process per pod (containers of a pod share it: `start` groups them by
-//!   the CRI's sandbox id), and **one Cube sandbox per pod** (jail engine): the pause
+//!   the CRI's sandbox id), and **one Cube sandbox per pod** (a jail by default): the pause
 //!   container's create makes it, on the pause image's root filesystem, in the pod's
 //!   network namespace (joined by path; the host's for `hostNetwork` pods); the pause
 //!   process is the sandbox's PID 1 (Cube's agent): nothing of the pause image runs.
 //!   Each container of the pod is processes in that sandbox, chrooted into the
 //!   container's root filesystem as containerd's snapshotter mounts it, which the shim
 //!   shows inside the sandbox (`pod_mount`), with the sandbox's /proc and /dev.
+//! - A pod annotated `io.cubesandbox.engine: vm` is one VM instead: its guest is
+//!   started from a template of the pause image's root (`vm_container`), and each
+//!   container's root is copied into the guest (`guest_root`), where its processes
+//!   run chrooted, as the spec's user. Its guest has loopback only.
 //! - A container outside any pod (`ctr run`) is a sandbox of its own whose root is its
 //!   root filesystem, read-only under the sandbox's own writable layer, in its own
 //!   network namespace.
@@ -29,6 +33,7 @@ pub mod binds;
 pub mod calls_in_flight;
 pub mod container;
 pub mod detached_tree;
+pub mod guest_root;
 pub mod mount_helper;
 pub mod pod_mount;
 pub mod process;

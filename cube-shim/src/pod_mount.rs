@@ -113,7 +113,9 @@ impl Drop for PodMount {
     }
 }
 
-fn inner_path(id: &str) -> Result<String, PodMountError> {
+/// Where container `id`'s root goes in its pod's sandbox (jail or guest); refused for
+/// an id that cannot name one directory.
+pub fn inner_path(id: &str) -> Result<String, PodMountError> {
     let usable = !id.is_empty()
         && id.len() <= 128
         && id != "."

@@ -252,21 +252,31 @@ impl Process {
     }
 
     /// Starts the process through `link`'s agent, chrooted into `root` (a directory
-    /// of the sandbox) where one is given; `host_pid` turns the sandbox's pid into the
-    /// host's; `on_exit` runs once when it ends. Returns the host pid.
+    /// of the sandbox) where one is given, as the spec's user where `as_spec_user`
+    /// (a VM's guest; a jail's processes all run as its own uid); `host_pid` turns the
+    /// sandbox's pid into the host's; `on_exit` runs once when it ends. Returns the
+    /// host pid.
     pub fn start(
         self: &Arc<Self>,
         link: Arc<dyn AgentLink>,
         root: Option<String>,
+        as_spec_user: bool,
         host_pid: impl FnOnce(u32) -> u32,
         on_exit: impl FnOnce(&Process, Exit) + Send + 'static,
     ) -> Result<u32, ProcessError> {
-        let exec = ExecRequest {
-            argv: self.spec.args.clone(),
-            env: self.spec.env_pairs(),
-            cwd: (!self.spec.cwd.is_empty()).then(|| self.spec.cwd.clone()),
-            ..ExecRequest::default()
-        };
+        let exec =
+            ExecRequest {
+                argv: self.spec.args.clone(),
+                env: self.spec.env_pairs(),
+                cwd: (!self.spec.cwd.is_empty()).then(|| self.spec.cwd.clone()),
+                user: self.spec.user.filter(|_| as_spec_user).map(|u| {
+                    cube_agent::protocol::UserSpec {
+                        uid: u.uid,
+                        gid: u.gid,
+                    }
+                }),
+                ..ExecRequest::default()
+            };
         let keep_stdin = !self.stdio.stdin.is_empty();
         let request = if self.has_terminal() {
             RequestBody::ExecInTerminal {

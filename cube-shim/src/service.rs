@@ -28,7 +28,7 @@ use cube_agent::protocol::TerminalSize;
 use cube_core::Runtime;
 
 use crate::calls_in_flight::CallsInFlight;
-use crate::container::{Container, ContainerError, CreateRequest, Role, CHECKPOINT_ARCHIVE};
+use crate::container::{Container, ContainerError, CreateRequest, CHECKPOINT_ARCHIVE};
 use crate::process::{Exit, Phase, Process, StdioPaths};
 use crate::resources::Resources;
 use crate::spec::{ProcessSpec, Spec};
@@ -376,7 +376,7 @@ impl Task for Service {
         let container = self.container(&req.id)?;
         let pids = match (container.role(), container.jail().map_err(failed)?) {
             // A container of a pod: its own processes, not the pod's.
-            (Role::InPod(_), _) => container.running_pids(),
+            (role, _) if role.in_pod() => container.running_pids(),
             (_, Some(jail)) => crate::stats::pids(&jail.cgroups),
             (_, None) => vec![container.created_pid()],
         };

@@ -111,6 +111,20 @@ pub struct ProcessSpec {
     /// Whether it wants a terminal.
     #[serde(default)]
     pub terminal: bool,
+    /// Who it runs as (the image's `User`, or the pod's `runAsUser`).
+    #[serde(default)]
+    pub user: Option<User>,
+}
+
+/// A process's user, as numbers (`additionalGids` are not carried over).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+pub struct User {
+    /// User id.
+    #[serde(default)]
+    pub uid: u32,
+    /// Group id.
+    #[serde(default)]
+    pub gid: u32,
 }
 
 /// Linux specifics.

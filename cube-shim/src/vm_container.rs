@@ -4,11 +4,14 @@
 //! that template: its processes run in the guest through the agent, as a jail's do.
 //! The template goes when the container does.
 //!
-//! What a VM container does not have yet: a network (its guest has loopback only),
-//! the spec's binds, checkpoints, and pods (a pod's containers are processes of one
-//! jail sandbox). Each is refused saying so. Its Stats are the VM's use on the host
-//! ([`crate::stats::vm_metrics`]). Building the template boots the guest
-//! once: 15 to 17 s for a busybox image on a PVM host, whose guest kernel runs
+//! A VM pod's guest is built the same way from the pause container's root (the pod's
+//! containers are then copied in: [`crate::guest_root`]).
+//!
+//! The spec's binds are copied into the disk with the root, at their destinations: a
+//! copy made at create, not a share. What a VM container does not have yet: a
+//! network (its guest has loopback only) and checkpoints, which are refused saying
+//! so. Its Stats are the VM's use on the host ([`crate::stats::vm_metrics`]).
+//! Building the template boots the guest once: 15 to 17 s for a busybox image on a PVM host, whose guest kernel runs
 //! emulated (`cube-shim --test ctr`); the boot timeout allows 900 s there, 120 s where
 //! the guest kernel runs natively.
 

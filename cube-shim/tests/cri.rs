@@ -3,7 +3,8 @@
 //! StartContainer -> ExecSync -> StopPodSandbox -> RemovePodSandbox, the pod's process
 //! inside a Cube sandbox (PID 1 is Cube's agent). Host-network pods: no CNI, no
 //! traffic anywhere. Then pod start (RunPodSandbox + CreateContainer + StartContainer)
-//! timed for `cube` against `runc` on the same containerd, p50/p95, printed.
+//! timed for `cube` against `runc` on the same containerd, p50/p95, printed. A pod
+//! annotated `io.cubesandbox.engine: vm` is one VM whose guest runs every container.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -203,6 +204,63 @@ async fn remove_pod(client: &mut RuntimeServiceClient<Channel>, pod: &str) {
         .unwrap();
 }
 
+/// Waits for the CRI plugin to know the imported images (it learns of them through
+/// events): a probe pod is started and removed.
+async fn wait_for_cri(client: &mut RuntimeServiceClient<Channel>, c: &Containerd) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let attempt = client
+            .run_pod_sandbox(RunPodSandboxRequest {
+                config: Some(pod_config("probe")),
+                runtime_handler: "cube".into(),
+            })
+            .await;
+        match attempt {
+            Ok(r) => {
+                let pod = r.into_inner().pod_sandbox_id;
+                remove_pod(client, &pod).await;
+                return;
+            }
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("waiting for the CRI plugin: {}", e.message());
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            Err(e) => panic!("RunPodSandbox: {e}\n{}", c.log()),
+        }
+    }
+}
+
+/// Checks that `cube`'s store holds one sandbox, labelled with `pod`.
+fn assert_one_sandbox_for(cube: &cube_core::Runtime, pod: &str) {
+    let sandboxes = cube.list().unwrap();
+    assert_eq!(
+        sandboxes.len(),
+        1,
+        "one Cube sandbox for the pod: {sandboxes:?}"
+    );
+    assert_eq!(
+        sandboxes[0]
+            .metadata
+            .get("kubernetes.pod")
+            .map(String::as_str),
+        Some(pod)
+    );
+}
+
+/// Runs `test` on a CRI client of `c`'s containerd, once its CRI plugin knows the
+/// imported images.
+fn with_cri_client(c: &Containerd, test: impl AsyncFnOnce(RuntimeServiceClient<Channel>)) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut client = connect(c.socket()).await;
+        wait_for_cri(&mut client, c).await;
+        test(client).await;
+    });
+}
+
 fn percentile(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i].as_secs_f64() * 1e3
@@ -219,36 +277,10 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
     let volume_dir = tempfile::tempdir().unwrap();
     let volume = volume_dir.path().to_path_buf();
     std::fs::set_permissions(&volume, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        let mut client = connect(c.socket()).await;
-        // The CRI plugin learns of imported images through events: wait for them.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let (pod, container) = loop {
-            let attempt = client
-                .run_pod_sandbox(RunPodSandboxRequest {
-                    config: Some(pod_config("probe")),
-                    runtime_handler: "cube".into(),
-                })
-                .await;
-            match attempt {
-                Ok(r) => {
-                    let pod = r.into_inner().pod_sandbox_id;
-                    remove_pod(&mut client, &pod).await;
-                    break start_pod(&mut client, "first", "cube", shared(&volume, false))
-                        .await
-                        .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
-                }
-                Err(e) if Instant::now() < deadline => {
-                    eprintln!("waiting for the CRI plugin: {}", e.message());
-                    tokio::time::sleep(Duration::from_millis(500)).await;
-                }
-                Err(e) => panic!("RunPodSandbox: {e}\n{}", c.log()),
-            }
-        };
+    with_cri_client(&c, async |mut client| {
+        let (pod, container) = start_pod(&mut client, "first", "cube", shared(&volume, false))
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
         let (code, out, err) = exec_sync(
             &mut client,
             &container,
@@ -347,26 +379,14 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
             refused.message()
         );
         let cube = c.cube_store();
-        let sandboxes = cube.list().unwrap();
-        assert_eq!(
-            sandboxes.len(),
-            1,
-            "one Cube sandbox for the pod: {sandboxes:?}"
-        );
-        assert_eq!(sandboxes[0].metadata.get("kubernetes.pod"), Some(&pod));
+        assert_one_sandbox_for(&cube, &pod);
         remove_pod(&mut client, &pod).await;
         assert!(
             common::wait_until(Duration::from_secs(10), || cube.list().unwrap().is_empty()),
             "the pod's Cube sandbox outlived RemovePodSandbox"
         );
         // The containers' root filesystems were unmounted on the host too.
-        let prefix = c.dir.path().display().to_string();
-        assert!(
-            common::wait_until(Duration::from_secs(10), || common::mounts_under(&prefix)
-                .is_empty()),
-            "mounts left: {:?}",
-            common::mounts_under(&prefix)
-        );
+        c.assert_no_mounts_left();
 
         // Pod start, cube against runc on the same containerd.
         let rounds = 8;
@@ -423,5 +443,128 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
             .list()
             .unwrap()
             .is_empty()));
+    });
+}
+
+#[test]
+fn a_vm_pod_runs_its_containers_in_one_guest() {
+    if skip() {
+        return;
+    }
+    let Some(c) = Containerd::start_for_vms() else {
+        return;
+    };
+    c.import_images(CRI_NAMESPACE);
+    with_cri_client(&c, async |mut client| {
+        let config = PodSandboxConfig {
+            annotations: [("io.cubesandbox.engine".to_string(), "vm".to_string())].into(),
+            ..pod_config("vm")
+        };
+        let started = Instant::now();
+        let pod = client
+            .run_pod_sandbox(RunPodSandboxRequest {
+                config: Some(config.clone()),
+                runtime_handler: "cube".into(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("RunPodSandbox: {}\n{}", e.message(), c.log()))
+            .into_inner()
+            .pod_sandbox_id;
+        println!(
+            "RunPodSandbox of a VM pod (template built from the pause image, guest booted): {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+        let started = Instant::now();
+        let main = start_container(
+            &mut client,
+            &pod,
+            &config,
+            "main",
+            &["sleep", "1000"],
+            Vec::new(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
+        println!(
+            "CreateContainer + StartContainer in the VM pod (root copied into the guest): {:.2} s",
+            started.elapsed().as_secs_f64()
+        );
+        for line in c.log().lines().filter(|l| l.contains("root archive")) {
+            println!("shim: {line}");
+        }
+        let (code, out, err) = exec_sync(
+            &mut client,
+            &main,
+            "echo init=$(tr '\\0' ' ' < /proc/1/cmdline); echo kernel=$(uname -r); \
+             test -x /bin/busybox && echo image-root; ls -a /; exit 5",
+        )
+        .await;
+        assert_eq!(code, 5, "{out}{err}");
+        common::assert_ran_in_a_guest(&out);
+        assert!(
+            !out.lines().any(|l| l.starts_with(".cube")),
+            "the guest's own root shows: {out}"
+        );
+        // A second container: another root in the same guest (one PID namespace), run
+        // as runAsUser/runAsGroup, its binds copied in as they are at create: a volume
+        // (a host directory with a file) and the files the CRI adds (resolv.conf,
+        // hostname, which the image lacks). One container for all of it: each copy
+        // takes tens of seconds where the guest kernel is emulated.
+        let volume = tempfile::tempdir().unwrap();
+        std::fs::write(volume.path().join("note"), "from the host\n").unwrap();
+        let mut side = container_config("side", &["sleep", "4242"], shared(volume.path(), true));
+        if let Some(context) = side
+            .linux
+            .as_mut()
+            .and_then(|l| l.security_context.as_mut())
+        {
+            context.run_as_user = Some(k8s_cri::v1::Int64Value { value: 1000 });
+            context.run_as_group = Some(k8s_cri::v1::Int64Value { value: 1001 });
+        }
+        let side = start_container_with(&mut client, &pod, &config, side)
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
+        let (code, out, err) = exec_sync(
+            &mut client,
+            &main,
+            "for i in $(seq 100); do grep -qs 4242 /proc/[0-9]*/cmdline && break; sleep 0.1; done; \
+             grep -ls 4242 /proc/[0-9]*/cmdline >/dev/null && echo side runs here; \
+             test -e /shared && echo side root shows; true",
+        )
+        .await;
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(
+            out.contains("side runs here"),
+            "the pod's containers are not in one guest: {out}{err}"
+        );
+        assert!(!out.contains("side root shows"), "roots are shared: {out}");
+        let (code, out, err) = exec_sync(
+            &mut client,
+            &side,
+            "id -u; id -g; cat /shared/note; \
+             test -f /etc/resolv.conf && test -s /etc/hostname && echo cri-files",
+        )
+        .await;
+        assert_eq!(
+            (code, out.as_str()),
+            (0, "1000\n1001\nfrom the host\ncri-files\n"),
+            "{err}"
+        );
+        let cube = c.cube_store();
+        assert_one_sandbox_for(&cube, &pod);
+        remove_pod(&mut client, &pod).await;
+        // The pod's sandbox, its template and the host mounts of its roots are gone.
+        assert!(
+            common::wait_until(Duration::from_secs(10), || cube.list().unwrap().is_empty()
+                && cube
+                    .templates()
+                    .unwrap()
+                    .iter()
+                    .all(|t| !t.name.starts_with("ctr-"))),
+            "left: {:?} {:?}",
+            cube.list().unwrap(),
+            cube.templates().unwrap()
+        );
+        c.assert_no_mounts_left();
     });
 }

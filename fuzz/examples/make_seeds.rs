@@ -93,7 +93,8 @@ fn agent_frames<T: serde::Serialize>(messages: &[T]) -> Result<Vec<u8>, Error> {
 }
 
 /// Frames of the agent protocol: a session's requests (an exec with input, one on a
-/// terminal and its resize, a streamed write, an attach), the answers an agent gives,
+/// terminal and its resize, a streamed write, an attach, a VM pod container's root set
+/// up and taken away), the answers an agent gives,
 /// a frame whose prefix announces more than the limit, and a request of an unknown kind.
 fn agent_seeds(dir: &Path) -> Result<(), Error> {
     use cube_agent::protocol::{
@@ -138,6 +139,13 @@ fn agent_seeds(dir: &Path) -> Result<(), Error> {
         RequestBody::WriteChunk { data: vec![7; 64] },
         RequestBody::WriteEnd { sync: true },
         RequestBody::Attach { pid: 42 },
+        RequestBody::InstallRoot {
+            archive: "/.cube-containers/c1.tar".into(),
+            root: "/.cube-containers/c1".into(),
+        },
+        RequestBody::RemoveRoot {
+            root: "/.cube-containers/c1".into(),
+        },
     ];
     let requests: Vec<Request> = bodies
         .into_iter()

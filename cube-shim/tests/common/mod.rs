@@ -92,6 +92,32 @@ pub struct Containerd {
 }
 
 impl Containerd {
+    /// Waits (10 s at most) for every mount under the test's directory to be gone;
+    /// fails naming those left.
+    pub fn assert_no_mounts_left(&self) {
+        let prefix = self.dir.path().display().to_string();
+        assert!(
+            wait_until(Duration::from_secs(10), || mounts_under(&prefix).is_empty()),
+            "mounts left: {:?}",
+            mounts_under(&prefix)
+        );
+    }
+
+    /// Starts one for a test of the VM engine: None, having said why, where this
+    /// host has no KVM or the store no Cube guest kernel.
+    pub fn start_for_vms() -> Option<Containerd> {
+        if !Path::new("/dev/kvm").exists() {
+            println!("skipped: no /dev/kvm (VM containers need KVM)");
+            return None;
+        }
+        let c = Containerd::start();
+        if cube_core::templates::cube_guest_kernel(&c.store).is_none() {
+            println!("skipped: no Cube guest kernel in the store or /var/lib/cube (scripts/setup.sh builds it)");
+            return None;
+        }
+        Some(c)
+    }
+
     pub fn socket(&self) -> PathBuf {
         self.dir.path().join("containerd.sock")
     }
@@ -428,4 +454,27 @@ pub fn wait_until(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(50));
     }
     f()
+}
+
+/// Checks the output of the probe VM tests run in a container (`echo init=...;
+/// echo kernel=$(uname -r); test -x /bin/busybox && echo image-root`): PID 1 is
+/// Cube's agent, the kernel is not the host's, the root is the image's.
+pub fn assert_ran_in_a_guest(stdout: &str) {
+    let value = |key: &str| {
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix(key).map(str::to_string))
+            .unwrap_or_else(|| panic!("no {key} in {stdout}"))
+    };
+    assert!(
+        value("init=").contains("cube-agent"),
+        "PID 1 is not Cube's agent: {stdout}"
+    );
+    let host_kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    assert_ne!(
+        value("kernel="),
+        host_kernel.trim(),
+        "the command ran on the host's kernel: {stdout}"
+    );
+    assert!(stdout.contains("image-root"), "{stdout}");
 }

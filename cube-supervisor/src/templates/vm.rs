@@ -268,23 +268,62 @@ pub fn make_root_image(tree: &Path, agent: &Path, image: &Path) -> Result<u64, V
     // own writes; whole MiB.
     let bytes = tree_bytes(tree)?;
     let mib = (bytes + bytes / 4).div_ceil(1 << 20) + 256;
-    let out = Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-L", "cube-root", "-d"])
-        .arg(tree)
-        .arg(image)
-        .arg(format!("{mib}M"))
-        .stdin(Stdio::null())
-        .output()
-        .map_err(|e| {
-            VmTemplateError::Mkfs(format!("cannot run it ({e}); apt-get install e2fsprogs"))
-        })?;
-    if !out.status.success() {
+    let mkfs = run_to_its_end(
+        Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-L", "cube-root", "-d"])
+            .arg(tree)
+            .arg(image)
+            .arg(format!("{mib}M")),
+    )
+    .map_err(|e| {
+        VmTemplateError::Mkfs(format!("cannot run it ({e}); apt-get install e2fsprogs"))
+    })?;
+    if let Err(why) = mkfs {
         let _ = std::fs::remove_file(image);
-        return Err(VmTemplateError::Mkfs(
-            String::from_utf8_lossy(&out.stderr).trim().to_string(),
-        ));
+        return Err(VmTemplateError::Mkfs(why));
     }
     Ok(mib << 20)
+}
+
+/// Runs `command` through `sh`, which says on standard output whether it succeeded:
+/// Ok(Ok(())) where it did, Ok(Err(what it wrote)) where it failed, Err where it
+/// could not run. The marker stands in for the exit status where a caller that reaps
+/// every child of its own (a containerd shim does, on SIGCHLD) took it first: the
+/// wait then fails with ECHILD though the command ran.
+fn run_to_its_end(command: &mut Command) -> std::io::Result<Result<(), String>> {
+    const DONE: &str = "cube-command-succeeded";
+    let program = command.get_program().to_owned();
+    let args: Vec<_> = command.get_args().map(|a| a.to_owned()).collect();
+    let mut child = Command::new("sh")
+        .arg("-c")
+        .arg(format!("\"$0\" \"$@\" 2>&1 && echo {DONE}"))
+        .arg(program)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut said = String::new();
+    if let Some(mut out) = child.stdout.take() {
+        std::io::Read::read_to_string(&mut out, &mut said)?;
+    }
+    let succeeded = said.lines().any(|l| l == DONE);
+    let said = said.trim().to_string();
+    match child.wait() {
+        Ok(status) if status.success() && succeeded => Ok(Ok(())),
+        // sh's "command not found".
+        Ok(status) if status.code() == Some(127) => {
+            Err(std::io::Error::new(std::io::ErrorKind::NotFound, said))
+        }
+        Ok(status) if said.is_empty() => Ok(Err(format!("it ended with {status}"))),
+        Ok(_) => Ok(Err(said)),
+        Err(e) if e.raw_os_error() == Some(libc::ECHILD) => match (succeeded, said.is_empty()) {
+            (true, _) => Ok(Ok(())),
+            (false, true) => Ok(Err("it failed".into())),
+            (false, false) => Ok(Err(said)),
+        },
+        Err(e) => Err(e),
+    }
 }
 
 /// Writes a container image's Env, WorkingDir and User into `tree` at
@@ -470,6 +509,17 @@ pub fn build(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_command_run_to_its_end_says_how_it_went() {
+        assert_eq!(run_to_its_end(&mut Command::new("true")).unwrap(), Ok(()));
+        let failed = run_to_its_end(Command::new("sh").args(["-c", "echo bad >&2; exit 3"]));
+        assert_eq!(failed.unwrap(), Err("bad".to_string()));
+        let silent = run_to_its_end(Command::new("sh").args(["-c", "exit 4"]));
+        assert!(silent.unwrap().unwrap_err().contains("4"));
+        let missing = run_to_its_end(&mut Command::new("cube-no-such-program")).unwrap_err();
+        assert_eq!(missing.kind(), std::io::ErrorKind::NotFound, "{missing}");
+    }
 
     #[test]
     fn debian_default_kernel_on_pvm_is_refused_up_front_and_cubes_is_not() {
