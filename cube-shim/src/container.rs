@@ -411,17 +411,17 @@ impl Container {
         let process = spec.process()?.clone();
         let init = Process::new("", request.stdio, process)?;
         let target = request.bundle.join(ROOTFS);
-        if pod.vm {
-            let CreateRequest {
-                id, bundle, rootfs, ..
-            } = request;
-            return Container::join_vm_pod(pod, spec, (id, bundle, rootfs), init, &target);
-        }
-        // Before the mount: overlayfs takes the root's owner when it is mounted.
-        give_upper_dir(request.rootfs, pod.jail_pid)?;
-        let mount = RootfsMount::mount(request.rootfs, &target)?;
-        crate::binds::bind_into(&target, spec.binds())?;
-        let shown = PodMount::attach(pod.jail_pid, &target, request.id)?;
+        let (role, mount) = if pod.vm {
+            let root = copy_into_guest(pod, spec, request.rootfs, &target, request.id)?;
+            (Role::InVmPod(Mutex::new(root)), None)
+        } else {
+            // Before the mount: overlayfs takes the root's owner when it is mounted.
+            give_upper_dir(request.rootfs, pod.jail_pid)?;
+            let mount = RootfsMount::mount(request.rootfs, &target)?;
+            crate::binds::bind_into(&target, spec.binds())?;
+            let shown = PodMount::attach(pod.jail_pid, &target, request.id)?;
+            (Role::InPod(Mutex::new(shown)), mount)
+        };
         Ok(Container {
             id: request.id.to_string(),
             bundle: request.bundle.to_path_buf(),
@@ -429,49 +429,11 @@ impl Container {
             execs: Mutex::new(HashMap::new()),
             link: Arc::clone(&pod.link),
             jail_pid: pod.jail_pid,
-            vm: false,
+            vm: pod.vm,
             vm_template: Mutex::new(None),
-            role: Role::InPod(Mutex::new(shown)),
+            role,
             restored_init: None,
             rootfs: Mutex::new(mount),
-            ending: Mutex::new(()),
-        })
-    }
-
-    /// [`Container::join_pod`] for a VM pod: the rootfs, mounted on the host, is
-    /// copied into the guest with the spec's binds, and unmounted again.
-    /// `(id, bundle, rootfs)` are the request's.
-    fn join_vm_pod(
-        pod: &Container,
-        spec: &Spec,
-        (id, bundle, rootfs): (&str, &Path, &[Mount]),
-        init: Process,
-        target: &Path,
-    ) -> Result<Container, ContainerError> {
-        let copies: Vec<Copy> = spec
-            .binds()
-            .map(|b| Copy {
-                source: PathBuf::from(&b.source),
-                destination: b.destination.clone(),
-            })
-            .collect();
-        let root = {
-            let _mount = RootfsMount::mount(rootfs, target)?;
-            let agent = pod.link.current()?;
-            GuestRoot::install(&agent, target, &copies, id)?
-        };
-        Ok(Container {
-            id: id.to_string(),
-            bundle: bundle.to_path_buf(),
-            init: Arc::new(init),
-            execs: Mutex::new(HashMap::new()),
-            link: Arc::clone(&pod.link),
-            jail_pid: pod.jail_pid,
-            vm: true,
-            vm_template: Mutex::new(None),
-            role: Role::InVmPod(Mutex::new(root)),
-            restored_init: None,
-            rootfs: Mutex::new(None),
             ending: Mutex::new(()),
         })
     }
@@ -748,6 +710,27 @@ impl Container {
             process.wait_timeout(left);
         }
     }
+}
+
+/// A VM pod's container's root: `rootfs` mounted on the host at `target`, copied into
+/// the pod's guest with the spec's binds, and unmounted again.
+fn copy_into_guest(
+    pod: &Container,
+    spec: &Spec,
+    rootfs: &[Mount],
+    target: &Path,
+    id: &str,
+) -> Result<GuestRoot, ContainerError> {
+    let copies: Vec<Copy> = spec
+        .binds()
+        .map(|b| Copy {
+            source: PathBuf::from(&b.source),
+            destination: b.destination.clone(),
+        })
+        .collect();
+    let _mount = RootfsMount::mount(rootfs, target)?;
+    let agent = pod.link.current()?;
+    Ok(GuestRoot::install(&agent, target, &copies, id)?)
 }
 
 /// Refuses what a VM container cannot do yet (see [`crate::vm_container`]).

@@ -448,9 +448,6 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
 
 #[test]
 fn a_vm_pod_runs_its_containers_in_one_guest() {
-    if skip() {
-        return;
-    }
     let Some(c) = Containerd::start_for_vms() else {
         return;
     };

@@ -642,9 +642,6 @@ fn ctr_run_mounts_bind_host_directories_into_its_sandbox() {
 
 #[test]
 fn ctr_runs_a_container_in_a_vm_when_its_annotation_asks() {
-    if skip() {
-        return;
-    }
     let Some(c) = Containerd::start_for_vms() else {
         return;
     };

@@ -103,9 +103,13 @@ impl Containerd {
         );
     }
 
-    /// Starts one for a test of the VM engine: None, having said why, where this
-    /// host has no KVM or the store no Cube guest kernel.
+    /// Starts one for a test of the VM engine: None, having said why, where the
+    /// test is skipped ([`skip`]), this host has no KVM or the store no Cube guest
+    /// kernel.
     pub fn start_for_vms() -> Option<Containerd> {
+        if skip() {
+            return None;
+        }
         if !Path::new("/dev/kvm").exists() {
             println!("skipped: no /dev/kvm (VM containers need KVM)");
             return None;
@@ -216,25 +220,26 @@ state = "{d}/state"
     }
 
     pub fn ctr_in(&self, namespace: &str, args: &[&str]) -> Output {
-        Command::new("/usr/bin/ctr")
-            .arg("--address")
-            .arg(self.socket())
-            .arg("--namespace")
-            .arg(namespace)
-            .args(args)
+        self.ctr_command(namespace, args)
             .stdin(Stdio::null())
             .output()
             .unwrap()
     }
 
-    /// `ctr`, started with a pipe on its standard input for the test to write to.
-    pub fn ctr_fed(&self, args: &[&str]) -> Child {
-        Command::new("/usr/bin/ctr")
-            .arg("--address")
+    /// `ctr` with `args` against this containerd, in `namespace`.
+    fn ctr_command(&self, namespace: &str, args: &[&str]) -> Command {
+        let mut ctr = Command::new("/usr/bin/ctr");
+        ctr.arg("--address")
             .arg(self.socket())
             .arg("--namespace")
-            .arg(NAMESPACE)
-            .args(args)
+            .arg(namespace)
+            .args(args);
+        ctr
+    }
+
+    /// `ctr`, started with a pipe on its standard input for the test to write to.
+    pub fn ctr_fed(&self, args: &[&str]) -> Child {
+        self.ctr_command(NAMESPACE, args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -244,13 +249,7 @@ state = "{d}/state"
 
     /// `ctr` with `input` on its standard input (a pipe).
     pub fn ctr_with_input(&self, args: &[&str], input: &[u8]) -> Output {
-        let mut ctr = Command::new("/usr/bin/ctr");
-        ctr.arg("--address")
-            .arg(self.socket())
-            .arg("--namespace")
-            .arg(NAMESPACE)
-            .args(args);
-        output_with_input(ctr, input, false)
+        output_with_input(self.ctr_command(NAMESPACE, args), input, false)
     }
 
     /// `ctr` on a terminal of `rows` x `cols` (util-linux `script` makes it), `typed`
