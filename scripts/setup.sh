@@ -17,9 +17,12 @@ need=()
 # --engine jail` measures `cube run` against; chromium renders `cube bench --report`'s
 # page in its check (scripts/check-report.sh). containerd (with runc) and busybox-static
 # are what the containerd shim's tests run against (a private containerd, a busybox
-# image built by the test); protobuf-compiler builds the CRI client those tests use.
+# image built by the test); protobuf-compiler builds the CRI client those tests use;
+# containernetworking-plugins (bridge, host-local) give their pods a network of the
+# test's own, which iproute2's `ip` sets up.
 for pkg in xfsprogs util-linux gcc make pkg-config python3 lz4 xz-utils zstd debootstrap bubblewrap \
-    chromium containerd runc busybox-static protobuf-compiler; do
+    chromium containerd runc busybox-static protobuf-compiler containernetworking-plugins \
+    iproute2; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
 done
 if [ "${#need[@]}" -gt 0 ]; then

@@ -454,6 +454,12 @@ impl Client {
         self.call_done(RequestBody::RemoveRoot { root: root.into() })
     }
 
+    /// Gives a VM's NIC the MAC, MTU, address and gateway of the network it was
+    /// bridged into (see [`crate::vm_init::configure_nic`]).
+    pub fn configure_nic(&self, settings: crate::protocol::NicSettings) -> Result<(), ClientError> {
+        self.call_done(RequestBody::ConfigureNic(settings))
+    }
+
     /// Removes a path.
     pub fn remove(&self, path: &str, recursive: bool) -> Result<(), ClientError> {
         self.call_done(RequestBody::Remove {

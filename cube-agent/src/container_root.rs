@@ -8,8 +8,10 @@
 //!
 //! The archive comes from the host, which has it from containerd's snapshot; what
 //! it holds is the guest's own business (the guest is the sandbox), but its entries
-//! still cannot land outside the root (the tar reader refuses `..` and absolute names
-//! and does not write through links it made).
+//! still cannot land outside the root: it is unpacked by a thread whose root
+//! directory is the container's root (`unshare(CLONE_FS)` and `chroot`), where an
+//! absolute name or a link the archive made leads into the container's root as it
+//! will for its processes, and entries with `..` are refused.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -152,13 +154,7 @@ fn unpack_and_mount(archive: &Path, root: &Path) -> Result<(), ContainerRootErro
         source,
     };
     let file = fs::File::open(archive).map_err(unpack_error)?;
-    let mut tar = tar::Archive::new(std::io::BufReader::new(file));
-    tar.set_preserve_permissions(true);
-    tar.set_preserve_ownerships(true);
-    tar.set_preserve_mtime(true);
-    // The spec's binds come after the image's files, replacing them.
-    tar.set_overwrite(true);
-    tar.unpack(root).map_err(unpack_error)?;
+    unpack_confined(file, root).map_err(unpack_error)?;
     for (dir, source, fs_type, flags) in [
         (
             "proc",
@@ -176,6 +172,100 @@ fn unpack_and_mount(archive: &Path, root: &Path) -> Result<(), ContainerRootErro
                 source,
             }
         })?;
+    }
+    Ok(())
+}
+
+/// Unpacks `archive` into `root` from a thread whose root directory is `root`
+/// (`unshare(CLONE_FS)`, then `chroot`; the agent's other threads keep the guest's):
+/// no name in the archive and no link it made can lead a write out of `root`, with no
+/// per-entry check of where a path leads. (The tar reader's own unpacking
+/// canonicalizes every entry's parent twice: most of its system calls, each slow where
+/// the guest kernel is emulated.)
+fn unpack_confined(archive: fs::File, root: &Path) -> std::io::Result<()> {
+    let root = root.to_path_buf();
+    std::thread::Builder::new()
+        .name("unpack-root".into())
+        .spawn(move || -> std::io::Result<()> {
+            nix::sched::unshare(nix::sched::CloneFlags::CLONE_FS)?;
+            nix::unistd::chroot(&root)?;
+            std::env::set_current_dir("/")?;
+            unpack_entries(archive)
+        })?
+        .join()
+        .map_err(|_| std::io::Error::other("the unpacking thread panicked"))?
+}
+
+/// `name` (an entry's) as an absolute path in the (chrooted) root; `None` for the
+/// root itself. A `..` is refused.
+fn in_root(name: &Path) -> std::io::Result<Option<PathBuf>> {
+    let mut path = PathBuf::from("/");
+    for part in name.components() {
+        match part {
+            std::path::Component::Normal(part) => path.push(part),
+            std::path::Component::RootDir | std::path::Component::CurDir => {}
+            _ => {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("entry {} leads out of the root", name.display()),
+                ))
+            }
+        }
+    }
+    Ok((path != Path::new("/")).then_some(path))
+}
+
+/// Unpacks every entry of the tar archive (gzipped or not) at its name under `/` (the
+/// thread's root): owners, modes and
+/// times the archive's, a later entry replacing an earlier one of the same name (the
+/// spec's binds come after the image's files). Directories get their modes last, as
+/// a read-only one must still take its entries; a parent missing from the archive is
+/// made.
+fn unpack_entries(archive: fs::File) -> std::io::Result<()> {
+    // Large reads: each system call is slow where the guest kernel is emulated.
+    let mut reader = std::io::BufReader::with_capacity(1 << 20, archive);
+    let gzipped = std::io::BufRead::fill_buf(&mut reader)?.starts_with(&[0x1f, 0x8b]);
+    let reader: Box<dyn std::io::Read> = if gzipped {
+        Box::new(flate2::read::GzDecoder::new(reader))
+    } else {
+        Box::new(reader)
+    };
+    let mut tar = tar::Archive::new(reader);
+    tar.set_preserve_permissions(true);
+    tar.set_preserve_ownerships(true);
+    tar.set_preserve_mtime(true);
+    tar.set_overwrite(true);
+    let mut made: std::collections::HashSet<PathBuf> = [PathBuf::from("/")].into();
+    let mut directories = Vec::new();
+    for entry in tar.entries()? {
+        let mut entry = entry?;
+        let Some(path) = in_root(&entry.path()?)? else {
+            continue;
+        };
+        let context =
+            |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
+        if let Some(parent) = path.parent() {
+            if !made.contains(parent) {
+                fs::create_dir_all(parent).map_err(context)?;
+                made.insert(parent.to_path_buf());
+            }
+        }
+        if entry.header().entry_type() == tar::EntryType::Directory {
+            match fs::create_dir(&path) {
+                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(context(e)),
+                _ => {}
+            }
+            made.insert(path.clone());
+            directories.push((path, entry));
+        } else {
+            entry.unpack(&path).map_err(context)?;
+        }
+    }
+    directories.sort_by(|a, b| b.0.cmp(&a.0));
+    for (path, mut entry) in directories {
+        entry
+            .unpack(&path)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
     }
     Ok(())
 }
@@ -297,6 +387,11 @@ mod tests {
     /// file stands where `/proc` goes, which is refused, and the half-made root goes).
     #[test]
     fn an_archive_unpacks_inside_the_root_only() {
+        // SAFETY: geteuid has no failure mode.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipping: unpacking chroots, which needs root");
+            return;
+        }
         let dir = tempfile::tempdir().unwrap();
         let outside = dir.path().join("outside");
         fs::create_dir(&outside).unwrap();
@@ -313,16 +408,88 @@ mod tests {
             entry(b, tar::EntryType::Regular, "escape/planted", None, b"x");
         });
         let root = dir.path().join("roots/c1");
+        // The link leads to the test's directory as the container sees it: a path in
+        // its root, missing there, so the write through it fails.
         let err = install(archive.to_str().unwrap(), root.to_str().unwrap()).unwrap_err();
         let chain = crate::exec::error_chain(&err);
         assert!(
-            matches!(err, ContainerRootError::Unpack { .. })
-                && chain.contains("outside of destination"),
+            matches!(err, ContainerRootError::Unpack { .. }) && chain.contains("escape/planted"),
             "{chain}"
         );
         assert!(!outside.join("planted").exists(), "written through a link");
         assert!(!root.exists(), "half-made root left");
         assert!(!archive.exists(), "archive left");
+
+        // An absolute name and a link's target are the container root's: written
+        // there, nowhere else.
+        let archive = archive_of(dir.path(), |b| {
+            entry(b, tar::EntryType::Symlink, "etc", Some("/data"), b"");
+            entry(b, tar::EntryType::Directory, "data", None, b"");
+            entry(b, tar::EntryType::Regular, "etc/conf", None, b"in the root");
+            entry(
+                b,
+                tar::EntryType::Symlink,
+                "escape",
+                Some(outside.to_str().unwrap()),
+                b"",
+            );
+            entry(
+                b,
+                tar::EntryType::Regular,
+                "deep/er/file",
+                None,
+                b"parents made",
+            );
+        });
+        let plain = dir.path().join("plain");
+        fs::create_dir(&plain).unwrap();
+        unpack_confined(fs::File::open(&archive).unwrap(), &plain).unwrap();
+        assert_eq!(fs::read(plain.join("data/conf")).unwrap(), b"in the root");
+        assert_eq!(
+            fs::read(plain.join("deep/er/file")).unwrap(),
+            b"parents made"
+        );
+        assert!(
+            fs::read_dir(&outside).unwrap().next().is_none(),
+            "written outside"
+        );
+
+        // A gzipped archive (what the shim sends) unpacks the same.
+        let gzipped = dir.path().join("root.tar.gz");
+        let mut builder = tar::Builder::new(flate2::write::GzEncoder::new(
+            fs::File::create(&gzipped).unwrap(),
+            flate2::Compression::fast(),
+        ));
+        let mut header = tar::Header::new_gnu();
+        header.set_size(7);
+        header.set_mode(0o640);
+        header.set_uid(0);
+        header.set_gid(0);
+        header.set_mtime(0);
+        builder
+            .append_data(&mut header, "etc/zipped", &b"inflated"[..7])
+            .unwrap();
+        builder.into_inner().unwrap().finish().unwrap();
+        unpack_confined(fs::File::open(&gzipped).unwrap(), &plain).unwrap();
+        assert_eq!(fs::read(plain.join("data/zipped")).unwrap(), b"inflate");
+
+        // `..` is refused (the tar writer takes no `..` in a name: the header is
+        // written by hand).
+        let archive = archive_of(dir.path(), |b| {
+            let mut header = tar::Header::new_gnu();
+            header.set_entry_type(tar::EntryType::Regular);
+            header.set_size(1);
+            header.set_mode(0o644);
+            header.as_gnu_mut().unwrap().name[..9].copy_from_slice(b"../uplift");
+            header.set_cksum();
+            b.append(&header, &b"x"[..]).unwrap();
+        });
+        let err = unpack_confined(fs::File::open(&archive).unwrap(), &plain).unwrap_err();
+        assert!(
+            err.to_string().contains("../uplift leads out of the root"),
+            "{err}"
+        );
+        assert!(!dir.path().join("uplift").exists());
 
         let archive = archive_of(dir.path(), |b| {
             entry(b, tar::EntryType::Regular, "bin-tool", None, b"#!/bin/sh\n");

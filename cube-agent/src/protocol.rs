@@ -20,7 +20,7 @@ pub const AGENT_VERSION: &str = env!("CARGO_PKG_VERSION");
 
 /// How many [`RequestBody`] variants this version knows; a larger variant index is an
 /// unknown message rather than a malformed one.
-pub const REQUEST_KINDS: u32 = 33;
+pub const REQUEST_KINDS: u32 = 34;
 
 /// One request from the host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -251,10 +251,11 @@ pub enum RequestBody {
         size: TerminalSize,
     },
     /// Sets up a container's root in a VM pod's guest (see
-    /// [`crate::container_root`]): unpacks the tar archive at `archive` (a file the
-    /// host wrote in the guest; removed after) into the new directory `root`, with a
-    /// `/proc` and the guest's `/dev` mounted in it, for `ExecInRoot`. Answered by
-    /// `Done`; refused where the agent may not mount (a jail).
+    /// [`crate::container_root`]): unpacks the tar archive (gzipped or not) at
+    /// `archive` (a file the host wrote in the guest; removed after) into the new
+    /// directory `root`, with a `/proc` and the guest's `/dev` mounted in it, for
+    /// `ExecInRoot`. Answered by `Done`; refused where the agent may not mount (a
+    /// jail).
     InstallRoot {
         /// The archive, an absolute path in the guest.
         archive: String,
@@ -267,6 +268,26 @@ pub enum RequestBody {
         /// The root, as `InstallRoot` named it.
         root: String,
     },
+    /// Gives the VM's NIC the identity of the network it was bridged into (a
+    /// Kubernetes pod's, as its CNI plugins set it up; see
+    /// [`crate::vm_init::configure_nic`]), in place of the address every Cube VM
+    /// starts with. Answered by `Done`; refused where the agent is not a VM's init.
+    ConfigureNic(NicSettings),
+}
+
+/// The network identity a VM's NIC takes (see [`RequestBody::ConfigureNic`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NicSettings {
+    /// The Ethernet address.
+    pub mac: [u8; 6],
+    /// The MTU.
+    pub mtu: u32,
+    /// The IPv4 address.
+    pub address: [u8; 4],
+    /// Its prefix length (0 to 32).
+    pub prefix_len: u8,
+    /// The default route's gateway, if any.
+    pub gateway: Option<[u8; 4]>,
 }
 
 /// The size of a terminal, in characters.
@@ -685,7 +706,13 @@ mod tests {
     fn request_kinds_matches_the_last_variant() {
         let last = Request {
             id: 1,
-            body: RequestBody::RemoveRoot { root: "/r".into() },
+            body: RequestBody::ConfigureNic(NicSettings {
+                mac: [2, 0, 0, 0, 0, 1],
+                mtu: 1500,
+                address: [10, 0, 0, 2],
+                prefix_len: 24,
+                gateway: Some([10, 0, 0, 1]),
+            }),
         };
         let bytes = postcard::to_allocvec(&last).unwrap();
         // id 1 is one varint byte; the variant index follows.

@@ -52,6 +52,9 @@ pub struct AgentConfig {
     /// Who execs and code runs that name no user run as, and who owns what the file
     /// calls create (a VM image's User); the agent's own user when None.
     pub default_user: Option<crate::protocol::UserSpec>,
+    /// Whether this agent is a VM's init, which owns the guest's NIC (a jail's
+    /// network is the host's to set up).
+    pub vm_init: bool,
 }
 
 /// The agent: state shared by all the streams it serves. Cheap to clone.
@@ -69,6 +72,7 @@ struct Inner {
     /// Who execs and code runs that name no user run as, and who owns what the file
     /// calls create (a VM image's user); the agent's own user when None.
     default_user: Option<crate::protocol::UserSpec>,
+    vm_init: bool,
     started: Instant,
     in_flight: AtomicUsize,
 }
@@ -166,6 +170,7 @@ impl Agent {
                 execs: ExecTable::new(config.reaper),
                 env: RwLock::new(config.env.into_iter().collect()),
                 default_user: config.default_user,
+                vm_init: config.vm_init,
                 started: Instant::now(),
                 in_flight: AtomicUsize::new(0),
             }),
@@ -670,6 +675,22 @@ impl Agent {
                 Ok(()) => ResponseBody::Done,
                 Err(e) => ResponseBody::Error(e.to_reply()),
             },
+            RequestBody::ConfigureNic(settings) => {
+                if !self.inner.vm_init {
+                    ResponseBody::Error(ErrorReply::new(
+                        ErrorCode::InvalidArgument,
+                        "only the agent of a VM configures its NIC",
+                    ))
+                } else {
+                    match crate::vm_init::configure_nic(&settings) {
+                        Ok(()) => ResponseBody::Done,
+                        Err(e) => ResponseBody::Error(ErrorReply::new(
+                            ErrorCode::Io,
+                            crate::exec::error_chain(&e),
+                        )),
+                    }
+                }
+            }
             RequestBody::Rename { from, to } => done(files::rename(&from, &to)),
             RequestBody::CreateContext {
                 name,
@@ -741,6 +762,7 @@ mod tests {
             reaper: Reaper::per_child(),
             env: vec![("SANDBOX".into(), "1".into())],
             default_user: None,
+            vm_init: false,
         });
         let served = agent.clone();
         let handle = std::thread::spawn(move || served.serve(a));
@@ -784,6 +806,7 @@ mod tests {
             reaper: Reaper::per_child(),
             env: vec![],
             default_user: None,
+            vm_init: false,
         });
         let served = agent.clone();
         std::thread::spawn(move || served.serve(a));

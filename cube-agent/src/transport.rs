@@ -238,6 +238,7 @@ pub mod vsock {
                 reaper: Reaper::per_child(),
                 env: Vec::new(),
                 default_user: None,
+                vm_init: false,
             });
             let served = agent.clone();
             let server = std::thread::spawn(move || served.serve(server_stream));

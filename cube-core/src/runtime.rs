@@ -106,7 +106,10 @@ pub struct CreateOptions {
     /// NIC; None: loopback only (a VM's NIC, if its template has one, stays unplugged).
     pub network: Option<NetworkOptions>,
     /// The network namespace a jail sandbox lives in (see [`NetnsChoice`]): its own by
-    /// default; the host's or an existing one for a Kubernetes pod.
+    /// default; the host's or an existing one for a Kubernetes pod. A Linux VM given
+    /// an existing one (a pod's, made by CNI) is put on that namespace's network: its
+    /// NIC is spliced to the namespace's interface and the guest takes its address
+    /// (not with `network`; the host's is refused for a VM).
     pub netns: NetnsChoice,
     /// A directory to run a jail sandbox on instead of its template's (or snapshot's)
     /// tree: read-only under the sandbox's writable layer, the host's userland left

@@ -23,6 +23,7 @@ pub mod bench;
 pub mod datapath;
 pub mod netlink;
 pub mod netns;
+pub mod pod_netns;
 pub mod policy;
 pub mod pool;
 pub mod tap;

@@ -1,5 +1,6 @@
-//! A blocking rtnetlink connection: the few link, address and route operations the
-//! pool needs, built from `netlink-packet-route` messages.
+//! A blocking rtnetlink connection: the few link, address, route and traffic-control
+//! operations the pool and a pod-bridged VM need, built from `netlink-packet-route`
+//! messages.
 //!
 //! A socket stays in the network namespace it was opened in, so a connection opened
 //! inside a sandbox's namespace (see [`crate::netns`]) configures that namespace.
@@ -18,6 +19,11 @@ use netlink_packet_route::link::{
 };
 use netlink_packet_route::route::{
     RouteAddress, RouteAttribute, RouteMessage, RouteProtocol, RouteScope, RouteType,
+};
+use netlink_packet_route::tc::{
+    TcAction, TcActionAttribute, TcActionMirrorOption, TcActionOption, TcActionType, TcAttribute,
+    TcFilterU32Option, TcHandle, TcMessage, TcMirror, TcMirrorActionType, TcOption, TcU32Key,
+    TcU32Selector, TcU32SelectorFlags,
 };
 use netlink_packet_route::{AddressFamily, RouteNetlinkMessage};
 use netlink_sys::{protocols::NETLINK_ROUTE, Socket, SocketAddr};
@@ -63,6 +69,8 @@ pub struct Link {
     /// Whether the kernel reports the link operationally up (carrier, and its
     /// qdisc activated).
     pub running: bool,
+    /// Its MTU (0 where the kernel did not say).
+    pub mtu: u32,
 }
 
 /// A blocking rtnetlink connection in the namespace it was opened in.
@@ -358,6 +366,130 @@ impl Rtnl {
         )
         .map(drop)
     }
+
+    /// The IPv4 default route of the main table, as (link index, gateway); `None`
+    /// where there is none (or it has no gateway: a device route).
+    pub fn ipv4_default_route(&mut self) -> Result<Option<(u32, Ipv4Addr)>> {
+        let mut request = RouteMessage::default();
+        request.header.address_family = AddressFamily::Inet;
+        let answers = self.request(
+            RouteNetlinkMessage::GetRoute(request),
+            NLM_F_DUMP,
+            "dump",
+            "routes",
+        )?;
+        Ok(answers.into_iter().find_map(|answer| match answer {
+            RouteNetlinkMessage::NewRoute(message)
+                if message.header.destination_prefix_length == 0
+                    && message.header.table == libc::RT_TABLE_MAIN =>
+            {
+                let mut oif = None;
+                let mut gateway = None;
+                for attribute in &message.attributes {
+                    match attribute {
+                        RouteAttribute::Oif(index) => oif = Some(*index),
+                        RouteAttribute::Gateway(RouteAddress::Inet(address)) => {
+                            gateway = Some(*address)
+                        }
+                        _ => {}
+                    }
+                }
+                oif.zip(gateway)
+            }
+            _ => None,
+        }))
+    }
+
+    /// Removes link `index`'s `ingress` qdisc and its filters (nothing to do where it
+    /// has none).
+    pub fn remove_ingress(&mut self, index: u32) -> Result<()> {
+        let link = i32::try_from(index).map_err(|_| NetlinkError::NoSuchLink(index.to_string()))?;
+        let mut qdisc = TcMessage::with_index(link);
+        qdisc.header.handle = TcHandle {
+            major: u16::MAX,
+            minor: 0,
+        };
+        qdisc.header.parent = TcHandle::INGRESS;
+        match self.request(
+            RouteNetlinkMessage::DelQueueDiscipline(qdisc),
+            NLM_F_ACK,
+            "remove ingress qdisc",
+            &index.to_string(),
+        ) {
+            Ok(_) => Ok(()),
+            Err(NetlinkError::Request { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::ENOENT | libc::EINVAL)) =>
+            {
+                Ok(())
+            }
+            Err(error) => Err(error),
+        }
+    }
+
+    /// Hands every frame that arrives on link `from` to link `to`'s transmit queue
+    /// unchanged (an `ingress` qdisc on `from` with a `u32` filter that matches
+    /// everything and whose `mirred` action redirects to `to`), as `tc filter add dev
+    /// FROM parent ffff: protocol all u32 match u32 0 0 action mirred egress redirect
+    /// dev TO` would (`u32`, not `matchall`: kernels often lack the latter). The
+    /// namespace's own stack no longer sees what arrives on `from`.
+    pub fn redirect_ingress(&mut self, from: u32, to: u32) -> Result<()> {
+        let index = i32::try_from(from).map_err(|_| NetlinkError::NoSuchLink(from.to_string()))?;
+        let target = format!("{from} -> {to}");
+        let mut qdisc = TcMessage::with_index(index);
+        qdisc.header.handle = TcHandle {
+            major: u16::MAX,
+            minor: 0,
+        };
+        qdisc.header.parent = TcHandle::INGRESS;
+        qdisc
+            .attributes
+            .push(TcAttribute::Kind("ingress".to_string()));
+        self.request(
+            RouteNetlinkMessage::NewQueueDiscipline(qdisc),
+            NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
+            "add ingress qdisc",
+            &target,
+        )?;
+
+        let mut mirror = TcMirror::default();
+        mirror.generic.action = TcActionType::Stolen;
+        mirror.eaction = TcMirrorActionType::EgressRedir;
+        mirror.ifindex = to;
+        let mut action = TcAction::default();
+        action.tab = 1;
+        action.attributes = vec![
+            TcActionAttribute::Kind("mirred".to_string()),
+            TcActionAttribute::Options(vec![TcActionOption::Mirror(TcActionMirrorOption::Parms(
+                mirror,
+            ))]),
+        ];
+        let mut filter = TcMessage::with_index(index);
+        filter.header.parent = TcHandle {
+            major: u16::MAX,
+            minor: 0,
+        };
+        // Priority 1, every protocol (ETH_P_ALL in network byte order).
+        filter.header.info = (1 << 16) | u32::from((libc::ETH_P_ALL as u16).to_be());
+        // One key that masks everything away: every frame matches.
+        let mut selector = TcU32Selector::default();
+        selector.flags = TcU32SelectorFlags::Terminal;
+        selector.nkeys = 1;
+        selector.keys = vec![TcU32Key::default()];
+        filter.attributes = vec![
+            TcAttribute::Kind("u32".to_string()),
+            TcAttribute::Options(vec![
+                TcOption::U32(TcFilterU32Option::Selector(selector)),
+                TcOption::U32(TcFilterU32Option::Action(vec![action])),
+            ]),
+        ];
+        self.request(
+            RouteNetlinkMessage::NewTrafficFilter(filter),
+            NLM_F_ACK | NLM_F_CREATE | NLM_F_EXCL,
+            "add redirect filter",
+            &target,
+        )
+        .map(drop)
+    }
 }
 
 fn link_from(message: LinkMessage) -> Link {
@@ -367,12 +499,14 @@ fn link_from(message: LinkMessage) -> Link {
         mac: Vec::new(),
         up: message.header.flags.contains(LinkFlags::Up),
         running: false,
+        mtu: 0,
     };
     for attribute in message.attributes {
         match attribute {
             LinkAttribute::IfName(name) => link.name = name,
             LinkAttribute::Address(mac) => link.mac = mac,
             LinkAttribute::OperState(state) => link.running = state == State::Up,
+            LinkAttribute::Mtu(mtu) => link.mtu = mtu,
             _ => {}
         }
     }

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use containerd_shim::protos::types::mount::Mount;
 use cube_agent::client::Client;
+use cube_core::network::NetnsChoice;
 use cube_core::JailStatus;
 use cube_core::{CreateOptions, EngineChoice, LimitChange, Runtime, Sandbox, SandboxError};
 
@@ -297,20 +298,25 @@ impl Container {
         let sandbox = if vm {
             // The guest's root disk is the container's root (the pause image's, for a
             // pod); its shape is the template's (a VM's memory and vCPUs are fixed
-            // when it is made). A pod's network namespace is not bridged into the
-            // guest yet: its guest has loopback only.
-            if pod_sandbox && !matches!(options.netns, cube_core::network::NetnsChoice::Host) {
-                log::warn!(
-                    "pod {}: a VM pod does not join the pod's network namespace; its guest has loopback only",
-                    request.id
-                );
-            }
+            // when it is made). In a pod's network namespace (CNI's), the VM's NIC
+            // is spliced to the pod's interface and the guest takes the pod's
+            // address; the host's namespace (hostNetwork) cannot hold a guest kernel.
+            let netns = match options.netns.clone() {
+                NetnsChoice::Host => {
+                    log::warn!(
+                        "{}: a VM cannot share the host's network namespace; its guest has loopback only",
+                        request.id
+                    );
+                    NetnsChoice::Own
+                }
+                other => other,
+            };
             let options = CreateOptions {
                 memory_mib: None,
                 cpu_millis: None,
                 pids_max: None,
                 rootfs: None,
-                netns: Default::default(),
+                netns,
                 ..options
             };
             match spec.snapshot() {

@@ -1,7 +1,10 @@
 //! A container's root filesystem in a VM pod's guest. The host cannot mount anything
 //! inside a guest, so the shim packs the root as containerd's snapshotter mounts it on
-//! the host (links kept as links, never followed) into a tar stream, writes it to a
-//! file in the guest through the agent, and has the agent unpack it at
+//! the host (links kept as links, never followed) into a tar stream, gzipped at the
+//! fastest level (where the guest kernel is emulated, every byte through the vsock
+//! costs more than compressing it on the host and inflating it in the guest's
+//! userland), writes it to a file in the guest through the agent, and has the agent
+//! unpack it at
 //! `/.cube-containers/<id>` with the guest's `/proc` and `/dev` in it
 //! ([`cube_agent::container_root`]); the container's processes then run chrooted
 //! there, as in a jail pod. The copy is the container's: what its processes write
@@ -96,7 +99,7 @@ impl GuestRoot {
             .iter()
             .map(|c| Ok((c.relative_destination()?, c.clone())))
             .collect::<Result<Vec<_>, GuestRootError>>()?;
-        let archive = format!("{inner}.tar");
+        let archive = format!("{inner}.tar.gz");
         let (mut reader, writer) = std::io::pipe()
             .map_err(|e| GuestRootError::Pack(host_root.display().to_string(), e))?;
         let source = host_root.to_path_buf();
@@ -154,7 +157,7 @@ impl GuestRoot {
     }
 }
 
-/// Writes `root` as a tar stream: owners, modes and times kept, links stored as
+/// Writes `root` as a gzipped tar stream: owners, modes and times kept, links stored as
 /// links, devices and FIFOs as such (a socket in an image is refused); then each copy
 /// at its (relative) destination, replacing what the image has there.
 fn pack(
@@ -162,7 +165,9 @@ fn pack(
     copies: &[(std::path::PathBuf, Copy)],
     out: std::io::PipeWriter,
 ) -> std::io::Result<()> {
-    let mut builder = tar::Builder::new(std::io::BufWriter::new(out));
+    let gzip =
+        flate2::write::GzEncoder::new(std::io::BufWriter::new(out), flate2::Compression::fast());
+    let mut builder = tar::Builder::new(gzip);
     builder.follow_symlinks(false);
     builder.mode(tar::HeaderMode::Complete);
     builder.append_dir_all(".", root)?;
@@ -187,6 +192,7 @@ fn pack(
     }
     builder
         .into_inner()?
+        .finish()?
         .into_inner()
         .map_err(|e| e.into_error())?;
     Ok(())
@@ -229,7 +235,7 @@ mod tests {
         let mut bytes = Vec::new();
         std::io::Read::read_to_end(&mut reader, &mut bytes).unwrap();
         packer.join().unwrap().unwrap();
-        let mut archive = tar::Archive::new(bytes.as_slice());
+        let mut archive = tar::Archive::new(flate2::read::GzDecoder::new(bytes.as_slice()));
         let mut seen = Vec::new();
         for entry in archive.entries().unwrap() {
             let entry = entry.unwrap();

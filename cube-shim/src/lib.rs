@@ -13,7 +13,8 @@
 //! - A pod annotated `io.cubesandbox.engine: vm` is one VM instead: its guest is
 //!   started from a template of the pause image's root (`vm_container`), and each
 //!   container's root is copied into the guest (`guest_root`), where its processes
-//!   run chrooted, as the spec's user. Its guest has loopback only.
+//!   run chrooted, as the spec's user. Its guest stands on the pod's network: the VM's
+//!   NIC is spliced to the pod's interface and takes the pod's address.
 //! - A container outside any pod (`ctr run`) is a sandbox of its own whose root is its
 //!   root filesystem, read-only under the sandbox's own writable layer, in its own
 //!   network namespace.

@@ -8,9 +8,10 @@
 //! containers are then copied in: [`crate::guest_root`]).
 //!
 //! The spec's binds are copied into the disk with the root, at their destinations: a
-//! copy made at create, not a share. What a VM container does not have yet: a
-//! network (its guest has loopback only) and checkpoints, which are refused saying
-//! so. Its Stats are the VM's use on the host ([`crate::stats::vm_metrics`]).
+//! copy made at create, not a share. Its network is that of the namespace its spec
+//! names, if one was set up for it (a VM pod's: CNI's), which the VM is spliced to
+//! (cube-supervisor's `pod_network`); loopback only otherwise. What a VM container
+//! does not have yet: checkpoints, which are refused saying so. Its Stats are the VM's use on the host ([`crate::stats::vm_metrics`]).
 //! Building the template boots the guest once: 15 to 17 s for a busybox image on a PVM host, whose guest kernel runs
 //! emulated (`cube-shim --test ctr`); the boot timeout allows 900 s there, 120 s where
 //! the guest kernel runs natively.

@@ -1,10 +1,12 @@
 //! The kubelet's path: a CRI client (k8s-cri's gRPC stubs) against the test's own
 //! containerd, runtime handler `cube`: RunPodSandbox -> CreateContainer ->
 //! StartContainer -> ExecSync -> StopPodSandbox -> RemovePodSandbox, the pod's process
-//! inside a Cube sandbox (PID 1 is Cube's agent). Host-network pods: no CNI, no
-//! traffic anywhere. Then pod start (RunPodSandbox + CreateContainer + StartContainer)
-//! timed for `cube` against `runc` on the same containerd, p50/p95, printed. A pod
+//! inside a Cube sandbox (PID 1 is Cube's agent), in host-network pods. Then pod
+//! start (RunPodSandbox + CreateContainer + StartContainer) timed for `cube` against
+//! `runc` on the same containerd, p50/p95, printed. A pod
 //! annotated `io.cubesandbox.engine: vm` is one VM whose guest runs every container.
+//! Pods of the jail and VM engines stand on the pod's network: a CNI bridge of the
+//! test's own on this host, traffic only between the node's side of it and the pod.
 
 #![allow(clippy::expect_used, clippy::unwrap_used)]
 
@@ -19,8 +21,9 @@ use k8s_cri::v1::{
     ContainerConfig, ContainerMetadata, CreateContainerRequest, ExecSyncRequest, ImageSpec,
     LinuxContainerConfig, LinuxContainerResources, LinuxContainerSecurityContext,
     LinuxPodSandboxConfig, LinuxSandboxSecurityContext, Mount, NamespaceMode, NamespaceOption,
-    PodSandboxConfig, PodSandboxMetadata, RemovePodSandboxRequest, RunPodSandboxRequest,
-    StartContainerRequest, StopPodSandboxRequest, UpdateContainerResourcesRequest,
+    PodSandboxConfig, PodSandboxMetadata, PodSandboxStatusRequest, RemovePodSandboxRequest,
+    RunPodSandboxRequest, StartContainerRequest, StopPodSandboxRequest,
+    UpdateContainerResourcesRequest,
 };
 use tonic::transport::{Channel, Endpoint, Uri};
 
@@ -45,6 +48,106 @@ fn host_network() -> Option<NamespaceOption> {
         network: NamespaceMode::Node as i32,
         ..Default::default()
     })
+}
+
+/// Namespace options of a pod (or its containers) on the pod network CNI sets up.
+fn pod_network() -> Option<NamespaceOption> {
+    Some(NamespaceOption {
+        network: NamespaceMode::Pod as i32,
+        ..Default::default()
+    })
+}
+
+/// `config` with its namespace options `options`.
+fn with_namespaces(
+    mut config: ContainerConfig,
+    options: Option<NamespaceOption>,
+) -> ContainerConfig {
+    if let Some(context) = config
+        .linux
+        .as_mut()
+        .and_then(|l| l.security_context.as_mut())
+    {
+        context.namespace_options = options;
+    }
+    config
+}
+
+/// `config` with the pod network CNI sets up.
+fn on_the_pods_network(mut config: PodSandboxConfig) -> PodSandboxConfig {
+    if let Some(context) = config
+        .linux
+        .as_mut()
+        .and_then(|l| l.security_context.as_mut())
+    {
+        context.namespace_options = pod_network();
+    }
+    config
+}
+
+/// Checks that `container` of `pod` is the pod on its network (`gateway`, the node's
+/// side of it, is this host's): CNI's address and default route are its own, the
+/// node reaches an HTTP server in it at the pod's address, and it reaches one on the
+/// node at the gateway. Traffic stays on this host.
+async fn assert_on_the_pods_network(
+    client: &mut RuntimeServiceClient<Channel>,
+    pod: &str,
+    container: &str,
+    gateway: std::net::Ipv4Addr,
+) {
+    let pod_ip: std::net::Ipv4Addr = client
+        .pod_sandbox_status(PodSandboxStatusRequest {
+            pod_sandbox_id: pod.into(),
+            verbose: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status
+        .and_then(|s| s.network)
+        .map(|n| n.ip)
+        .unwrap_or_default()
+        .parse()
+        .unwrap_or_else(|e| panic!("the pod has no IPv4 address from CNI: {e}"));
+    let (code, out, err) = exec_sync(
+        client,
+        container,
+        // The server serves the pod's /etc (a jail pod's processes may not write
+        // the image's root): its hostname file, which the CRI wrote.
+        "ip -4 -o addr show dev eth0; ip -4 route show default; httpd -p 7777 -h /etc",
+    )
+    .await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&format!("inet {pod_ip}/24")),
+        "the pod's address {pod_ip} is not its own: {out}{err}"
+    );
+    assert!(
+        out.contains(&format!("default via {gateway} dev eth0")),
+        "the pod's route is not its own: {out}{err}"
+    );
+    let (code, hostname, err) = exec_sync(client, container, "cat /etc/hostname").await;
+    assert!(code == 0 && !hostname.is_empty(), "{err}");
+    let from_pod = http_get(std::net::SocketAddr::from((pod_ip, 7777)), "/hostname");
+    assert_eq!(
+        from_pod, hostname,
+        "the node did not get the pod's hostname from the pod's address"
+    );
+    let node = std::net::TcpListener::bind((gateway, 0)).unwrap();
+    let port = node.local_addr().unwrap().port();
+    let server = std::thread::spawn(move || serve_one(&node, "from the node\n"));
+    let (code, out, err) = exec_sync(
+        client,
+        container,
+        &format!("wget -q -O - http://{gateway}:{port}/"),
+    )
+    .await;
+    server.join().unwrap();
+    assert_eq!(
+        (code, out.as_str()),
+        (0, "from the node\n"),
+        "the pod did not reach the node: {err}"
+    );
 }
 
 fn pod_config(name: &str) -> PodSandboxConfig {
@@ -446,46 +549,97 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
     });
 }
 
+/// Runs a pod of `config` with the runtime handler `cube`; its id.
+async fn run_pod(
+    client: &mut RuntimeServiceClient<Channel>,
+    c: &Containerd,
+    config: &PodSandboxConfig,
+) -> String {
+    client
+        .run_pod_sandbox(RunPodSandboxRequest {
+            config: Some(config.clone()),
+            runtime_handler: "cube".into(),
+        })
+        .await
+        .unwrap_or_else(|e| panic!("RunPodSandbox: {}\n{}", e.message(), c.log()))
+        .into_inner()
+        .pod_sandbox_id
+}
+
+/// Starts container `main` (`sleep`) in `pod`, on the pod's network; its id.
+async fn start_main_on_the_pods_network(
+    client: &mut RuntimeServiceClient<Channel>,
+    c: &Containerd,
+    pod: &str,
+    config: &PodSandboxConfig,
+) -> String {
+    start_container_with(
+        client,
+        pod,
+        config,
+        with_namespaces(
+            container_config("main", &["sleep", "1000"], Vec::new()),
+            pod_network(),
+        ),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}\n{}", c.log()))
+}
+
 #[test]
-fn a_vm_pod_runs_its_containers_in_one_guest() {
-    let Some(c) = Containerd::start_for_vms() else {
+fn a_jail_pod_stands_on_the_pods_network() {
+    if skip() {
+        return;
+    }
+    let Some(c) = Containerd::start_on_a_pod_network() else {
         return;
     };
+    let gateway = c.pod_network.as_ref().unwrap().gateway;
     c.import_images(CRI_NAMESPACE);
     with_cri_client(&c, async |mut client| {
-        let config = PodSandboxConfig {
+        let config = on_the_pods_network(PodSandboxConfig {
+            annotations: [("io.cubesandbox.engine".to_string(), "jail".to_string())].into(),
+            ..pod_config("jail-net")
+        });
+        let pod = run_pod(&mut client, &c, &config).await;
+        let main = start_main_on_the_pods_network(&mut client, &c, &pod, &config).await;
+        assert_on_the_pods_network(&mut client, &pod, &main, gateway).await;
+        remove_pod(&mut client, &pod).await;
+        let cube = c.cube_store();
+        assert!(common::wait_until(Duration::from_secs(10), || cube
+            .list()
+            .unwrap()
+            .is_empty()));
+        c.assert_no_mounts_left();
+    });
+}
+
+#[test]
+fn a_vm_pod_runs_its_containers_in_one_guest_on_the_pods_network() {
+    let Some(c) = Containerd::start_for_vm_pods_on_a_network() else {
+        return;
+    };
+    let gateway = c.pod_network.as_ref().unwrap().gateway;
+    c.import_images(CRI_NAMESPACE);
+    with_cri_client(&c, async |mut client| {
+        let config = on_the_pods_network(PodSandboxConfig {
             annotations: [("io.cubesandbox.engine".to_string(), "vm".to_string())].into(),
             ..pod_config("vm")
-        };
+        });
         let started = Instant::now();
-        let pod = client
-            .run_pod_sandbox(RunPodSandboxRequest {
-                config: Some(config.clone()),
-                runtime_handler: "cube".into(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("RunPodSandbox: {}\n{}", e.message(), c.log()))
-            .into_inner()
-            .pod_sandbox_id;
+        let pod = run_pod(&mut client, &c, &config).await;
         println!(
             "RunPodSandbox of a VM pod (template built from the pause image, guest booted): {:.1} s",
             started.elapsed().as_secs_f64()
         );
         let started = Instant::now();
-        let main = start_container(
-            &mut client,
-            &pod,
-            &config,
-            "main",
-            &["sleep", "1000"],
-            Vec::new(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
+        let main = start_main_on_the_pods_network(&mut client, &c, &pod, &config).await;
         println!(
             "CreateContainer + StartContainer in the VM pod (root copied into the guest): {:.2} s",
             started.elapsed().as_secs_f64()
         );
+        // The guest is the pod on the pod's network.
+        assert_on_the_pods_network(&mut client, &pod, &main, gateway).await;
         for line in c.log().lines().filter(|l| l.contains("root archive")) {
             println!("shim: {line}");
         }
@@ -509,7 +663,10 @@ fn a_vm_pod_runs_its_containers_in_one_guest() {
         // takes tens of seconds where the guest kernel is emulated.
         let volume = tempfile::tempdir().unwrap();
         std::fs::write(volume.path().join("note"), "from the host\n").unwrap();
-        let mut side = container_config("side", &["sleep", "4242"], shared(volume.path(), true));
+        let mut side = with_namespaces(
+            container_config("side", &["sleep", "4242"], shared(volume.path(), true)),
+            pod_network(),
+        );
         if let Some(context) = side
             .linux
             .as_mut()
@@ -564,4 +721,59 @@ fn a_vm_pod_runs_its_containers_in_one_guest() {
         );
         c.assert_no_mounts_left();
     });
+}
+
+/// GETs `path` from the HTTP server at `to` (retrying its connect for 60 s: the
+/// server has just been started in a guest); returns the body.
+fn http_get(to: std::net::SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut stream = loop {
+        match std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)) {
+            Ok(stream) => break stream,
+            Err(e) if Instant::now() > deadline => panic!("connecting to {to}: {e}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    };
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    write!(stream, "GET {path} HTTP/1.0\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).unwrap();
+    answer
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or(answer)
+}
+
+/// Answers one HTTP request on `listener` with `body` (waiting 60 s at most).
+fn serve_one(listener: &std::net::TcpListener, body: &str) {
+    use std::io::{BufRead, BufReader, Write};
+    listener.set_nonblocking(true).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let (stream, _) = loop {
+        match listener.accept() {
+            Ok(accepted) => break accepted,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(100))
+            }
+            Err(e) => panic!("no request from the guest: {e}"),
+        }
+    };
+    stream.set_nonblocking(false).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    let mut reader = BufReader::new(&stream);
+    let mut line = String::new();
+    while reader.read_line(&mut line).unwrap() > 0 && line != "\r\n" {
+        line.clear();
+    }
+    write!(
+        &stream,
+        "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
 }

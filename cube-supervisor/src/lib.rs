@@ -32,6 +32,7 @@ pub mod jail_spec;
 pub mod linux_sandbox;
 pub mod network;
 pub mod overlay_tree;
+pub mod pod_network;
 pub mod pool;
 pub mod priority;
 pub mod protocol;

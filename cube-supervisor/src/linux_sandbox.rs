@@ -39,6 +39,8 @@ use crate::confinement::Profile;
 use crate::error_report::chain as error_chain;
 use crate::flush::Flushes;
 use crate::jail_network::{JailNetwork, JailNetworkError};
+use crate::network::NetnsChoice;
+use crate::pod_network::PodLink;
 use crate::protocol::{ErrorKind, Failure, MachineStatus, Settings, StatusReport};
 use crate::records::{Engine, SnapshotMeta};
 use crate::resident_memory::own_rss_kib;
@@ -58,6 +60,8 @@ pub struct LinuxSandbox {
     /// The TAP behind the NIC, kept across rollback and hibernation.
     tap: Option<Tap>,
     network: Option<Box<JailNetwork>>,
+    /// The pod's network the VM stands on, where it joined a pod's namespace.
+    pod: Option<PodLink>,
     hibernated: bool,
     /// Bumped on every restore (create, rollback, wake).
     generation: u64,
@@ -68,6 +72,10 @@ pub struct LinuxSandbox {
     /// The snapshot staged last, until the library has moved it into place.
     pending: Option<PendingCommit>,
 }
+
+/// How long a restored VM on a pod's network has for its agent to answer and take the
+/// pod's address (a guest whose kernel runs emulated is slow to answer).
+const POD_CONFIGURE_WINDOW: Duration = Duration::from_secs(120);
 
 /// How long after a restore the host keeps trying to reach the agent to reseed it.
 const RESEED_WINDOW: Duration = Duration::from_secs(30);
@@ -136,12 +144,43 @@ impl LinuxSandbox {
             vm: None,
             tap: None,
             network: None,
+            pod: None,
             hibernated: false,
             generation: 0,
             stop_reseed: Arc::new(AtomicBool::new(true)),
             flushes: Flushes::default(),
             pending: None,
         };
+        match &settings.netns {
+            NetnsChoice::Own => {}
+            NetnsChoice::Host => {
+                return Err(Failure::unsupported(
+                    "a VM cannot live in the host's network namespace: its guest runs a \
+                     kernel of its own (give it a network from the pool instead)",
+                ))
+            }
+            NetnsChoice::Join(path) => {
+                if settings.network.is_some() {
+                    return Err(Failure::unsupported(
+                        "a VM stands either on the network of the namespace it joins or on \
+                         one from the host's pool, not both",
+                    ));
+                }
+                let pod = PodLink::open(path).map_err(|e| {
+                    format!(
+                        "putting the VM on the network of {}: {}",
+                        path.display(),
+                        error_chain(&e)
+                    )
+                })?;
+                sandbox.tap = Some(
+                    pod.tap()
+                        .try_clone()
+                        .map_err(|e| format!("sharing TAP {}: {e}", pod.tap().name()))?,
+                );
+                sandbox.pod = Some(pod);
+            }
+        }
         if let Some(options) = &settings.network {
             let fail = |e: JailNetworkError| format!("attaching the network: {}", error_chain(&e));
             let network =
@@ -193,12 +232,18 @@ impl LinuxSandbox {
             .map_err(|e| error_chain(&e))
     }
 
-    /// Lets a freshly restored VM run as the sandbox's, and has its agent reseeded.
+    /// Lets a freshly restored VM run as the sandbox's, and has its agent reseeded;
+    /// a VM on a pod's network takes the pod's address before this returns (a
+    /// snapshot's guest may hold another's: a template's, or a clone source's).
     fn start(&mut self, mut vm: LinuxVm) -> Result<(), String> {
         vm.resume().map_err(|e| error_chain(&e))?;
         self.stop_reseed.store(true, Ordering::Relaxed);
         self.stop_reseed = Arc::new(AtomicBool::new(false));
         reseed_when_ready(self.dir.vsock_socket(), Arc::clone(&self.stop_reseed));
+        if let Some(pod) = &self.pod {
+            pod.configure_guest(&self.dir.vsock_socket(), POD_CONFIGURE_WINDOW)
+                .map_err(|e| error_chain(&e))?;
+        }
         // The old VM (a rollback's) stops here, after the new one took over.
         self.vm = Some(vm);
         self.hibernated = false;
@@ -219,6 +264,7 @@ impl SandboxBackend for LinuxSandbox {
     }
 
     fn confinement(&self) -> Profile {
+        // A pod's TAP is open already: nothing of the pool is needed after set-up.
         if self.network.is_some() {
             Profile::VmNetworked
         } else {
@@ -387,6 +433,7 @@ impl SandboxBackend for LinuxSandbox {
         self.stop_reseed.store(true, Ordering::Relaxed);
         self.vm = None;
         self.tap = None;
+        self.pod = None;
         if let Some(mut network) = self.network.take() {
             network.disconnect();
         }

@@ -181,7 +181,8 @@ pub struct NetworkReport {
     pub counters: NetworkCounters,
 }
 
-/// Which network namespace a jail sandbox's processes live in.
+/// Which network namespace a jail sandbox's processes live in; for a Linux VM, whose
+/// network it stands on (see [`crate::pod_network`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum NetnsChoice {
     /// A new one with loopback only (and the sandbox's network device when it asks
@@ -192,7 +193,8 @@ pub enum NetnsChoice {
     /// the host's interfaces.
     Host,
     /// An existing one, by path (`/var/run/netns/NAME`, `/proc/PID/ns/net`): a pod's
-    /// namespace as its CNI plugins set it up.
+    /// namespace as its CNI plugins set it up. A VM's NIC is spliced to its
+    /// interface.
     Join(std::path::PathBuf),
 }
 

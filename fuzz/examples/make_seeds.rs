@@ -146,6 +146,13 @@ fn agent_seeds(dir: &Path) -> Result<(), Error> {
         RequestBody::RemoveRoot {
             root: "/.cube-containers/c1".into(),
         },
+        RequestBody::ConfigureNic(cube_agent::protocol::NicSettings {
+            mac: [0x0a, 0x58, 10, 88, 0, 5],
+            mtu: 1450,
+            address: [10, 88, 0, 5],
+            prefix_len: 16,
+            gateway: Some([10, 88, 0, 1]),
+        }),
     ];
     let requests: Vec<Request> = bodies
         .into_iter()

@@ -196,6 +196,7 @@ fn main() -> ExitCode {
         reaper,
         env,
         default_user,
+        vm_init: matches!(args.mode, Mode::Vsock(_)) && init::is_pid1(),
     });
     if let Err(e) = init::spawn_signal_thread(signals, agent.clone(), args.grace) {
         return fail(&e);

@@ -398,6 +398,7 @@ fn the_agent_protocol_runs_over_the_device_with_the_test_as_guest() {
         reaper: cube_agent::reaper::Reaper::per_child(),
         env: Vec::new(),
         default_user: None,
+        vm_init: false,
     });
     let served = agent.clone();
     let server = std::thread::spawn(move || served.serve(stream));

@@ -1,6 +1,8 @@
 //! What the shim's tests share: a private containerd (Debian's package, its own root,
 //! state, sockets and config, the shim on its PATH), and a busybox image built here
-//! from `busybox-static` and imported as an OCI layout tarball the test writes.
+//! from `busybox-static` and imported as an OCI layout tarball the test writes; and,
+//! for pods with a network of their own, a CNI network of the test's own (a bridge on
+//! this host and Debian's CNI plugins).
 
 #![allow(dead_code, clippy::expect_used, clippy::unwrap_used)]
 
@@ -84,11 +86,86 @@ fn output_with_input(mut command: Command, input: &[u8], hold_open: bool) -> Out
     out
 }
 
+/// Where Debian's `containernetworking-plugins` puts the CNI plugins.
+const CNI_PLUGINS: &str = "/usr/lib/cni";
+
+/// A CNI network of the test's own: a bridge on this host holding the gateway
+/// address (the host owns it; the plugins neither forward nor NAT beyond it: no
+/// `isGateway`, no `ipMasq`), and Debian's `bridge` and `host-local` plugins giving
+/// each pod an address in its /24 and a default route through the gateway. Traffic
+/// to and from pods stays on this host. The bridge goes on drop.
+pub struct PodNetwork {
+    /// The bridge's name.
+    pub bridge: String,
+    /// The bridge's address, every pod's gateway.
+    pub gateway: std::net::Ipv4Addr,
+}
+
+impl PodNetwork {
+    /// Makes the bridge (a name and /24 no other test on this host uses) and writes
+    /// the network's CNI configuration into `conf_dir`; `None` (said) where Debian's
+    /// CNI plugins are not installed.
+    fn create(conf_dir: &Path, ipam_dir: &Path) -> Option<PodNetwork> {
+        if !Path::new(CNI_PLUGINS).join("bridge").exists() {
+            println!(
+                "skipped: no CNI plugins in {CNI_PLUGINS} (scripts/setup.sh installs containernetworking-plugins)"
+            );
+            return None;
+        }
+        let ip = |args: &[&str]| Command::new("ip").args(args).output().unwrap();
+        let first = std::process::id() as usize % 250;
+        for n in (0..250).map(|k| (first + k) % 250 + 1) {
+            let bridge = format!("cubecni{n}");
+            let gateway = std::net::Ipv4Addr::new(10, 234, n as u8, 1);
+            // Taken by another test run: the next one.
+            if !ip(&["link", "add", "name", &bridge, "type", "bridge"])
+                .status
+                .success()
+            {
+                continue;
+            }
+            let network = PodNetwork { bridge, gateway };
+            assert!(ip(&[
+                "addr",
+                "add",
+                &format!("{gateway}/24"),
+                "dev",
+                &network.bridge
+            ])
+            .status
+            .success());
+            assert!(ip(&["link", "set", &network.bridge, "up"]).status.success());
+            let conf = format!(
+                r#"{{"cniVersion": "0.4.0", "name": "cube-test-{n}", "plugins": [{{
+  "type": "bridge", "bridge": "{bridge}", "isGateway": false, "ipMasq": false,
+  "ipam": {{"type": "host-local", "dataDir": "{ipam}",
+    "ranges": [[{{"subnet": "10.234.{n}.0/24", "gateway": "{gateway}"}}]],
+    "routes": [{{"dst": "0.0.0.0/0", "gw": "{gateway}"}}]}}}}]}}"#,
+                bridge = network.bridge,
+                ipam = ipam_dir.display()
+            );
+            std::fs::write(conf_dir.join("10-cube-test.conflist"), conf).unwrap();
+            return Some(network);
+        }
+        panic!("no free cubecniN bridge name on this host");
+    }
+}
+
+impl Drop for PodNetwork {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.bridge])
+            .status();
+    }
+}
+
 /// A containerd of the test's own; stopped and its directory removed on drop.
 pub struct Containerd {
     pub dir: tempfile::TempDir,
     pub store: PathBuf,
     child: Child,
+    /// The CNI network its pods with a network of their own get, if it has one.
+    pub pod_network: Option<PodNetwork>,
 }
 
 impl Containerd {
@@ -107,6 +184,16 @@ impl Containerd {
     /// test is skipped ([`skip`]), this host has no KVM or the store no Cube guest
     /// kernel.
     pub fn start_for_vms() -> Option<Containerd> {
+        Self::start_for_vms_with(false)
+    }
+
+    /// [`Containerd::start_for_vms`], its CRI pods with a network of their own on a
+    /// [`PodNetwork`].
+    pub fn start_for_vm_pods_on_a_network() -> Option<Containerd> {
+        Self::start_for_vms_with(true)
+    }
+
+    fn start_for_vms_with(pod_network: bool) -> Option<Containerd> {
         if skip() {
             return None;
         }
@@ -114,7 +201,7 @@ impl Containerd {
             println!("skipped: no /dev/kvm (VM containers need KVM)");
             return None;
         }
-        let c = Containerd::start();
+        let c = Containerd::start_with(pod_network)?;
         if cube_core::templates::cube_guest_kernel(&c.store).is_none() {
             println!("skipped: no Cube guest kernel in the store or /var/lib/cube (scripts/setup.sh builds it)");
             return None;
@@ -126,8 +213,20 @@ impl Containerd {
         self.dir.path().join("containerd.sock")
     }
 
+    /// [`Containerd::start`], its CRI pods with a network of their own on a
+    /// [`PodNetwork`]; `None` (said) where this host has no CNI plugins.
+    pub fn start_on_a_pod_network() -> Option<Containerd> {
+        Self::start_with(true)
+    }
+
     /// Starts containerd with a CRI runtime handler `cube` for the shim and `runc`.
     pub fn start() -> Containerd {
+        Self::start_with(false).unwrap()
+    }
+
+    /// [`Containerd::start`], with a [`PodNetwork`] for its pods where asked (`None`,
+    /// said, where this host has no CNI plugins).
+    fn start_with(pod_network: bool) -> Option<Containerd> {
         let dir = tempfile::Builder::new()
             .prefix("cube-containerd-")
             .tempdir_in("/var/tmp")
@@ -137,6 +236,17 @@ impl Containerd {
         for sub in ["root", "state", "cni-bin", "cni-conf", "opt", "cube-store"] {
             std::fs::create_dir_all(d.join(sub)).unwrap();
         }
+        let network = match pod_network {
+            true => Some(PodNetwork::create(
+                &d.join("cni-conf"),
+                &d.join("cni-ipam"),
+            )?),
+            false => None,
+        };
+        let cni_bin = match network {
+            Some(_) => PathBuf::from(CNI_PLUGINS),
+            None => d.join("cni-bin"),
+        };
         let config = format!(
             r#"version = 2
 root = "{d}/root"
@@ -154,7 +264,7 @@ state = "{d}/state"
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
   [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "{d}/cni-bin"
+    bin_dir = "{cni_bin}"
     conf_dir = "{d}/cni-conf"
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
@@ -165,7 +275,8 @@ state = "{d}/state"
       runtime_type = "{RUNTIME}"
       pod_annotations = ["io.cubesandbox.*"]
 "#,
-            d = d.display()
+            d = d.display(),
+            cni_bin = cni_bin.display()
         );
         std::fs::write(d.join("config.toml"), config).unwrap();
         let bins = Path::new(SHIM).parent().unwrap().to_path_buf();
@@ -186,7 +297,12 @@ state = "{d}/state"
             .stderr(log)
             .spawn()
             .unwrap();
-        let c = Containerd { dir, store, child };
+        let c = Containerd {
+            dir,
+            store,
+            child,
+            pod_network: network,
+        };
         let deadline = Instant::now() + Duration::from_secs(60);
         while !c.ctr(&["version"]).status.success() {
             assert!(
@@ -196,7 +312,7 @@ state = "{d}/state"
             );
             std::thread::sleep(Duration::from_millis(100));
         }
-        c
+        Some(c)
     }
 
     /// The Cube store the shim uses, opened to look at (it starts no supervisor).
