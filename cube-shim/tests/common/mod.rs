@@ -159,6 +159,32 @@ impl Drop for PodNetwork {
     }
 }
 
+/// Whether this process holds CAP_SYS_RESOURCE. Without it nobody here may lower an
+/// OOM score (the CRI gives a pod's pause container -998), so the peer runtime,
+/// runc, fails every pod ("failed to update /proc/self/oom_score_adj: Permission
+/// denied" in its log, "can't get final child's PID from pipe" in containerd's):
+/// the test's containerd then keeps OOM scores at or above its own
+/// (`restrict_oom_score_adj`, as rootless containerd does), and says so.
+fn has_sys_resource() -> bool {
+    const CAP_SYS_RESOURCE: u32 = 24;
+    let effective = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("CapEff:"))
+                .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        })
+        .unwrap_or(0);
+    let held = effective & (1 << CAP_SYS_RESOURCE) != 0;
+    if !held {
+        println!(
+            "this host withholds CAP_SYS_RESOURCE from root: the test's containerd restricts OOM score adjustments (restrict_oom_score_adj) so that runc can start pods"
+        );
+    }
+    held
+}
+
 /// A containerd of the test's own; stopped and its directory removed on drop.
 pub struct Containerd {
     pub dir: tempfile::TempDir,
@@ -261,6 +287,7 @@ state = "{d}/state"
   path = "{d}/opt"
 [plugins."io.containerd.grpc.v1.cri"]
   sandbox_image = "{PAUSE_IMAGE}"
+  restrict_oom_score_adj = {restrict_oom}
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
   [plugins."io.containerd.grpc.v1.cri".cni]
@@ -276,7 +303,8 @@ state = "{d}/state"
       pod_annotations = ["io.cubesandbox.*"]
 "#,
             d = d.display(),
-            cni_bin = cni_bin.display()
+            cni_bin = cni_bin.display(),
+            restrict_oom = !has_sys_resource()
         );
         std::fs::write(d.join("config.toml"), config).unwrap();
         let bins = Path::new(SHIM).parent().unwrap().to_path_buf();
