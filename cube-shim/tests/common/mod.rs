@@ -159,30 +159,24 @@ impl Drop for PodNetwork {
     }
 }
 
-/// Whether this process holds CAP_SYS_RESOURCE. Without it nobody here may lower an
-/// OOM score (the CRI gives a pod's pause container -998), so the peer runtime,
-/// runc, fails every pod ("failed to update /proc/self/oom_score_adj: Permission
-/// denied" in its log, "can't get final child's PID from pipe" in containerd's):
-/// the test's containerd then keeps OOM scores at or above its own
-/// (`restrict_oom_score_adj`, as rootless containerd does), and says so.
-fn has_sys_resource() -> bool {
-    const CAP_SYS_RESOURCE: u32 = 24;
-    let effective = std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|status| {
-            status
-                .lines()
-                .find_map(|l| l.strip_prefix("CapEff:"))
-                .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
-        })
-        .unwrap_or(0);
-    let held = effective & (1 << CAP_SYS_RESOURCE) != 0;
-    if !held {
+/// Whether a process here may lower its OOM score (which takes CAP_SYS_RESOURCE),
+/// tried in a shell of its own. Where it may not, the peer runtime, runc, fails every
+/// pod, as the CRI gives a pod's pause container -998 ("failed to update
+/// /proc/self/oom_score_adj: Permission denied" in its log, "can't get final child's
+/// PID from pipe" in containerd's): the test's containerd then keeps OOM scores at or
+/// above its own (`restrict_oom_score_adj`, as rootless containerd does), and says so.
+fn may_lower_oom_scores() -> bool {
+    let may = Command::new("sh")
+        .args(["-c", "echo -1 > /proc/self/oom_score_adj"])
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !may {
         println!(
             "this host withholds CAP_SYS_RESOURCE from root: the test's containerd restricts OOM score adjustments (restrict_oom_score_adj) so that runc can start pods"
         );
     }
-    held
+    may
 }
 
 /// A containerd of the test's own; stopped and its directory removed on drop.
@@ -304,7 +298,7 @@ state = "{d}/state"
 "#,
             d = d.display(),
             cni_bin = cni_bin.display(),
-            restrict_oom = !has_sys_resource()
+            restrict_oom = !may_lower_oom_scores()
         );
         std::fs::write(d.join("config.toml"), config).unwrap();
         let bins = Path::new(SHIM).parent().unwrap().to_path_buf();
