@@ -199,6 +199,9 @@ impl LinuxSandbox {
             .build_vm(snapshot, &disk, true)
             .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
         sandbox.start(vm)?;
+        // The snapshot's guest holds another's address (a template's, or a clone
+        // source's): the pod's comes before the sandbox is handed out.
+        sandbox.address_for_pod()?;
         Ok(sandbox)
     }
 
@@ -232,18 +235,12 @@ impl LinuxSandbox {
             .map_err(|e| error_chain(&e))
     }
 
-    /// Lets a freshly restored VM run as the sandbox's, and has its agent reseeded;
-    /// a VM on a pod's network takes the pod's address before this returns (a
-    /// snapshot's guest may hold another's: a template's, or a clone source's).
+    /// Lets a freshly restored VM run as the sandbox's, and has its agent reseeded.
     fn start(&mut self, mut vm: LinuxVm) -> Result<(), String> {
         vm.resume().map_err(|e| error_chain(&e))?;
         self.stop_reseed.store(true, Ordering::Relaxed);
         self.stop_reseed = Arc::new(AtomicBool::new(false));
         reseed_when_ready(self.dir.vsock_socket(), Arc::clone(&self.stop_reseed));
-        if let Some(pod) = &self.pod {
-            pod.configure_guest(&self.dir.vsock_socket(), POD_CONFIGURE_WINDOW)
-                .map_err(|e| error_chain(&e))?;
-        }
         // The old VM (a rollback's) stops here, after the new one took over.
         self.vm = Some(vm);
         self.hibernated = false;
@@ -253,6 +250,25 @@ impl LinuxSandbox {
 
     fn vm(&mut self) -> Result<&mut LinuxVm, Failure> {
         awake(&mut self.vm, self.hibernated, VM_GONE)
+    }
+
+    /// Has a VM on a pod's network take the pod's address; a no-op for others.
+    fn address_for_pod(&self) -> Result<(), String> {
+        match &self.pod {
+            Some(pod) => pod
+                .configure_guest(&self.dir.vsock_socket(), POD_CONFIGURE_WINDOW)
+                .map_err(|e| error_chain(&e)),
+            None => Ok(()),
+        }
+    }
+
+    /// [`LinuxSandbox::address_for_pod`] after a rollback or wake: the snapshot was
+    /// taken in this pod, so its guest holds the address already, and a failure is
+    /// said, not fatal (the VM runs, and the rollback or wake is done).
+    fn readdress_for_pod(&self) {
+        if let Err(e) = self.address_for_pod() {
+            tracing::warn!("the guest did not take its pod's address again: {e}");
+        }
     }
 }
 
@@ -372,6 +388,7 @@ impl SandboxBackend for LinuxSandbox {
                     .map_err(|e| format!("replacing the root disk: {e}"))?;
                 let _ = std::fs::remove_file(&aside);
                 self.start(vm)?;
+                self.readdress_for_pod();
                 // A hibernation image is of the state just left.
                 let _ = std::fs::remove_dir_all(self.dir.hibernation());
                 Ok(())
@@ -424,7 +441,9 @@ impl SandboxBackend for LinuxSandbox {
         let vm = self
             .build_vm(&self.dir.hibernation(), &self.dir.rootfs(), false)
             .map_err(|e| Failure::new(ErrorKind::SnapshotFailed, e))?;
-        Ok(self.start(vm)?)
+        self.start(vm)?;
+        self.readdress_for_pod();
+        Ok(())
     }
 
     /// Stops the vCPUs and releases the VM, then its TAP and network (back to the
