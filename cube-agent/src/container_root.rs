@@ -216,11 +216,10 @@ fn in_root(name: &Path) -> std::io::Result<Option<PathBuf>> {
 }
 
 /// Unpacks every entry of the tar archive (gzipped or not) at its name under `/` (the
-/// thread's root): owners, modes and
-/// times the archive's, a later entry replacing an earlier one of the same name (the
-/// spec's binds come after the image's files). Directories get their modes last, as
-/// a read-only one must still take its entries; a parent missing from the archive is
-/// made.
+/// thread's root): owners, modes and times the archive's, a later entry replacing an
+/// earlier one of the same name (the spec's binds come after the image's files).
+/// Directories get their modes last, as a read-only one must still take its entries;
+/// a parent missing from the archive is made.
 fn unpack_entries(archive: fs::File) -> std::io::Result<()> {
     // Large reads: each system call is slow where the guest kernel is emulated.
     let mut reader = std::io::BufReader::with_capacity(1 << 20, archive);
@@ -242,32 +241,35 @@ fn unpack_entries(archive: fs::File) -> std::io::Result<()> {
         let Some(path) = in_root(&entry.path()?)? else {
             continue;
         };
-        let context =
-            |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
         if let Some(parent) = path.parent() {
             if !made.contains(parent) {
-                fs::create_dir_all(parent).map_err(context)?;
+                fs::create_dir_all(parent).map_err(at(&path))?;
                 made.insert(parent.to_path_buf());
             }
         }
         if entry.header().entry_type() == tar::EntryType::Directory {
             match fs::create_dir(&path) {
-                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(context(e)),
+                Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+                    return Err(at(&path)(e))
+                }
                 _ => {}
             }
             made.insert(path.clone());
             directories.push((path, entry));
         } else {
-            entry.unpack(&path).map_err(context)?;
+            entry.unpack(&path).map_err(at(&path))?;
         }
     }
     directories.sort_by(|a, b| b.0.cmp(&a.0));
     for (path, mut entry) in directories {
-        entry
-            .unpack(&path)
-            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+        entry.unpack(&path).map_err(at(&path))?;
     }
     Ok(())
+}
+
+/// An error of unpacking the entry at `path`, saying which.
+fn at(path: &Path) -> impl Fn(std::io::Error) -> std::io::Error + '_ {
+    move |e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 
 /// `root/name` as a directory to mount on: made where missing; refused where the

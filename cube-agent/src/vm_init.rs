@@ -195,8 +195,7 @@ fn set_up(interface: &str, address: Option<([u8; 4], [u8; 4])>) -> Result<(), Vm
 }
 
 fn add_default_route(interface: &str, gateway: [u8; 4]) -> Result<(), VmInitError> {
-    match change_route(
-        libc::SIOCADDRT,
+    match add_route(
         interface,
         ([0; 4], [0; 4]),
         Some(gateway),
@@ -210,10 +209,9 @@ fn add_default_route(interface: &str, gateway: [u8; 4]) -> Result<(), VmInitErro
     }
 }
 
-/// Adds (`SIOCADDRT`) or deletes (`SIOCDELRT`) the IPv4 route to `destination`
-/// (address, mask) on `interface`, through `gateway` where given (else on the link).
-fn change_route(
-    request: libc::c_ulong,
+/// Adds the IPv4 route to `destination` (address, mask) on `interface`, through
+/// `gateway` where given (else on the link).
+fn add_route(
     interface: &str,
     destination: ([u8; 4], [u8; 4]),
     gateway: Option<[u8; 4]>,
@@ -250,12 +248,12 @@ fn change_route(
         rt_window: 0,
         rt_irtt: 0,
     };
-    // SAFETY: SIOCADDRT and SIOCDELRT read one rtentry, which `route` is; its rt_dev
-    // points at the NUL-terminated `device`, alive for the call.
+    // SAFETY: SIOCADDRT reads one rtentry, which `route` is; its rt_dev points at the
+    // NUL-terminated `device`, alive for the call.
     let rc = unsafe {
         libc::ioctl(
             socket.as_raw_fd(),
-            ioctl_request(request),
+            ioctl_request(libc::SIOCADDRT),
             &mut route as *mut RtEntry,
         )
     };
@@ -354,8 +352,7 @@ fn apply_nic_settings(settings: &NicSettings) -> Result<(), VmInitError> {
         let on_link =
             u32::from_be_bytes(gateway) & mask == u32::from_be_bytes(settings.address) & mask;
         if !on_link {
-            change_route(
-                libc::SIOCADDRT,
+            add_route(
                 GUEST_NIC,
                 (gateway, [255; 4]),
                 None,

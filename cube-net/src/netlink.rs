@@ -403,15 +403,8 @@ impl Rtnl {
     /// Removes link `index`'s `ingress` qdisc and its filters (nothing to do where it
     /// has none).
     pub fn remove_ingress(&mut self, index: u32) -> Result<()> {
-        let link = i32::try_from(index).map_err(|_| NetlinkError::NoSuchLink(index.to_string()))?;
-        let mut qdisc = TcMessage::with_index(link);
-        qdisc.header.handle = TcHandle {
-            major: u16::MAX,
-            minor: 0,
-        };
-        qdisc.header.parent = TcHandle::INGRESS;
         match self.request(
-            RouteNetlinkMessage::DelQueueDiscipline(qdisc),
+            RouteNetlinkMessage::DelQueueDiscipline(ingress_qdisc(index)?),
             NLM_F_ACK,
             "remove ingress qdisc",
             &index.to_string(),
@@ -433,14 +426,8 @@ impl Rtnl {
     /// dev TO` would (`u32`, not `matchall`: kernels often lack the latter). The
     /// namespace's own stack no longer sees what arrives on `from`.
     pub fn redirect_ingress(&mut self, from: u32, to: u32) -> Result<()> {
-        let index = i32::try_from(from).map_err(|_| NetlinkError::NoSuchLink(from.to_string()))?;
         let target = format!("{from} -> {to}");
-        let mut qdisc = TcMessage::with_index(index);
-        qdisc.header.handle = TcHandle {
-            major: u16::MAX,
-            minor: 0,
-        };
-        qdisc.header.parent = TcHandle::INGRESS;
+        let mut qdisc = ingress_qdisc(from)?;
         qdisc
             .attributes
             .push(TcAttribute::Kind("ingress".to_string()));
@@ -463,11 +450,8 @@ impl Rtnl {
                 mirror,
             ))]),
         ];
-        let mut filter = TcMessage::with_index(index);
-        filter.header.parent = TcHandle {
-            major: u16::MAX,
-            minor: 0,
-        };
+        let mut filter = TcMessage::with_index(qdisc_index(from)?);
+        filter.header.parent = INGRESS_HANDLE;
         // Priority 1, every protocol (ETH_P_ALL in network byte order).
         filter.header.info = (1 << 16) | u32::from((libc::ETH_P_ALL as u16).to_be());
         // One key that masks everything away: every frame matches.
@@ -490,6 +474,25 @@ impl Rtnl {
         )
         .map(drop)
     }
+}
+
+/// The `ingress` qdisc's handle (`ffff:`), which its filters name as their parent.
+const INGRESS_HANDLE: TcHandle = TcHandle {
+    major: u16::MAX,
+    minor: 0,
+};
+
+/// Link `index` as a traffic-control message takes it.
+fn qdisc_index(index: u32) -> Result<i32> {
+    i32::try_from(index).map_err(|_| NetlinkError::NoSuchLink(index.to_string()))
+}
+
+/// A message naming link `index`'s `ingress` qdisc.
+fn ingress_qdisc(index: u32) -> Result<TcMessage> {
+    let mut qdisc = TcMessage::with_index(qdisc_index(index)?);
+    qdisc.header.handle = INGRESS_HANDLE;
+    qdisc.header.parent = TcHandle::INGRESS;
+    Ok(qdisc)
 }
 
 fn link_from(message: LinkMessage) -> Link {

@@ -179,6 +179,23 @@ fn shared(host: &std::path::Path, readonly: bool) -> Vec<Mount> {
     }]
 }
 
+/// Runs a pod of `config` with runtime handler `handler`; its id.
+async fn run_pod(
+    client: &mut RuntimeServiceClient<Channel>,
+    config: &PodSandboxConfig,
+    handler: &str,
+) -> Result<String, String> {
+    Ok(client
+        .run_pod_sandbox(RunPodSandboxRequest {
+            config: Some(config.clone()),
+            runtime_handler: handler.into(),
+        })
+        .await
+        .map_err(|e| format!("RunPodSandbox ({handler}): {}", e.message()))?
+        .into_inner()
+        .pod_sandbox_id)
+}
+
 /// Runs a pod with one `sleep` container; returns (pod id, container id).
 async fn start_pod(
     client: &mut RuntimeServiceClient<Channel>,
@@ -187,15 +204,7 @@ async fn start_pod(
     mounts: Vec<Mount>,
 ) -> Result<(String, String), String> {
     let config = pod_config(name);
-    let pod = client
-        .run_pod_sandbox(RunPodSandboxRequest {
-            config: Some(config.clone()),
-            runtime_handler: handler.into(),
-        })
-        .await
-        .map_err(|e| format!("RunPodSandbox ({handler}): {}", e.message()))?
-        .into_inner()
-        .pod_sandbox_id;
+    let pod = run_pod(client, &config, handler).await?;
     let container = start_container(client, &pod, &config, "main", &["sleep", "1000"], mounts)
         .await
         .map_err(|e| format!("{e} ({handler})"))?;
@@ -312,23 +321,16 @@ async fn remove_pod(client: &mut RuntimeServiceClient<Channel>, pod: &str) {
 async fn wait_for_cri(client: &mut RuntimeServiceClient<Channel>, c: &Containerd) {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        let attempt = client
-            .run_pod_sandbox(RunPodSandboxRequest {
-                config: Some(pod_config("probe")),
-                runtime_handler: "cube".into(),
-            })
-            .await;
-        match attempt {
-            Ok(r) => {
-                let pod = r.into_inner().pod_sandbox_id;
+        match run_pod(client, &pod_config("probe"), "cube").await {
+            Ok(pod) => {
                 remove_pod(client, &pod).await;
                 return;
             }
             Err(e) if Instant::now() < deadline => {
-                eprintln!("waiting for the CRI plugin: {}", e.message());
+                eprintln!("waiting for the CRI plugin: {e}");
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
-            Err(e) => panic!("RunPodSandbox: {e}\n{}", c.log()),
+            Err(e) => panic!("{e}\n{}", c.log()),
         }
     }
 }
@@ -549,23 +551,6 @@ fn a_cri_pod_runs_in_a_cube_sandbox() {
     });
 }
 
-/// Runs a pod of `config` with the runtime handler `cube`; its id.
-async fn run_pod(
-    client: &mut RuntimeServiceClient<Channel>,
-    c: &Containerd,
-    config: &PodSandboxConfig,
-) -> String {
-    client
-        .run_pod_sandbox(RunPodSandboxRequest {
-            config: Some(config.clone()),
-            runtime_handler: "cube".into(),
-        })
-        .await
-        .unwrap_or_else(|e| panic!("RunPodSandbox: {}\n{}", e.message(), c.log()))
-        .into_inner()
-        .pod_sandbox_id
-}
-
 /// Starts container `main` (`sleep`) in `pod`, on the pod's network; its id.
 async fn start_main_on_the_pods_network(
     client: &mut RuntimeServiceClient<Channel>,
@@ -601,7 +586,9 @@ fn a_jail_pod_stands_on_the_pods_network() {
             annotations: [("io.cubesandbox.engine".to_string(), "jail".to_string())].into(),
             ..pod_config("jail-net")
         });
-        let pod = run_pod(&mut client, &c, &config).await;
+        let pod = run_pod(&mut client, &config, "cube")
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
         let main = start_main_on_the_pods_network(&mut client, &c, &pod, &config).await;
         assert_on_the_pods_network(&mut client, &pod, &main, gateway).await;
         remove_pod(&mut client, &pod).await;
@@ -627,7 +614,9 @@ fn a_vm_pod_runs_its_containers_in_one_guest_on_the_pods_network() {
             ..pod_config("vm")
         });
         let started = Instant::now();
-        let pod = run_pod(&mut client, &c, &config).await;
+        let pod = run_pod(&mut client, &config, "cube")
+            .await
+            .unwrap_or_else(|e| panic!("{e}\n{}", c.log()));
         println!(
             "RunPodSandbox of a VM pod (template built from the pause image, guest booted): {:.1} s",
             started.elapsed().as_secs_f64()

@@ -177,7 +177,10 @@ fn main() -> ExitCode {
     };
     let mut env: Vec<(String, String)> = std::env::vars().collect();
     let mut default_user = None;
-    if matches!(args.mode, Mode::Vsock(_)) && init::is_pid1() {
+    // PID 1 on vsock: a microVM's init, which owns the guest's kernel filesystems,
+    // its image's defaults, its random state and the NIC.
+    let vm_init = matches!(args.mode, Mode::Vsock(_)) && init::is_pid1();
+    if vm_init {
         // A VM built from a container image: its Env, WorkingDir and User.
         let path = std::path::Path::new(cube_agent::image_defaults::IMAGE_DEFAULTS_PATH);
         match cube_agent::image_defaults::ImageDefaults::load(path) {
@@ -196,7 +199,7 @@ fn main() -> ExitCode {
         reaper,
         env,
         default_user,
-        vm_init: matches!(args.mode, Mode::Vsock(_)) && init::is_pid1(),
+        vm_init,
     });
     if let Err(e) = init::spawn_signal_thread(signals, agent.clone(), args.grace) {
         return fail(&e);
@@ -211,11 +214,9 @@ fn main() -> ExitCode {
         }
     }
     tracing::info!(pid1 = init::is_pid1(), "cube-agent starting");
-    if let Mode::Vsock(_) = args.mode {
-        if init::is_pid1() {
-            if let Err(e) = cube_agent::vm_init::mount_kernel_filesystems() {
-                return fail(&e);
-            }
+    if vm_init {
+        if let Err(e) = cube_agent::vm_init::mount_kernel_filesystems() {
+            return fail(&e);
         }
     }
     if let Some(list) = &args.modules {
@@ -224,14 +225,14 @@ fn main() -> ExitCode {
             Err(e) => return fail(&e),
         }
     }
-    if matches!(args.mode, Mode::Vsock(_)) && init::is_pid1() {
+    if vm_init {
         // A sandbox without a network still runs: its NIC just has nothing behind it.
         match cube_agent::vm_init::configure_network() {
             Ok(nic) => tracing::info!(nic, "network configured"),
             Err(e) => tracing::warn!(error = %e, "configuring the network failed"),
         }
     }
-    if matches!(args.mode, Mode::Vsock(_)) && init::is_pid1() {
+    if vm_init {
         // Clones of one VM snapshot must not share the kernel's random state.
         let _ = cube_agent::reseed::spawn_watcher();
     }
