@@ -40,7 +40,7 @@ pub fn probe_jail() -> Result<(), String> {
 pub fn supervisor_confinement() -> Vec<ConfinementSummary> {
     [
         SupervisorProfile::Vm,
-        SupervisorProfile::VmNetworked,
+        SupervisorProfile::NetworkKeeper,
         SupervisorProfile::Jail,
     ]
     .into_iter()

@@ -43,13 +43,7 @@ fn assert_confined(pid: u32, profile: SupervisorProfile) -> usize {
         ) else {
             continue; // exited meanwhile
         };
-        // PF_USER_WORKER: a kernel worker in the thread group (KVM's huge-page
-        // recovery), which runs no user code.
-        let flags: u64 = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(6)?.parse().ok())
-            .unwrap();
-        if flags & 0x4000 != 0 {
+        if user_worker(&stat) {
             continue;
         }
         let name = field(&status, "Name").to_string();

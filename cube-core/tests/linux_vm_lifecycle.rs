@@ -4,13 +4,15 @@
 //! rollback, a clone, and hibernate/wake keep the guest booting (its console goes on),
 //! a failed rollback leaves the sandbox as it was; and a sandbox created with a
 //! network has a TAP from cube-net's pool behind its NIC, with the datapath program,
-//! policy and exposed ports on it, all gone after destroy.
+//! policy and exposed ports on it, all gone after destroy. That TAP is held by the
+//! supervisor's network keeper, a process of its own: the supervisor keeps no
+//! capability, and when it is killed the keeper gives the TAP back.
 //!
 //! On a PVM host the kernel runs emulated and stops for good about ten seconds after
 //! its banner (an instruction KVM cannot emulate), so every check that the guest goes
 //! on is made soon after the snapshot point it continues from.
 
-#![allow(clippy::unwrap_used)] // helpers of this test file, not library code
+#![allow(clippy::unwrap_used, clippy::expect_used)] // helpers of this test file, not library code
 
 mod common;
 
@@ -226,6 +228,66 @@ fn holds_tap(pid: u32, name: &str) -> bool {
     })
 }
 
+/// A field of `/proc/PID/status` (or of a thread's, with `pid` a task path).
+fn status_field(status_path: &str, name: &str) -> String {
+    let status = std::fs::read_to_string(status_path).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+        .map(|v| v.trim().to_string())
+        .unwrap_or_else(|| panic!("no {name} in {status_path}"))
+}
+
+fn capabilities(status_path: &str, set: &str) -> u64 {
+    u64::from_str_radix(&status_field(status_path, set), 16).unwrap()
+}
+
+/// The network keeper the supervisor `pid` started (its child running
+/// `--network-keeper-fd`).
+fn keeper_of(pid: u32) -> Option<u32> {
+    std::fs::read_dir("/proc").unwrap().find_map(|entry| {
+        let child: u32 = entry.ok()?.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{child}/stat")).ok()?;
+        let ppid: u32 = stat
+            .rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let cmdline = std::fs::read(format!("/proc/{child}/cmdline")).ok()?;
+        let keeper = String::from_utf8_lossy(&cmdline).contains("--network-keeper-fd");
+        (ppid == pid && keeper).then_some(child)
+    })
+}
+
+/// The networked VM's supervisor `pid` holds no capability on any thread (its TAP is
+/// open, the rest of the network is its keeper's); the keeper holds the network
+/// capabilities only, under a seccomp filter.
+fn assert_network_held_apart(pid: u32) -> u32 {
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        if common::user_worker(&std::fs::read_to_string(task.join("stat")).unwrap()) {
+            continue;
+        }
+        let status = task.join("status");
+        let status = status.to_str().unwrap();
+        for set in ["CapEff", "CapPrm", "CapBnd"] {
+            assert_eq!(capabilities(status, set), 0, "supervisor {status} {set}");
+        }
+        assert_eq!(status_field(status, "Seccomp"), "2", "supervisor {status}");
+    }
+    let keeper = keeper_of(pid).expect("the supervisor has a network keeper");
+    let status = format!("/proc/{keeper}/status");
+    let network = (1 << 12) | (1 << 13) | (1 << 38) | (1 << 39); // net_admin, net_raw, perfmon, bpf
+    let held = capabilities(&status, "CapEff");
+    assert_eq!(held & !network, 0, "keeper CapEff {held:#x}");
+    assert_ne!(held & (1 << 12), 0, "the keeper lacks net_admin: {held:#x}");
+    assert_eq!(status_field(&status, "Seccomp"), "2");
+    assert_eq!(status_field(&status, "NoNewPrivs"), "1");
+    keeper
+}
+
 #[test]
 fn a_linux_vm_sandbox_with_a_network_has_a_pool_tap_behind_its_nic_until_destroyed() {
     let Some(kernel) = linux_kernel() else { return };
@@ -265,6 +327,7 @@ fn a_linux_vm_sandbox_with_a_network_has_a_pool_tap_behind_its_nic_until_destroy
     assert!(tap.ends_with('t'), "{tap} is not one of the pool's TAPs");
     let pid = sb.status().unwrap().pid;
     assert!(holds_tap(pid, &tap), "the VMM did not open {tap}");
+    let keeper = assert_network_held_apart(pid);
     let live = residue(&tap, index);
     assert!(live.registered);
     assert_eq!(live.exposed_ports, 1);
@@ -311,6 +374,29 @@ fn a_linux_vm_sandbox_with_a_network_has_a_pool_tap_behind_its_nic_until_destroy
     sb.destroy().unwrap();
     assert!(ifindex(&tap).is_none(), "{tap} outlived its sandbox");
     assert_eq!(residue(&tap, index), cube_net::Residue::default());
+    assert!(
+        !Path::new(&format!("/proc/{keeper}")).exists() || keeper_of(pid).is_none(),
+        "the network keeper outlived its sandbox"
+    );
+
+    // A supervisor killed outright: its keeper hears it gone and gives the TAP back.
+    let networked = CreateOptions {
+        network: Some(NetworkOptions::default()),
+        ..CreateOptions::new(true)
+    };
+    let mut doomed = rt.create(TEMPLATE, networked).unwrap();
+    let tap = doomed.network().unwrap().host_ifname;
+    let index = ifindex(&tap).unwrap();
+    let pid = doomed.status().unwrap().pid;
+    assert_network_held_apart(pid);
+    // SAFETY: kill has no memory-safety preconditions; `pid` is the sandbox's supervisor.
+    assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+    assert!(
+        common::wait_until(Duration::from_secs(60), || ifindex(&tap).is_none()),
+        "{tap} stayed a minute after its supervisor was killed"
+    );
+    assert_eq!(residue(&tap, index), cube_net::Residue::default());
+    let _ = doomed.destroy();
     // The pool is the host's: remove it only if this test brought it and nobody
     // else (another test run) attached a device meanwhile.
     if !pool_existed {

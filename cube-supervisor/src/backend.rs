@@ -11,6 +11,7 @@ use std::path::Path;
 
 use crate::confinement::Profile;
 use crate::jail_network::{network_failure, JailNetwork};
+use crate::network::{NetworkPolicy, NetworkReport, PortMapping};
 use crate::protocol::{ErrorKind, Failure, LimitChange, Request, Response, StatusReport};
 use crate::records::SnapshotMeta;
 
@@ -79,14 +80,49 @@ pub trait SandboxBackend: Send {
 /// A backend whose sandboxes can have a network from the host's pool.
 pub trait Networked {
     /// The sandbox's network; a bad-state failure where it was created without one.
-    fn network(&mut self) -> Result<&mut JailNetwork, Failure>;
+    fn network(&mut self) -> Result<&mut dyn NetworkControl, Failure>;
 }
 
-/// The network a backend holds in `network`, or why there is none (see
+/// What the library can do with a sandbox's network: a jail's supervisor does it
+/// itself ([`JailNetwork`]), a VM's asks its network keeper
+/// ([`crate::network_keeper::NetworkKeeper`]).
+pub trait NetworkControl {
+    /// Device, policy (as asked and as the datapath holds it), ports and counters now.
+    fn report(&mut self) -> Result<NetworkReport, Failure>;
+    /// Replaces the egress policy; new flows see it at once.
+    fn set_policy(&mut self, policy: NetworkPolicy) -> Result<(), Failure>;
+    /// Serves sandbox port `port.sandbox_port` at `port.host_port` on the host.
+    fn expose(&mut self, port: PortMapping) -> Result<(), Failure>;
+    /// Withdraws host port `host_port`.
+    fn unexpose(&mut self, host_port: u16) -> Result<(), Failure>;
+}
+
+impl NetworkControl for JailNetwork {
+    fn report(&mut self) -> Result<NetworkReport, Failure> {
+        JailNetwork::report(self).map_err(network_failure)
+    }
+
+    fn set_policy(&mut self, policy: NetworkPolicy) -> Result<(), Failure> {
+        JailNetwork::set_policy(self, policy).map_err(network_failure)
+    }
+
+    fn expose(&mut self, port: PortMapping) -> Result<(), Failure> {
+        JailNetwork::expose(self, port).map_err(network_failure)
+    }
+
+    fn unexpose(&mut self, host_port: u16) -> Result<(), Failure> {
+        JailNetwork::unexpose(self, host_port).map_err(network_failure)
+    }
+}
+
+/// The network a jail backend holds in `network`, or why there is none (see
 /// [`Networked::network`]).
-pub fn held_network(network: &mut Option<Box<JailNetwork>>) -> Result<&mut JailNetwork, Failure> {
+pub fn held_network<N: NetworkControl>(
+    network: &mut Option<Box<N>>,
+) -> Result<&mut dyn NetworkControl, Failure> {
     network
         .as_deref_mut()
+        .map(|n| n as &mut dyn NetworkControl)
         .ok_or_else(|| Failure::bad_state("this sandbox has no network (create it with one)"))
 }
 
@@ -157,20 +193,20 @@ pub fn dispatch(backend: &mut dyn SandboxBackend, request: Request) -> Result<Re
             .map(|()| Response::Ok)
             .map_err(snapshot_failed),
         Request::NetworkStatus => {
-            let report = networked(backend)?.network()?.report();
-            Ok(Response::Network(report.map_err(network_failure)?))
+            let report = networked(backend)?.network()?.report()?;
+            Ok(Response::Network(report))
         }
         Request::SetPolicy(policy) => {
             let set = networked(backend)?.network()?.set_policy(policy);
-            set.map(|()| Response::Ok).map_err(network_failure)
+            set.map(|()| Response::Ok)
         }
         Request::Expose(port) => {
             let exposed = networked(backend)?.network()?.expose(port);
-            exposed.map(|()| Response::Ok).map_err(network_failure)
+            exposed.map(|()| Response::Ok)
         }
         Request::Unexpose { host_port } => {
             let withdrawn = networked(backend)?.network()?.unexpose(host_port);
-            withdrawn.map(|()| Response::Ok).map_err(network_failure)
+            withdrawn.map(|()| Response::Ok)
         }
         Request::SetLimits(change) => backend.set_limits(change).map(|()| Response::Ok),
         Request::GuestDirty { mib, pattern } => test_guest(backend)?

@@ -33,7 +33,7 @@ use cube_jail::{Criu, Jail, JailConfig, JailExit, Limits, Stdio};
 use cube_storage::{SandboxDir, SnapshotDir};
 use cube_vmm::persist::SnapshotStats;
 
-use crate::backend::{held_network, Networked, SandboxBackend};
+use crate::backend::{held_network, NetworkControl, Networked, SandboxBackend};
 use crate::confinement::Profile;
 use crate::error_report::chain as error_chain;
 use crate::flush::Flushes;
@@ -877,7 +877,7 @@ impl SandboxBackend for JailSandbox {
 }
 
 impl Networked for JailSandbox {
-    fn network(&mut self) -> Result<&mut JailNetwork, Failure> {
+    fn network(&mut self) -> Result<&mut dyn NetworkControl, Failure> {
         held_network(&mut self.network)
     }
 }

@@ -31,6 +31,7 @@ pub mod jail_snapshot;
 pub mod jail_spec;
 pub mod linux_sandbox;
 pub mod network;
+pub mod network_keeper;
 pub mod overlay_tree;
 pub mod pod_network;
 pub mod pool;

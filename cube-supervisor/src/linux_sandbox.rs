@@ -3,7 +3,8 @@
 //! (`rootfs.img` in the sandbox directory), its vsock device's host socket at
 //! `<sandbox dir>/vsock.sock` (where the library's `Sandbox::agent` connects), its entropy
 //! device, and its NIC, with a TAP from cube-net's pool behind it when the sandbox was
-//! created with a network (see [`JailNetwork::attach_tap`]).
+//! created with a network, which its network keeper holds (see
+//! [`crate::network_keeper`]).
 //!
 //! Every restore here (create, rollback, wake) counts as a clone: the rng moves to a
 //! new generation, the vsock device resets the guest's connections (their host ends
@@ -34,12 +35,12 @@ use cube_vmm::linux_vm::LinuxVm;
 use cube_vmm::persist::state::{read_state, GuestKind};
 use cube_vmm::vstate::KvmContext;
 
-use crate::backend::{awake, held_network, Networked, SandboxBackend};
+use crate::backend::{awake, held_network, NetworkControl, Networked, SandboxBackend};
 use crate::confinement::Profile;
 use crate::error_report::chain as error_chain;
 use crate::flush::Flushes;
-use crate::jail_network::{JailNetwork, JailNetworkError};
 use crate::network::NetnsChoice;
+use crate::network_keeper::NetworkKeeper;
 use crate::pod_network::PodLink;
 use crate::protocol::{ErrorKind, Failure, MachineStatus, Settings, StatusReport};
 use crate::records::{Engine, SnapshotMeta};
@@ -59,7 +60,8 @@ pub struct LinuxSandbox {
     vm: Option<LinuxVm>,
     /// The TAP behind the NIC, kept across rollback and hibernation.
     tap: Option<Tap>,
-    network: Option<Box<JailNetwork>>,
+    /// The process that holds the pool's TAP and changes and releases it.
+    network: Option<Box<NetworkKeeper>>,
     /// The pod's network the VM stands on, where it joined a pod's namespace.
     pod: Option<PodLink>,
     hibernated: bool,
@@ -182,13 +184,9 @@ impl LinuxSandbox {
             }
         }
         if let Some(options) = &settings.network {
-            let fail = |e: JailNetworkError| format!("attaching the network: {}", error_chain(&e));
-            let network =
-                JailNetwork::attach_tap(TEMPLATE_GUEST_MAC, options, &dir).map_err(fail)?;
-            let name = network
-                .tap_name()
-                .ok_or("the pool gave the VM no TAP")?
-                .to_string();
+            let network = NetworkKeeper::attach_tap(TEMPLATE_GUEST_MAC, options, &dir)
+                .map_err(|f| f.prefixed("attaching the network"))?;
+            let name = network.tap_name().to_string();
             // On an error below the sandbox drops, and the network goes back.
             sandbox.network = Some(Box::new(network));
             sandbox.tap = Some(
@@ -280,12 +278,9 @@ impl SandboxBackend for LinuxSandbox {
     }
 
     fn confinement(&self) -> Profile {
-        // A pod's TAP is open already: nothing of the pool is needed after set-up.
-        if self.network.is_some() {
-            Profile::VmNetworked
-        } else {
-            Profile::Vm
-        }
+        // A pod's TAP is open already, and a pool's TAP is its keeper's to change and
+        // release: nothing of the network is needed here after set-up.
+        Profile::Vm
     }
 
     fn status(&mut self) -> StatusReport {
@@ -454,7 +449,7 @@ impl SandboxBackend for LinuxSandbox {
         self.tap = None;
         self.pod = None;
         if let Some(mut network) = self.network.take() {
-            network.disconnect();
+            network.release();
         }
         self.flushes.join();
         let _ = std::fs::remove_file(self.dir.vsock_socket());
@@ -466,7 +461,7 @@ impl SandboxBackend for LinuxSandbox {
 }
 
 impl Networked for LinuxSandbox {
-    fn network(&mut self) -> Result<&mut JailNetwork, Failure> {
+    fn network(&mut self) -> Result<&mut dyn NetworkControl, Failure> {
         held_network(&mut self.network)
     }
 }

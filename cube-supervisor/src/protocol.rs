@@ -126,6 +126,14 @@ impl Failure {
         Failure::new(ErrorKind::Unsupported, message)
     }
 
+    /// This failure with `context` (what was being done) before its message.
+    pub fn prefixed(self, context: &str) -> Self {
+        Failure {
+            message: format!("{context}: {}", self.message),
+            ..self
+        }
+    }
+
     /// This failure, or one of `kind` where it is [`ErrorKind::Internal`] (a failure
     /// nothing classified is of the kind of the operation that failed).
     pub fn or_kind(self, kind: ErrorKind) -> Self {

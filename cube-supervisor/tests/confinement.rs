@@ -3,8 +3,9 @@
 //! no_new_privs and the seccomp filters, blocked reads carry on, and a forbidden system
 //! call kills the process with SIGSYS. A VM supervisor also loses the host's files
 //! (Landlock), on its old threads too, but its own sandbox directory, its store's
-//! snapshots (read and removed, never altered or added to) and templates (read), and,
-//! with a network, its pool's lock file and bpffs pins; and TCP.
+//! snapshots (read and removed, never altered or added to) and templates (read); and
+//! TCP. A networked VM's network keeper loses all but its sandbox's network record
+//! (removed) and its pool's lock file and bpffs pins.
 //!
 //! Confinement cannot be undone, so each profile runs in a child: this test binary run
 //! again with `CUBE_CONFINE_CHILD` naming the profile and the forbidden call to make.
@@ -48,7 +49,7 @@ impl TestPool {
             if !dir.exists() {
                 if let Err(e) = std::fs::create_dir(dir) {
                     eprintln!(
-                        "vm-networked skipped: making {} ({e}): no bpffs?",
+                        "network-keeper skipped: making {} ({e}): no bpffs?",
                         dir.display()
                     );
                     drop(TestPool { name, made });
@@ -95,6 +96,8 @@ fn run_child_with(spec: &str, pool: Option<&TestPool>) -> std::process::Output {
         std::fs::create_dir_all(store.path().join(dir)).unwrap();
     }
     std::fs::write(store.path().join("sandboxes/other/rootfs.img"), "disk").unwrap();
+    std::fs::write(store.path().join("sandboxes/own/rootfs.img"), "disk").unwrap();
+    std::fs::write(store.path().join("sandboxes/own/network"), "cubet0").unwrap();
     std::fs::write(store.path().join("snapshots/origin/memory.bin"), "origin").unwrap();
     std::fs::write(store.path().join("templates/base/rootfs.img"), "base").unwrap();
     let mut command = Command::new(std::env::current_exe().unwrap());
@@ -125,7 +128,7 @@ fn root() -> bool {
 fn profile_named(name: &str) -> Profile {
     match name {
         "vm" => Profile::Vm,
-        "vm-networked" => Profile::VmNetworked,
+        "network-keeper" => Profile::NetworkKeeper,
         "jail" => Profile::Jail,
         other => panic!("unknown profile {other}"),
     }
@@ -196,6 +199,77 @@ fn child(spec: &str) {
     let (byte, host_read_by_old_thread) = blocked.join().unwrap();
     assert_eq!(byte, b'x');
     sleeper.join().unwrap();
+    let landlocked = profile != Profile::Jail && filesystem::kernel_abi().is_some();
+    if profile == Profile::NetworkKeeper {
+        keeper_reach(store, host, &own, host_read_by_old_thread);
+    } else {
+        supervisor_reach(profile, store, host, marker, host_read_by_old_thread);
+    }
+    if landlocked {
+        // uid 0 writes most sysctls with no capability; /proc is read-only to it now.
+        // (Its own value: were the confinement missing, nothing would change.)
+        let pattern = std::fs::read("/proc/sys/kernel/core_pattern").unwrap();
+        let write = std::fs::write("/proc/sys/kernel/core_pattern", &pattern);
+        assert_eq!(
+            write.map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::PermissionDenied),
+            "a sysctl written"
+        );
+    }
+    if landlocked && filesystem::signals_scoped() {
+        // uid 0 may signal any root process; a confined VM supervisor only its own.
+        // SAFETY: signal 0 only checks permission; the parent is this test's runner.
+        let r = unsafe { libc::kill(libc::getppid(), 0) };
+        assert_eq!(
+            (r, std::io::Error::last_os_error().raw_os_error()),
+            (-1, Some(libc::EPERM))
+        );
+    }
+    // Allowed work goes on: threads, named (by prctl: /proc is read-only to a VM).
+    let name = std::thread::Builder::new()
+        .name("named-late".into())
+        .spawn(|| std::fs::read_to_string("/proc/thread-self/comm").unwrap())
+        .unwrap()
+        .join()
+        .unwrap();
+    assert_eq!(name.trim(), "named-late");
+    if profile == Profile::Jail {
+        // A jail supervisor starts CRIU and jails after its confinement; CRIU needs to
+        // be under no seccomp filter (see `syscall_filter`).
+        assert!(Command::new("true").status().unwrap().success());
+        let criu_view = Command::new("grep")
+            .args(["^Seccomp:", "/proc/self/status"])
+            .output()
+            .unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&criu_view.stdout).trim(),
+            "Seccomp:\t0"
+        );
+    }
+    if profile != Profile::NetworkKeeper {
+        // Its destroy removes its snapshots and its own directory, emptied first.
+        std::fs::remove_dir_all(&moved).unwrap();
+        std::fs::remove_dir_all(&own).unwrap();
+    }
+    println!("confined");
+    std::io::stdout().flush().unwrap();
+    let r = forbidden(call);
+    println!("survived {call}: {r}");
+    std::process::exit(0);
+}
+
+/// What a confined VM or jail supervisor reaches of its store and the host: a VM's
+/// only its own directory (read-write), snapshots (read and removed) and templates
+/// (read), where the kernel has Landlock; a jail's all of it.
+fn supervisor_reach(
+    profile: Profile,
+    store: &std::path::Path,
+    host: &std::path::Path,
+    marker: std::fs::File,
+    host_read_by_old_thread: Result<Vec<u8>, std::io::ErrorKind>,
+) {
+    let own = store.join("sandboxes/own");
+    let moved = store.join("snapshots/moved");
     // Its sandbox's directory stays its own: files made, renamed, read, removed.
     let made = own.join("made");
     std::fs::write(&made, "memory").unwrap();
@@ -298,75 +372,75 @@ fn child(spec: &str) {
     for (what, result) in results {
         assert_eq!(denied(result), landlocked, "{profile:?} {what}");
     }
-    if landlocked && profile == Profile::VmNetworked {
-        // Its pool: the lock taken around releasing its TAP, the TAP's link pin
-        // removed with it; nothing else of the pool's run directory.
-        let pool = filesystem::PoolPaths::of_host_pool().unwrap();
-        let lock = std::fs::OpenOptions::new()
-            .write(true)
-            .open(&pool.lock_file)
-            .unwrap();
-        // SAFETY: flock on a descriptor this test owns.
-        assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
-        let pin = pool.pin_dir.join("links");
-        std::fs::create_dir(&pin).unwrap();
-        std::fs::remove_dir(&pin).unwrap();
-        let beside = pool.lock_file.with_extension("other");
+}
+
+/// What a confined network keeper reaches: its sandbox's network record (removed),
+/// its pool's lock file and pins, nothing else of the store or the host.
+fn keeper_reach(
+    store: &std::path::Path,
+    host: &std::path::Path,
+    own: &std::path::Path,
+    host_read_by_old_thread: Result<Vec<u8>, std::io::ErrorKind>,
+) {
+    if filesystem::kernel_abi().is_none() {
+        return;
+    }
+    let denied = |what: &str, r: std::io::Result<()>| {
         assert_eq!(
-            std::fs::write(&beside, "x").map_err(|e| e.kind()),
+            r.map_err(|e| e.kind()),
             Err(std::io::ErrorKind::PermissionDenied),
-            "a file made beside the pool's lock"
+            "network keeper {what}"
         );
-    }
-    if landlocked {
-        // uid 0 writes most sysctls with no capability; /proc is read-only to it now.
-        // (Its own value: were the confinement missing, nothing would change.)
-        let pattern = std::fs::read("/proc/sys/kernel/core_pattern").unwrap();
-        let write = std::fs::write("/proc/sys/kernel/core_pattern", &pattern);
-        assert_eq!(
-            write.map_err(|e| e.kind()),
-            Err(std::io::ErrorKind::PermissionDenied),
-            "a sysctl written"
-        );
-    }
-    if landlocked && filesystem::signals_scoped() {
-        // uid 0 may signal any root process; a confined VM supervisor only its own.
-        // SAFETY: signal 0 only checks permission; the parent is this test's runner.
-        let r = unsafe { libc::kill(libc::getppid(), 0) };
-        assert_eq!(
-            (r, std::io::Error::last_os_error().raw_os_error()),
-            (-1, Some(libc::EPERM))
-        );
-    }
-    // Allowed work goes on: threads, named (by prctl: /proc is read-only to a VM).
-    let name = std::thread::Builder::new()
-        .name("named-late".into())
-        .spawn(|| std::fs::read_to_string("/proc/thread-self/comm").unwrap())
-        .unwrap()
-        .join()
+    };
+    denied(
+        "old thread reads /etc/passwd",
+        host_read_by_old_thread
+            .map(drop)
+            .map_err(std::io::Error::from),
+    );
+    denied("reads /etc/passwd", std::fs::read("/etc/passwd").map(drop));
+    denied(
+        "writes a host file",
+        std::fs::write(host.join("host-file"), "changed"),
+    );
+    denied(
+        "makes a file in its sandbox",
+        std::fs::write(own.join("made"), "x"),
+    );
+    denied(
+        "reads its sandbox's disk",
+        std::fs::read(own.join("rootfs.img")).map(drop),
+    );
+    denied(
+        "reads a template",
+        std::fs::read(store.join("templates/base/rootfs.img")).map(drop),
+    );
+    denied(
+        "reads a snapshot",
+        std::fs::read(store.join("snapshots/origin/memory.bin")).map(drop),
+    );
+    denied(
+        "binds a TCP port",
+        std::net::TcpListener::bind("127.0.0.1:0").map(drop),
+    );
+    // Its device's record goes with the device.
+    std::fs::remove_file(own.join("network")).unwrap();
+    // Its pool: the lock taken around releasing its TAP, the TAP's link pin removed
+    // with it; nothing else of the pool's run directory.
+    let pool = filesystem::PoolPaths::of_host_pool().unwrap();
+    let lock = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&pool.lock_file)
         .unwrap();
-    assert_eq!(name.trim(), "named-late");
-    if profile == Profile::Jail {
-        // A jail supervisor starts CRIU and jails after its confinement; CRIU needs to
-        // be under no seccomp filter (see `syscall_filter`).
-        assert!(Command::new("true").status().unwrap().success());
-        let criu_view = Command::new("grep")
-            .args(["^Seccomp:", "/proc/self/status"])
-            .output()
-            .unwrap();
-        assert_eq!(
-            String::from_utf8_lossy(&criu_view.stdout).trim(),
-            "Seccomp:\t0"
-        );
-    }
-    // Its destroy removes its snapshots and its own directory, emptied first.
-    std::fs::remove_dir_all(&moved).unwrap();
-    std::fs::remove_dir_all(&own).unwrap();
-    println!("confined");
-    std::io::stdout().flush().unwrap();
-    let r = forbidden(call);
-    println!("survived {call}: {r}");
-    std::process::exit(0);
+    // SAFETY: flock on a descriptor this test owns.
+    assert_eq!(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }, 0);
+    let pin = pool.pin_dir.join("links");
+    std::fs::create_dir(&pin).unwrap();
+    std::fs::remove_dir(&pin).unwrap();
+    denied(
+        "makes a file beside the pool's lock",
+        std::fs::write(pool.lock_file.with_extension("other"), "x"),
+    );
 }
 
 #[test]
@@ -384,11 +458,12 @@ fn confinement_reaches_every_thread_and_a_forbidden_call_kills_the_process() {
         ("vm", "execve"),
         ("vm", "fork"),
         ("vm", "x32"),
-        ("vm-networked", "execve"),
+        ("network-keeper", "execve"),
+        ("network-keeper", "mount"),
     ];
     let pool = TestPool::make();
     for (profile, call) in cases {
-        if profile == "vm-networked" && pool.is_none() {
+        if profile == "network-keeper" && pool.is_none() {
             continue;
         }
         let out = run_child_with(&format!("{profile}:{call}"), pool.as_ref());

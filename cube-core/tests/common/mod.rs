@@ -272,6 +272,17 @@ pub fn pid_alive(pid: u32) -> bool {
     !matches!(state, "Z" | "X")
 }
 
+/// Whether the thread whose `/proc/.../stat` line is `stat` is a kernel worker in its
+/// thread group (PF_USER_WORKER: KVM's huge-page recovery), which runs no user code
+/// and so holds what its process was started with.
+pub fn user_worker(stat: &str) -> bool {
+    let flags: u64 = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().nth(6)?.parse().ok())
+        .unwrap_or(0);
+    flags & 0x4000 != 0
+}
+
 /// Waits until process `pid` has exited; false if it still runs after `timeout`.
 pub fn wait_exit(pid: u32, timeout: Duration) -> bool {
     wait_until(timeout, || !pid_alive(pid))

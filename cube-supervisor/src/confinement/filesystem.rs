@@ -14,10 +14,13 @@
 //!   connect no TCP port, reach no abstract unix socket made outside it and, where the
 //!   kernel scopes signals correctly, signal no process but its own threads (uid 0 may
 //!   otherwise signal every root process);
-//! - a VM supervisor with a network gets the same, and the two parts of the host's
-//!   network pool it still works on: the pool's lock file (taken while it releases
-//!   its TAP) and the pool's pins in bpffs (the TAP's link pin goes with the TAP).
-//!   Its TAP stays open from before; it creates no device;
+//! - a VM supervisor with a network gets the same: its TAP stays open from before,
+//!   and its network keeper ([`crate::network_keeper`]) changes and releases it;
+//! - a network keeper reaches its sandbox's network record (which it removes with
+//!   the device), read-only `/proc`, `/sys` and `/dev`, and the two parts of the
+//!   host's network pool it works on: the pool's lock file (taken while it releases
+//!   its TAP) and the pool's pins in bpffs (the TAP's link pin goes with the TAP);
+//!   nothing of the store;
 //! - vCPU threads built ahead, before their sandbox is known, get no file system at
 //!   all: guest code and device emulation use descriptors opened before.
 //!
@@ -154,13 +157,9 @@ fn base() -> Result<landlock::RulesetCreated, RulesetError> {
 }
 
 /// The ruleset of a VM supervisor whose sandbox directory is `sandbox_dir`: the parts
-/// of its store [`store_rules`] names, read-only `/proc`, `/sys` and `/dev`, and for
-/// one with a network the parts of its `pool` [`PoolPaths`] names; nothing else.
-/// `None` where the kernel has no Landlock.
-pub fn vm_rules(
-    sandbox_dir: &Path,
-    pool: Option<&PoolPaths>,
-) -> Result<Option<OwnedFd>, FilesystemError> {
+/// of its store [`store_rules`] names and read-only `/proc`, `/sys` and `/dev`;
+/// nothing else. `None` where the kernel has no Landlock.
+pub fn vm_rules(sandbox_dir: &Path) -> Result<Option<OwnedFd>, FilesystemError> {
     if kernel_abi().is_none() {
         return Ok(None);
     }
@@ -169,10 +168,28 @@ pub fn vm_rules(
         let fd = PathFd::new(&path).map_err(|e| FilesystemError::Store(path.clone(), e))?;
         created = created.add_rule(PathBeneath::new(fd, access))?;
     }
-    if let Some(pool) = pool {
-        created = pool.add_rules(created)?;
-    }
     let created = created.add_rules(path_beneath_rules(
+        READ_ONLY,
+        AccessFs::from_read(TESTED_ABI),
+    ))?;
+    Ok(created.into())
+}
+
+/// The ruleset of the network keeper of the VM sandbox in `sandbox_dir`: removing
+/// files there (its network record), the parts of its `pool` [`PoolPaths`] names and
+/// read-only `/proc`, `/sys` and `/dev`; nothing else. `None` where the kernel has no
+/// Landlock.
+pub fn keeper_rules(
+    sandbox_dir: &Path,
+    pool: &PoolPaths,
+) -> Result<Option<OwnedFd>, FilesystemError> {
+    if kernel_abi().is_none() {
+        return Ok(None);
+    }
+    let fd = PathFd::new(sandbox_dir)
+        .map_err(|e| FilesystemError::Store(sandbox_dir.to_path_buf(), e))?;
+    let created = base()?.add_rule(PathBeneath::new(fd, AccessFs::RemoveFile))?;
+    let created = pool.add_rules(created)?.add_rules(path_beneath_rules(
         READ_ONLY,
         AccessFs::from_read(TESTED_ABI),
     ))?;
@@ -232,18 +249,24 @@ pub fn store_root_of(dir: &Path) -> Option<&Path> {
 pub enum Reach {
     /// A VM supervisor without a network.
     Vm,
-    /// A VM supervisor with a device from the host's network pool.
-    VmNetworked,
+    /// The network keeper of a VM with a device from the host's network pool.
+    NetworkKeeper,
     /// A jail supervisor: not confined to parts of the file system.
     Jail,
 }
 
 /// The file-system confinement of a profile in words, for `cube doctor`.
 pub fn describe(reach: Reach) -> String {
-    let pool = match reach {
+    let reached = match reach {
         Reach::Jail => return "the host's, as uid 0 with the capabilities kept".into(),
-        Reach::Vm => "",
-        Reach::VmNetworked => ", its network pool's lock file and bpffs pins",
+        Reach::Vm => {
+            "read-write in its own sandbox directory only, the store's snapshots read and \
+             removed but not written, read-only templates /proc /sys /dev"
+        }
+        Reach::NetworkKeeper => {
+            "its sandbox's network record removed, its network pool's lock file and bpffs \
+             pins, read-only /proc /sys /dev, nothing of the store"
+        }
     };
     match kernel_abi() {
         None => format!(
@@ -255,9 +278,7 @@ pub fn describe(reach: Reach) -> String {
             }
         ),
         Some(abi) => format!(
-            "Landlock (ABI {abi}): read-write in its own sandbox directory only, the \
-             store's snapshots read and removed but not written, read-only templates \
-             /proc /sys /dev{pool}, no TCP, {}",
+            "Landlock (ABI {abi}): {reached}, no TCP, {}",
             if signals_scoped() {
                 "signals to its own threads only"
             } else {
@@ -311,7 +332,7 @@ mod tests {
             eprintln!("skipped: this kernel has no Landlock");
             return;
         }
-        let e = vm_rules(Path::new("/nonexistent/store/sandboxes/sb-1"), None).unwrap_err();
+        let e = vm_rules(Path::new("/nonexistent/store/sandboxes/sb-1")).unwrap_err();
         assert!(matches!(e, FilesystemError::Store(..)), "{e:?}");
     }
 
@@ -326,7 +347,7 @@ mod tests {
             lock_file: sandbox.path().join("pool.lock"),
             pin_dir: PathBuf::from("/nonexistent/bpffs/cube-net/p"),
         };
-        let e = vm_rules(sandbox.path(), Some(&pool)).unwrap_err();
+        let e = keeper_rules(sandbox.path(), &pool).unwrap_err();
         assert!(
             matches!(&e, FilesystemError::Pool(path, _) if path == &pool.pin_dir),
             "{e:?}"

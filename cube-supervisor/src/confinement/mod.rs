@@ -5,15 +5,18 @@
 //! holds little:
 //!
 //! - no_new_privs and capabilities dropped on every thread ([`all_threads`]): a VM
-//!   supervisor without a network keeps none; one with a network keeps what releasing
-//!   its pool device needs; a jail supervisor keeps what building, snapshotting (CRIU)
-//!   and restoring jails needs, without the host-altering ones;
+//!   supervisor keeps none, with a network or without (a networked VM's pool device
+//!   is held by a process of its own, its network keeper, which keeps what changing
+//!   and releasing that device needs: see [`crate::network_keeper`]); a jail
+//!   supervisor keeps what building, snapshotting (CRIU) and restoring jails needs,
+//!   without the host-altering ones;
 //! - for a VM, seccomp filters on every thread ([`syscall_filter`]): a forbidden call
 //!   kills this supervisor, and only it (each sandbox has its own). A jail supervisor
 //!   gets none: CRIU, which it starts, must be under no filter (see there);
 //! - for a VM, a core file limit of 0: a killed VMM leaves no copy of guest memory;
-//! - for a VM, Landlock ([`filesystem`]): the host's files but its store's (and, with
-//!   a network, its pool's lock file and pins) out of reach, though it stays uid 0.
+//! - for a VM, Landlock ([`filesystem`]): the host's files but its store's out of
+//!   reach, though it stays uid 0 (a network keeper's: but its pool's lock file and
+//!   pins).
 //!
 //! Left for later: an unprivileged uid (the supervisor still writes its store as uid
 //! 0), Landlock for jail supervisors (which mount, pin namespaces and run CRIU on
@@ -62,10 +65,11 @@ pub enum ConfinementError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Profile {
-    /// A VM without a network (the test guest, or a Linux guest created without one).
+    /// A VM supervisor (the test guest, or a Linux guest with a network or without).
     Vm,
-    /// A Linux VM with a network device from the host's pool.
-    VmNetworked,
+    /// The network keeper of a Linux VM with a network device from the host's pool
+    /// (see [`crate::network_keeper`]).
+    NetworkKeeper,
     /// A jail.
     Jail,
 }
@@ -115,9 +119,10 @@ const CAPABILITIES: &[(u32, &str)] = &[
     (40, "checkpoint_restore"),
 ];
 
-/// What a networked VM supervisor keeps: the pool's netlink, eBPF map and namespace
-/// work when it releases or re-attaches its device.
-const VM_NETWORK_KEEPS: &[&str] = &["net_admin", "net_raw", "bpf", "perfmon", "sys_admin"];
+/// What a network keeper keeps: the pool's netlink and eBPF work when it changes or
+/// releases its device. (`sys_admin`, which entering namespaces takes, is not among
+/// them: a keeper stays in the host's network namespace.)
+const NETWORK_KEEPER_KEEPS: &[&str] = &["net_admin", "net_raw", "bpf", "perfmon"];
 
 /// What a jail supervisor gives up: capabilities that change the host itself, which
 /// neither jail set-up nor CRIU uses. (`sys_time` stays: CRIU's restore fails without
@@ -181,7 +186,7 @@ impl Profile {
     pub fn kept(self, held: u64) -> u64 {
         match self {
             Profile::Vm => 0,
-            Profile::VmNetworked => held & mask_of(VM_NETWORK_KEEPS),
+            Profile::NetworkKeeper => held & mask_of(NETWORK_KEEPER_KEEPS),
             Profile::Jail => held & !mask_of(JAIL_DROPS),
         }
     }
@@ -190,7 +195,7 @@ impl Profile {
     pub fn filters(self) -> Option<FilterSet> {
         match self {
             Profile::Vm => Some(FilterSet::Vm),
-            Profile::VmNetworked => Some(FilterSet::VmNetworked),
+            Profile::NetworkKeeper => Some(FilterSet::NetworkKeeper),
             Profile::Jail => None,
         }
     }
@@ -208,7 +213,7 @@ impl Profile {
                 .unwrap_or_default(),
             filesystem: filesystem::describe(match self {
                 Profile::Vm => filesystem::Reach::Vm,
-                Profile::VmNetworked => filesystem::Reach::VmNetworked,
+                Profile::NetworkKeeper => filesystem::Reach::NetworkKeeper,
                 Profile::Jail => filesystem::Reach::Jail,
             }),
         }
@@ -232,10 +237,10 @@ pub fn confine_vcpu_threads() -> Result<usize, ConfinementError> {
 }
 
 /// Confines this process, all its threads included, to `profile`: capabilities,
-/// no_new_privs and (for a VM) Landlock first, then the seccomp
+/// no_new_privs and (for a VM or a network keeper) Landlock first, then the seccomp
 /// filters if it has any. `sandbox_dir` is its sandbox's directory: with the parts
-/// of its store [`filesystem::vm_rules`] names (and, for a networked VM, of the
-/// host's network pool), all of the host's file system a VM supervisor keeps.
+/// of its store [`filesystem::vm_rules`] names, all of the host's file system a VM
+/// supervisor keeps (a network keeper: [`filesystem::keeper_rules`]).
 pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementError> {
     let start = std::time::Instant::now();
     let last_cap = cube_jail::capabilities::last_cap().map_err(ConfinementError::LastCap)?;
@@ -245,10 +250,10 @@ pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementEr
         None => Vec::new(),
     };
     let rules = match profile {
-        Profile::Vm => filesystem::vm_rules(sandbox_dir, None)?,
-        Profile::VmNetworked => {
+        Profile::Vm => filesystem::vm_rules(sandbox_dir)?,
+        Profile::NetworkKeeper => {
             let pool = filesystem::PoolPaths::of_host_pool()?;
-            filesystem::vm_rules(sandbox_dir, Some(&pool))?
+            filesystem::keeper_rules(sandbox_dir, &pool)?
         }
         Profile::Jail => None,
     };
@@ -290,9 +295,9 @@ mod tests {
     fn profiles_keep_what_they_say() {
         let all = all_up_to(40);
         assert_eq!(Profile::Vm.kept(all), 0);
-        let networked = Profile::VmNetworked.summary();
-        assert!(networked.capabilities_kept.contains(&"net_admin"));
-        assert!(!networked.capabilities_kept.contains(&"sys_ptrace"));
+        let keeper = Profile::NetworkKeeper.summary();
+        assert!(keeper.capabilities_kept.contains(&"net_admin"));
+        assert!(!keeper.capabilities_kept.contains(&"sys_ptrace"));
         let jail = Profile::Jail.kept(all);
         assert_eq!(jail & (1 << 16), 0, "a jail supervisor keeps sys_module");
         assert_ne!(jail & (1 << 21), 0, "a jail supervisor needs sys_admin");
@@ -301,11 +306,11 @@ mod tests {
         assert_eq!(Profile::Jail.kept(all) >> 41, 0);
         let without_sys_resource = all & !(1 << 24);
         assert_eq!(Profile::Jail.kept(without_sys_resource) & (1 << 24), 0);
-        assert_eq!(Profile::VmNetworked.kept(1 << 12), 1 << 12);
+        assert_eq!(Profile::NetworkKeeper.kept(1 << 12), 1 << 12);
         assert_eq!(names_of(mask_of(JAIL_DROPS)).len(), JAIL_DROPS.len());
         assert_eq!(
-            names_of(mask_of(VM_NETWORK_KEEPS)).len(),
-            VM_NETWORK_KEEPS.len()
+            names_of(mask_of(NETWORK_KEEPER_KEEPS)).len(),
+            NETWORK_KEEPER_KEEPS.len()
         );
     }
 }

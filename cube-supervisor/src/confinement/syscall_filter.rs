@@ -1,4 +1,4 @@
-//! A VM supervisor's own seccomp filters: system calls the VMM never makes once the
+//! A VM supervisor's own seccomp filters (and its network keeper's): system calls the VMM never makes once the
 //! sandbox is set up, each of which kills the supervisor (`SECCOMP_RET_KILL_PROCESS`),
 //! installed on all its threads at once (`SECCOMP_FILTER_FLAG_TSYNC`) and inherited by
 //! every thread started later.
@@ -133,9 +133,10 @@ pub const VM_ONLY: &[Killed] = &[
     killed("quotactl", libc::SYS_quotactl, "host-wide quotas"),
 ];
 
-/// Refused to VM supervisors without a network: a networked one still releases its
-/// device from the host's pool (netlink, eBPF maps, the pool's namespace pins).
-pub const VM_WITHOUT_NETWORK: &[Killed] = &[
+/// Calls besides [`VM_ONLY`] neither a VM supervisor nor a network keeper makes once
+/// set up: the keeper works in the host's network namespace it started in, on pins
+/// in a bpffs that is mounted already.
+pub const MOUNTS_AND_NAMESPACES: &[Killed] = &[
     killed("mount", libc::SYS_mount, "mounts"),
     killed("umount2", libc::SYS_umount2, "mounts"),
     killed("open_tree", libc::SYS_open_tree, "mounts"),
@@ -147,18 +148,21 @@ pub const VM_WITHOUT_NETWORK: &[Killed] = &[
     killed("mount_setattr", libc::SYS_mount_setattr, "mounts"),
     killed("unshare", libc::SYS_unshare, "namespaces"),
     killed("setns", libc::SYS_setns, "namespaces"),
-    killed("bpf", libc::SYS_bpf, "kernel attack surface"),
 ];
 
-/// The rule set a VM supervisor installs.
+/// Refused to VM supervisors, not to network keepers: a keeper changes and releases
+/// its device's eBPF state (maps, link pins) in the host's pool.
+pub const VM_WITHOUT_BPF: &[Killed] = &[killed("bpf", libc::SYS_bpf, "kernel attack surface")];
+
+/// The rule set a VM supervisor or a network keeper installs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FilterSet {
-    /// [`HOST_ALTERING`], [`VM_ONLY`], and `clone` without `CLONE_THREAD` (a new
-    /// process); `clone3` answered ENOSYS so that libc starts threads with `clone`,
-    /// whose flags the filter can read; x32-ABI numbers (which alias the x86-64 calls
-    /// past a deny list) kill too.
-    VmNetworked,
-    /// [`FilterSet::VmNetworked`] and [`VM_WITHOUT_NETWORK`].
+    /// [`HOST_ALTERING`], [`VM_ONLY`], [`MOUNTS_AND_NAMESPACES`], and `clone`
+    /// without `CLONE_THREAD` (a new process); `clone3` answered ENOSYS so that libc
+    /// starts threads with `clone`, whose flags the filter can read; x32-ABI numbers
+    /// (which alias the x86-64 calls past a deny list) kill too.
+    NetworkKeeper,
+    /// [`FilterSet::NetworkKeeper`] and [`VM_WITHOUT_BPF`].
     Vm,
 }
 
@@ -172,8 +176,9 @@ impl FilterSet {
             libc::SYS_clone,
             "no new processes (threads only)",
         ));
+        all.extend_from_slice(MOUNTS_AND_NAMESPACES);
         if self == FilterSet::Vm {
-            all.extend_from_slice(VM_WITHOUT_NETWORK);
+            all.extend_from_slice(VM_WITHOUT_BPF);
         }
         all
     }
@@ -232,7 +237,7 @@ mod tests {
 
     #[test]
     fn every_set_builds_and_names_each_call_once() {
-        for set in [FilterSet::Vm, FilterSet::VmNetworked] {
+        for set in [FilterSet::Vm, FilterSet::NetworkKeeper] {
             let programs = set.build().unwrap();
             let mut nrs: Vec<_> = set.killed().iter().map(|k| k.nr).collect();
             let n = nrs.len();
@@ -252,9 +257,10 @@ mod tests {
     #[test]
     fn the_sets_nest() {
         let names = |s: FilterSet| -> Vec<&str> { s.killed().iter().map(|k| k.name).collect() };
-        let networked = names(FilterSet::VmNetworked);
+        let keeper = names(FilterSet::NetworkKeeper);
         let vm = names(FilterSet::Vm);
-        assert!(networked.iter().all(|n| vm.contains(n)));
-        assert!(vm.contains(&"execve") && vm.contains(&"mount") && !networked.contains(&"mount"));
+        assert!(keeper.iter().all(|n| vm.contains(n)));
+        assert!(vm.contains(&"execve") && keeper.contains(&"mount"));
+        assert!(vm.contains(&"bpf") && !keeper.contains(&"bpf"));
     }
 }
