@@ -155,8 +155,16 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
                 c.syscalls_killed.join(",")
             )
         };
+        let vcpus = if c.vcpu_syscalls_allowed.is_empty() {
+            String::new()
+        } else {
+            format!(
+                "; its vCPU threads may make only: {}",
+                c.vcpu_syscalls_allowed.join(",")
+            )
+        };
         println!(
-            "{:<13} no_new_privs, capabilities kept: {kept}; {filter}; files: {}",
+            "{:<15} no_new_privs, capabilities kept: {kept}; {filter}{vcpus}; files: {}",
             serde_json::to_value(c.profile)
                 .ok()
                 .and_then(|v| v.as_str().map(str::to_string))

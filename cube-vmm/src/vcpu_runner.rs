@@ -405,7 +405,14 @@ fn run_vcpu(mut vcpu: Vcpu, shared: &Shared, buses: &Buses<'_>) -> Vcpu {
             shared.changed.notify_all();
             doorbell_at_entry = c.doorbell;
         }
-        let outcome = match vcpu.fd_mut().run() {
+        let exit = vcpu.fd_mut().run();
+        // Nothing the guest asked for is served before this thread is confined.
+        let confined = crate::vcpu_confinement::confine_this_thread();
+        let outcome = match exit {
+            _ if confined.is_err() => Outcome::Fatal(format!(
+                "confining the vCPU thread: {}",
+                confined.err().unwrap_or_default()
+            )),
             Ok(VcpuExit::MmioWrite(addr, data)) => {
                 exit_pending = true;
                 match control_device::decode_write(addr) {

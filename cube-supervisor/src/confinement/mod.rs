@@ -11,8 +11,10 @@
 //!   supervisor keeps what building, snapshotting (CRIU) and restoring jails needs,
 //!   without the host-altering ones;
 //! - for a VM, seccomp filters on every thread ([`syscall_filter`]): a forbidden call
-//!   kills this supervisor, and only it (each sandbox has its own). A jail supervisor
-//!   gets none: CRIU, which it starts, must be under no filter (see there);
+//!   kills this supervisor, and only it (each sandbox has its own); and on its vCPU
+//!   threads, where the guest's exits reach host code, an allow list of their own
+//!   ([`vcpu_filter`]). A jail supervisor gets none: CRIU, which it starts, must be
+//!   under no filter (see there);
 //! - for a VM, a core file limit of 0: a killed VMM leaves no copy of guest memory;
 //! - for a VM, Landlock ([`filesystem`]): the host's files but its store's out of
 //!   reach, though it stays uid 0 (a network keeper's: but its pool's lock file and
@@ -20,8 +22,8 @@
 //!
 //! Left for later: an unprivileged uid (the supervisor still writes its store as uid
 //! 0), Landlock for jail supervisors (which mount, pin namespaces and run CRIU on
-//! host paths: a Landlocked process may not mount at all), and allow lists per thread
-//! kind in place of deny lists per engine.
+//! host paths: a Landlocked process may not mount at all), and allow lists for the
+//! VM supervisor's other threads (its device event loop, clients, flushes).
 //!
 //! [`Profile::summary`] describes a profile for `cube doctor` and the docs; the
 //! supervisor applies it with [`confine`] right after adopting its sandbox, before the
@@ -30,6 +32,7 @@
 pub mod all_threads;
 pub mod filesystem;
 pub mod syscall_filter;
+pub mod vcpu_filter;
 
 use std::os::fd::AsFd;
 use std::path::Path;
@@ -59,6 +62,9 @@ pub enum ConfinementError {
     /// The core file limit could not be lowered.
     #[error("setting the core file limit to 0")]
     CoreLimit(#[source] std::io::Error),
+    /// The vCPU threads' filter was handed to them before.
+    #[error("confining the vCPU threads")]
+    VcpuThreads(#[from] cube_vmm::vcpu_confinement::AlreadySet),
 }
 
 /// What a supervisor holds, and so what it keeps.
@@ -176,6 +182,8 @@ pub struct Summary {
     pub no_new_privs: bool,
     /// System calls that kill the supervisor.
     pub syscalls_killed: Vec<&'static str>,
+    /// The only system calls its vCPU threads may make (empty: no such list).
+    pub vcpu_syscalls_allowed: Vec<&'static str>,
     /// What it may reach of the host's file system.
     pub filesystem: String,
 }
@@ -211,6 +219,11 @@ impl Profile {
                 .filters()
                 .map(|f| f.killed().iter().map(|k| k.name).collect())
                 .unwrap_or_default(),
+            vcpu_syscalls_allowed: if self == Profile::Vm {
+                vcpu_filter::VCPU_ALLOWED.iter().map(|a| a.name).collect()
+            } else {
+                Vec::new()
+            },
             filesystem: filesystem::describe(match self {
                 Profile::Vm => filesystem::Reach::Vm,
                 Profile::NetworkKeeper => filesystem::Reach::NetworkKeeper,
@@ -249,6 +262,10 @@ pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementEr
         Some(set) => set.build()?,
         None => Vec::new(),
     };
+    let vcpu_program = match profile {
+        Profile::Vm => Some(vcpu_filter::build()?),
+        Profile::NetworkKeeper | Profile::Jail => None,
+    };
     let rules = match profile {
         Profile::Vm => filesystem::vm_rules(sandbox_dir)?,
         Profile::NetworkKeeper => {
@@ -269,6 +286,13 @@ pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementEr
     )?;
     let dropped = start.elapsed();
     syscall_filter::install_on_all_threads(&programs)?;
+    if let Some(program) = vcpu_program {
+        // After the process-wide filters: the kernel refuses those (TSYNC) while a
+        // thread has a filter of its own.
+        cube_vmm::vcpu_confinement::confine_vcpu_threads(Box::new(move || {
+            seccompiler::apply_filter(&program).map_err(|e| e.to_string())
+        }))?;
+    }
     tracing::debug!(?profile, ?built, ?dropped, total = ?start.elapsed(), "confined");
     Ok(())
 }

@@ -36,19 +36,27 @@ pub enum SyscallFilterError {
     UnsupportedArch,
 }
 
-/// A system call the filter kills on, and why a supervisor never needs it.
+/// A system call on a filter's list, and why it is there (why a supervisor never
+/// needs it, on a deny list; what for a thread makes it, on an allow list).
 #[derive(Clone, Copy, Debug)]
-pub struct Killed {
+pub struct ListedCall {
     /// Its name.
     pub name: &'static str,
     /// Its x86-64 number.
     pub nr: libc::c_long,
-    /// Why it is refused.
+    /// Why it is on the list.
     pub why: &'static str,
 }
 
+/// A system call the filter kills on.
+pub type Killed = ListedCall;
+
+pub(super) const fn listed(name: &'static str, nr: libc::c_long, why: &'static str) -> ListedCall {
+    ListedCall { name, nr, why }
+}
+
 const fn killed(name: &'static str, nr: libc::c_long, why: &'static str) -> Killed {
-    Killed { name, nr, why }
+    listed(name, nr, why)
 }
 
 /// Calls that alter the host itself.
