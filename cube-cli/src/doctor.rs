@@ -155,16 +155,20 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
                 c.syscalls_killed.join(",")
             )
         };
-        let vcpus = if c.vcpu_syscalls_allowed.is_empty() {
-            String::new()
-        } else {
-            format!(
-                "; its vCPU threads may make only: {}",
-                c.vcpu_syscalls_allowed.join(",")
-            )
-        };
+        let mut threads_allowed = String::new();
+        for (threads, list) in [
+            ("vCPU threads", &c.vcpu_syscalls_allowed),
+            ("device event loop", &c.device_loop_syscalls_allowed),
+        ] {
+            if !list.is_empty() {
+                threads_allowed.push_str(&format!(
+                    "; its {threads} may make only: {}",
+                    list.join(",")
+                ));
+            }
+        }
         println!(
-            "{:<15} no_new_privs, capabilities kept: {kept}; {filter}{vcpus}; files: {}",
+            "{:<15} no_new_privs, capabilities kept: {kept}; {filter}{threads_allowed}; files: {}",
             serde_json::to_value(c.profile)
                 .ok()
                 .and_then(|v| v.as_str().map(str::to_string))

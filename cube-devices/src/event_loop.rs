@@ -1,12 +1,16 @@
 //! The device event loop: one thread, apart from the vCPU threads, that waits on every
 //! device's queue notifications (ioeventfds) and host-side file descriptors and serves
-//! them (rust-vmm's event-manager over epoll).
+//! them (rust-vmm's event-manager over epoll). Before it hands any event to a device
+//! it applies the process's confinement for device threads, where one is set
+//! ([`crate::thread_confinement`]); a thread that cannot stops serving.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use event_manager::{EventManager, EventOps, Events, MutEventSubscriber, SubscriberOps};
+
+use crate::thread_confinement::{confine_this_thread, ThreadKind};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::eventfd::EventFd;
 
@@ -28,6 +32,28 @@ pub enum EventLoopError {
     /// The thread could not be started.
     #[error("Spawning the device event loop thread failed")]
     Spawn(#[source] std::io::Error),
+}
+
+/// A device as the loop holds it: every event goes through the thread's confinement
+/// first.
+struct Confined {
+    device: Subscriber,
+    stop: Arc<AtomicBool>,
+}
+
+impl MutEventSubscriber for Confined {
+    fn process(&mut self, events: Events, ops: &mut EventOps) {
+        if let Err(why) = confine_this_thread(ThreadKind::DeviceLoop) {
+            tracing::error!("device event loop: confining the thread failed, stopping: {why}");
+            self.stop.store(true, Ordering::SeqCst);
+            return;
+        }
+        self.device.process(events, ops);
+    }
+
+    fn init(&mut self, ops: &mut EventOps) {
+        self.device.init(ops);
+    }
 }
 
 /// Ends the loop when its eventfd is written.
@@ -66,13 +92,22 @@ impl DeviceEventLoop {
             stop: Arc::clone(&stop),
         }));
         manager.add_subscriber(stopper);
-        for s in subscribers {
-            manager.add_subscriber(s);
+        for device in subscribers {
+            manager.add_subscriber(Arc::new(Mutex::new(Confined {
+                device,
+                stop: Arc::clone(&stop),
+            })) as Subscriber);
         }
         let thread = std::thread::Builder::new()
             .name("cube-devices".into())
             .spawn(move || {
                 while !stop.load(Ordering::SeqCst) {
+                    // Also when no event comes: at most one wait after the process set
+                    // it, the thread runs confined (each event is checked besides).
+                    if let Err(why) = confine_this_thread(ThreadKind::DeviceLoop) {
+                        tracing::error!("device event loop: confining the thread failed: {why}");
+                        break;
+                    }
                     if let Err(e) = manager.run_with_timeout(WAIT_MS) {
                         tracing::error!("device event loop: waiting failed: {e:?}");
                         break;

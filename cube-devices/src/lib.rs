@@ -17,4 +17,5 @@ pub mod mmio_bus;
 pub mod port_io;
 pub mod records;
 pub mod serial;
+pub mod thread_confinement;
 pub mod virtio;

@@ -35,6 +35,6 @@ pub mod persist;
 pub mod test_guest;
 #[doc(hidden)]
 pub mod testing;
-pub mod vcpu_confinement;
+pub mod vcpu_ioctls;
 pub mod vcpu_runner;
 pub mod vstate;

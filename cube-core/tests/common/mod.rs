@@ -586,3 +586,119 @@ pub fn race_a_destroy(rt: &Runtime, sb: Sandbox) -> Vec<RaceSeen> {
         racers.into_iter().map(|r| r.join().unwrap()).collect()
     })
 }
+
+/// The id of process `pid`'s thread named `name`.
+pub fn thread_named(pid: u32, name: &str) -> i32 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .find_map(|task| {
+            let task = task.ok()?;
+            let comm = std::fs::read_to_string(task.path().join("comm")).ok()?;
+            (comm.trim() == name).then(|| task.file_name().to_str()?.parse().ok())?
+        })
+        .unwrap_or_else(|| panic!("process {pid} has no thread {name}"))
+}
+
+/// Makes the thread `pid` (a thread of a process, stopped in a system call) call
+/// `nr` with zero arguments, as code running in it would; returns the signal that
+/// ended the process.
+pub fn inject_syscall(pid: i32, nr: libc::c_long) -> i32 {
+    // SAFETY: plain ptrace/waitpid calls on a process this test owns (a supervisor it
+    // started); `regs` is a live, correctly sized user_regs_struct for GETREGS/SETREGS.
+    unsafe {
+        // No core file of a VM's memory.
+        let none = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        assert_eq!(
+            libc::prlimit(pid, libc::RLIMIT_CORE, &none, std::ptr::null_mut()),
+            0
+        );
+        assert_eq!(libc::ptrace(libc::PTRACE_SEIZE, pid, 0, 0), 0, "seize");
+        // Stopped where a system call returns (`syscall`, 0f 05, lies just before): a
+        // thread caught running its own code is let go and caught again.
+        let mut status = 0;
+        let mut regs: libc::user_regs_struct = std::mem::zeroed();
+        for attempt in 0.. {
+            assert_eq!(
+                libc::ptrace(libc::PTRACE_INTERRUPT, pid, 0, 0),
+                0,
+                "interrupt"
+            );
+            assert_eq!(libc::waitpid(pid, &mut status, libc::__WALL), pid);
+            assert!(libc::WIFSTOPPED(status), "status {status:#x}");
+            assert_eq!(libc::ptrace(libc::PTRACE_GETREGS, pid, 0, &mut regs), 0);
+            let word = libc::ptrace(libc::PTRACE_PEEKTEXT, pid, regs.rip - 2, 0);
+            if word & 0xffff == 0x050f {
+                break;
+            }
+            assert!(
+                attempt < 1000,
+                "thread {pid} never stopped in a system call"
+            );
+            assert_eq!(libc::ptrace(libc::PTRACE_CONT, pid, 0, 0), 0);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        regs.rip -= 2;
+        regs.rax = nr as u64;
+        // No restart of the interrupted call on the way back.
+        regs.orig_rax = u64::MAX;
+        regs.rdi = 0;
+        regs.rsi = 0;
+        regs.rdx = 0;
+        regs.r10 = 0;
+        regs.r8 = 0;
+        regs.r9 = 0;
+        assert_eq!(libc::ptrace(libc::PTRACE_SETREGS, pid, 0, &regs), 0);
+        assert_eq!(libc::ptrace(libc::PTRACE_CONT, pid, 0, 0), 0);
+        // Were the call allowed, the thread would just go on: give up after a while.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            match libc::waitpid(pid, &mut status, libc::__WALL | libc::WNOHANG) {
+                0 => {
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "system call {nr} did not end the process"
+                    );
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+                waited => assert_eq!(waited, pid),
+            }
+            if libc::WIFSIGNALED(status) {
+                return libc::WTERMSIG(status);
+            }
+            assert!(
+                !libc::WIFEXITED(status),
+                "exited with {}",
+                libc::WEXITSTATUS(status)
+            );
+            // Another stop (a signal on its way): let it through.
+            let sig = if libc::WIFSTOPPED(status) {
+                libc::WSTOPSIG(status)
+            } else {
+                0
+            };
+            let pass = if sig == libc::SIGTRAP || sig == libc::SIGSTOP {
+                0
+            } else {
+                sig
+            };
+            libc::ptrace(libc::PTRACE_CONT, pid, 0, pass as libc::c_long);
+        }
+    }
+}
+
+/// How many seccomp filters thread `tid` of process `pid` is under.
+pub fn seccomp_filters(pid: u32, tid: i32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/status"))
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Seccomp_filters:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}

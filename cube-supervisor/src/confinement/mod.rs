@@ -11,10 +11,11 @@
 //!   supervisor keeps what building, snapshotting (CRIU) and restoring jails needs,
 //!   without the host-altering ones;
 //! - for a VM, seccomp filters on every thread ([`syscall_filter`]): a forbidden call
-//!   kills this supervisor, and only it (each sandbox has its own); and on its vCPU
-//!   threads, where the guest's exits reach host code, an allow list of their own
-//!   ([`vcpu_filter`]). A jail supervisor gets none: CRIU, which it starts, must be
-//!   under no filter (see there);
+//!   kills this supervisor, and only it (each sandbox has its own); and on the
+//!   threads where the guest reaches host code (its vCPU threads and its device
+//!   event loop), an allow list per kind of thread ([`thread_filters`]). A jail
+//!   supervisor gets none: CRIU, which it starts, must be under no filter (see
+//!   there);
 //! - for a VM, a core file limit of 0: a killed VMM leaves no copy of guest memory;
 //! - for a VM, Landlock ([`filesystem`]): the host's files but its store's out of
 //!   reach, though it stays uid 0 (a network keeper's: but its pool's lock file and
@@ -23,7 +24,7 @@
 //! Left for later: an unprivileged uid (the supervisor still writes its store as uid
 //! 0), Landlock for jail supervisors (which mount, pin namespaces and run CRIU on
 //! host paths: a Landlocked process may not mount at all), and allow lists for the
-//! VM supervisor's other threads (its device event loop, clients, flushes).
+//! VM supervisor's host-facing threads (its clients, flushes, main thread).
 //!
 //! [`Profile::summary`] describes a profile for `cube doctor` and the docs; the
 //! supervisor applies it with [`confine`] right after adopting its sandbox, before the
@@ -32,11 +33,12 @@
 pub mod all_threads;
 pub mod filesystem;
 pub mod syscall_filter;
-pub mod vcpu_filter;
+pub mod thread_filters;
 
 use std::os::fd::AsFd;
 use std::path::Path;
 
+use cube_devices::thread_confinement::{confine_threads, ThreadKind};
 use serde::Serialize;
 
 pub use all_threads::AllThreadsError;
@@ -62,9 +64,9 @@ pub enum ConfinementError {
     /// The core file limit could not be lowered.
     #[error("setting the core file limit to 0")]
     CoreLimit(#[source] std::io::Error),
-    /// The vCPU threads' filter was handed to them before.
-    #[error("confining the vCPU threads")]
-    VcpuThreads(#[from] cube_vmm::vcpu_confinement::AlreadySet),
+    /// A kind of thread's filter was handed to it before.
+    #[error("confining the threads that serve the guest")]
+    ThreadKind(#[from] cube_devices::thread_confinement::AlreadySet),
 }
 
 /// What a supervisor holds, and so what it keeps.
@@ -184,6 +186,8 @@ pub struct Summary {
     pub syscalls_killed: Vec<&'static str>,
     /// The only system calls its vCPU threads may make (empty: no such list).
     pub vcpu_syscalls_allowed: Vec<&'static str>,
+    /// The only system calls its device event loop may make (empty: no such list).
+    pub device_loop_syscalls_allowed: Vec<&'static str>,
     /// What it may reach of the host's file system.
     pub filesystem: String,
 }
@@ -208,6 +212,24 @@ impl Profile {
         }
     }
 
+    /// The kinds of thread with an allow list of their own under this profile.
+    fn thread_kinds(self) -> &'static [ThreadKind] {
+        match self {
+            Profile::Vm => &[ThreadKind::Vcpu, ThreadKind::DeviceLoop],
+            Profile::NetworkKeeper | Profile::Jail => &[],
+        }
+    }
+
+    fn allow_list(self, kind: ThreadKind) -> Vec<&'static str> {
+        if !self.thread_kinds().contains(&kind) {
+            return Vec::new();
+        }
+        thread_filters::allowed_for(kind)
+            .into_iter()
+            .map(|a| a.name)
+            .collect()
+    }
+
     /// The profile in lists (capabilities by the names this kernel's numbers have).
     pub fn summary(self) -> Summary {
         let last_cap = cube_jail::capabilities::last_cap().unwrap_or(40);
@@ -219,11 +241,8 @@ impl Profile {
                 .filters()
                 .map(|f| f.killed().iter().map(|k| k.name).collect())
                 .unwrap_or_default(),
-            vcpu_syscalls_allowed: if self == Profile::Vm {
-                vcpu_filter::VCPU_ALLOWED.iter().map(|a| a.name).collect()
-            } else {
-                Vec::new()
-            },
+            vcpu_syscalls_allowed: self.allow_list(ThreadKind::Vcpu),
+            device_loop_syscalls_allowed: self.allow_list(ThreadKind::DeviceLoop),
             filesystem: filesystem::describe(match self {
                 Profile::Vm => filesystem::Reach::Vm,
                 Profile::NetworkKeeper => filesystem::Reach::NetworkKeeper,
@@ -262,10 +281,11 @@ pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementEr
         Some(set) => set.build()?,
         None => Vec::new(),
     };
-    let vcpu_program = match profile {
-        Profile::Vm => Some(vcpu_filter::build()?),
-        Profile::NetworkKeeper | Profile::Jail => None,
-    };
+    let thread_programs = profile
+        .thread_kinds()
+        .iter()
+        .map(|kind| Ok((*kind, thread_filters::build(*kind)?)))
+        .collect::<Result<Vec<_>, ConfinementError>>()?;
     let rules = match profile {
         Profile::Vm => filesystem::vm_rules(sandbox_dir)?,
         Profile::NetworkKeeper => {
@@ -286,12 +306,13 @@ pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementEr
     )?;
     let dropped = start.elapsed();
     syscall_filter::install_on_all_threads(&programs)?;
-    if let Some(program) = vcpu_program {
-        // After the process-wide filters: the kernel refuses those (TSYNC) while a
-        // thread has a filter of its own.
-        cube_vmm::vcpu_confinement::confine_vcpu_threads(Box::new(move || {
-            seccompiler::apply_filter(&program).map_err(|e| e.to_string())
-        }))?;
+    // After the process-wide filters: the kernel refuses those (TSYNC) while a thread
+    // has a filter of its own.
+    for (kind, program) in thread_programs {
+        confine_threads(
+            kind,
+            Box::new(move || seccompiler::apply_filter(&program).map_err(|e| e.to_string())),
+        )?;
     }
     tracing::debug!(?profile, ?built, ?dropped, total = ?start.elapsed(), "confined");
     Ok(())

@@ -1,62 +1,10 @@
-//! The confinement a vCPU thread applies to itself, in the manner of Firecracker's
-//! per-thread seccomp filters: once the process says how ([`confine_vcpu_threads`]),
-//! every vCPU thread applies it before it handles its next exit from the guest, and
-//! a vCPU thread started later before it handles its first. Guest-driven host code
-//! (MMIO, port I/O, emulation assists) runs on these threads only after an exit, so
-//! none of it runs unconfined once the process has asked.
-//!
-//! Applied on the thread itself because a seccomp filter installed for one thread
-//! only must be installed by that thread; and after the process's own filters (which
-//! it installs on all threads at once, and which the kernel refuses while any thread
-//! has a filter of its own). The process sets it once; later calls are refused.
-
-use std::cell::Cell;
-use std::sync::OnceLock;
-
-/// Applies the confinement to the calling thread; the error says why it could not.
-pub type ThreadConfinement = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
-
-static CONFINEMENT: OnceLock<ThreadConfinement> = OnceLock::new();
-
-thread_local! {
-    static APPLIED: Cell<bool> = const { Cell::new(false) };
-}
-
-/// Why the confinement could not be set.
-#[derive(Debug, thiserror::Error)]
-#[error("the vCPU threads' confinement is set already")]
-pub struct AlreadySet;
-
-/// Has every vCPU thread of this process apply `confine` to itself before it handles
-/// its next guest exit. Once per process.
-pub fn confine_vcpu_threads(confine: ThreadConfinement) -> Result<(), AlreadySet> {
-    CONFINEMENT.set(confine).map_err(|_| AlreadySet)
-}
-
-/// Whether the process has set a confinement for its vCPU threads.
-pub fn vcpu_threads_confined() -> bool {
-    CONFINEMENT.get().is_some()
-}
-
-/// Applies the process's vCPU confinement to this thread if it is set and this
-/// thread has not applied it yet. A failure leaves the thread unconfined: its caller
-/// must not run guest-driven code on it.
-pub(crate) fn confine_this_thread() -> Result<(), String> {
-    if APPLIED.with(Cell::get) {
-        return Ok(());
-    }
-    let Some(confine) = CONFINEMENT.get() else {
-        return Ok(());
-    };
-    confine()?;
-    APPLIED.with(|a| a.set(true));
-    Ok(())
-}
+//! The KVM ioctls a vCPU thread makes, by request number, for its allow list (see
+//! `cube_devices::thread_confinement`, where vCPU threads apply it).
 
 /// The KVM ioctls a vCPU thread makes, by name and request number: `KVM_RUN`, and the
 /// state it reads and writes while parked (snapshots, restores, emulation assists).
 /// For an allow list of the thread's calls.
-pub fn vcpu_ioctls() -> Vec<(&'static str, u64)> {
+pub fn requests() -> Vec<(&'static str, u64)> {
     use kvm_numbers::*;
     vec![
         ("KVM_RUN", KVM_RUN()),
@@ -140,7 +88,7 @@ mod tests {
     fn the_ioctl_numbers_are_the_kernels() {
         // Values from the kernel's uapi headers (x86-64), spelled out.
         let named = |name: &str| {
-            vcpu_ioctls()
+            requests()
                 .into_iter()
                 .find(|(n, _)| *n == name)
                 .map(|(_, r)| r)
@@ -150,10 +98,10 @@ mod tests {
         assert_eq!(named("KVM_GET_MSRS"), Some(0xc008_ae88));
         assert_eq!(named("KVM_GET_XSAVE"), Some(0x9000_aea4));
         assert_eq!(named("KVM_SET_XCRS"), Some(0x4188_aea7));
-        let mut requests: Vec<u64> = vcpu_ioctls().into_iter().map(|(_, r)| r).collect();
-        let n = requests.len();
-        requests.sort_unstable();
-        requests.dedup();
-        assert_eq!(requests.len(), n, "an ioctl named twice");
+        let mut numbers: Vec<u64> = requests().into_iter().map(|(_, r)| r).collect();
+        let n = numbers.len();
+        numbers.sort_unstable();
+        numbers.dedup();
+        assert_eq!(numbers.len(), n, "an ioctl named twice");
     }
 }
