@@ -19,7 +19,8 @@
 //! Linux guest's whole lifecycles, agent exec and files, networking), by the calls of
 //! the threads named `vcpuN` and `cube-devices`, plus the calls of the same family
 //! the code can make on paths those tests did not take (vectored I/O, a guest's vsock
-//! connection); the VM tests run under them.
+//! connection); the VM tests run under them. `scripts/trace-thread-calls.sh` traces
+//! them again after a change to the VMM or its devices.
 
 use std::collections::BTreeMap;
 
