@@ -40,7 +40,7 @@ cat >"$work/collect.awk" <<'EOF'
   key = name
   if (name ~ /^(ioctl|fcntl|futex|socket|prctl|clone|clone3)$/) {
     split(substr(rest, p + 1), a, ", ")
-    arg = (name ~ /^(ioctl|fcntl|futex)$/) ? a[2] : a[1]
+    arg = (name ~ /^(ioctl|fcntl|futex|clone)$/) ? a[2] : a[1]
     sub(/[),].*/, "", arg); sub(/ <unfinished.*/, "", arg)
     key = name " " arg
   }
