@@ -126,7 +126,7 @@ fn missing() -> Option<String> {
 
 /// Runs `argv` in the sandbox; returns standard output, asserting success.
 fn exec(sandbox: &Sandbox, argv: &[&str]) -> String {
-    let agent = sandbox.agent().unwrap();
+    let agent = agent_of(sandbox);
     let out = agent
         .exec(ExecRequest {
             argv: argv.iter().map(|a| a.to_string()).collect(),
@@ -149,7 +149,7 @@ fn exec(sandbox: &Sandbox, argv: &[&str]) -> String {
 
 /// The value of the Python expression `code` in context `main`.
 fn python(sandbox: &Sandbox, code: &str) -> Option<String> {
-    let agent = sandbox.agent().unwrap();
+    let agent = agent_of(sandbox);
     let result = agent
         .run_code("main", code, Some(Duration::from_secs(300)))
         .unwrap();
@@ -159,14 +159,12 @@ fn python(sandbox: &Sandbox, code: &str) -> Option<String> {
 
 fn read(sandbox: &Sandbox, path: &str) -> String {
     let mut out = Vec::new();
-    sandbox.agent().unwrap().read_file(path, &mut out).unwrap();
+    agent_of(sandbox).read_file(path, &mut out).unwrap();
     String::from_utf8(out).unwrap()
 }
 
 fn write(sandbox: &Sandbox, path: &str, text: &str) {
-    sandbox
-        .agent()
-        .unwrap()
+    agent_of(sandbox)
         .write_file(path, &mut text.as_bytes())
         .unwrap();
 }
@@ -224,9 +222,7 @@ fn a_linux_vm_template_serves_sandboxes_through_their_whole_life() {
     let uname = timed("exec uname", || exec(&sandbox, &["uname", "-r"]));
     assert!(uname.trim_end().ends_with("-cube"), "{uname}");
     timed("python context", || {
-        sandbox
-            .agent()
-            .unwrap()
+        agent_of(&sandbox)
             .create_context("main", Language::Python, Some("/root"))
             .unwrap()
     });
