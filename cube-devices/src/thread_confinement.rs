@@ -53,11 +53,6 @@ pub fn confine_threads(kind: ThreadKind, confine: ThreadConfinement) -> Result<(
     kind.slot().set(confine).map_err(|_| AlreadySet(kind))
 }
 
-/// Whether the process has set a confinement for its threads of `kind`.
-pub fn threads_confined(kind: ThreadKind) -> bool {
-    kind.slot().get().is_some()
-}
-
 /// Applies the process's confinement for `kind` to this thread (a thread of that
 /// kind) if it is set and this thread has not applied it yet. A failure leaves the
 /// thread unconfined: its caller must not serve the guest on it.

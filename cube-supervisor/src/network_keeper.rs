@@ -92,12 +92,14 @@ enum KeeperReply {
 }
 
 impl KeeperReply {
-    fn name(&self) -> &'static str {
-        match self {
+    /// The failure of a request `what` that got this reply, not the one it calls for.
+    fn unexpected_for(&self, what: &'static str) -> Failure {
+        let got = match self {
             KeeperReply::Attached(_) => "an attached TAP",
             KeeperReply::Report(_) => "a report",
             KeeperReply::Done => "done",
-        }
+        };
+        Failure::from(error_chain(&NetworkKeeperError::Unexpected(got, what)))
     }
 }
 
@@ -165,12 +167,7 @@ impl NetworkKeeper {
         };
         match keeper.ask(&request, "attach")? {
             KeeperReply::Attached(tap) => keeper.tap = tap,
-            other => {
-                return Err(internal(NetworkKeeperError::Unexpected(
-                    other.name(),
-                    "attach",
-                )))
-            }
+            other => return Err(other.unexpected_for("attach")),
         }
         Ok(keeper)
     }
@@ -195,10 +192,7 @@ impl NetworkKeeper {
     fn ask_done(&mut self, request: &KeeperRequest, what: &'static str) -> Result<(), Failure> {
         match self.ask(request, what)? {
             KeeperReply::Done => Ok(()),
-            other => Err(Failure::from(error_chain(&NetworkKeeperError::Unexpected(
-                other.name(),
-                what,
-            )))),
+            other => Err(other.unexpected_for(what)),
         }
     }
 
@@ -223,10 +217,7 @@ impl NetworkControl for NetworkKeeper {
     fn report(&mut self) -> Result<NetworkReport, Failure> {
         match self.ask(&KeeperRequest::Report, "report")? {
             KeeperReply::Report(report) => Ok(report),
-            other => Err(Failure::from(error_chain(&NetworkKeeperError::Unexpected(
-                other.name(),
-                "report",
-            )))),
+            other => Err(other.unexpected_for("report")),
         }
     }
 

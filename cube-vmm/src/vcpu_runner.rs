@@ -14,7 +14,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Once};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use cube_devices::thread_confinement::ThreadKind;
+use cube_devices::thread_confinement::{confine_this_thread, ThreadKind};
 use kvm_bindings::kvm_run;
 use kvm_ioctls::VcpuExit;
 use vm_memory::bitmap::AtomicBitmap;
@@ -408,7 +408,7 @@ fn run_vcpu(mut vcpu: Vcpu, shared: &Shared, buses: &Buses<'_>) -> Vcpu {
         }
         let exit = vcpu.fd_mut().run();
         // Nothing the guest asked for is served before this thread is confined.
-        let confined = cube_devices::thread_confinement::confine_this_thread(ThreadKind::Vcpu);
+        let confined = confine_this_thread(ThreadKind::Vcpu);
         let outcome = match exit {
             _ if confined.is_err() => Outcome::Fatal(format!(
                 "confining the vCPU thread: {}",
