@@ -168,11 +168,12 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
             }
         }
         println!(
-            "{:<15} no_new_privs, capabilities kept: {kept}; {filter}{threads_allowed}; files: {}",
+            "{:<15} runs as {}; no_new_privs, capabilities kept: {kept}; {filter}{threads_allowed}; files: {}",
             serde_json::to_value(c.profile)
                 .ok()
                 .and_then(|v| v.as_str().map(str::to_string))
                 .unwrap_or_default(),
+            c.runs_as,
             c.filesystem,
         );
     }

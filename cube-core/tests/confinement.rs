@@ -1,6 +1,6 @@
 //! Each sandbox's supervisor confines itself once the sandbox is set up: on every one
 //! of its threads, the capabilities of its profile only, no_new_privs and (for a VM)
-//! seccomp; the
+//! seccomp and a uid of its own; the
 //! sandbox works as before (snapshot, rollback, its snapshot marked durable); a forbidden system call made in a
 //! supervisor (injected with ptrace, as code that took it over would make it) kills
 //! that supervisor alone, and the host's other sandboxes go on; and a VM supervisor's
@@ -37,6 +37,7 @@ fn field<'a>(status: &'a str, name: &str) -> &'a str {
 fn assert_confined(pid: u32, profile: SupervisorProfile) -> usize {
     let keep = profile.kept(held());
     let mut threads = 0;
+    let mut thread_uid = None;
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
         let task = task.unwrap().path();
         let (Ok(status), Ok(stat)) = (
@@ -75,6 +76,35 @@ fn assert_confined(pid: u32, profile: SupervisorProfile) -> usize {
             );
         }
         assert_eq!(field(&status, "CapInh"), "0000000000000000");
+        // A VM supervisor runs as a uid of its own (real, effective, saved and
+        // file-system alike), on every thread; a jail supervisor stays root.
+        let ids = |line| {
+            let ids: Vec<u32> = field(&status, line)
+                .split_whitespace()
+                .map(|v| v.parse().unwrap())
+                .collect();
+            assert!(ids.iter().all(|v| *v == ids[0]), "{name}: {line} {ids:?}");
+            ids[0]
+        };
+        let (uid, gid) = (ids("Uid"), ids("Gid"));
+        if profile == SupervisorProfile::Vm {
+            assert!(
+                cube_jail::sandbox_uid::RANGE.contains(&uid),
+                "VM thread {name} runs as uid {uid}"
+            );
+            assert_eq!(
+                gid,
+                cube_storage::supervisor_group::SUPERVISOR_GID,
+                "{name}"
+            );
+            assert_eq!(
+                *thread_uid.get_or_insert(uid),
+                uid,
+                "{name}: one uid per process"
+            );
+        } else {
+            assert_eq!((uid, gid), (0, 0), "jail thread {name}");
+        }
         threads += 1;
     }
     threads

@@ -262,10 +262,12 @@ fn keeper_of(pid: u32) -> Option<u32> {
     })
 }
 
-/// The networked VM's supervisor `pid` holds no capability on any thread (its TAP is
-/// open, the rest of the network is its keeper's); the keeper holds the network
-/// capabilities only, under a seccomp filter.
+/// The networked VM's supervisor `pid` holds no network capability on any thread (its
+/// TAP is open, the rest of the network is its keeper's; it keeps `dac_read_search`
+/// only) and runs as a uid of its own; the keeper holds the network capabilities only,
+/// under a seccomp filter, as root.
 fn assert_network_held_apart(pid: u32) -> u32 {
+    let dac_read_search = 1 << 2;
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
         let task = task.unwrap().path();
         if common::user_worker(&std::fs::read_to_string(task.join("stat")).unwrap()) {
@@ -274,9 +276,24 @@ fn assert_network_held_apart(pid: u32) -> u32 {
         let status = task.join("status");
         let status = status.to_str().unwrap();
         for set in ["CapEff", "CapPrm", "CapBnd"] {
-            assert_eq!(capabilities(status, set), 0, "supervisor {status} {set}");
+            let held = capabilities(status, set);
+            assert_eq!(
+                held & !dac_read_search,
+                0,
+                "supervisor {status} {set} {held:#x}"
+            );
         }
         assert_eq!(status_field(status, "Seccomp"), "2", "supervisor {status}");
+        let uid: u32 = status_field(status, "Uid")
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(
+            cube_jail::sandbox_uid::RANGE.contains(&uid),
+            "supervisor {status} runs as uid {uid}"
+        );
     }
     let keeper = keeper_of(pid).expect("the supervisor has a network keeper");
     let status = format!("/proc/{keeper}/status");

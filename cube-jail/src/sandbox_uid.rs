@@ -82,12 +82,14 @@ pub struct UidLease {
 }
 
 impl UidLease {
-    /// Leases a free uid of [`RANGE`].
+    /// Leases a free uid of [`RANGE`], and removes a few lock files their holders
+    /// left (see [`sweep_released`]).
     pub fn acquire() -> Result<UidLease> {
         ensure_dir()?;
         for _ in 0..ATTEMPTS {
             let uid = RANGE.start + random_u32()? % (RANGE.end - RANGE.start);
             if let Some(lease) = Self::try_lock(uid)? {
+                sweep_released(SWEEP_LOOKS);
                 return Ok(lease);
             }
         }
@@ -160,6 +162,39 @@ impl Drop for UidLease {
         // SAFETY: unlocks a descriptor this lease owns (closing it would too).
         unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
     }
+}
+
+/// Lock files [`UidLease::acquire`] looks at for released ones, each time: bounded,
+/// and more than one, so that files left behind never pile up faster than they go.
+const SWEEP_LOOKS: usize = 32;
+
+/// Removes lock files of [`LEASE_DIR`] that no process holds, looking at `looks` of
+/// them at most; returns how many it removed. A holder unlinks its file when it
+/// releases the lease, but one that can no longer (a VM supervisor, confined to its
+/// own files once it runs as its leased uid) leaves the file unlocked when it exits.
+/// Each is removed while locked here, as a holder does: a process that opened it
+/// meanwhile finds the name gone or another file behind it and tries another uid.
+pub fn sweep_released(looks: usize) -> usize {
+    let Ok(entries) = fs::read_dir(LEASE_DIR) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten().take(looks) {
+        let Some(uid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        // Taking the lock is what proves no process holds it; dropping it unlinks
+        // the file.
+        if let Ok(Some(lease)) = UidLease::try_lock(uid) {
+            drop(lease);
+            removed += 1;
+        }
+    }
+    removed
 }
 
 /// Whether `uid` is one sandboxes run as (leased, or the legacy `nobody`).
@@ -265,6 +300,27 @@ mod tests {
         let again = UidLease::claim(uid).unwrap().unwrap();
         assert_eq!(again.uid(), uid);
         assert!(UidLease::claim(LEGACY_UID).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_lock_file_left_unheld_is_swept_and_a_held_one_stays() {
+        if !root() {
+            return;
+        }
+        let held = UidLease::acquire().unwrap();
+        // What a holder that could not unlink its file leaves when it exits: the
+        // file, unlocked.
+        let left = loop {
+            let uid = RANGE.start + random_u32().unwrap() % (RANGE.end - RANGE.start);
+            let path = Path::new(LEASE_DIR).join(uid.to_string());
+            if !path.exists() {
+                fs::write(&path, "").unwrap();
+                break path;
+            }
+        };
+        sweep_released(usize::MAX);
+        assert!(!left.exists(), "an unheld lock file stayed");
+        assert!(Path::new(LEASE_DIR).join(held.uid().to_string()).exists());
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub mod metadata;
 pub mod project_quota;
 pub mod reflink;
 pub mod store;
+pub mod supervisor_group;
 pub mod tree_manifest;
 pub mod writeback;
 

@@ -25,6 +25,7 @@ use nix::fcntl::{renameat2, RenameFlags, AT_FDCWD};
 use crate::layout::{SandboxDir, SnapshotDir, TemplateDir};
 use crate::random_id::random_hex;
 use crate::reflink::{self, CloneError};
+use crate::supervisor_group;
 
 /// Longest name or id accepted, in bytes.
 pub const MAX_NAME_LEN: usize = 64;
@@ -190,7 +191,9 @@ pub struct Store {
 
 impl Store {
     /// Opens the store at `root`, creating it and its `templates`, `snapshots`,
-    /// `sandboxes` and `tmp` directories (mode 0700) where missing.
+    /// `sandboxes` and `tmp` directories (mode 0700) where missing. Opened by root,
+    /// `snapshots` and `sandboxes` are shared with the VM supervisors' group (see
+    /// [`supervisor_group`]).
     pub fn open(root: impl Into<PathBuf>) -> Result<Store, StoreError> {
         let root = root.into();
         DirBuilder::new()
@@ -219,6 +222,13 @@ impl Store {
             })?;
             if !meta.file_type().is_dir() {
                 return Err(StoreError::NotADirectory { path });
+            }
+            if [Category::Snapshot, Category::Sandbox]
+                .iter()
+                .any(|c| c.dir_name() == sub)
+            {
+                supervisor_group::share_area(&path)
+                    .map_err(|source| StoreError::CreateDir { path, source })?;
             }
         }
         Ok(Store { root })
@@ -279,23 +289,31 @@ impl Store {
     }
 
     /// Removes sandbox `id`'s directory and every snapshot whose record names it as
-    /// owner. A directory already gone is not an error.
+    /// owner. A directory already gone is not an error. One that cannot be removed
+    /// (a confined VM supervisor may remove only what its own uid owns) does not stop
+    /// the others; the first such error is returned.
     pub fn remove_sandbox_files(&self, id: &str) -> Result<(), StoreError> {
         let dir = self.sandbox_dir(id)?;
+        let mut first_error = None;
         for snap in self.list_snapshots()? {
             let snapshot = self.snapshot(&snap)?;
             if snapshot.owner().as_deref() == Some(id) {
-                fs::remove_dir_all(&snapshot).map_err(|source| StoreError::Remove {
-                    path: snapshot.into_path(),
-                    source,
-                })?;
+                if let Err(source) = fs::remove_dir_all(&snapshot) {
+                    first_error.get_or_insert(StoreError::Remove {
+                        path: snapshot.into_path(),
+                        source,
+                    });
+                }
             }
         }
         match fs::remove_dir_all(&dir) {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-            Err(source) => Err(StoreError::Remove { path: dir, source }),
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(source) => {
+                first_error.get_or_insert(StoreError::Remove { path: dir, source });
+            }
         }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// Creates a fresh, private directory under `tmp/` to build an entry in.
@@ -791,7 +809,13 @@ mod tests {
         for sub in ["templates", "snapshots", "sandboxes", "tmp"] {
             let meta = fs::symlink_metadata(store.root().join(sub)).unwrap();
             assert!(meta.is_dir(), "{sub}");
-            assert_eq!(meta.mode() & 0o777, 0o700, "{sub}");
+            let shared = nix::unistd::geteuid().is_root() && sub.starts_with('s');
+            let mode = if shared {
+                supervisor_group::SHARED_AREA_MODE
+            } else {
+                0o700
+            };
+            assert_eq!(meta.mode() & 0o7777, mode, "{sub}");
         }
         Store::open(store.root()).unwrap();
         let areas = Store::areas_at(store.root());

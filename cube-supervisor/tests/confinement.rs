@@ -4,7 +4,7 @@
 //! call kills the process with SIGSYS. A VM supervisor also loses the host's files
 //! (Landlock), on its old threads too, but its own sandbox directory, its store's
 //! snapshots (read and removed, never altered or added to) and templates (read); and
-//! TCP. A networked VM's network keeper loses all but its sandbox's network record
+//! TCP; and runs as a uid of its own, which may remove only the snapshots it staged. A networked VM's network keeper loses all but its sandbox's network record
 //! (removed) and its pool's lock file and bpffs pins.
 //!
 //! Confinement cannot be undone, so each profile runs in a child: this test binary run
@@ -22,7 +22,7 @@ use cube_storage::durable_marker::{create_marker, make_durable_through, marked_d
 use cube_supervisor::confinement::all_threads::{
     held_capabilities, status_field, verify_all_threads,
 };
-use cube_supervisor::confinement::{confine, filesystem, Profile};
+use cube_supervisor::confinement::{confine, filesystem, identity, Profile};
 use cube_supervisor::jail_network::pool_config;
 
 const CHILD: &str = "CUBE_CONFINE_CHILD";
@@ -85,9 +85,14 @@ fn run_child_with(spec: &str, pool: Option<&TestPool>) -> std::process::Output {
     // with a disk, a template, and the shared areas.
     // Among the snapshots: one the child's sandbox was cloned from, and one it
     // staged before it was confined and the library has since moved into place.
+    // The store's areas as the library makes them (shared with the supervisors'
+    // group).
+    cube_storage::Store::open(store.path()).unwrap();
     for dir in [
         "sandboxes/own",
         "sandboxes/other",
+        "sandboxes/other-empty",
+        "snapshots/origin-empty",
         "templates/base",
         "snapshots/origin",
         "snapshots/moved",
@@ -181,6 +186,15 @@ fn child(spec: &str) {
     let moved = store.join("snapshots/moved");
     let marker = create_marker(&moved).unwrap();
     let held = held_capabilities().unwrap();
+    let identity = if profile == Profile::Vm {
+        identity::vm_identity().unwrap()
+    } else {
+        None
+    };
+    if let Some(id) = identity {
+        // Staged by this supervisor, so its uid's.
+        identity::give_own_dir(&moved, id).unwrap();
+    }
     confine(profile, &own).unwrap();
 
     // A thread started after the confinement inherits it.
@@ -189,7 +203,20 @@ fn child(spec: &str) {
         .unwrap();
     let filtered = if profile == Profile::Jail { "0" } else { "2" };
     assert_eq!(status_field(&late, "Seccomp"), Some(filtered));
-    verify_all_threads(profile.kept(held)).unwrap();
+    verify_all_threads(profile.kept(held), identity).unwrap();
+    if root() {
+        // A VM supervisor started as root runs as a uid of its own; the others stay
+        // root.
+        let uid = status_field(&late, "Uid").unwrap().to_string();
+        let expected = identity.map_or(0, |id| id.uid);
+        assert_eq!(uid, vec![expected.to_string(); 4].join("\t"));
+        assert_eq!(identity.is_some(), profile == Profile::Vm);
+        if let Some(id) = identity {
+            assert!(cube_jail::sandbox_uid::RANGE.contains(&id.uid), "{id:?}");
+            use std::os::unix::fs::MetadataExt;
+            assert_eq!(std::fs::metadata(&own).unwrap().uid(), id.uid);
+        }
+    }
     for task in std::fs::read_dir("/proc/self/task").unwrap() {
         let status = std::fs::read_to_string(task.unwrap().path().join("status")).unwrap();
         assert_eq!(status_field(&status, "Seccomp"), Some(filtered), "{status}");
@@ -204,6 +231,9 @@ fn child(spec: &str) {
         keeper_reach(store, host, &own, host_read_by_old_thread);
     } else {
         supervisor_reach(profile, store, host, marker, host_read_by_old_thread);
+        if identity.is_some() {
+            removal_reach(store);
+        }
     }
     if landlocked {
         // uid 0 writes most sysctls with no capability; /proc is read-only to it now.
@@ -372,6 +402,50 @@ fn supervisor_reach(
     for (what, result) in results {
         assert_eq!(denied(result), landlocked, "{profile:?} {what}");
     }
+    // A host disk: `dac_read_search` (a VM supervisor's) or uid 0 (a jail's) reads
+    // one, Landlock keeps a VM's out of all of /dev but a few harmless devices.
+    if let Some(disk) = host_block_device() {
+        let opened = std::fs::File::open(&disk).map(drop).map_err(|e| e.kind());
+        assert_eq!(denied(opened), landlocked, "{profile:?} opens {disk:?}");
+    }
+}
+
+/// A block device of this host (a disk, a loop device), if it has one.
+fn host_block_device() -> Option<std::path::PathBuf> {
+    use std::os::unix::fs::FileTypeExt;
+    std::fs::read_dir("/sys/class/block")
+        .ok()?
+        .flatten()
+        .map(|e| std::path::Path::new("/dev").join(e.file_name()))
+        .find(|p| std::fs::metadata(p).is_ok_and(|m| m.file_type().is_block_device()))
+}
+
+/// What a VM supervisor running as its own uid may remove of the store: only what its
+/// uid owns. Landlock alone allows removal of every snapshot and of every emptied
+/// sandbox directory; the shared areas' sticky bit keeps other owners' entries.
+fn removal_reach(store: &std::path::Path) {
+    let denied = |what: &str, r: std::io::Result<()>| {
+        assert_eq!(
+            r.map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::PermissionDenied),
+            "vm {what}"
+        );
+    };
+    let origin = store.join("snapshots/origin");
+    denied(
+        "removes a file of a snapshot another uid wrote",
+        std::fs::remove_file(origin.join("memory.bin")),
+    );
+    let empty = store.join("snapshots/origin-empty");
+    denied(
+        "removes another uid's emptied snapshot directory",
+        std::fs::remove_dir(&empty),
+    );
+    denied(
+        "removes another sandbox's emptied directory",
+        std::fs::remove_dir(store.join("sandboxes/other-empty")),
+    );
+    assert!(origin.join("memory.bin").exists() && empty.exists());
 }
 
 /// What a confined network keeper reaches: its sandbox's network record (removed),

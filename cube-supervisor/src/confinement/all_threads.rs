@@ -1,7 +1,8 @@
 //! Giving up capabilities on every thread of this process at once.
 //!
-//! Capability sets and no_new_privs belong to threads, not to processes: `capset` and
-//! `PR_CAPBSET_DROP` change only the calling thread. A supervisor confines itself once
+//! Capability sets, uids and gids, and no_new_privs belong to threads, not to
+//! processes: `capset`, `PR_CAPBSET_DROP` and the raw `setresuid` change only the
+//! calling thread. A supervisor confines itself once
 //! its sandbox is set up, when vCPU, device and helper threads already run, so each
 //! thread must drop them itself. [`restrict_all_threads`] does it the way libcap's psx
 //! does: it signals every thread, whose handler applies the prepared sets with raw
@@ -16,6 +17,8 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::atomic::{AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use cube_jail::capabilities::Identity;
 
 /// How long the threads get to answer the signal.
 const ANSWER_TIMEOUT: Duration = Duration::from_secs(5);
@@ -51,7 +54,8 @@ pub enum AllThreadsError {
     Unconfined {
         /// The thread.
         tid: u32,
-        /// The status line (CapEff, CapPrm, CapInh, CapBnd, CapAmb, NoNewPrivs).
+        /// The status line (CapEff, CapPrm, CapInh, CapBnd, CapAmb, NoNewPrivs, Uid,
+        /// Gid).
         field: &'static str,
         /// What it showed.
         found: String,
@@ -62,6 +66,11 @@ pub enum AllThreadsError {
 static KEEP: AtomicU64 = AtomicU64::new(0);
 /// The highest capability number the kernel knows.
 static LAST_CAP: AtomicU32 = AtomicU32::new(0);
+/// The identity each thread takes ([`NO_IDENTITY`]: it keeps its own), as uid << 32
+/// | gid.
+static IDENTITY: AtomicU64 = AtomicU64::new(NO_IDENTITY);
+/// [`IDENTITY`] when the threads keep their uid and gid.
+const NO_IDENTITY: u64 = u64::MAX;
 /// The Landlock ruleset each thread applies to itself (-1: none); see
 /// [`super::filesystem`]. The descriptor stays open while a broadcast uses it.
 static LANDLOCK: AtomicI32 = AtomicI32::new(-1);
@@ -91,6 +100,7 @@ extern "C" fn on_confine_signal(_signal: libc::c_int) {
         KEEP.load(Ordering::SeqCst),
         LAST_CAP.load(Ordering::SeqCst),
         LANDLOCK.load(Ordering::SeqCst),
+        unpack_identity(IDENTITY.load(Ordering::SeqCst)),
     ) {
         let _ = FAILED.compare_exchange(0, e, Ordering::SeqCst, Ordering::SeqCst);
     }
@@ -102,13 +112,32 @@ extern "C" fn on_confine_signal(_signal: libc::c_int) {
     unsafe { *libc::__errno_location() = errno };
 }
 
+fn pack_identity(identity: Option<Identity>) -> u64 {
+    identity.map_or(NO_IDENTITY, |id| {
+        u64::from(id.uid) << 32 | u64::from(id.gid)
+    })
+}
+
+fn unpack_identity(packed: u64) -> Option<Identity> {
+    (packed != NO_IDENTITY).then_some(Identity {
+        uid: (packed >> 32) as u32,
+        gid: packed as u32,
+    })
+}
+
 /// Sets no_new_privs, enters the Landlock ruleset `landlock` (unless -1), empties the
-/// bounding set but for `keep`, clears the ambient and inheritable sets and leaves
-/// `keep` as the effective and permitted sets, on the calling thread. Raw system calls
-/// only, no allocation: it runs in a signal handler.
-fn restrict_this_thread(keep: u64, last_cap: u32, landlock: i32) -> Result<(), i32> {
+/// bounding set but for `keep`, takes `identity` if given, clears the ambient and
+/// inheritable sets and leaves `keep` as the effective and permitted sets, on the
+/// calling thread. Raw system calls only, no allocation: it runs in a signal handler.
+fn restrict_this_thread(
+    keep: u64,
+    last_cap: u32,
+    landlock: i32,
+    identity: Option<Identity>,
+) -> Result<(), i32> {
     use cube_jail::capabilities::{
-        keep_bounding_and_clear_ambient, keep_only, set_no_new_privs_in_child,
+        keep_bounding_and_clear_ambient, keep_only, keep_permitted_through_uid_switch_in_child,
+        set_no_new_privs_in_child, switch_identity_in_child,
     };
     set_no_new_privs_in_child()
         // Landlock asks for no_new_privs (or CAP_SYS_ADMIN), set just before.
@@ -117,7 +146,35 @@ fn restrict_this_thread(keep: u64, last_cap: u32, landlock: i32) -> Result<(), i
         // The bounding set first: dropping from it needs CAP_SETPCAP, which `keep_only`
         // may take away.
         .and_then(|()| keep_bounding_and_clear_ambient(last_cap, keep).map_err(|e| e as i32))
+        .and_then(|()| match identity {
+            None => Ok(()),
+            Some(id) => {
+                // Leaving uid 0 empties the permitted set unless asked to keep it (the
+                // effective set goes either way: `keep_only` raises it again).
+                if keep != 0 {
+                    keep_permitted_through_uid_switch_in_child().map_err(|e| e as i32)?;
+                }
+                switch_identity_in_child(id).map_err(|e| e as i32)
+            }
+        })
         .and_then(|()| keep_only(keep).map_err(|e| e as i32))
+        .and_then(|()| {
+            if identity.is_some() && keep != 0 {
+                stop_keeping_caps()
+            } else {
+                Ok(())
+            }
+        })
+}
+
+/// Turns `SECBIT_KEEP_CAPS` off again once the identity is taken.
+fn stop_keeping_caps() -> Result<(), i32> {
+    // SAFETY: integer-only prctl.
+    if unsafe { libc::prctl(libc::PR_SET_KEEPCAPS, 0, 0, 0, 0) } != 0 {
+        // SAFETY: __errno_location returns this thread's errno slot.
+        return Err(unsafe { *libc::__errno_location() });
+    }
+    Ok(())
 }
 
 /// Restricts the calling thread to Landlock ruleset `fd` (nothing for -1).
@@ -278,8 +335,9 @@ fn signal_and_wait(tids: &BTreeSet<u32>) -> Result<(), AllThreadsError> {
 
 /// Leaves every thread of this process with the capabilities in `keep` (bit N =
 /// capability N) as its effective, permitted and bounding sets, none inheritable or
-/// ambient, no_new_privs set, and in Landlock ruleset `landlock` if given; then checks
-/// every thread's status says so (capabilities and no_new_privs: Landlock shows in no
+/// ambient, no_new_privs set, running as `identity` if given (its uid and gid, its gid
+/// the only group), and in Landlock ruleset `landlock` if given; then checks every
+/// thread's status says so (capabilities, ids and no_new_privs: Landlock shows in no
 /// status file).
 ///
 /// A thread that holds no more than `keep` already is not interrupted: it was confined
@@ -289,20 +347,21 @@ pub fn restrict_all_threads(
     keep: u64,
     last_cap: u32,
     landlock: Option<BorrowedFd<'_>>,
+    identity: Option<Identity>,
 ) -> Result<(), AllThreadsError> {
     let _one = BROADCAST.lock().unwrap_or_else(|e| e.into_inner());
     let landlock = landlock.map_or(-1, |fd| fd.as_raw_fd());
-    prepare(keep, last_cap, landlock)?;
+    prepare(keep, last_cap, landlock, identity)?;
     // This thread first: threads it starts from now on inherit the sets.
-    let result = restrict_this_thread(keep, last_cap, landlock)
+    let result = restrict_this_thread(keep, last_cap, landlock, identity)
         .map_err(AllThreadsError::Drop)
-        .and_then(|()| restrict_other_threads(keep));
+        .and_then(|()| restrict_other_threads(keep, identity));
     LANDLOCK.store(-1, Ordering::SeqCst);
     result
 }
 
 /// [`restrict_all_threads`] past the calling thread, with the handler prepared.
-fn restrict_other_threads(keep: u64) -> Result<(), AllThreadsError> {
+fn restrict_other_threads(keep: u64, identity: Option<Identity>) -> Result<(), AllThreadsError> {
     let mut done: BTreeSet<u32> = [gettid()].into();
     for _ in 0..MAX_ROUNDS {
         // A thread not yet confined may have started others since the last listing.
@@ -311,10 +370,10 @@ fn restrict_other_threads(keep: u64) -> Result<(), AllThreadsError> {
         let pending: BTreeSet<u32> = thread_ids()?
             .difference(&done)
             .copied()
-            .filter(|tid| !already_within(*tid, keep))
+            .filter(|tid| !already_within(*tid, keep, identity))
             .collect();
         if pending.is_empty() {
-            return verify_all_threads(keep);
+            return verify_all_threads(keep, identity);
         }
         signal_and_wait(&pending)?;
         done.extend(pending);
@@ -333,10 +392,11 @@ pub fn restrict_threads_named(
     keep: u64,
     last_cap: u32,
     landlock: Option<BorrowedFd<'_>>,
+    identity: Option<Identity>,
 ) -> Result<usize, AllThreadsError> {
     let _one = BROADCAST.lock().unwrap_or_else(|e| e.into_inner());
     let landlock = landlock.map_or(-1, |fd| fd.as_raw_fd());
-    prepare(keep, last_cap, landlock)?;
+    prepare(keep, last_cap, landlock, identity)?;
     let named: BTreeSet<u32> = thread_ids()?
         .into_iter()
         .filter(|tid| {
@@ -345,7 +405,7 @@ pub fn restrict_threads_named(
         })
         .collect();
     if named.contains(&gettid()) {
-        restrict_this_thread(keep, last_cap, landlock).map_err(AllThreadsError::Drop)?;
+        restrict_this_thread(keep, last_cap, landlock, identity).map_err(AllThreadsError::Drop)?;
     }
     let others: BTreeSet<u32> = named.iter().copied().filter(|t| *t != gettid()).collect();
     let answered = signal_and_wait(&others);
@@ -355,18 +415,25 @@ pub fn restrict_threads_named(
 }
 
 /// Sets what the handler applies and installs it.
-fn prepare(keep: u64, last_cap: u32, landlock: i32) -> Result<(), AllThreadsError> {
+fn prepare(
+    keep: u64,
+    last_cap: u32,
+    landlock: i32,
+    identity: Option<Identity>,
+) -> Result<(), AllThreadsError> {
     KEEP.store(keep, Ordering::SeqCst);
     LAST_CAP.store(last_cap, Ordering::SeqCst);
     LANDLOCK.store(landlock, Ordering::SeqCst);
+    IDENTITY.store(pack_identity(identity), Ordering::SeqCst);
     FAILED.store(0, Ordering::SeqCst);
     install_handler()
 }
 
-/// Whether thread `tid` holds no more than `keep`, with no_new_privs set.
-fn already_within(tid: u32, keep: u64) -> bool {
+/// Whether thread `tid` holds no more than `keep`, with no_new_privs set, as
+/// `identity` if given.
+fn already_within(tid: u32, keep: u64, identity: Option<Identity>) -> bool {
     std::fs::read_to_string(format!("/proc/self/task/{tid}/status"))
-        .is_ok_and(|status| check_status(tid, &status, keep).is_ok())
+        .is_ok_and(|status| check_status(tid, &status, keep, identity).is_ok())
 }
 
 /// The calling thread's permitted capabilities: what it can keep.
@@ -384,9 +451,9 @@ pub fn held_capabilities() -> Result<u64, AllThreadsError> {
         })
 }
 
-/// Reads every thread's status and checks it holds no capability beyond `keep` and has
-/// no_new_privs set.
-pub fn verify_all_threads(keep: u64) -> Result<(), AllThreadsError> {
+/// Reads every thread's status and checks it holds no capability beyond `keep`, has
+/// no_new_privs set and runs as `identity` if given.
+pub fn verify_all_threads(keep: u64, identity: Option<Identity>) -> Result<(), AllThreadsError> {
     for tid in thread_ids()? {
         let path = format!("/proc/self/task/{tid}/status");
         let status = match std::fs::read_to_string(&path) {
@@ -394,7 +461,7 @@ pub fn verify_all_threads(keep: u64) -> Result<(), AllThreadsError> {
             Err(e) if thread_exited(&e) => continue,
             Err(e) => return Err(AllThreadsError::Proc(path, e)),
         };
-        check_status(tid, &status, keep)?;
+        check_status(tid, &status, keep, identity)?;
     }
     Ok(())
 }
@@ -406,8 +473,13 @@ fn thread_exited(e: &std::io::Error) -> bool {
     e.kind() == std::io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ESRCH)
 }
 
-/// Checks one thread's `/proc/.../status` text against `keep`.
-fn check_status(tid: u32, status: &str, keep: u64) -> Result<(), AllThreadsError> {
+/// Checks one thread's `/proc/.../status` text against `keep` and `identity`.
+fn check_status(
+    tid: u32,
+    status: &str,
+    keep: u64,
+    identity: Option<Identity>,
+) -> Result<(), AllThreadsError> {
     let expected: [(&'static str, u64); 5] = [
         ("CapEff", keep),
         ("CapPrm", keep),
@@ -433,6 +505,20 @@ fn check_status(tid: u32, status: &str, keep: u64) -> Result<(), AllThreadsError
             field: "NoNewPrivs",
             found: nnp.to_string(),
         });
+    }
+    if let Some(id) = identity {
+        // Real, effective, saved and file-system ids alike.
+        for (field, expected) in [("Uid", id.uid), ("Gid", id.gid)] {
+            let found = status_field(status, field).unwrap_or("");
+            let ids: Vec<&str> = found.split_whitespace().collect();
+            if ids.len() != 4 || ids.iter().any(|v| v.parse() != Ok(expected)) {
+                return Err(AllThreadsError::Unconfined {
+                    tid,
+                    field,
+                    found: found.to_string(),
+                });
+            }
+        }
     }
     Ok(())
 }
@@ -463,15 +549,15 @@ mod tests {
 
     #[test]
     fn a_status_matching_the_kept_set_or_less_passes() {
-        check_status(7, STATUS, 0x3000).unwrap();
+        check_status(7, STATUS, 0x3000, None).unwrap();
         // A thread confined further ahead (a vCPU thread) holds less.
-        check_status(7, STATUS, 0x7000).unwrap();
+        check_status(7, STATUS, 0x7000, None).unwrap();
         assert_eq!(status_field(STATUS, "Seccomp"), Some("2"));
     }
 
     #[test]
     fn a_status_with_more_than_was_kept_names_the_field() {
-        let err = check_status(7, STATUS, 0x1000).unwrap_err();
+        let err = check_status(7, STATUS, 0x1000, None).unwrap_err();
         assert!(
             matches!(
                 err,
@@ -484,7 +570,7 @@ mod tests {
             "{err}"
         );
         let nnp_off = STATUS.replace("NoNewPrivs:\t1", "NoNewPrivs:\t0");
-        let err = check_status(7, &nnp_off, 0x3000).unwrap_err();
+        let err = check_status(7, &nnp_off, 0x3000, None).unwrap_err();
         assert!(matches!(
             err,
             AllThreadsError::Unconfined {
@@ -492,5 +578,40 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    #[test]
+    fn a_status_as_another_uid_or_gid_than_asked_names_the_field() {
+        let id = Identity {
+            uid: 1_879_048_200,
+            gid: 1_879_048_191,
+        };
+        let ids = "Uid:\t1879048200\t1879048200\t1879048200\t1879048200\n\
+                   Gid:\t1879048191\t1879048191\t1879048191\t1879048191\n";
+        let as_id = format!("{STATUS}{ids}");
+        check_status(7, &as_id, 0x3000, Some(id)).unwrap();
+        assert_eq!(unpack_identity(pack_identity(Some(id))), Some(id));
+        assert_eq!(unpack_identity(pack_identity(None)), None);
+        // A saved uid still 0 could take root back.
+        let saved_root = as_id.replace(
+            "Uid:\t1879048200\t1879048200\t1879048200\t1879048200",
+            "Uid:\t1879048200\t1879048200\t0\t1879048200",
+        );
+        let err = check_status(7, &saved_root, 0x3000, Some(id)).unwrap_err();
+        assert!(
+            matches!(err, AllThreadsError::Unconfined { field: "Uid", .. }),
+            "{err}"
+        );
+        let err = check_status(7, STATUS, 0x3000, Some(id)).unwrap_err();
+        assert!(
+            matches!(err, AllThreadsError::Unconfined { field: "Uid", .. }),
+            "{err}"
+        );
+        let other_gid = as_id.replace("Gid:\t1879048191", "Gid:\t0");
+        let err = check_status(7, &other_gid, 0x3000, Some(id)).unwrap_err();
+        assert!(
+            matches!(err, AllThreadsError::Unconfined { field: "Gid", .. }),
+            "{err}"
+        );
     }
 }

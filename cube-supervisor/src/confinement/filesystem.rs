@@ -1,15 +1,18 @@
 //! What a confined VM supervisor may still reach of the host's file system, with
-//! Landlock: a supervisor keeps uid 0 after it drops its capabilities, and uid 0 owns
-//! most of the host's files, so without more it could still read `/etc/shadow` or
-//! rewrite `/etc/passwd` as their owner. Landlock takes that away without a mount
-//! namespace (which a process can no longer enter once it runs threads):
+//! Landlock: a VM supervisor runs as a uid of its own once confined, but keeps
+//! `dac_read_search` (see [`super::identity`]), and a network keeper stays uid 0,
+//! which owns most of the host's files, so without more either could still read
+//! `/etc/shadow` or the host's disks, and a keeper rewrite `/etc/passwd` as their
+//! owner. Landlock takes that away without a mount namespace (which a process can no
+//! longer enter once it runs threads):
 //!
 //! - a VM supervisor without a network may read and write only its own sandbox's
 //!   directory (where its snapshots are staged, for the library to move into place),
 //!   read and remove the store's snapshots (it removes its own with it) but neither
-//!   alter nor add to them, read the store's templates, remove its own directory,
-//!   and read `/proc`, `/sys` and `/dev` (what it already opened, such as
-//!   `/dev/kvm`, stays open). Other sandboxes' directories (their disks, memory
+//!   alter nor add to them (and its uid removes only its own), read the store's
+//!   templates, remove its own directory, and read `/proc`, `/sys` and the few
+//!   devices of [`DEVICES`] (what it already opened, such as `/dev/kvm`, stays
+//!   open; a host disk under `/dev` is not read). Other sandboxes' directories (their disks, memory
 //!   images, consoles) and the store's scratch space are out of its reach. It may bind or
 //!   connect no TCP port, reach no abstract unix socket made outside it and, where the
 //!   kernel scopes signals correctly, signal no process but its own threads (uid 0 may
@@ -17,7 +20,7 @@
 //! - a VM supervisor with a network gets the same: its TAP stays open from before,
 //!   and its network keeper ([`crate::network_keeper`]) changes and releases it;
 //! - a network keeper reaches its sandbox's network record (which it removes with
-//!   the device), read-only `/proc`, `/sys` and `/dev`, and the two parts of the
+//!   the device), read-only `/proc`, `/sys` and [`DEVICES`], and the two parts of the
 //!   host's network pool it works on: the pool's lock file (taken while it releases
 //!   its TAP) and the pool's pins in bpffs (the TAP's link pin goes with the TAP);
 //!   nothing of the store;
@@ -43,11 +46,26 @@ use landlock::{
 const TESTED_ABI: ABI = ABI::V7;
 
 /// Read-only parts of the host a confined VM supervisor still reads: threads' status
-/// (confinement checks, memory figures), and devices it already opened. Read-only
-/// matters: uid 0 may write most sysctls (`kernel.core_pattern` among them) with no
-/// capability at all. (Its own `/proc/PID` cannot be made writable: Landlock ties a
-/// rule to an inode, and procfs makes new ones for a process's directory.)
-const READ_ONLY: &[&str] = &["/proc", "/sys", "/dev"];
+/// (confinement checks, memory figures). Read-only matters: uid 0 may write most
+/// sysctls (`kernel.core_pattern` among them) with no capability at all. (Its own
+/// `/proc/PID` cannot be made writable: Landlock ties a rule to an inode, and procfs
+/// makes new ones for a process's directory.)
+const READ_ONLY: &[&str] = &["/proc", "/sys"];
+
+/// The devices a confined supervisor may still open, read-only: none of them holds
+/// anything of the host's. The rest of `/dev` (its disks above all, which
+/// `dac_read_search` or uid 0 would read) is out of reach; devices opened before the
+/// confinement (`/dev/kvm`, a TAP) stay open.
+pub const DEVICES: &[&str] = &["/dev/null", "/dev/zero", "/dev/random", "/dev/urandom"];
+
+/// [`READ_ONLY`] and the [`DEVICES`] this host has, for their rules.
+fn read_only_paths() -> Vec<&'static str> {
+    READ_ONLY
+        .iter()
+        .chain(DEVICES.iter().filter(|d| Path::new(d).exists()))
+        .copied()
+        .collect()
+}
 
 /// Why a file-system ruleset could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -157,7 +175,7 @@ fn base() -> Result<landlock::RulesetCreated, RulesetError> {
 }
 
 /// The ruleset of a VM supervisor whose sandbox directory is `sandbox_dir`: the parts
-/// of its store [`store_rules`] names and read-only `/proc`, `/sys` and `/dev`;
+/// of its store [`store_rules`] names and read-only `/proc`, `/sys` and [`DEVICES`];
 /// nothing else. `None` where the kernel has no Landlock.
 pub fn vm_rules(sandbox_dir: &Path) -> Result<Option<OwnedFd>, FilesystemError> {
     if kernel_abi().is_none() {
@@ -169,7 +187,7 @@ pub fn vm_rules(sandbox_dir: &Path) -> Result<Option<OwnedFd>, FilesystemError> 
         created = created.add_rule(PathBeneath::new(fd, access))?;
     }
     let created = created.add_rules(path_beneath_rules(
-        READ_ONLY,
+        read_only_paths(),
         AccessFs::from_read(TESTED_ABI),
     ))?;
     Ok(created.into())
@@ -177,8 +195,8 @@ pub fn vm_rules(sandbox_dir: &Path) -> Result<Option<OwnedFd>, FilesystemError> 
 
 /// The ruleset of the network keeper of the VM sandbox in `sandbox_dir`: removing
 /// files there (its network record), the parts of its `pool` [`PoolPaths`] names and
-/// read-only `/proc`, `/sys` and `/dev`; nothing else. `None` where the kernel has no
-/// Landlock.
+/// read-only `/proc`, `/sys` and [`DEVICES`]; nothing else. `None` where the kernel
+/// has no Landlock.
 pub fn keeper_rules(
     sandbox_dir: &Path,
     pool: &PoolPaths,
@@ -190,7 +208,7 @@ pub fn keeper_rules(
         .map_err(|e| FilesystemError::Store(sandbox_dir.to_path_buf(), e))?;
     let created = base()?.add_rule(PathBeneath::new(fd, AccessFs::RemoveFile))?;
     let created = pool.add_rules(created)?.add_rules(path_beneath_rules(
-        READ_ONLY,
+        read_only_paths(),
         AccessFs::from_read(TESTED_ABI),
     ))?;
     Ok(created.into())
@@ -261,22 +279,22 @@ pub fn describe(reach: Reach) -> String {
         Reach::Jail => return "the host's, as uid 0 with the capabilities kept".into(),
         Reach::Vm => {
             "read-write in its own sandbox directory only, the store's snapshots read and \
-             removed but not written, read-only templates /proc /sys /dev"
+             (those its uid owns) removed but not written, read-only templates /proc /sys \
+             /dev/null /dev/zero /dev/random /dev/urandom"
         }
         Reach::NetworkKeeper => {
             "its sandbox's network record removed, its network pool's lock file and bpffs \
-             pins, read-only /proc /sys /dev, nothing of the store"
+             pins, read-only /proc /sys /dev/null /dev/zero /dev/random /dev/urandom, \
+             nothing of the store"
         }
     };
     match kernel_abi() {
-        None => format!(
-            "the host's, as uid 0{} (this kernel has no Landlock)",
-            if reach == Reach::Vm {
-                " without capabilities"
-            } else {
-                " with the capabilities kept"
-            }
-        ),
+        None => if reach == Reach::Vm {
+            "what its uid owns or dac_read_search reads (this kernel has no Landlock)"
+        } else {
+            "the host's, as uid 0 with the capabilities kept (this kernel has no Landlock)"
+        }
+        .to_string(),
         Some(abi) => format!(
             "Landlock (ABI {abi}): {reached}, no TCP, {}",
             if signals_scoped() {

@@ -5,11 +5,14 @@
 //! holds little:
 //!
 //! - no_new_privs and capabilities dropped on every thread ([`all_threads`]): a VM
-//!   supervisor keeps none, with a network or without (a networked VM's pool device
-//!   is held by a process of its own, its network keeper, which keeps what changing
-//!   and releasing that device needs: see [`crate::network_keeper`]); a jail
-//!   supervisor keeps what building, snapshotting (CRIU) and restoring jails needs,
-//!   without the host-altering ones;
+//!   supervisor keeps only `dac_read_search`, with a network or without (a networked
+//!   VM's pool device is held by a process of its own, its network keeper, which
+//!   keeps what changing and releasing that device needs: see
+//!   [`crate::network_keeper`]); a jail supervisor keeps what building, snapshotting
+//!   (CRIU) and restoring jails needs, without the host-altering ones;
+//! - for a VM, a uid of its own instead of root's, on every thread ([`identity`]):
+//!   it owns its sandbox's directory and what it writes there, and may remove from
+//!   the store only what its uid owns;
 //! - for a VM, seccomp filters on every thread ([`syscall_filter`]): a forbidden call
 //!   kills this supervisor, and only it (each sandbox has its own); and on the
 //!   threads where the guest reaches host code (its vCPU threads and its device
@@ -18,13 +21,13 @@
 //!   there);
 //! - for a VM, a core file limit of 0: a killed VMM leaves no copy of guest memory;
 //! - for a VM, Landlock ([`filesystem`]): the host's files but its store's out of
-//!   reach, though it stays uid 0 (a network keeper's: but its pool's lock file and
-//!   pins).
+//!   reach (a network keeper's: but its pool's lock file and pins).
 //!
-//! Left for later: an unprivileged uid (the supervisor still writes its store as uid
-//! 0), Landlock for jail supervisors (which mount, pin namespaces and run CRIU on
-//! host paths: a Landlocked process may not mount at all), and allow lists for the
-//! VM supervisor's host-facing threads (its clients, flushes, main thread).
+//! Left for later: an unprivileged uid for jail supervisors and network keepers (which
+//! stay root: CRIU restores any uid, a keeper's pool pins are root's), Landlock for
+//! jail supervisors (which mount, pin namespaces and run CRIU on host paths: a
+//! Landlocked process may not mount at all), and allow lists for the VM supervisor's
+//! host-facing threads (its clients, flushes, main thread).
 //!
 //! [`Profile::summary`] describes a profile for `cube doctor` and the docs; the
 //! supervisor applies it with [`confine`] right after adopting its sandbox, before the
@@ -32,6 +35,7 @@
 
 pub mod all_threads;
 pub mod filesystem;
+pub mod identity;
 pub mod syscall_filter;
 pub mod thread_filters;
 
@@ -43,6 +47,7 @@ use serde::Serialize;
 
 pub use all_threads::AllThreadsError;
 pub use filesystem::FilesystemError;
+pub use identity::IdentityError;
 pub use syscall_filter::{FilterSet, SyscallFilterError};
 
 /// Why a supervisor could not confine itself (the sandbox is then refused: it never
@@ -67,6 +72,9 @@ pub enum ConfinementError {
     /// A kind of thread's filter was handed to it before.
     #[error("confining the threads that serve the guest")]
     ThreadKind(#[from] cube_devices::thread_confinement::AlreadySet),
+    /// The unprivileged identity could not be leased or its directory given to it.
+    #[error("taking a uid of its own")]
+    Identity(#[from] IdentityError),
 }
 
 /// What a supervisor holds, and so what it keeps.
@@ -126,6 +134,11 @@ const CAPABILITIES: &[(u32, &str)] = &[
     (39, "bpf"),
     (40, "checkpoint_restore"),
 ];
+
+/// What a VM supervisor keeps once it runs as a uid of its own: reading snapshots and
+/// templates other uids wrote, for a rollback (Landlock limits it to those; the
+/// handle-based opens that would pass by path checks kill it: see [`syscall_filter`]).
+const VM_KEEPS: &[&str] = &["dac_read_search"];
 
 /// What a network keeper keeps: the pool's netlink and eBPF work when it changes or
 /// releases its device. (`sys_admin`, which entering namespaces takes, is not among
@@ -190,6 +203,8 @@ pub struct Summary {
     pub device_loop_syscalls_allowed: Vec<&'static str>,
     /// What it may reach of the host's file system.
     pub filesystem: String,
+    /// Whom it runs as.
+    pub runs_as: String,
 }
 
 impl Profile {
@@ -197,7 +212,7 @@ impl Profile {
     /// permitted set: a host may withhold some even from root).
     pub fn kept(self, held: u64) -> u64 {
         match self {
-            Profile::Vm => 0,
+            Profile::Vm => held & mask_of(VM_KEEPS),
             Profile::NetworkKeeper => held & mask_of(NETWORK_KEEPER_KEEPS),
             Profile::Jail => held & !mask_of(JAIL_DROPS),
         }
@@ -248,31 +263,47 @@ impl Profile {
                 Profile::NetworkKeeper => filesystem::Reach::NetworkKeeper,
                 Profile::Jail => filesystem::Reach::Jail,
             }),
+            runs_as: match self {
+                Profile::Vm => format!(
+                    "a uid of its own, leased from {}..{} (root's where it was not started \
+                     as root), gid {}",
+                    cube_jail::sandbox_uid::RANGE.start,
+                    cube_jail::sandbox_uid::RANGE.end,
+                    cube_storage::supervisor_group::SUPERVISOR_GID
+                ),
+                Profile::NetworkKeeper | Profile::Jail => {
+                    "the uid it was started as (root)".to_string()
+                }
+            },
         }
     }
 }
 
 /// Gives up every capability (and sets no_new_privs) on this process's vCPU threads
-/// while they are idle, and with Landlock all file-system access: a VM built ahead in
-/// the pool runs guest code and device emulation on them, which need neither, and
-/// [`confine`] then need not interrupt them once they run a guest (the wait for them
-/// was most of its cost). Returns how many.
+/// while they are idle, with Landlock all file-system access, and root's uid for the
+/// one this process's VM supervisor will run as ([`identity::vm_identity`]): a VM
+/// built ahead in the pool runs guest code and device emulation on them, which need
+/// none of it, and [`confine`] then need not interrupt them once they run a guest (the
+/// wait for them was most of its cost). Returns how many.
 pub fn confine_vcpu_threads() -> Result<usize, ConfinementError> {
     let last_cap = cube_jail::capabilities::last_cap().map_err(ConfinementError::LastCap)?;
     let rules = filesystem::no_files()?;
+    let identity = identity::vm_identity()?;
     Ok(all_threads::restrict_threads_named(
         "vcpu",
         0,
         last_cap,
         rules.as_ref().map(AsFd::as_fd),
+        identity,
     )?)
 }
 
 /// Confines this process, all its threads included, to `profile`: capabilities,
-/// no_new_privs and (for a VM or a network keeper) Landlock first, then the seccomp
-/// filters if it has any. `sandbox_dir` is its sandbox's directory: with the parts
-/// of its store [`filesystem::vm_rules`] names, all of the host's file system a VM
-/// supervisor keeps (a network keeper: [`filesystem::keeper_rules`]).
+/// no_new_privs, (for a VM) a uid of its own and (for a VM or a network keeper)
+/// Landlock first, then the seccomp filters if it has any. `sandbox_dir` is its
+/// sandbox's directory: with the parts of its store [`filesystem::vm_rules`] names,
+/// all of the host's file system a VM supervisor keeps (a network keeper:
+/// [`filesystem::keeper_rules`]), and given to the VM supervisor's uid.
 pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementError> {
     let start = std::time::Instant::now();
     let last_cap = cube_jail::capabilities::last_cap().map_err(ConfinementError::LastCap)?;
@@ -297,12 +328,20 @@ pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementEr
     if profile != Profile::Jail {
         no_core_files()?;
     }
+    let identity = match profile {
+        Profile::Vm => identity::vm_identity()?,
+        Profile::NetworkKeeper | Profile::Jail => None,
+    };
+    if let Some(id) = identity {
+        identity::give_own_dir(sandbox_dir, id)?;
+    }
     let built = start.elapsed();
     let held = all_threads::held_capabilities()?;
     all_threads::restrict_all_threads(
         profile.kept(held),
         last_cap,
         rules.as_ref().map(AsFd::as_fd),
+        identity,
     )?;
     let dropped = start.elapsed();
     syscall_filter::install_on_all_threads(&programs)?;
@@ -339,7 +378,12 @@ mod tests {
     #[test]
     fn profiles_keep_what_they_say() {
         let all = all_up_to(40);
-        assert_eq!(Profile::Vm.kept(all), 0);
+        assert_eq!(
+            Profile::Vm.kept(all),
+            1 << 2,
+            "a VM supervisor keeps dac_read_search"
+        );
+        assert_eq!(Profile::Vm.kept(0), 0);
         let keeper = Profile::NetworkKeeper.summary();
         assert!(keeper.capabilities_kept.contains(&"net_admin"));
         assert!(!keeper.capabilities_kept.contains(&"sys_ptrace"));

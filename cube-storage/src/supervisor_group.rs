@@ -1,0 +1,65 @@
+//! The group VM supervisors run as, and the two store areas it may remove from.
+//!
+//! A confined VM supervisor gives up uid 0 for a uid of its own (see
+//! `cube_supervisor::confinement::identity`) with this group as its gid. The areas
+//! whose entries a supervisor removes itself when its sandbox ends without a library
+//! present (its own directory among `sandboxes/`, the snapshots it owns among
+//! `snapshots/`) are owned by root and this group, group-writable and sticky: a
+//! supervisor may then remove the entries its own uid owns, and no other's (the
+//! snapshots other sandboxes' supervisors staged, or root wrote), which Landlock alone
+//! could not say: it grants removal beneath a directory, for every entry alike.
+//! Landlock still keeps a supervisor from adding entries there. Every other area
+//! stays root's alone.
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+
+/// The gid VM supervisors run as: outside the sandbox uid range (so no sandbox's
+/// processes ever hold it) and far above any account's.
+pub const SUPERVISOR_GID: u32 = 0x6fff_ffff;
+
+/// The mode of a shared area: owner and group may add and remove entries, the
+/// sticky bit limits removal to an entry's owner (and root), others nothing.
+pub const SHARED_AREA_MODE: u32 = 0o1770;
+
+/// Gives area `dir` to root and [`SUPERVISOR_GID`] with [`SHARED_AREA_MODE`] where it
+/// has another owner, group or mode. Only root can; for another user (whose store
+/// has no supervisor of another uid) nothing changes.
+pub fn share_area(dir: &Path) -> io::Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        return Ok(());
+    }
+    let meta = fs::symlink_metadata(dir)?;
+    if meta.uid() != 0 || meta.gid() != SUPERVISOR_GID {
+        std::os::unix::fs::lchown(dir, Some(0), Some(SUPERVISOR_GID))?;
+    }
+    if meta.mode() & 0o7777 != SHARED_AREA_MODE {
+        fs::set_permissions(dir, fs::Permissions::from_mode(SHARED_AREA_MODE))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_area_is_shared_with_the_group_and_sticky() {
+        if !nix::unistd::geteuid().is_root() {
+            println!("skipped: giving a directory to a group needs root");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let area = tmp.path().join("snapshots");
+        fs::create_dir(&area).unwrap();
+        share_area(&area).unwrap();
+        let meta = fs::metadata(&area).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (0, SUPERVISOR_GID));
+        assert_eq!(meta.mode() & 0o7777, SHARED_AREA_MODE);
+        // Idempotent.
+        share_area(&area).unwrap();
+        assert!(share_area(&tmp.path().join("missing")).is_err());
+    }
+}
