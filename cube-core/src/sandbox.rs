@@ -122,6 +122,28 @@ impl Sandbox {
             })
     }
 
+    /// Sends a network request where the sandbox's network is held: to a networked
+    /// VM's network keeper (never through its supervisor, which its guest may have
+    /// taken over), else to the supervisor (a jail's holds its network itself).
+    fn network_call(&mut self, request: &Request) -> Result<Response, SandboxError> {
+        let dir = self.store.sandbox_dir(&self.id)?;
+        match cube_supervisor::network_keeper::ask_keeper(&dir, request) {
+            Ok(Some(response)) => Ok(response),
+            Ok(None) => self.call(request),
+            Err(source) => Err(SandboxError::Supervisor {
+                id: self.id.clone(),
+                source,
+            }),
+        }
+    }
+
+    fn network_call_ok(&mut self, request: &Request) -> Result<(), SandboxError> {
+        match self.network_call(request)? {
+            Response::Ok => Ok(()),
+            other => Err(self.unexpected(other)),
+        }
+    }
+
     pub(crate) fn unexpected(&self, response: Response) -> SandboxError {
         SandboxError::Supervisor {
             id: self.id.clone(),
@@ -287,7 +309,7 @@ impl Sandbox {
 
     /// The sandbox's network: device, policy, exposed ports, counters.
     pub fn network(&mut self) -> Result<NetworkReport, SandboxError> {
-        match self.call(&Request::NetworkStatus)? {
+        match self.network_call(&Request::NetworkStatus)? {
             Response::Network(report) => Ok(report),
             other => Err(self.unexpected(other)),
         }
@@ -298,7 +320,7 @@ impl Sandbox {
         policy
             .to_egress()
             .map_err(|e| SandboxError::Network(e.into()))?;
-        self.call_ok(&Request::SetPolicy(policy.clone()))
+        self.network_call_ok(&Request::SetPolicy(policy.clone()))
     }
 
     /// Changes the running sandbox's resource limits (jail engine): each limit
@@ -316,12 +338,12 @@ impl Sandbox {
     /// Serves sandbox port `port.sandbox_port` at `port.host_port` on the host's
     /// addresses (not 127.0.0.0/8), TCP.
     pub fn expose(&mut self, port: PortMapping) -> Result<(), SandboxError> {
-        self.call_ok(&Request::Expose(port))
+        self.network_call_ok(&Request::Expose(port))
     }
 
     /// Withdraws exposed host port `host_port`.
     pub fn unexpose(&mut self, host_port: u16) -> Result<(), SandboxError> {
-        self.call_ok(&Request::Unexpose { host_port })
+        self.network_call_ok(&Request::Unexpose { host_port })
     }
 
     /// Ends the sandbox: the supervisor releases the VM and exits, and the sandbox's

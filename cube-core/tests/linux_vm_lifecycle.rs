@@ -24,6 +24,9 @@ use common::linux::{linux_kernel, runtime_with_midboot_template, MEMORY_BYTES, T
 use cube_core::network::{NetworkOptions, NetworkPolicy, PortMapping};
 use cube_core::store::{SandboxDir, SnapshotDir};
 use cube_core::{CreateOptions, MachineStatus, Sandbox, SandboxError, SnapshotKind};
+use cube_supervisor::client::ClientError;
+use cube_supervisor::network_keeper::KeeperCall;
+use cube_supervisor::protocol::{read_frame, write_frame, Request, Response};
 use cube_supervisor::vm_agent::VmAgentError;
 
 /// How long a guest may take to print its next console line here.
@@ -306,6 +309,32 @@ fn assert_network_held_apart(pid: u32) -> u32 {
     keeper
 }
 
+/// The uid process `pid` runs as.
+fn uid_of(pid: u32) -> u32 {
+    status_field(&format!("/proc/{pid}/status"), "Uid")
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
+}
+
+/// Makes the calling thread what a confined VM supervisor is: `uid`, the supervisors'
+/// group, `dac_read_search` alone. Raw system calls: the kernel keeps credentials per
+/// thread, and only this thread (which ends after its request) changes.
+fn become_supervisor(uid: u32) {
+    use cube_jail::capabilities::{
+        keep_only, keep_permitted_through_uid_switch_in_child, switch_identity_in_child, Identity,
+    };
+    keep_permitted_through_uid_switch_in_child().unwrap();
+    switch_identity_in_child(Identity {
+        uid,
+        gid: cube_storage::supervisor_group::SUPERVISOR_GID,
+    })
+    .unwrap();
+    keep_only(1 << 2).unwrap();
+}
+
 #[test]
 fn a_linux_vm_sandbox_with_a_network_has_a_pool_tap_behind_its_nic_until_destroyed() {
     let Some(kernel) = linux_kernel() else { return };
@@ -378,6 +407,76 @@ fn a_linux_vm_sandbox_with_a_network_has_a_pool_tap_behind_its_nic_until_destroy
     sb.unexpose(47_801).unwrap();
     assert_eq!(residue(&tap, index).exposed_ports, 1);
     assert!(sb.network().unwrap().policy.internet);
+
+    // The library asks the keeper itself, never the supervisor: a supervisor taken
+    // over by its guest could otherwise open its own network up. As one (its uid,
+    // its one capability), ask the keeper for a port and the whole internet: it
+    // answers only root, and nothing changes.
+    let uid = uid_of(pid);
+    let before = residue(&tap, index);
+    for request in [
+        Request::Expose(PortMapping {
+            host_port: 47_803,
+            sandbox_port: 22,
+        }),
+        Request::SetPolicy(NetworkPolicy {
+            internet: false,
+            allow_out: vec!["203.0.113.0/24".into()],
+            deny_out: Vec::new(),
+        }),
+    ] {
+        let dir = sb.dir().to_path_buf();
+        let answered = std::thread::spawn(move || {
+            become_supervisor(uid);
+            // It owns the socket (its directory's), so it connects.
+            let socket = SandboxDir::new(&dir).network_keeper_socket();
+            let mut conn = std::os::unix::net::UnixStream::connect(socket).unwrap();
+            let call = KeeperCall {
+                sandbox: dir,
+                request,
+            };
+            // The keeper may have hung up before the request is written.
+            let _ = write_frame(&mut conn, &call);
+            read_frame::<Response>(&mut conn)
+        })
+        .join()
+        .unwrap();
+        assert!(
+            answered.is_err(),
+            "the keeper answered its supervisor: {answered:?}"
+        );
+    }
+    let after = residue(&tap, index);
+    assert_eq!(
+        (after.policy_entries, after.exposed_ports),
+        (before.policy_entries, before.exposed_ports)
+    );
+    assert!(sb.network().unwrap().policy.internet);
+    // Nor does its own sandbox's socket, made a link to another keeper's, turn the
+    // library's request to that keeper: it holds another sandbox's device, and says
+    // so.
+    let elsewhere = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(
+        SandboxDir::new(sb.dir()).network_keeper_socket(),
+        SandboxDir::new(elsewhere.path()).network_keeper_socket(),
+    )
+    .unwrap();
+    let redirected =
+        cube_supervisor::network_keeper::ask_keeper(elsewhere.path(), &Request::NetworkStatus);
+    assert!(
+        matches!(&redirected, Err(ClientError::Remote(f)) if f.message.contains("holds the device of")),
+        "{redirected:?}"
+    );
+    // The supervisor itself no longer relays a network request.
+    let relayed = cube_supervisor::client::SupervisorClient::connect(
+        &SandboxDir::new(sb.dir()).supervisor_socket(),
+    )
+    .unwrap()
+    .call(&Request::NetworkStatus);
+    assert!(
+        matches!(relayed, Err(ClientError::Remote(_))),
+        "{relayed:?}"
+    );
 
     // The TAP stays the sandbox's across snapshot, rollback and hibernation.
     let snapshot = sb.snapshot().unwrap();

@@ -50,6 +50,8 @@ const AGENT_SOCKET: &str = "agent.sock";
 const CONSOLE_LOG: &str = "console.log";
 /// The host end of a VM's vsock device.
 const VSOCK_SOCKET: &str = "vsock.sock";
+/// The socket a networked VM's network keeper serves the library on.
+const NETWORK_KEEPER_SOCKET: &str = "keeper.sock";
 /// A VM's previous vsock socket, kept aside while a rollback or wake replaces it.
 const VSOCK_ASIDE: &str = "vsock.sock.previous";
 /// A VM sandbox's hibernation image (a snapshot directory).
@@ -229,12 +231,14 @@ impl SandboxDir {
     }
 
     /// The longest path of a socket bound in the sandbox's directory (the supervisor's,
-    /// the agent link's, the vsock device's), for the check that they all fit.
+    /// the agent link's, the vsock device's, the network keeper's), for the check that
+    /// they all fit.
     pub fn longest_socket(&self) -> PathBuf {
         [
             self.supervisor_socket(),
             self.agent_socket(),
             self.vsock_socket(),
+            self.network_keeper_socket(),
         ]
         .into_iter()
         .max_by_key(|p| p.as_os_str().len())
@@ -275,6 +279,11 @@ impl SandboxDir {
     /// The network device the sandbox holds from the host's pool.
     pub fn network_record(&self) -> PathBuf {
         self.0.join(NETWORK_RECORD)
+    }
+
+    /// Where a networked VM's network keeper serves the library's network requests.
+    pub fn network_keeper_socket(&self) -> PathBuf {
+        self.0.join(NETWORK_KEEPER_SOCKET)
     }
 
     /// A jail sandbox's jail state directory.

@@ -83,9 +83,9 @@ pub trait Networked {
     fn network(&mut self) -> Result<&mut dyn NetworkControl, Failure>;
 }
 
-/// What the library can do with a sandbox's network: a jail's supervisor does it
-/// itself ([`JailNetwork`]), a VM's asks its network keeper
-/// ([`crate::network_keeper::NetworkKeeper`]).
+/// What the library can do with a sandbox's network through its supervisor: a jail's
+/// does it itself ([`JailNetwork`]). (A VM's network keeper serves the library
+/// directly: see [`crate::network_keeper`].)
 pub trait NetworkControl {
     /// Device, policy (as asked and as the datapath holds it), ports and counters now.
     fn report(&mut self) -> Result<NetworkReport, Failure>;

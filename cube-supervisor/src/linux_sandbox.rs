@@ -35,7 +35,7 @@ use cube_vmm::linux_vm::LinuxVm;
 use cube_vmm::persist::state::{read_state, GuestKind};
 use cube_vmm::vstate::KvmContext;
 
-use crate::backend::{awake, held_network, NetworkControl, Networked, SandboxBackend};
+use crate::backend::{awake, NetworkControl, Networked, SandboxBackend};
 use crate::confinement::Profile;
 use crate::error_report::chain as error_chain;
 use crate::flush::Flushes;
@@ -461,8 +461,19 @@ impl SandboxBackend for LinuxSandbox {
 }
 
 impl Networked for LinuxSandbox {
+    /// Never the supervisor's: the library asks a VM's network keeper directly (see
+    /// [`crate::network_keeper`]), so that a supervisor taken over by its guest has
+    /// no say in its own network.
     fn network(&mut self) -> Result<&mut dyn NetworkControl, Failure> {
-        held_network(&mut self.network)
+        if self.network.is_none() {
+            return Err(Failure::bad_state(
+                "this sandbox has no network (create it with one)",
+            ));
+        }
+        Err(Failure::bad_state(format!(
+            "this VM's network is served by its network keeper at {}, not by its supervisor",
+            self.dir.network_keeper_socket().display()
+        )))
     }
 }
 
