@@ -178,15 +178,20 @@ pub fn sweep_released(looks: usize) -> usize {
     let Ok(entries) = fs::read_dir(LEASE_DIR) else {
         return 0;
     };
+    let uids: Vec<u32> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok()))
+        .collect();
+    if uids.is_empty() {
+        return 0;
+    }
+    // From a random place: the listing's order is the same each time, and looking
+    // always at its head would leave files further on (past `looks` held leases)
+    // for ever. So each file is reached, and files left behind settle at about one
+    // for every `looks` leases held.
+    let start = random_u32().map_or(0, |r| r as usize % uids.len());
     let mut removed = 0;
-    for entry in entries.flatten().take(looks) {
-        let Some(uid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
+    for &uid in uids.iter().cycle().skip(start).take(looks.min(uids.len())) {
         // Taking the lock is what proves no process holds it; dropping it unlinks
         // the file.
         if let Ok(Some(lease)) = UidLease::try_lock(uid) {

@@ -265,8 +265,8 @@ impl Profile {
             }),
             runs_as: match self {
                 Profile::Vm => format!(
-                    "a uid of its own, leased from {}..{} (root's where it was not started \
-                     as root), gid {}",
+                    "a uid of its own, leased from {:#x}..{:#x} (root's where it was not \
+                     started as root), gid {:#x}",
                     cube_jail::sandbox_uid::RANGE.start,
                     cube_jail::sandbox_uid::RANGE.end,
                     cube_storage::supervisor_group::SUPERVISOR_GID
