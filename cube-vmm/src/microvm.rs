@@ -158,7 +158,9 @@ impl DiffBase {
     }
 
     /// Guest memory was replaced by the memory file `parent` (a load in place):
-    /// whatever was dirty belonged to the memory replaced.
+    /// whatever was dirty belonged to the memory replaced. (Only the test guest loads
+    /// in place.)
+    #[cfg(feature = "test-guest")]
     pub(crate) fn rebased(&mut self, parent: File) -> Result<(), MicroVmError> {
         self.tracker.collect()?;
         self.parent = Some(parent);
@@ -170,6 +172,9 @@ impl DiffBase {
         self.parent.as_ref()
     }
 
+    /// The mechanism tracking dirty pages (the test guest loads in place only under
+    /// KVM's dirty log).
+    #[cfg(feature = "test-guest")]
     pub(crate) fn tracker_kind(&self) -> DirtyTrackerKind {
         self.tracker.primary().kind()
     }
