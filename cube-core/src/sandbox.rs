@@ -126,8 +126,7 @@ impl Sandbox {
     /// VM's network keeper (never through its supervisor, which its guest may have
     /// taken over), else to the supervisor (a jail's holds its network itself).
     fn network_call(&mut self, request: &Request) -> Result<Response, SandboxError> {
-        let dir = self.store.sandbox_dir(&self.id)?;
-        match cube_supervisor::network_keeper::ask_keeper(&dir, request) {
+        match cube_supervisor::network_keeper::ask_keeper(&self.dir, request) {
             Ok(Some(response)) => Ok(response),
             Ok(None) => self.call(request),
             Err(source) => Err(SandboxError::Supervisor {

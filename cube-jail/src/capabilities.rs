@@ -207,6 +207,12 @@ pub fn keep_through_exec_in_child(keep: u64) -> Result<(), Errno> {
             return Err(Errno::last());
         }
     }
+    stop_keeping_permitted_in_child()
+}
+
+/// Turns `SECBIT_KEEP_CAPS` off again after the uid switch it was set for (see
+/// [`keep_permitted_through_uid_switch_in_child`]). Raw system call only.
+pub fn stop_keeping_permitted_in_child() -> Result<(), Errno> {
     // SAFETY: integer-only prctl.
     if unsafe { libc::prctl(libc::PR_SET_KEEPCAPS, 0, 0, 0, 0) } != 0 {
         return Err(Errno::last());

@@ -192,22 +192,10 @@ pub fn dispatch(backend: &mut dyn SandboxBackend, request: Request) -> Result<Re
             .wake()
             .map(|()| Response::Ok)
             .map_err(snapshot_failed),
-        Request::NetworkStatus => {
-            let report = networked(backend)?.network()?.report()?;
-            Ok(Response::Network(report))
-        }
-        Request::SetPolicy(policy) => {
-            let set = networked(backend)?.network()?.set_policy(policy);
-            set.map(|()| Response::Ok)
-        }
-        Request::Expose(port) => {
-            let exposed = networked(backend)?.network()?.expose(port);
-            exposed.map(|()| Response::Ok)
-        }
-        Request::Unexpose { host_port } => {
-            let withdrawn = networked(backend)?.network()?.unexpose(host_port);
-            withdrawn.map(|()| Response::Ok)
-        }
+        request @ (Request::NetworkStatus
+        | Request::SetPolicy(_)
+        | Request::Expose(_)
+        | Request::Unexpose { .. }) => dispatch_network(networked(backend)?.network()?, request),
         Request::SetLimits(change) => backend.set_limits(change).map(|()| Response::Ok),
         Request::GuestDirty { mib, pattern } => test_guest(backend)?
             .guest_dirty(mib, pattern)
@@ -220,6 +208,24 @@ pub fn dispatch(backend: &mut dyn SandboxBackend, request: Request) -> Result<Re
             .read_memory(addr, len)
             .map(Response::Memory),
         Request::MemoryDigest => test_guest(backend)?.memory_digest().map(Response::Digest),
+    }
+}
+
+/// Carries out a network request (report, policy, ports) on `network`: a jail
+/// supervisor's for the library, and a VM's network keeper's, which the library asks
+/// directly. Any other request is refused.
+pub fn dispatch_network(
+    network: &mut dyn NetworkControl,
+    request: Request,
+) -> Result<Response, Failure> {
+    match request {
+        Request::NetworkStatus => network.report().map(Response::Network),
+        Request::SetPolicy(policy) => network.set_policy(policy).map(|()| Response::Ok),
+        Request::Expose(port) => network.expose(port).map(|()| Response::Ok),
+        Request::Unexpose { host_port } => network.unexpose(host_port).map(|()| Response::Ok),
+        other => Err(Failure::unsupported(format!(
+            "not a network request: {other:?}"
+        ))),
     }
 }
 

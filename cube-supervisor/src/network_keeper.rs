@@ -40,7 +40,7 @@ use std::process::{Child, Command, Stdio};
 
 use serde::{Deserialize, Serialize};
 
-use crate::backend::NetworkControl;
+use crate::backend::dispatch_network;
 use crate::client::ClientError;
 use crate::confinement::{confine, Profile};
 use crate::error_report::chain as error_chain;
@@ -372,19 +372,7 @@ fn serve_library(mut conn: UnixStream, network: &mut JailNetwork, dir: &Path) {
             call.sandbox.display()
         )))
     } else {
-        let answer = match call.request {
-            Request::NetworkStatus => NetworkControl::report(network).map(Response::Network),
-            Request::SetPolicy(policy) => {
-                NetworkControl::set_policy(network, policy).map(|()| Response::Ok)
-            }
-            Request::Expose(port) => NetworkControl::expose(network, port).map(|()| Response::Ok),
-            Request::Unexpose { host_port } => {
-                NetworkControl::unexpose(network, host_port).map(|()| Response::Ok)
-            }
-            other => Err(Failure::unsupported(format!(
-                "a network keeper serves network requests only, not {other:?}"
-            ))),
-        };
+        let answer = dispatch_network(network, call.request);
         answer.unwrap_or_else(Response::Error)
     };
     let _ = write_frame(&mut conn, &response);

@@ -137,7 +137,7 @@ fn restrict_this_thread(
 ) -> Result<(), i32> {
     use cube_jail::capabilities::{
         keep_bounding_and_clear_ambient, keep_only, keep_permitted_through_uid_switch_in_child,
-        set_no_new_privs_in_child, switch_identity_in_child,
+        set_no_new_privs_in_child, stop_keeping_permitted_in_child, switch_identity_in_child,
     };
     set_no_new_privs_in_child()
         // Landlock asks for no_new_privs (or CAP_SYS_ADMIN), set just before.
@@ -160,21 +160,11 @@ fn restrict_this_thread(
         .and_then(|()| keep_only(keep).map_err(|e| e as i32))
         .and_then(|()| {
             if identity.is_some() && keep != 0 {
-                stop_keeping_caps()
+                stop_keeping_permitted_in_child().map_err(|e| e as i32)
             } else {
                 Ok(())
             }
         })
-}
-
-/// Turns `SECBIT_KEEP_CAPS` off again once the identity is taken.
-fn stop_keeping_caps() -> Result<(), i32> {
-    // SAFETY: integer-only prctl.
-    if unsafe { libc::prctl(libc::PR_SET_KEEPCAPS, 0, 0, 0, 0) } != 0 {
-        // SAFETY: __errno_location returns this thread's errno slot.
-        return Err(unsafe { *libc::__errno_location() });
-    }
-    Ok(())
 }
 
 /// Restricts the calling thread to Landlock ruleset `fd` (nothing for -1).
