@@ -101,6 +101,15 @@ pub enum SandboxError {
     /// A filesystem operation failed.
     #[error("{0}")]
     Io(String, #[source] std::io::Error),
+    /// The snapshot a VM sandbox rolls back to could not be lent to its supervisor.
+    #[error("Handing snapshot {snapshot} to the sandbox's supervisor")]
+    LendSnapshot {
+        /// The snapshot.
+        snapshot: String,
+        /// What failed.
+        #[source]
+        source: cube_storage::lent_snapshot::LendError,
+    },
     /// A snapshot or template could not be made durable.
     #[error("Flushing to disk")]
     Durability(#[from] cube_storage::DurabilityError),
@@ -209,6 +218,7 @@ impl SandboxError {
             | E::Metadata(_)
             | E::Clone(_)
             | E::Io(..)
+            | E::LendSnapshot { .. }
             | E::Durability(_)
             | E::Thread
             | E::BadTemplate(_) => ErrorKind::Internal,

@@ -289,9 +289,28 @@ impl Sandbox {
                 sandbox: self.id.clone(),
             });
         }
-        self.call_ok(&Request::Rollback {
-            snapshot: dir.into_path(),
-        })
+        if meta.engine != Engine::Vm {
+            return self.call_ok(&Request::Rollback {
+                snapshot: dir.into_path(),
+            });
+        }
+        // A VM supervisor reads no snapshot where it lies (one taken over by its guest
+        // would read every other sandbox's): it is lent this one, and it is taken
+        // back whatever the rollback's outcome.
+        let lent = SandboxDir::new(&self.dir).rollback_source();
+        cube_storage::lent_snapshot::lend(&dir, &lent).map_err(|source| {
+            SandboxError::LendSnapshot {
+                snapshot: snapshot.to_string(),
+                source,
+            }
+        })?;
+        let rolled_back = self.call_ok(&Request::Rollback {
+            snapshot: lent.path().to_path_buf(),
+        });
+        if let Err(e) = cube_storage::lent_snapshot::take_back(&lent) {
+            tracing::warn!(sandbox = %self.id, error = %e, "Cannot remove a lent snapshot");
+        }
+        rolled_back
     }
 
     /// Writes the state out and releases the guest's memory (CubeSandbox's "pause").

@@ -158,6 +158,25 @@ fn supervisors_are_confined_and_a_forbidden_call_kills_only_its_own() {
                 .ends_with(".staging")),
         "staging left in the sandbox's directory"
     );
+    // The confined VM supervisor read the snapshot it rolled back to where the
+    // library lent it (it may not read the store's snapshots), and the loan is over:
+    // the snapshot's files are root's and the supervisors' group's, read-only to it.
+    let lent = cube_storage::SandboxDir::new(vm.rt.store().sandbox_dir(vsb.id()).unwrap())
+        .rollback_source();
+    assert!(!lent.exists(), "the lent snapshot was not taken back");
+    {
+        use std::os::unix::fs::MetadataExt;
+        let memory =
+            std::fs::metadata(cube_storage::SnapshotDir::new(&vsnap.dir).memory()).unwrap();
+        assert_eq!(
+            (memory.uid(), memory.gid(), memory.mode() & 0o7777),
+            (
+                0,
+                cube_storage::supervisor_group::SUPERVISOR_GID,
+                cube_storage::lent_snapshot::LENT_FILE_MODE
+            )
+        );
+    }
     // Threads started by the rollback are confined too.
     assert_confined(vpid, SupervisorProfile::Vm);
     assert_confined(jsb.status().unwrap().pid, SupervisorProfile::Jail);

@@ -266,11 +266,10 @@ fn keeper_of(pid: u32) -> Option<u32> {
 }
 
 /// The networked VM's supervisor `pid` holds no network capability on any thread (its
-/// TAP is open, the rest of the network is its keeper's; it keeps `dac_read_search`
-/// only) and runs as a uid of its own; the keeper holds the network capabilities only,
+/// TAP is open, the rest of the network is its keeper's; it keeps no capability at
+/// all) and runs as a uid of its own; the keeper holds the network capabilities only,
 /// under a seccomp filter, as root.
 fn assert_network_held_apart(pid: u32) -> u32 {
-    let dac_read_search = 1 << 2;
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
         let task = task.unwrap().path();
         if common::user_worker(&std::fs::read_to_string(task.join("stat")).unwrap()) {
@@ -280,11 +279,7 @@ fn assert_network_held_apart(pid: u32) -> u32 {
         let status = status.to_str().unwrap();
         for set in ["CapEff", "CapPrm", "CapBnd"] {
             let held = capabilities(status, set);
-            assert_eq!(
-                held & !dac_read_search,
-                0,
-                "supervisor {status} {set} {held:#x}"
-            );
+            assert_eq!(held, 0, "supervisor {status} {set} {held:#x}");
         }
         assert_eq!(status_field(status, "Seccomp"), "2", "supervisor {status}");
         let uid: u32 = status_field(status, "Uid")
@@ -320,7 +315,7 @@ fn uid_of(pid: u32) -> u32 {
 }
 
 /// Makes the calling thread what a confined VM supervisor is: `uid`, the supervisors'
-/// group, `dac_read_search` alone. Raw system calls: the kernel keeps credentials per
+/// group, no capability. Raw system calls: the kernel keeps credentials per
 /// thread, and only this thread (which ends after its request) changes.
 fn become_supervisor(uid: u32) {
     use cube_jail::capabilities::{
@@ -332,7 +327,7 @@ fn become_supervisor(uid: u32) {
         gid: cube_storage::supervisor_group::SUPERVISOR_GID,
     })
     .unwrap();
-    keep_only(1 << 2).unwrap();
+    keep_only(0).unwrap();
 }
 
 #[test]

@@ -239,6 +239,40 @@ fn random_u32() -> Result<u32> {
 /// theirs. The tree must not be in use by a running sandbox. Returns how many entries
 /// changed owner.
 pub fn give_tree(root: &Path, identity: Identity) -> Result<u64> {
+    walk_giving(root, |meta| {
+        if !is_sandbox_uid(meta.uid()) || meta.uid() == identity.uid {
+            return None;
+        }
+        // A group of the sandbox's own goes along; any other group stays.
+        let gid = if is_sandbox_uid(meta.gid()) {
+            identity.gid
+        } else {
+            meta.gid()
+        };
+        Some(Identity {
+            uid: identity.uid,
+            gid,
+        })
+    })
+}
+
+/// Gives the directory `root` and everything in it to `identity`, without following
+/// symlinks: a VM supervisor's sandbox directory, which it goes on writing once it is
+/// no longer root. A file with more than one link keeps its owner: its other names
+/// lie outside the directory (a template's or snapshot's file linked in), which the
+/// supervisor must not come to own. Returns how many entries changed owner.
+pub fn give_whole_tree(root: &Path, identity: Identity) -> Result<u64> {
+    walk_giving(root, |meta| {
+        let linked_elsewhere = !meta.is_dir() && meta.nlink() > 1;
+        let given = (meta.uid(), meta.gid()) == (identity.uid, identity.gid);
+        (!linked_elsewhere && !given).then_some(identity)
+    })
+}
+
+/// Walks the tree `root` (itself included, no symlink followed) and gives each entry
+/// to the owner `to` chooses for it, if any; the setuid and setgid bits chown clears
+/// are put back. Returns how many entries changed owner.
+fn walk_giving(root: &Path, to: impl Fn(&fs::Metadata) -> Option<Identity>) -> Result<u64> {
     let mut changed = 0;
     let mut pending = vec![root.to_path_buf()];
     while let Some(path) = pending.pop() {
@@ -252,24 +286,16 @@ pub fn give_tree(root: &Path, identity: Identity) -> Result<u64> {
                 pending.push(entry.map_err(give_err)?.path());
             }
         }
-        let owned = is_sandbox_uid(meta.uid()) && meta.uid() != identity.uid;
-        if owned {
-            // A group of the sandbox's own goes along; any other group stays.
-            let gid = if is_sandbox_uid(meta.gid()) {
-                identity.gid
-            } else {
-                meta.gid()
-            };
-            std::os::unix::fs::lchown(&path, Some(identity.uid), Some(gid)).map_err(give_err)?;
-            // chown clears the setuid and setgid bits; a sandbox cannot set them
-            // meaningfully (nosuid) but gets its mode back as it was otherwise.
-            if !meta.file_type().is_symlink() && meta.mode() & 0o6000 != 0 {
-                use std::os::unix::fs::PermissionsExt;
-                fs::set_permissions(&path, fs::Permissions::from_mode(meta.mode() & 0o7777))
-                    .map_err(give_err)?;
-            }
-            changed += 1;
+        let Some(owner) = to(&meta) else {
+            continue;
+        };
+        std::os::unix::fs::lchown(&path, Some(owner.uid), Some(owner.gid)).map_err(give_err)?;
+        if !meta.file_type().is_symlink() && meta.mode() & 0o6000 != 0 {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&path, fs::Permissions::from_mode(meta.mode() & 0o7777))
+                .map_err(give_err)?;
         }
+        changed += 1;
     }
     Ok(changed)
 }

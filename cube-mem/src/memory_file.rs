@@ -21,7 +21,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
-use cube_storage::{clone_file, CloneError, CloneMethod, Durability};
+use cube_storage::{clone_open, CloneError, CloneMethod, Durability};
 use nix::unistd::{lseek, Whence};
 
 use crate::dirty::DirtyBitmap;
@@ -250,23 +250,35 @@ pub fn write_diff(
     durability: Durability,
 ) -> Result<DiffStats, MemoryFileError> {
     check_shape(mem, dirty)?;
-    prepare_diff(parent, dest, mem)?.write(mem, dirty, seal, durability)
+    let parent_file = File::open(parent).map_err(|source| MemoryFileError::Clone {
+        parent: parent.to_path_buf(),
+        dest: dest.to_path_buf(),
+        source: CloneError::OpenSource {
+            path: parent.to_path_buf(),
+            source,
+        },
+    })?;
+    prepare_diff(&parent_file, parent, dest, mem)?.write(mem, dirty, seal, durability)
 }
 
-/// Clones `parent` into the new memory file `dest` (which must not exist) for a diff
-/// of `mem`'s pages over it: the half of [`write_diff`] that needs no stopped guest.
-/// Until the diff is written, dropping the result removes `dest`.
+/// Clones the memory file `parent_file` (named `parent`) into the new memory file
+/// `dest` (which must not exist) for a diff of `mem`'s pages over it: the half of
+/// [`write_diff`] that needs no stopped guest. The parent comes open: a confined VM
+/// supervisor may not open it where it lies. Until the diff is written, dropping the
+/// result removes `dest`.
 pub fn prepare_diff(
+    parent_file: &File,
     parent: &Path,
     dest: &Path,
     mem: &GuestMemory,
 ) -> Result<PreparedDiff, MemoryFileError> {
     let start = std::time::Instant::now();
-    let clone_method = clone_file(parent, dest).map_err(|source| MemoryFileError::Clone {
-        parent: parent.to_path_buf(),
-        dest: dest.to_path_buf(),
-        source,
-    })?;
+    let clone_method =
+        clone_open(parent_file, parent, dest).map_err(|source| MemoryFileError::Clone {
+            parent: parent.to_path_buf(),
+            dest: dest.to_path_buf(),
+            source,
+        })?;
     let guard = RemoveOnError::new(dest);
     let file = OpenOptions::new()
         .write(true)

@@ -46,15 +46,20 @@ pub fn boot_id() -> Result<String, DurabilityError> {
         .map_err(DurabilityError::BootId)
 }
 
-fn sync_path(path: &Path) -> Result<(), DurabilityError> {
-    let describe = |e| DurabilityError::Sync(path.display().to_string(), e);
-    // Not through a symlink: only what the snapshot itself holds is synced.
+/// Opens `path` to be synced. Not through a symlink: only what the snapshot itself
+/// holds is synced.
+fn open_no_follow(path: &Path) -> Result<File, DurabilityError> {
     std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
-        .and_then(|f| f.sync_all())
-        .map_err(describe)
+        .map_err(|e| DurabilityError::Sync(path.display().to_string(), e))
+}
+
+fn sync_path(path: &Path) -> Result<(), DurabilityError> {
+    open_no_follow(path)?
+        .sync_all()
+        .map_err(|e| DurabilityError::Sync(path.display().to_string(), e))
 }
 
 /// Syncs every regular file and directory under `dir` (not `dir` itself), files
@@ -81,51 +86,131 @@ fn sync_tree(dir: &Path, marker: &Path) -> Result<(), DurabilityError> {
 /// Flushes the snapshot in `dir` (every file under it), its directory entry and its
 /// parent's to disk, then marks it durable.
 pub fn make_durable(dir: &Path, written_in_boot: &str) -> Result<(), DurabilityError> {
-    let marker = sync_all_but_marker(dir)?;
-    crate::metadata::write_atomic_bytes(&marker, DURABLE_KIND, written_in_boot.as_bytes())
-        .map_err(DurabilityError::Marker)
-}
-
-/// Syncs the snapshot in `dir` (every file under it but its marker), its directory
-/// entry and its parent's; returns the marker's path, for the caller to write.
-fn sync_all_but_marker(dir: &Path) -> Result<std::path::PathBuf, DurabilityError> {
     let marker = SnapshotDir::new(dir).durable_marker();
     sync_tree(dir, &marker)?;
     sync_path(dir)?;
     if let Some(parent) = dir.parent() {
         sync_path(parent)?;
     }
-    Ok(marker)
+    crate::metadata::write_atomic_bytes(&marker, DURABLE_KIND, written_in_boot.as_bytes())
+        .map_err(DurabilityError::Marker)
 }
 
-/// Creates the empty durability marker of the snapshot being staged in `dir` and
-/// returns it open for writing, for [`make_durable_through`]. A process that may read
-/// the place the snapshot is then moved to, but not write it (a confined VM
-/// supervisor), can still mark it durable through this descriptor. Empty, the marker
-/// vouches for nothing.
-pub fn create_marker(dir: &Path) -> Result<File, DurabilityError> {
-    let path = SnapshotDir::new(dir).durable_marker();
-    std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&path)
-        .map_err(|e| DurabilityError::CreateMarker(path.display().to_string(), e))
+/// A snapshot being staged, opened for its flush once it lies elsewhere: its empty
+/// durability marker (open for writing), the files directly in its directory and the
+/// directory itself. A process that may not open the place the snapshot is then
+/// moved to (a confined VM supervisor: it neither writes nor reads the store's
+/// snapshots) still syncs it and marks it durable through these descriptors, with
+/// [`make_durable_through`]. Empty, the marker vouches for nothing. Deeper trees (a
+/// jail's layer and checkpoint, whose supervisor reads the store) are synced by path
+/// after the move, so that a layer of many files holds no descriptors meanwhile.
+pub struct PendingFlush {
+    marker: File,
+    /// The files at the top of the snapshot, by name.
+    files: Vec<(std::ffi::OsString, File)>,
+    /// The directories at its top (a jail's trees), synced by path.
+    subdirs: Vec<std::ffi::OsString>,
+    dir: File,
+    /// The directory the snapshot is moved into, where the caller opened it before.
+    destination: Option<File>,
 }
 
-/// [`make_durable`] for a snapshot whose marker was made by [`create_marker`]: once
-/// everything else is synced, the marker is written in place through `marker` and
-/// synced. A write cut short leaves an envelope whose length or checksum is wrong,
-/// which vouches for nothing, as no marker would.
+impl PendingFlush {
+    /// Creates the empty marker in `dir` (the staging directory) and opens the
+    /// rest; the snapshot's files must all be written by then.
+    pub fn stage(dir: &Path) -> Result<Self, DurabilityError> {
+        let path = SnapshotDir::new(dir).durable_marker();
+        let marker = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)
+            .map_err(|e| DurabilityError::CreateMarker(path.display().to_string(), e))?;
+        let describe = |p: &Path, e| DurabilityError::Sync(p.display().to_string(), e);
+        let mut files = Vec::new();
+        let mut subdirs = Vec::new();
+        for entry in std::fs::read_dir(dir).map_err(|e| describe(dir, e))? {
+            let entry = entry.map_err(|e| describe(dir, e))?;
+            let file_path = entry.path();
+            let kind = entry.file_type().map_err(|e| describe(&file_path, e))?;
+            if kind.is_file() && file_path != path {
+                files.push((entry.file_name(), open_no_follow(&file_path)?));
+            } else if kind.is_dir() {
+                subdirs.push(entry.file_name());
+            }
+        }
+        Ok(PendingFlush {
+            marker,
+            files,
+            subdirs,
+            dir: open_no_follow(dir)?,
+            destination: None,
+        })
+    }
+
+    /// Has the flush sync `destination`, the directory the snapshot is moved into,
+    /// through this descriptor rather than by path (a confined VM supervisor opened
+    /// the store's areas before it was confined).
+    pub fn with_destination(mut self, destination: File) -> Self {
+        self.destination = Some(destination);
+        self
+    }
+
+    /// Whether the snapshot's directory is still linked into the file system (not
+    /// removed since it was staged), wherever it was moved.
+    pub fn still_linked(&self) -> bool {
+        self.dir.metadata().is_ok_and(|m| {
+            use std::os::unix::fs::MetadataExt;
+            m.nlink() > 0
+        })
+    }
+
+    /// The snapshot's file `name` (a VM's memory file, the parent of its next diff).
+    pub fn file(&self, name: &std::ffi::OsStr) -> Option<&File> {
+        self.files.iter().find(|(n, _)| n == name).map(|(_, f)| f)
+    }
+}
+
+/// [`make_durable`] for a snapshot staged as `pending` and now at `dir`: its
+/// subdirectories' trees (by path), the files and directory opened while it was
+/// staged and the directory naming it (through its descriptor where it has one) are
+/// synced, then the marker is written in place through
+/// its descriptor and synced. A write cut short leaves an envelope whose length or
+/// checksum is wrong, which vouches for nothing, as no marker would.
 pub fn make_durable_through(
     dir: &Path,
     written_in_boot: &str,
-    mut marker: File,
+    pending: PendingFlush,
 ) -> Result<(), DurabilityError> {
-    let marker_path = sync_all_but_marker(dir)?;
+    let describe =
+        |name: &std::ffi::OsStr, e| DurabilityError::Sync(dir.join(name).display().to_string(), e);
+    let PendingFlush {
+        mut marker,
+        files,
+        subdirs,
+        dir: dir_file,
+        destination,
+    } = pending;
+    let marker_name = SnapshotDir::new(dir).durable_marker();
+    for name in &subdirs {
+        let path = dir.join(name);
+        sync_tree(&path, &marker_name)?;
+        sync_path(&path)?;
+    }
+    for (name, file) in &files {
+        file.sync_all().map_err(|e| describe(name, e))?;
+    }
+    dir_file.sync_all().map_err(|e| describe("".as_ref(), e))?;
+    match (destination, dir.parent()) {
+        (Some(destination), _) => destination
+            .sync_all()
+            .map_err(|e| describe("..".as_ref(), e))?,
+        (None, Some(parent)) => sync_path(parent)?,
+        (None, None) => {}
+    }
     let bytes = crate::metadata::encode_envelope(DURABLE_KIND, written_in_boot.as_bytes())
         .map_err(DurabilityError::Marker)?;
-    let describe = |e| DurabilityError::Sync(marker_path.display().to_string(), e);
+    let describe = |e| DurabilityError::Sync(marker_name.display().to_string(), e);
     marker.write_all(&bytes).map_err(describe)?;
     marker.sync_all().map_err(describe)
 }
@@ -181,9 +266,9 @@ mod tests {
         let staging = store.path().join("snap.staging");
         std::fs::create_dir(&staging).unwrap();
         std::fs::write(SnapshotDir::new(&staging).memory(), b"m").unwrap();
-        let marker = create_marker(&staging).unwrap();
+        let pending = PendingFlush::stage(&staging).unwrap();
         assert!(matches!(
-            create_marker(&staging),
+            PendingFlush::stage(&staging),
             Err(DurabilityError::CreateMarker(..))
         ));
         let dest = store.path().join("snap");
@@ -194,7 +279,7 @@ mod tests {
             check_usable(&dest, other),
             Err(DurabilityError::NotDurable)
         ));
-        make_durable_through(&dest, other, marker).unwrap();
+        make_durable_through(&dest, other, pending).unwrap();
         assert!(check_usable(&dest, other).is_ok());
     }
 

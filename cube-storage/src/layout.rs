@@ -56,6 +56,8 @@ const NETWORK_KEEPER_SOCKET: &str = "keeper.sock";
 const VSOCK_ASIDE: &str = "vsock.sock.previous";
 /// A VM sandbox's hibernation image (a snapshot directory).
 const HIBERNATION: &str = "hibernate";
+/// A snapshot lent to a VM sandbox's supervisor for a rollback.
+const ROLLBACK_SOURCE: &str = "rollback.source";
 /// A hibernation image being written.
 const HIBERNATION_STAGING: &str = "hibernate.staging";
 /// The previous hibernation image while a new one replaces it.
@@ -139,6 +141,9 @@ directory_type!(
 impl SnapshotDir {
     /// Envelope kind of [`SnapshotDir::record`].
     pub const RECORD_KIND: &'static str = "snapshot";
+
+    /// The name of [`SnapshotDir::memory`] in the snapshot's directory.
+    pub const MEMORY_NAME: &'static str = MEMORY_FILE;
 
     /// The guest memory file.
     pub fn memory(&self) -> PathBuf {
@@ -259,6 +264,13 @@ impl SandboxDir {
     /// the store's snapshots (which a confined VM supervisor may not write).
     pub fn snapshot_staging(&self, id: &str) -> PathBuf {
         self.0.join(format!("{id}.staging"))
+    }
+
+    /// Where the library lends a VM sandbox's supervisor the snapshot it rolls back
+    /// to (see [`crate::lent_snapshot`]): a confined supervisor reads no snapshot
+    /// where it lies.
+    pub fn rollback_source(&self) -> SnapshotDir {
+        SnapshotDir(self.0.join(ROLLBACK_SOURCE))
     }
 
     /// A VM sandbox's hibernation image.

@@ -10,6 +10,8 @@
 //! - [`durable_marker`]: the boot-id marker that says a snapshot written to the page
 //!   cache reached the disk, and the check that refuses one from an earlier boot
 //!   without it.
+//! - [`lent_snapshot`]: a snapshot lent to a confined VM supervisor for a rollback,
+//!   as read-only links in its sandbox's directory.
 //! - [`loop_store`]: a reflink-capable XFS filesystem on a loop device, for hosts
 //!   whose root filesystem (ext4) cannot reflink.
 //! - [`project_quota`]: XFS project quotas, the disk limits of directories.
@@ -22,6 +24,7 @@
 pub mod durability;
 pub mod durable_marker;
 pub mod layout;
+pub mod lent_snapshot;
 pub mod loop_store;
 pub mod metadata;
 pub mod project_quota;
@@ -44,8 +47,8 @@ pub use metadata::{
 };
 pub use random_id::fill_random;
 pub use reflink::{
-    clone_file, clone_tree, clone_tree_into, clone_tree_with, filesystem_name, supports_reflink,
-    CloneError, CloneMethod, TreeCloneStats, TreeOptions,
+    clone_file, clone_open, clone_tree, clone_tree_into, clone_tree_with, filesystem_name,
+    supports_reflink, CloneError, CloneMethod, TreeCloneStats, TreeOptions,
 };
 pub use store::{
     is_valid_name, remove_dead_scratch, scratch_entry_name, StagingDir, Store, StoreAreas,

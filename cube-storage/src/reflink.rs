@@ -214,6 +214,19 @@ pub fn clone_file(src: &Path, dst: &Path) -> Result<CloneMethod, CloneError> {
     clone_open_file(src_file, src, dst, true)
 }
 
+/// [`clone_file`] from a file already open for reading, named `src` in errors: a
+/// process that may no longer open the source where it lies (a confined VM
+/// supervisor and the snapshot its next diff builds on) still clones it.
+pub fn clone_open(src_file: &File, src: &Path, dst: &Path) -> Result<CloneMethod, CloneError> {
+    let src_file = src_file
+        .try_clone()
+        .map_err(|source| CloneError::OpenSource {
+            path: src.to_owned(),
+            source,
+        })?;
+    clone_open_file(src_file, src, dst, true)
+}
+
 /// Like [`clone_file`] for an entry of a tree walk, which may belong to a sandbox: a
 /// symlink put in the file's place is not followed (the copy could otherwise read any
 /// host file into the sandbox's snapshot) and a FIFO put there does not block the open.

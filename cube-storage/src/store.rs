@@ -14,7 +14,7 @@
 use std::ffi::OsString;
 use std::fs::{self, DirBuilder, File};
 use std::io;
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime};
@@ -192,8 +192,8 @@ pub struct Store {
 impl Store {
     /// Opens the store at `root`, creating it and its `templates`, `snapshots`,
     /// `sandboxes` and `tmp` directories (mode 0700) where missing. Opened by root,
-    /// `snapshots` and `sandboxes` are shared with the VM supervisors' group (see
-    /// [`supervisor_group`]).
+    /// `snapshots` and `sandboxes` are shared with the VM supervisors' group, and the
+    /// root is searched by it (see [`supervisor_group`]).
     pub fn open(root: impl Into<PathBuf>) -> Result<Store, StoreError> {
         let root = root.into();
         DirBuilder::new()
@@ -205,6 +205,10 @@ impl Store {
                 source,
             })?;
         let root = fs::canonicalize(&root).map_err(|source| StoreError::CreateDir {
+            path: root.clone(),
+            source,
+        })?;
+        supervisor_group::open_root_to_group(&root).map_err(|source| StoreError::CreateDir {
             path: root.clone(),
             source,
         })?;
@@ -290,28 +294,41 @@ impl Store {
 
     /// Removes sandbox `id`'s directory and every snapshot whose record names it as
     /// owner. A directory already gone is not an error. One that cannot be removed
-    /// (a confined VM supervisor may remove only what its own uid owns) does not stop
-    /// the others; the first such error is returned.
+    /// does not stop the others; the first such error is returned.
     pub fn remove_sandbox_files(&self, id: &str) -> Result<(), StoreError> {
-        let dir = self.sandbox_dir(id)?;
         let mut first_error = None;
         for snap in self.list_snapshots()? {
             let snapshot = self.snapshot(&snap)?;
             if snapshot.owner().as_deref() == Some(id) {
-                if let Err(source) = fs::remove_dir_all(&snapshot) {
-                    first_error.get_or_insert(StoreError::Remove {
-                        path: snapshot.into_path(),
-                        source,
-                    });
+                if let Err(e) = remove_entry(snapshot.into_path()) {
+                    first_error.get_or_insert(e);
                 }
             }
         }
-        match fs::remove_dir_all(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-            Err(source) => {
-                first_error.get_or_insert(StoreError::Remove { path: dir, source });
+        if let Err(e) = remove_entry(self.sandbox_dir(id)?) {
+            first_error.get_or_insert(e);
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
+    /// What a confined VM supervisor removes when its sandbox ends without a library
+    /// present (a lifetime's end, its creator gone): its own directory, sandbox
+    /// `id`'s, and the snapshots whose directories its uid `uid` owns (those it
+    /// staged), which it finds without reading them: it may read no snapshot's
+    /// record. Errors as for [`Store::remove_sandbox_files`].
+    pub fn remove_sandbox_files_of_uid(&self, id: &str, uid: u32) -> Result<(), StoreError> {
+        let mut first_error = None;
+        for snap in self.list_snapshots()? {
+            let snapshot = self.snapshot(&snap)?.into_path();
+            let owned = fs::symlink_metadata(&snapshot).is_ok_and(|m| m.is_dir() && m.uid() == uid);
+            if owned {
+                if let Err(e) = remove_entry(snapshot) {
+                    first_error.get_or_insert(e);
+                }
             }
+        }
+        if let Err(e) = remove_entry(self.sandbox_dir(id)?) {
+            first_error.get_or_insert(e);
         }
         first_error.map_or(Ok(()), Err)
     }
@@ -788,6 +805,17 @@ fn remove_path(path: &Path) -> io::Result<()> {
     }
 }
 
+/// Removes the directory tree `path` of a sandbox or snapshot; one already gone is
+/// not an error.
+fn remove_entry(path: PathBuf) -> Result<(), StoreError> {
+    match fs::remove_dir_all(&path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            Err(StoreError::Remove { path, source: e })
+        }
+        _ => Ok(()),
+    }
+}
+
 fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
@@ -795,7 +823,6 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::MetadataExt;
 
     fn open_temp() -> (tempfile::TempDir, Store) {
         let dir = tempfile::tempdir().unwrap();
@@ -971,6 +998,40 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn a_sandbox_removes_its_own_snapshots_by_record_or_by_uid() {
+        let (_tmp, store) = open_temp();
+        let snapshot = |id: &str, owner: &str| {
+            let dir = store.snapshot_dir(id).unwrap();
+            fs::create_dir(&dir).unwrap();
+            let record = SnapshotDir::new(&dir).record();
+            let body = format!("{{\"sandbox\":\"{owner}\"}}");
+            crate::write_atomic_bytes(&record, SnapshotDir::RECORD_KIND, body.as_bytes()).unwrap();
+            dir
+        };
+        for id in ["sb-a", "sb-b"] {
+            fs::create_dir(store.sandbox_dir(id).unwrap()).unwrap();
+        }
+        let a1 = snapshot("snap-a1", "sb-a");
+        let b1 = snapshot("snap-b1", "sb-b");
+        store.remove_sandbox_files("sb-a").unwrap();
+        assert!(!a1.exists() && !store.sandbox_dir("sb-a").unwrap().exists());
+        assert!(b1.exists());
+        // By uid: what the uid owns goes, whatever its record says (it is not read).
+        if !nix::unistd::geteuid().is_root() {
+            println!("skipped the uid half: giving a directory to a uid needs root");
+            return;
+        }
+        let staged = snapshot("snap-b2", "sb-b");
+        let uid = 0x7000_0123;
+        std::os::unix::fs::lchown(&staged, Some(uid), None).unwrap();
+        store.remove_sandbox_files_of_uid("sb-b", uid).unwrap();
+        assert!(!staged.exists() && !store.sandbox_dir("sb-b").unwrap().exists());
+        assert!(b1.exists(), "a snapshot of another uid stays");
+        // Gone already: not an error.
+        store.remove_sandbox_files_of_uid("sb-b", uid).unwrap();
     }
 
     #[test]

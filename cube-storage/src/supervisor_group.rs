@@ -9,7 +9,8 @@
 //! snapshots other sandboxes' supervisors staged, or root wrote), which Landlock alone
 //! could not say: it grants removal beneath a directory, for every entry alike.
 //! Landlock still keeps a supervisor from adding entries there. Every other area
-//! stays root's alone.
+//! stays root's alone. The store's root, where others may not search it, is opened
+//! to the group for search: a supervisor reaches its own directory by path.
 
 use std::fs;
 use std::io;
@@ -41,6 +42,23 @@ pub fn share_area(dir: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// Lets the supervisors' group search the store's root `dir` where others may not
+/// (a store the library made is 0700): a VM supervisor reaches its own sandbox's
+/// directory by path, through it. The group gets no listing. Only root can; for
+/// another user nothing changes.
+pub fn open_root_to_group(dir: &Path) -> io::Result<()> {
+    if !nix::unistd::geteuid().is_root() {
+        return Ok(());
+    }
+    let meta = fs::symlink_metadata(dir)?;
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o001 != 0 || (meta.gid() == SUPERVISOR_GID && mode & 0o010 != 0) {
+        return Ok(());
+    }
+    std::os::unix::fs::lchown(dir, None, Some(SUPERVISOR_GID))?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(mode | 0o010))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -61,5 +79,27 @@ mod tests {
         // Idempotent.
         share_area(&area).unwrap();
         assert!(share_area(&tmp.path().join("missing")).is_err());
+    }
+
+    #[test]
+    fn a_closed_store_root_is_opened_to_the_group_for_search_only() {
+        if !nix::unistd::geteuid().is_root() {
+            println!("skipped: giving a directory to a group needs root");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("store");
+        fs::create_dir(&root).unwrap();
+        fs::set_permissions(&root, fs::Permissions::from_mode(0o700)).unwrap();
+        open_root_to_group(&root).unwrap();
+        let meta = fs::metadata(&root).unwrap();
+        assert_eq!((meta.uid(), meta.gid()), (0, SUPERVISOR_GID));
+        assert_eq!(meta.mode() & 0o7777, 0o710);
+        // One others may search already is left as it is.
+        let open = tmp.path().join("open");
+        fs::create_dir(&open).unwrap();
+        fs::set_permissions(&open, fs::Permissions::from_mode(0o755)).unwrap();
+        open_root_to_group(&open).unwrap();
+        assert_eq!(fs::metadata(&open).unwrap().gid(), 0);
     }
 }

@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 
 use cube_devices::records::DeviceKind;
 use cube_devices::virtio::tap::Tap;
+use cube_storage::durable_marker::PendingFlush;
 use cube_storage::{SandboxDir, SnapshotDir};
 use cube_vmm::linux_vm::LinuxVm;
 use cube_vmm::persist::state::{read_state, GuestKind};
@@ -342,9 +343,9 @@ impl SandboxBackend for LinuxSandbox {
     fn snapshot_committed(&mut self, dest: &Path) -> Result<(), Failure> {
         let pending = PendingCommit::take_for(&mut self.pending, dest)?;
         let vm = awake(&mut self.vm, self.hibernated, VM_GONE)?;
-        let committed = |dest: &Path| {
-            vm.snapshot_committed(dest)
-                .map_err(|e| error_chain(&e).into())
+        let committed = |staged: &PendingFlush| {
+            vm.snapshot_committed_from(PendingCommit::memory(staged)?);
+            Ok(())
         };
         pending.finish(committed, &mut self.flushes)
     }

@@ -454,7 +454,8 @@ fn destroy(state: &State) {
 }
 
 /// Removes the sandbox's directory (its socket with it) and the snapshots it owns
-/// from the store it lies in (a directory outside a store's layout is left alone).
+/// from the store it lies in (a directory outside a store's layout is left alone),
+/// when it ends without a library present.
 fn remove_files(state: &State) {
     let dir = state.lock().dir().to_path_buf();
     let (Some(root), Some(id)) = (
@@ -465,7 +466,13 @@ fn remove_files(state: &State) {
     };
     match cube_storage::Store::open(root) {
         Ok(store) => {
-            if let Err(e) = store.remove_sandbox_files(id) {
+            // A confined VM supervisor reads no snapshot's record: the snapshots its
+            // uid owns are those it staged.
+            let removed = match crate::confinement::identity::running_as_own_uid() {
+                Some(uid) => store.remove_sandbox_files_of_uid(id, uid),
+                None => store.remove_sandbox_files(id),
+            };
+            if let Err(e) = removed {
                 tracing::warn!("removing sandbox {id}: {}", error_chain(&e));
             }
         }

@@ -17,7 +17,7 @@
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use cube_storage::durable_marker::{boot_id, create_marker};
+use cube_storage::durable_marker::{boot_id, PendingFlush};
 use cube_storage::{Durability, SandboxDir, SnapshotDir};
 use cube_vmm::persist::SnapshotStats;
 
@@ -121,11 +121,14 @@ impl SnapshotTransaction {
             Durability::Deferred,
         )
         .map_err(|e| error_chain(&e))?;
-        let marker = create_marker(&self.staging).map_err(|e| error_chain(&e))?;
+        let mut flush = PendingFlush::stage(&self.staging).map_err(|e| error_chain(&e))?;
+        if let Some(area) = crate::flush::held_area_of(&self.dest) {
+            flush = flush.with_destination(area);
+        }
         self.handed_over = true;
         let pending = PendingCommit {
             dest: std::mem::take(&mut self.dest),
-            marker,
+            flush,
         };
         Ok((meta, pending))
     }
@@ -135,7 +138,9 @@ impl SnapshotTransaction {
 /// is there.
 pub struct PendingCommit {
     dest: PathBuf,
-    marker: File,
+    /// Its files, opened while staged: a confined VM supervisor opens none of the
+    /// store's snapshots.
+    flush: PendingFlush,
 }
 
 impl PendingCommit {
@@ -154,19 +159,33 @@ impl PendingCommit {
         }
     }
 
-    /// Checks the snapshot is in place, runs `committed` (a VM forgets the dirty pages
-    /// the snapshot now holds) and has it flushed into `flushes`.
+    /// Checks the snapshot was not removed, runs `committed` on its files as staged (a VM
+    /// forgets the dirty pages the snapshot now holds, and keeps its memory file as
+    /// the parent of its next diff) and has it flushed into `flushes`.
     pub fn finish(
         self,
-        committed: impl FnOnce(&Path) -> Result<(), Failure>,
+        committed: impl FnOnce(&PendingFlush) -> Result<(), Failure>,
         flushes: &mut Flushes,
     ) -> Result<(), Failure> {
-        if !SnapshotDir::new(&self.dest).record().is_file() {
+        // Through the staged directory's descriptor: a confined VM supervisor may not
+        // look where it now lies.
+        if !self.flush.still_linked() {
             return Err(format!("{} holds no snapshot", self.dest.display()).into());
         }
-        committed(&self.dest)?;
-        flushes.start(self.dest, self.marker);
+        committed(&self.flush)?;
+        flushes.start(self.dest, self.flush);
         Ok(())
+    }
+
+    /// The memory file of a VM's snapshot, as staged, for the parent of its next
+    /// diff.
+    pub fn memory(staged: &PendingFlush) -> Result<File, Failure> {
+        let memory = staged
+            .file(SnapshotDir::MEMORY_NAME.as_ref())
+            .ok_or("the snapshot has no memory file")?;
+        Ok(memory
+            .try_clone()
+            .map_err(|e| format!("keeping the snapshot's memory file: {e}"))?)
     }
 }
 
@@ -197,21 +216,21 @@ pub fn write_hibernation_image(
     let _ = std::fs::remove_dir_all(&old);
     std::fs::create_dir(&staging).map_err(|e| format!("creating {}: {e}", staging.display()))?;
     let written = write(&staging).and_then(|()| {
-        let marker = create_marker(&staging).map_err(|e| error_chain(&e))?;
+        let flush = PendingFlush::stage(&staging).map_err(|e| error_chain(&e))?;
         if image.exists() {
             std::fs::rename(&image, &old).map_err(|e| format!("moving old image: {e}"))?;
         }
         std::fs::rename(&staging, &image).map_err(|e| format!("committing image: {e}"))?;
-        Ok(marker)
+        Ok(flush)
     });
-    let marker = match written {
-        Ok(marker) => marker,
+    let flush = match written {
+        Ok(flush) => flush,
         Err(e) => {
             let _ = std::fs::remove_dir_all(&staging);
             return Err(e);
         }
     };
     let _ = std::fs::remove_dir_all(&old);
-    flushes.start(image.into_path(), marker);
+    flushes.start(image.into_path(), flush);
     Ok(())
 }

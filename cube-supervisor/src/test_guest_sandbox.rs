@@ -11,6 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use cube_storage::durable_marker::PendingFlush;
 use cube_storage::{SandboxDir, SnapshotDir};
 use cube_vmm::persist::state::read_state;
 use cube_vmm::test_guest::mailbox::field;
@@ -160,7 +161,10 @@ impl SandboxBackend for TestGuestSandbox {
     fn snapshot_committed(&mut self, dest: &Path) -> Result<(), Failure> {
         let pending = PendingCommit::take_for(&mut self.pending, dest)?;
         let m = awake(&mut self.machine, self.hibernated, NO_MACHINE)?;
-        let committed = |dest: &Path| m.snapshot_committed(dest).map_err(snapshot_failure);
+        let committed = |staged: &PendingFlush| {
+            m.snapshot_committed_from(PendingCommit::memory(staged)?);
+            Ok(())
+        };
         pending.finish(committed, &mut self.flushes)
     }
 

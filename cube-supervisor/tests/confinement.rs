@@ -2,10 +2,11 @@
 //! blocked in the kernel, those started later) ends with the profile's capabilities,
 //! no_new_privs and the seccomp filters, blocked reads carry on, and a forbidden system
 //! call kills the process with SIGSYS. A VM supervisor also loses the host's files
-//! (Landlock), on its old threads too, but its own sandbox directory, its store's
-//! snapshots (read and removed, never altered or added to) and templates (read); and
-//! TCP; and runs as a uid of its own, which may remove only the snapshots it staged. A networked VM's network keeper loses all but its sandbox's network record
-//! (removed) and its pool's lock file and bpffs pins.
+//! (Landlock), on its old threads too, but its own sandbox directory (where a
+//! snapshot is lent to it, read-only) and its store's snapshots (listed and removed,
+//! never read, altered or added to); and TCP; and runs as a uid of its own, which may
+//! remove only the snapshots it staged. A networked VM's network keeper loses all but
+//! its sandbox's network record (removed) and its pool's lock file and bpffs pins.
 //!
 //! Confinement cannot be undone, so each profile runs in a child: this test binary run
 //! again with `CUBE_CONFINE_CHILD` naming the profile and the forbidden call to make.
@@ -18,7 +19,7 @@ use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 use std::time::Duration;
 
-use cube_storage::durable_marker::{create_marker, make_durable_through, marked_durable};
+use cube_storage::durable_marker::{make_durable_through, marked_durable, PendingFlush};
 use cube_supervisor::confinement::all_threads::{
     held_capabilities, status_field, verify_all_threads,
 };
@@ -105,6 +106,13 @@ fn run_child_with(spec: &str, pool: Option<&TestPool>) -> std::process::Output {
     std::fs::write(store.path().join("sandboxes/own/network"), "cubet0").unwrap();
     std::fs::write(store.path().join("snapshots/origin/memory.bin"), "origin").unwrap();
     std::fs::write(store.path().join("templates/base/rootfs.img"), "base").unwrap();
+    // The snapshot it was cloned from, lent to it for a rollback (by the library,
+    // after its confinement in life).
+    cube_storage::lent_snapshot::lend(
+        &cube_storage::SnapshotDir::new(store.path().join("snapshots/origin")),
+        &cube_storage::SandboxDir::new(store.path().join("sandboxes/own")).rollback_source(),
+    )
+    .unwrap();
     let mut command = Command::new(std::env::current_exe().unwrap());
     if let Some(pool) = pool {
         command.env("CUBE_NET_POOL", &pool.name);
@@ -182,9 +190,9 @@ fn child(spec: &str) {
     let own = store.join("sandboxes/own");
     std::fs::write(host.join("host-file"), "host").unwrap();
     std::thread::sleep(Duration::from_millis(50));
-    // The durability marker of the snapshot staged before, made while it could be.
+    // The snapshot staged before, opened for its flush while it could be.
     let moved = store.join("snapshots/moved");
-    let marker = create_marker(&moved).unwrap();
+    let marker = PendingFlush::stage(&moved).unwrap();
     let held = held_capabilities().unwrap();
     let identity = if profile == Profile::Vm {
         identity::vm_identity().unwrap()
@@ -276,8 +284,18 @@ fn child(spec: &str) {
             "Seccomp:\t0"
         );
     }
-    if profile != Profile::NetworkKeeper {
-        // Its destroy removes its snapshots and its own directory, emptied first.
+    if let Some(id) = identity {
+        // Ending on its own, it removes its directory and the snapshots its uid owns
+        // (found without reading their records, which it may not), no other.
+        let store = cube_storage::Store::open(store).unwrap();
+        store.remove_sandbox_files_of_uid("own", id.uid).unwrap();
+        assert!(!moved.exists() && !own.exists());
+        assert!(store
+            .snapshot_dir("origin")
+            .unwrap()
+            .join("memory.bin")
+            .exists());
+    } else if profile == Profile::Jail {
         std::fs::remove_dir_all(&moved).unwrap();
         std::fs::remove_dir_all(&own).unwrap();
     }
@@ -289,13 +307,13 @@ fn child(spec: &str) {
 }
 
 /// What a confined VM or jail supervisor reaches of its store and the host: a VM's
-/// only its own directory (read-write), snapshots (read and removed) and templates
-/// (read), where the kernel has Landlock; a jail's all of it.
+/// only its own directory (read-write) and snapshots (listed and removed), where the
+/// kernel has Landlock; a jail's all of it.
 fn supervisor_reach(
     profile: Profile,
     store: &std::path::Path,
     host: &std::path::Path,
-    marker: std::fs::File,
+    marker: PendingFlush,
     host_read_by_old_thread: Result<Vec<u8>, std::io::ErrorKind>,
 ) {
     let own = store.join("sandboxes/own");
@@ -311,19 +329,42 @@ fn supervisor_reach(
     std::fs::remove_file(own.join("renamed")).unwrap();
     std::fs::create_dir(own.join("dir")).unwrap();
     // A snapshot is staged in its own directory (the library moves it into place);
-    // the one moved is marked durable through the marker made while staging; the one
-    // it was cloned from is read (a rollback's disk comes from a snapshot or a
-    // template).
+    // the one moved is synced and marked durable through what was opened while it
+    // was staged; the one it rolls back to is read where it is lent, and cloned (a
+    // rollback's disk).
     let staging = own.join("snap.staging");
     std::fs::create_dir(&staging).unwrap();
     std::fs::write(staging.join("memory.bin"), "memory").unwrap();
-    create_marker(&staging).unwrap();
+    PendingFlush::stage(&staging).unwrap();
     make_durable_through(&moved, "boot", marker).unwrap();
-    assert!(marked_durable(&moved, "boot"));
+    if profile == Profile::Jail {
+        assert!(marked_durable(&moved, "boot"));
+    } else {
+        // It may not read the marker back where the snapshot lies; it was written.
+        assert!(std::fs::metadata(moved.join("durable")).unwrap().len() > 0);
+    }
+    let lent = cube_storage::SandboxDir::new(&own).rollback_source();
+    assert_eq!(
+        std::fs::read_to_string(lent.join("memory.bin")).unwrap(),
+        "origin"
+    );
+    cube_storage::clone_file(&lent.join("memory.bin"), &own.join("memory.bin")).unwrap();
+    std::fs::write(own.join("memory.bin"), "its own copy").unwrap();
     let origin = store.join("snapshots/origin");
-    std::fs::copy(origin.join("memory.bin"), own.join("memory.bin")).unwrap();
     let base = store.join("templates/base/rootfs.img");
-    assert_eq!(std::fs::read_to_string(&base).unwrap(), "base");
+    if root() && profile == Profile::Vm {
+        // Lent read-only: as its uid, not the file's owner, it neither writes the
+        // snapshot through the link (a clone mapping it would see the write) nor
+        // makes it writable.
+        use std::os::unix::fs::PermissionsExt;
+        let lent_memory = lent.join("memory.bin");
+        assert_eq!(
+            std::fs::write(&lent_memory, "changed").map_err(|e| e.kind()),
+            Err(std::io::ErrorKind::PermissionDenied)
+        );
+        let chmod = std::fs::set_permissions(&lent_memory, std::fs::Permissions::from_mode(0o666));
+        assert_eq!(chmod.map_err(|e| e.raw_os_error()), Err(Some(libc::EPERM)));
+    }
     // The host's files: out of reach of a VM supervisor without a network, from any of
     // its threads, where the kernel has Landlock; the others keep them (they mount,
     // pin namespaces and run CRIU on host paths).
@@ -365,6 +406,22 @@ fn supervisor_reach(
             std::fs::write(store.join("sandboxes/other/new"), "x").map_err(|e| e.kind()),
         ),
         (
+            "reads a snapshot",
+            std::fs::read(origin.join("memory.bin"))
+                .map(drop)
+                .map_err(|e| e.kind()),
+        ),
+        (
+            "reads a snapshot it staged itself",
+            std::fs::read(moved.join("durable"))
+                .map(drop)
+                .map_err(|e| e.kind()),
+        ),
+        (
+            "reads a template",
+            std::fs::read(&base).map(drop).map_err(|e| e.kind()),
+        ),
+        (
             "writes a template",
             std::fs::write(&base, "changed").map_err(|e| e.kind()),
         ),
@@ -402,8 +459,8 @@ fn supervisor_reach(
     for (what, result) in results {
         assert_eq!(denied(result), landlocked, "{profile:?} {what}");
     }
-    // A host disk: `dac_read_search` (a VM supervisor's) or uid 0 (a jail's) reads
-    // one, Landlock keeps a VM's out of all of /dev but a few harmless devices.
+    // A host disk: uid 0 (a jail's) reads one, Landlock keeps a VM's out of all of
+    // /dev but a few harmless devices.
     if let Some(disk) = host_block_device() {
         let opened = std::fs::File::open(&disk).map(drop).map_err(|e| e.kind());
         assert_eq!(denied(opened), landlocked, "{profile:?} opens {disk:?}");

@@ -152,9 +152,14 @@ impl DiffBase {
     /// The snapshot in `dir` is committed: its memory file is the new parent, and
     /// the pages it holds are no longer pending.
     pub(crate) fn committed(&mut self, dir: &Path) -> Result<(), MicroVmError> {
-        self.parent = Some(open_parent(&SnapshotDir::new(dir).memory())?);
-        self.carry = None;
+        self.committed_from(open_parent(&SnapshotDir::new(dir).memory())?);
         Ok(())
+    }
+
+    /// [`DiffBase::committed`] for the snapshot whose memory file is `memory`.
+    pub(crate) fn committed_from(&mut self, memory: File) {
+        self.parent = Some(memory);
+        self.carry = None;
     }
 
     /// Guest memory was replaced by the memory file `parent` (a load in place):
@@ -253,6 +258,13 @@ impl<G> MicroVm<G> {
     /// the parent of the next diff, and the pages it holds are no longer pending.
     pub fn snapshot_committed(&mut self, dir: &Path) -> Result<(), MicroVmError> {
         self.diff.committed(dir)
+    }
+
+    /// [`MicroVm::snapshot_committed`] for the snapshot whose memory file is
+    /// `memory`, opened by the caller while it was staged: a confined supervisor may
+    /// not open it where the snapshot now lies.
+    pub fn snapshot_committed_from(&mut self, memory: File) {
+        self.diff.committed_from(memory);
     }
 }
 

@@ -28,6 +28,11 @@ pub const TEMPLATE: &str = "midboot";
 /// with a VM template's devices (its disk included in the snapshot), snapshotted as
 /// soon as it printed its banner.
 pub fn runtime_with_midboot_template(kernel: PathBuf, root: &Path) -> Runtime {
+    // Searched by others, as `/var/lib` is: a confined VM supervisor reaches its
+    // sandbox's directory by path, with no capability (under a directory closed to it,
+    // it would keep `dac_read_search`).
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(0o711)).unwrap();
     let rt = Runtime::open(RuntimeConfig {
         store_root: root.join("store"),
         pool_size: 0,

@@ -97,7 +97,7 @@ fn main() {
     // and nothing else in this process owns it.
     let control = unsafe { UnixStream::from_raw_fd(fd) };
     if let Err(e) = cube_supervisor::server::run(control, scratch.as_deref(), warm_for, network) {
-        tracing::error!("supervisor: {e}");
+        tracing::error!("supervisor: {}", cube_supervisor::error_report::chain(&e));
         std::process::exit(1);
     }
 }

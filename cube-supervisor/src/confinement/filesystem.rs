@@ -1,16 +1,16 @@
 //! What a confined VM supervisor may still reach of the host's file system, with
-//! Landlock: a VM supervisor runs as a uid of its own once confined, but keeps
-//! `dac_read_search` (see [`super::identity`]), and a network keeper stays uid 0,
-//! which owns most of the host's files, so without more either could still read
-//! `/etc/shadow` or the host's disks, and a keeper rewrite `/etc/passwd` as their
-//! owner. Landlock takes that away without a mount namespace (which a process can no
+//! Landlock: a VM supervisor runs as a uid of its own once confined, which still
+//! reads what any user may (world-readable files, such as another sandbox's console
+//! log or a template's tree), and a network keeper stays uid 0, which owns most of
+//! the host's files, so without more a keeper could read `/etc/shadow` or the host's
+//! disks and rewrite `/etc/passwd` as their owner. Landlock takes that away without a mount namespace (which a process can no
 //! longer enter once it runs threads):
 //!
 //! - a VM supervisor without a network may read and write only its own sandbox's
-//!   directory (where its snapshots are staged, for the library to move into place),
-//!   read and remove the store's snapshots (it removes its own with it) but neither
-//!   alter nor add to them (and its uid removes only its own), read the store's
-//!   templates, remove its own directory, and read `/proc`, `/sys` and the few
+//!   directory (where its snapshots are staged, for the library to move into place,
+//!   and where the library lends it the one it rolls back to), list and remove the
+//!   store's snapshots (its uid removes only its own) but neither read, alter nor add
+//!   to them, remove its own directory, and read `/proc`, `/sys` and the few
 //!   devices of [`DEVICES`] (what it already opened, such as `/dev/kvm`, stays
 //!   open; a host disk under `/dev` is not read). Other sandboxes' directories (their disks, memory
 //!   images, consoles) and the store's scratch space are out of its reach. It may bind or
@@ -54,7 +54,7 @@ const READ_ONLY: &[&str] = &["/proc", "/sys"];
 
 /// The devices a confined supervisor may still open, read-only: none of them holds
 /// anything of the host's. The rest of `/dev` (its disks above all, which
-/// `dac_read_search` or uid 0 would read) is out of reach; devices opened before the
+/// uid 0 would read) is out of reach; devices opened before the
 /// confinement (`/dev/kvm`, a TAP) stay open.
 pub const DEVICES: &[&str] = &["/dev/null", "/dev/zero", "/dev/random", "/dev/urandom"];
 
@@ -215,30 +215,28 @@ pub fn keeper_rules(
 }
 
 /// What a VM supervisor may do where in the store holding `sandbox_dir`: everything in
-/// its own directory, where it stages its snapshots; read the snapshots (those it
-/// rolls back to or was cloned from) and templates; remove snapshots, as it removes
-/// its own when it is destroyed on its own (a lifetime's end, its creator gone); and
-/// remove its own, emptied, directory. Landlock grants removal only as a right
-/// beneath a directory, so the snapshots of other sandboxes and their empty
-/// directories could be removed too, though not altered or added to: the library
-/// moves a staged snapshot into place, and the supervisor marks it durable through
-/// a marker it made while staging ([`cube_storage::durable_marker::create_marker`]).
-/// A snapshot's files are checked against its record or manifest when restored, so
-/// a removed one is refused, never restored in part. The store's scratch space is
-/// not reached (the library verifies imports there). A directory outside a store's
-/// layout is all it gets.
+/// its own directory, where it stages its snapshots and where the library lends it
+/// the one it rolls back to ([`cube_storage::lent_snapshot`]); list and remove
+/// snapshots, as it removes those its uid staged when it ends on its own (a
+/// lifetime's end, its creator gone), found by their directories' owner; and remove
+/// its own, emptied, directory. It opens no snapshot's or template's file: the
+/// library moves a staged snapshot into place, and the supervisor keeps the parent
+/// of its next diff and syncs the snapshot through descriptors opened while it was
+/// staged ([`cube_storage::durable_marker::PendingFlush`]). Landlock grants removal
+/// only as a right beneath a directory; the store's sticky, shared snapshots area
+/// leaves it only what its uid owns. The store's scratch space is not reached (the
+/// library verifies imports there). A directory outside a store's layout is all it
+/// gets.
 fn store_rules(sandbox_dir: &Path) -> Vec<(PathBuf, BitFlags<AccessFs>)> {
     let all = AccessFs::from_all(TESTED_ABI);
     let mut rules = vec![(sandbox_dir.to_path_buf(), all)];
     if let Some(root) = store_root_of(sandbox_dir) {
         let areas = Store::areas_at(root);
-        let read = AccessFs::from_read(TESTED_ABI);
         rules.extend([
             (
                 areas.snapshots,
-                read | AccessFs::RemoveFile | AccessFs::RemoveDir,
+                AccessFs::ReadDir | AccessFs::RemoveFile | AccessFs::RemoveDir,
             ),
-            (areas.templates, read),
             (areas.sandboxes, AccessFs::RemoveDir.into()),
         ]);
     }
@@ -278,9 +276,10 @@ pub fn describe(reach: Reach) -> String {
     let reached = match reach {
         Reach::Jail => return "the host's, as uid 0 with the capabilities kept".into(),
         Reach::Vm => {
-            "read-write in its own sandbox directory only, the store's snapshots read and \
-             (those its uid owns) removed but not written, read-only templates /proc /sys \
-             /dev/null /dev/zero /dev/random /dev/urandom"
+            "read-write in its own sandbox directory only (a snapshot it rolls back to is \
+             lent there), the store's snapshots listed and (those its uid owns) removed \
+             but not read or written, no templates, read-only /proc /sys /dev/null \
+             /dev/zero /dev/random /dev/urandom"
         }
         Reach::NetworkKeeper => {
             "its sandbox's network record removed, its network pool's lock file and bpffs \
@@ -290,7 +289,7 @@ pub fn describe(reach: Reach) -> String {
     };
     match kernel_abi() {
         None => if reach == Reach::Vm {
-            "what its uid owns or dac_read_search reads (this kernel has no Landlock)"
+            "what its uid and the supervisors' group may reach (this kernel has no Landlock)"
         } else {
             "the host's, as uid 0 with the capabilities kept (this kernel has no Landlock)"
         }
@@ -322,7 +321,7 @@ mod tests {
     }
 
     #[test]
-    fn a_sandbox_writes_its_own_directory_only_and_reads_or_removes_the_rest() {
+    fn a_sandbox_writes_its_own_directory_only_and_lists_or_removes_snapshots() {
         let rules = store_rules(Path::new("/s/sandboxes/sb-1"));
         let all = AccessFs::from_all(TESTED_ABI);
         let of = |p: &str| {
@@ -331,16 +330,15 @@ mod tests {
                 .find(|(path, _)| path == Path::new(p))
                 .map(|(_, access)| *access)
         };
-        let read = AccessFs::from_read(TESTED_ABI);
         assert_eq!(of("/s/sandboxes/sb-1"), Some(all));
         assert_eq!(
             of("/s/snapshots"),
-            Some(read | AccessFs::RemoveFile | AccessFs::RemoveDir)
+            Some(AccessFs::ReadDir | AccessFs::RemoveFile | AccessFs::RemoveDir)
         );
         assert_eq!(of("/s/tmp"), None);
-        assert_eq!(of("/s/templates"), Some(read));
+        assert_eq!(of("/s/templates"), None);
         assert_eq!(of("/s/sandboxes"), Some(AccessFs::RemoveDir.into()));
-        assert_eq!(rules.len(), 4, "{rules:?}");
+        assert_eq!(rules.len(), 3, "{rules:?}");
         assert_eq!(store_rules(Path::new("/x/sb")).len(), 1);
     }
 

@@ -10,17 +10,16 @@
 //! (inotify, message queues, keys) to share with the host. As a uid of its own it owns
 //! only its sandbox's directory (given to it here, before it drops root) and what it
 //! writes there, among them the snapshots it stages; the store's shared areas let it
-//! remove only those ([`cube_storage::supervisor_group`]). It keeps one capability,
-//! `dac_read_search`: a rollback reads snapshots other uids wrote (the one a clone
-//! came from, an imported one), which Landlock still limits to the store's snapshots
-//! and templates. The vCPU threads confined ahead, before their sandbox is known, take
-//! the same identity then: the lease is the process's, not the sandbox's.
+//! remove only those ([`cube_storage::supervisor_group`]). It keeps no capability: the
+//! snapshot a rollback reads is lent to it by the library, read-only to the
+//! supervisors' group ([`cube_storage::lent_snapshot`]). The vCPU threads confined
+//! ahead, before their sandbox is known, take the same identity then: the lease is
+//! the process's, not the sandbox's.
 //!
 //! A process that is not root already runs unprivileged, and keeps its uid.
 
-use std::io;
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::OnceLock;
 
 use cube_jail::capabilities::Identity;
@@ -33,15 +32,9 @@ pub enum IdentityError {
     /// No uid could be leased.
     #[error("leasing a uid of its own")]
     Lease(#[from] SandboxUidError),
-    /// A file of its sandbox's directory could not be given to it.
-    #[error("giving {path} to the supervisor's uid")]
-    Give {
-        /// The file.
-        path: PathBuf,
-        /// The underlying error.
-        #[source]
-        source: io::Error,
-    },
+    /// Its sandbox's directory could not be given to it.
+    #[error("giving its sandbox's directory to the supervisor's uid")]
+    Give(#[source] SandboxUidError),
 }
 
 /// This process's lease, held until it exits (the kernel drops the lock then).
@@ -62,6 +55,29 @@ pub fn vm_identity() -> Result<Option<Identity>, IdentityError> {
     Ok(Some(identity_of(LEASE.get_or_init(|| lease))))
 }
 
+/// Whether `identity` may search every directory above `dir` (its sandbox's
+/// directory, which it is given): each lets others search it, or is the
+/// supervisors' group's and lets its group search it, or is its uid's. The store
+/// opens its root to the group ([`cube_storage::supervisor_group`]); the host's
+/// directories above it may be closed (a private temporary directory, a home).
+pub fn reaches_by_path(dir: &Path, identity: Identity) -> bool {
+    dir.ancestors().skip(1).all(|above| {
+        std::fs::metadata(above).is_ok_and(|m| {
+            let mode = m.mode();
+            mode & 0o001 != 0
+                || (m.gid() == identity.gid && mode & 0o010 != 0)
+                || (m.uid() == identity.uid && mode & 0o100 != 0)
+        })
+    })
+}
+
+/// The uid this process runs as, if it is one leased by [`vm_identity`] (a confined
+/// VM supervisor's); `None` for root or a process that was never root.
+pub fn running_as_own_uid() -> Option<u32> {
+    let uid = LEASE.get()?.uid();
+    (nix::unistd::geteuid().as_raw() == uid).then_some(uid)
+}
+
 fn identity_of(lease: &UidLease) -> Identity {
     Identity {
         uid: lease.uid(),
@@ -69,35 +85,12 @@ fn identity_of(lease: &UidLease) -> Identity {
     }
 }
 
-/// Gives the sandbox directory `dir` and everything in it to `identity`, without
-/// following symlinks: the supervisor goes on writing there (its memory image, its
-/// staged snapshots, a rollback's disk) once it is no longer root. A file with more
-/// than one link keeps its owner: its other names lie outside the directory (a
-/// template's file linked in), which the supervisor must not come to own. Returns
-/// how many entries changed owner.
-pub fn give_own_dir(dir: &Path, identity: Identity) -> Result<usize, IdentityError> {
-    let mut changed = 0;
-    let mut pending = vec![dir.to_path_buf()];
-    while let Some(path) = pending.pop() {
-        let give_err = |source| IdentityError::Give {
-            path: path.clone(),
-            source,
-        };
-        let meta = std::fs::symlink_metadata(&path).map_err(give_err)?;
-        if meta.is_dir() {
-            for entry in std::fs::read_dir(&path).map_err(give_err)? {
-                pending.push(entry.map_err(give_err)?.path());
-            }
-        } else if meta.nlink() > 1 {
-            continue;
-        }
-        if (meta.uid(), meta.gid()) != (identity.uid, identity.gid) {
-            std::os::unix::fs::lchown(&path, Some(identity.uid), Some(identity.gid))
-                .map_err(give_err)?;
-            changed += 1;
-        }
-    }
-    Ok(changed)
+/// Gives the sandbox directory `dir` and everything in it to `identity` (see
+/// [`cube_jail::sandbox_uid::give_whole_tree`]): the supervisor goes on writing there
+/// (its memory image, its staged snapshots, a rollback's disk) once it is no longer
+/// root. Returns how many entries changed owner.
+pub fn give_own_dir(dir: &Path, identity: Identity) -> Result<u64, IdentityError> {
+    cube_jail::sandbox_uid::give_whole_tree(dir, identity).map_err(IdentityError::Give)
 }
 
 #[cfg(test)]
@@ -131,5 +124,33 @@ mod tests {
         assert_eq!(std::fs::metadata(&template).unwrap().uid(), 0);
         assert_eq!(std::fs::metadata("/etc/passwd").unwrap().uid(), 0);
         assert_eq!(give_own_dir(&dir, id).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_directory_is_reached_by_path_only_through_searchable_ones() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("store/sandboxes/sb");
+        std::fs::create_dir_all(&dir).unwrap();
+        let id = Identity {
+            uid: cube_jail::sandbox_uid::RANGE.start + 9,
+            gid: SUPERVISOR_GID,
+        };
+        let mode = |p: &Path, m: u32| {
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(m)).unwrap()
+        };
+        for above in [tmp.path(), &tmp.path().join("store"), dir.parent().unwrap()] {
+            mode(above, 0o711);
+        }
+        assert!(reaches_by_path(&dir, id));
+        // Closed to others, and not the group's: out of reach.
+        mode(&tmp.path().join("store"), 0o750);
+        assert!(!reaches_by_path(&dir, id));
+        if nix::unistd::geteuid().is_root() {
+            // The supervisors' group's, searchable by it: reached again.
+            std::os::unix::fs::lchown(tmp.path().join("store"), None, Some(SUPERVISOR_GID))
+                .unwrap();
+            assert!(reaches_by_path(&dir, id));
+        }
     }
 }

@@ -5,7 +5,7 @@
 //! holds little:
 //!
 //! - no_new_privs and capabilities dropped on every thread ([`all_threads`]): a VM
-//!   supervisor keeps only `dac_read_search`, with a network or without (a networked
+//!   supervisor keeps none, with a network or without (a networked
 //!   VM's pool device is held by a process of its own, its network keeper, which
 //!   keeps what changing and releasing that device needs: see
 //!   [`crate::network_keeper`]); a jail supervisor keeps what building, snapshotting
@@ -135,10 +135,17 @@ const CAPABILITIES: &[(u32, &str)] = &[
     (40, "checkpoint_restore"),
 ];
 
-/// What a VM supervisor keeps once it runs as a uid of its own: reading snapshots and
-/// templates other uids wrote, for a rollback (Landlock limits it to those; the
-/// handle-based opens that would pass by path checks kill it: see [`syscall_filter`]).
-const VM_KEEPS: &[&str] = &["dac_read_search"];
+/// What a VM supervisor keeps once it runs as a uid of its own: nothing. It reads no
+/// snapshot or template where it lies: the library lends it the one it rolls back to
+/// (see [`cube_storage::lent_snapshot`]), and the parent of its next diff stays open
+/// from when it was staged.
+const VM_KEEPS: &[&str] = &[];
+
+/// What a VM supervisor keeps besides where a directory above its sandbox's lies
+/// closed to its uid (a store in a private temporary directory, or under a home):
+/// searching it, without which it could not reach its own directory by path. Where
+/// the kernel has Landlock, what it may read with it stays what it reaches anyway.
+const VM_KEEPS_UNDER_A_CLOSED_PATH: &[&str] = &["dac_read_search"];
 
 /// What a network keeper keeps: the pool's netlink and eBPF work when it changes or
 /// releases its device. (`sys_admin`, which entering namespaces takes, is not among
@@ -266,7 +273,8 @@ impl Profile {
             runs_as: match self {
                 Profile::Vm => format!(
                     "a uid of its own, leased from {:#x}..{:#x} (root's where it was not \
-                     started as root), gid {:#x}",
+                     started as root), gid {:#x}; where a directory above its store is \
+                     closed to that uid it keeps dac_read_search to reach its own",
                     cube_jail::sandbox_uid::RANGE.start,
                     cube_jail::sandbox_uid::RANGE.end,
                     cube_storage::supervisor_group::SUPERVISOR_GID
@@ -335,14 +343,21 @@ pub fn confine(profile: Profile, sandbox_dir: &Path) -> Result<(), ConfinementEr
     if let Some(id) = identity {
         identity::give_own_dir(sandbox_dir, id)?;
     }
+    if profile == Profile::Vm {
+        crate::flush::hold_store_areas(sandbox_dir);
+    }
     let built = start.elapsed();
     let held = all_threads::held_capabilities()?;
-    all_threads::restrict_all_threads(
-        profile.kept(held),
-        last_cap,
-        rules.as_ref().map(AsFd::as_fd),
-        identity,
-    )?;
+    let mut kept = profile.kept(held);
+    if let Some(id) = identity.filter(|id| !identity::reaches_by_path(sandbox_dir, *id)) {
+        tracing::warn!(
+            uid = id.uid,
+            dir = %sandbox_dir.display(),
+            "a directory above the sandbox's is closed to the supervisor's uid: it keeps dac_read_search"
+        );
+        kept |= held & mask_of(VM_KEEPS_UNDER_A_CLOSED_PATH);
+    }
+    all_threads::restrict_all_threads(kept, last_cap, rules.as_ref().map(AsFd::as_fd), identity)?;
     let dropped = start.elapsed();
     syscall_filter::install_on_all_threads(&programs)?;
     // After the process-wide filters: the kernel refuses those (TSYNC) while a thread
@@ -378,11 +393,7 @@ mod tests {
     #[test]
     fn profiles_keep_what_they_say() {
         let all = all_up_to(40);
-        assert_eq!(
-            Profile::Vm.kept(all),
-            1 << 2,
-            "a VM supervisor keeps dac_read_search"
-        );
+        assert_eq!(Profile::Vm.kept(all), 0, "a VM supervisor keeps nothing");
         assert_eq!(Profile::Vm.kept(0), 0);
         let keeper = Profile::NetworkKeeper.summary();
         assert!(keeper.capabilities_kept.contains(&"net_admin"));

@@ -269,6 +269,7 @@ impl<G> MicroVm<G> {
         let memory_path = SnapshotDir::new(dir).memory();
         match self.diff.parent() {
             Some(parent) => Ok(Some(prepare_diff(
+                parent,
                 &fd_path(parent),
                 &memory_path,
                 &self.memory,
