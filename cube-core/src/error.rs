@@ -101,6 +101,18 @@ pub enum SandboxError {
     /// A filesystem operation failed.
     #[error("{0}")]
     Io(String, #[source] std::io::Error),
+    /// A snapshot the supervisor staged holds something other than files and
+    /// directories; it was removed.
+    #[error(
+        "Snapshot {snapshot} as the sandbox's supervisor wrote it holds {}, which is neither a file nor a directory: refused and removed",
+        entry.display()
+    )]
+    ForeignSnapshotEntry {
+        /// The snapshot.
+        snapshot: String,
+        /// The entry.
+        entry: std::path::PathBuf,
+    },
     /// The snapshot a VM sandbox rolls back to could not be lent to its supervisor.
     #[error("Handing snapshot {snapshot} to the sandbox's supervisor")]
     LendSnapshot {
@@ -219,6 +231,7 @@ impl SandboxError {
             | E::Clone(_)
             | E::Io(..)
             | E::LendSnapshot { .. }
+            | E::ForeignSnapshotEntry { .. }
             | E::Durability(_)
             | E::Thread
             | E::BadTemplate(_) => ErrorKind::Internal,

@@ -244,6 +244,19 @@ impl Sandbox {
         let moved = written.and_then(|written| {
             std::fs::rename(&staging, dest)
                 .map_err(|e| SandboxError::Io(format!("moving snapshot {id} into place"), e))?;
+            // Checked where the supervisor may no longer add to it (Landlock): one
+            // taken over by its guest could have staged a symlink to another
+            // sandbox's files, for a clone of this snapshot to restore.
+            let foreign = SnapshotDir::new(dest)
+                .foreign_entry()
+                .map_err(|e| SandboxError::Io(format!("checking snapshot {id}"), e))?;
+            if let Some(entry) = foreign {
+                remove_debris(dest);
+                return Err(SandboxError::ForeignSnapshotEntry {
+                    snapshot: id.to_string(),
+                    entry,
+                });
+            }
             Ok(written)
         });
         let written = match moved {

@@ -180,6 +180,26 @@ impl SnapshotDir {
         self.0.join(LAYER_DIR)
     }
 
+    /// The first entry of the snapshot's directory that is neither a regular file
+    /// nor a directory (a symlink, a device, a FIFO, a socket), or the directory
+    /// itself if it is not one; `None` when there is none. A snapshot a supervisor
+    /// staged is checked once it is where the supervisor can no longer add to it: a
+    /// symlink there (to another sandbox's disk or memory image) would otherwise be
+    /// followed by whoever restores or clones it, as root.
+    pub fn foreign_entry(&self) -> std::io::Result<Option<PathBuf>> {
+        if !std::fs::symlink_metadata(&self.0)?.is_dir() {
+            return Ok(Some(self.0.clone()));
+        }
+        for entry in std::fs::read_dir(&self.0)? {
+            let entry = entry?;
+            let kind = entry.file_type()?;
+            if !kind.is_file() && !kind.is_dir() {
+                return Ok(Some(entry.path()));
+            }
+        }
+        Ok(None)
+    }
+
     /// The sandbox that owns the snapshot, as its record names it; None when the
     /// record is missing or damaged. (Only the owner is read: the record's other
     /// fields belong to whoever writes it.)
@@ -386,6 +406,32 @@ impl TemplateDir {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_snapshot_holding_a_symlink_or_a_fifo_or_being_one_is_found_out() {
+        let tmp = tempfile::tempdir().unwrap();
+        let snapshot = SnapshotDir::new(tmp.path().join("snap"));
+        std::fs::create_dir(&snapshot).unwrap();
+        std::fs::write(snapshot.memory(), b"m").unwrap();
+        std::fs::create_dir(snapshot.layer()).unwrap();
+        std::os::unix::fs::symlink("/etc/shadow", snapshot.layer().join("deep")).unwrap();
+        // Files and directories only at its top: the layer's own links are the jail's.
+        assert_eq!(snapshot.foreign_entry().unwrap(), None);
+        std::os::unix::fs::symlink(tmp.path().join("other-disk"), snapshot.rootfs()).unwrap();
+        assert_eq!(snapshot.foreign_entry().unwrap(), Some(snapshot.rootfs()));
+        std::fs::remove_file(snapshot.rootfs()).unwrap();
+        nix::unistd::mkfifo(&snapshot.state(), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert_eq!(snapshot.foreign_entry().unwrap(), Some(snapshot.state()));
+        let linked = SnapshotDir::new(tmp.path().join("linked"));
+        std::os::unix::fs::symlink(tmp.path(), &linked).unwrap();
+        assert_eq!(
+            linked.foreign_entry().unwrap(),
+            Some(linked.path().to_path_buf())
+        );
+        assert!(SnapshotDir::new(tmp.path().join("missing"))
+            .foreign_entry()
+            .is_err());
+    }
 
     #[test]
     fn a_snapshot_names_its_owner_in_its_record() {

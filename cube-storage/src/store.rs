@@ -171,6 +171,12 @@ impl Category {
         }
     }
 
+    /// Whether its area is shared with the VM supervisors' group: those whose
+    /// entries a supervisor removes itself (see [`supervisor_group`]).
+    fn shared_with_supervisors(self) -> bool {
+        matches!(self, Category::Snapshot | Category::Sandbox)
+    }
+
     fn what(self) -> &'static str {
         match self {
             Category::Template => "template",
@@ -212,8 +218,11 @@ impl Store {
             path: root.clone(),
             source,
         })?;
-        let subdirs = Category::ALL.iter().map(|c| c.dir_name()).chain([TMP_DIR]);
-        for sub in subdirs {
+        let areas = Category::ALL
+            .iter()
+            .map(|c| (c.dir_name(), c.shared_with_supervisors()))
+            .chain([(TMP_DIR, false)]);
+        for (sub, shared) in areas {
             let path = root.join(sub);
             match DirBuilder::new().mode(0o700).create(&path) {
                 Ok(()) => {}
@@ -227,11 +236,8 @@ impl Store {
             if !meta.file_type().is_dir() {
                 return Err(StoreError::NotADirectory { path });
             }
-            if [Category::Snapshot, Category::Sandbox]
-                .iter()
-                .any(|c| c.dir_name() == sub)
-            {
-                supervisor_group::share_area(&path)
+            if shared {
+                supervisor_group::share_area(&path, &meta)
                     .map_err(|source| StoreError::CreateDir { path, source })?;
             }
         }
