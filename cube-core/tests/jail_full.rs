@@ -105,8 +105,15 @@ fn a_clone_sees_the_variable_and_diverges_from_its_source() {
     assert_eq!(py(&b, "x"), "[1, 2]", "the clone saw the source's change");
     sh(&b, "echo clone > $HOME/only-clone");
     assert_eq!(sh(&a, "ls $HOME"), "");
-    destroy_and_check(clone);
+    // The clone runs as its source's uid (CRIU restores credentials) and shares its
+    // lease: with the source gone, the uid stays leased while the clone runs.
+    let uid = sh(&b, "id -u").trim().to_string();
+    assert_eq!(sh(&a, "id -u").trim(), uid);
+    let lease = Path::new(cube_jail::sandbox_uid::LEASE_DIR).join(&uid);
     destroy_and_check(source);
+    assert!(lease.exists(), "uid {uid} was let go while its clone ran");
+    assert_eq!(sh(&b, "cat $HOME/only-clone").trim(), "clone");
+    destroy_and_check(clone);
 }
 
 #[test]

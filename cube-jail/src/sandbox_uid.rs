@@ -17,7 +17,9 @@
 //! another uid (a rollback or clone of the files alone, a wake) is given to the new uid
 //! first ([`give_tree`]). A sandbox restored with its processes by CRIU keeps the uid
 //! they were dumped with (CRIU restores credentials): a clone of a running sandbox
-//! shares its source's uid, and so its per-user limits.
+//! shares its source's uid, and so its per-user limits. It shares the lease too
+//! (every holder holds the lock file shared), so the uid stays leased until the last
+//! of them is gone: no new sandbox is given it while a clone still runs as it.
 
 use std::fs::{self, File, OpenOptions};
 use std::io;
@@ -86,48 +88,45 @@ impl UidLease {
     /// left (see [`sweep_released`]).
     pub fn acquire() -> Result<UidLease> {
         ensure_dir()?;
+        let guard = Guard::take()?;
         for _ in 0..ATTEMPTS {
             let uid = RANGE.start + random_u32()? % (RANGE.end - RANGE.start);
-            if let Some(lease) = Self::try_lock(uid)? {
-                sweep_released(SWEEP_LOOKS);
+            if let Some(lease) = Self::try_lock(uid, Hold::Alone)? {
+                sweep(SWEEP_LOOKS, &guard);
                 return Ok(lease);
             }
         }
         Err(SandboxUidError::Exhausted)
     }
 
-    /// Leases `uid` itself (the uid a restored sandbox's processes run as), or None
-    /// where another process holds it or it is outside [`RANGE`].
+    /// Leases `uid` itself (the uid a restored sandbox's processes run as), shared
+    /// with whoever holds it already (a clone restored by CRIU runs as its source's
+    /// uid: the uid stays leased until both are gone, so that no new sandbox gets it
+    /// meanwhile); None outside [`RANGE`].
     pub fn claim(uid: u32) -> Result<Option<UidLease>> {
         if !RANGE.contains(&uid) {
             return Ok(None);
         }
         ensure_dir()?;
-        Self::try_lock(uid)
+        let _guard = Guard::take()?;
+        Self::try_lock(uid, Hold::Shared)
     }
 
-    fn try_lock(uid: u32) -> Result<Option<UidLease>> {
+    /// Locks `uid`'s file, shared in the end either way; `Hold::Alone` only if no
+    /// other process holds it. Called with the [`Guard`] held.
+    fn try_lock(uid: u32, hold: Hold) -> Result<Option<UidLease>> {
         let path = Path::new(LEASE_DIR).join(uid.to_string());
         let err = |source| SandboxUidError::Lease {
             path: path.clone(),
             source,
         };
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(&path)
-            .map_err(err)?;
-        // SAFETY: flock on a descriptor this function owns; no memory is involved.
-        if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-                return Ok(None);
-            }
-            return Err(err(e));
+        let file = open_lock_file(&path).map_err(err)?;
+        let first = match hold {
+            Hold::Alone => libc::LOCK_EX,
+            Hold::Shared => libc::LOCK_SH,
+        };
+        if !flock(&file, first | libc::LOCK_NB).map_err(err)? {
+            return Ok(None);
         }
         // A holder that released (and unlinked) the file between our open and our
         // lock leaves us locking a file no one else will find: try again elsewhere.
@@ -136,6 +135,12 @@ impl UidLease {
             _ => false,
         };
         if !same {
+            return Ok(None);
+        }
+        // Every holder holds it shared, so that a clone can share it; the exclusive
+        // lock proved no one held it. (The conversion is not atomic: the guard keeps
+        // everyone who could take it exclusively meanwhile out.)
+        if hold == Hold::Alone && !flock(&file, libc::LOCK_SH | libc::LOCK_NB).map_err(err)? {
             return Ok(None);
         }
         Ok(Some(UidLease { uid, path, file }))
@@ -157,10 +162,90 @@ impl UidLease {
 
 impl Drop for UidLease {
     fn drop(&mut self) {
-        // Unlinked while still locked: whoever opens the name next makes a new file.
-        let _ = fs::remove_file(&self.path);
+        let _guard = Guard::take();
+        // The last holder unlinks the file while it holds it alone: whoever opens the
+        // name next makes a new file. Another holder keeps it (and the uid leased).
+        if flock(&self.file, libc::LOCK_EX | libc::LOCK_NB).unwrap_or(false) {
+            let _ = fs::remove_file(&self.path);
+        }
         // SAFETY: unlocks a descriptor this lease owns (closing it would too).
         unsafe { libc::flock(self.file.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// How a lease holds its uid's lock file.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    /// Only if no other process holds it (a new sandbox's).
+    Alone,
+    /// Beside whoever holds it (a restored sandbox's).
+    Shared,
+}
+
+/// Opens (making it if need be) the lock file at `path`, not through a symlink.
+fn open_lock_file(path: &Path) -> io::Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .open(path)
+}
+
+/// `flock(file, operation)`: whether the lock was taken (false: another holds it,
+/// with `LOCK_NB`).
+fn flock(file: &File, operation: libc::c_int) -> io::Result<bool> {
+    // SAFETY: flock on a descriptor the caller holds; no memory is involved.
+    if unsafe { libc::flock(file.as_raw_fd(), operation) } == 0 {
+        return Ok(true);
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Ok(false);
+    }
+    Err(e)
+}
+
+/// The lock that serializes whatever decides whether a uid is held (a lease taken,
+/// shared, released or swept): a lock file's conversion between shared and exclusive
+/// is not atomic, and a release or a sweep unlinks the file. Taken again on a thread
+/// that holds it (a sweep releases leases), it is the same hold.
+struct Guard {
+    /// The locked file, for the outermost hold on this thread (closing it unlocks).
+    _file: Option<File>,
+}
+
+/// The guard's lock file in [`LEASE_DIR`] (not a number: never taken for a lease).
+const GUARD_FILE: &str = ".guard";
+
+thread_local! {
+    /// How many holds of the guard this thread has.
+    static GUARD_HOLDS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+impl Guard {
+    fn take() -> Result<Guard> {
+        if GUARD_HOLDS.get() > 0 {
+            GUARD_HOLDS.set(GUARD_HOLDS.get() + 1);
+            return Ok(Guard { _file: None });
+        }
+        let path = Path::new(LEASE_DIR).join(GUARD_FILE);
+        let err = |source| SandboxUidError::Lease {
+            path: path.clone(),
+            source,
+        };
+        let file = open_lock_file(&path).map_err(err)?;
+        flock(&file, libc::LOCK_EX).map_err(err)?;
+        GUARD_HOLDS.set(1);
+        Ok(Guard { _file: Some(file) })
+    }
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        GUARD_HOLDS.set(GUARD_HOLDS.get().saturating_sub(1));
     }
 }
 
@@ -175,6 +260,14 @@ const SWEEP_LOOKS: usize = 32;
 /// Each is removed while locked here, as a holder does: a process that opened it
 /// meanwhile finds the name gone or another file behind it and tries another uid.
 pub fn sweep_released(looks: usize) -> usize {
+    match Guard::take() {
+        Ok(guard) => sweep(looks, &guard),
+        Err(_) => 0,
+    }
+}
+
+/// [`sweep_released`] with the guard held.
+fn sweep(looks: usize, _guard: &Guard) -> usize {
     let Ok(entries) = fs::read_dir(LEASE_DIR) else {
         return 0;
     };
@@ -192,9 +285,9 @@ pub fn sweep_released(looks: usize) -> usize {
     let start = random_u32().map_or(0, |r| r as usize % uids.len());
     let mut removed = 0;
     for &uid in uids.iter().cycle().skip(start).take(looks.min(uids.len())) {
-        // Taking the lock is what proves no process holds it; dropping it unlinks
-        // the file.
-        if let Ok(Some(lease)) = UidLease::try_lock(uid) {
+        // Taking the lock alone is what proves no process holds it; the release
+        // unlinks the file.
+        if let Ok(Some(lease)) = UidLease::try_lock(uid, Hold::Alone) {
             drop(lease);
             removed += 1;
         }
@@ -324,13 +417,42 @@ mod tests {
         let b = UidLease::acquire().unwrap();
         assert_ne!(a.uid(), b.uid());
         // Held by `a` (flock is per open file, so even this process is refused).
-        assert!(UidLease::claim(a.uid()).unwrap().is_none());
+        let guard = Guard::take().unwrap();
+        assert!(UidLease::try_lock(a.uid(), Hold::Alone).unwrap().is_none());
+        drop(guard);
         let uid = a.uid();
         drop(a);
         assert!(!Path::new(LEASE_DIR).join(uid.to_string()).exists());
         let again = UidLease::claim(uid).unwrap().unwrap();
         assert_eq!(again.uid(), uid);
         assert!(UidLease::claim(LEGACY_UID).unwrap().is_none());
+    }
+
+    #[test]
+    fn a_shared_uid_stays_leased_until_its_last_holder_lets_it_go() {
+        if !root() {
+            return;
+        }
+        // A sandbox, and a clone of it restored by CRIU with its uid.
+        let source = UidLease::acquire().unwrap();
+        let uid = source.uid();
+        let clone = UidLease::claim(uid)
+            .unwrap()
+            .expect("shared with its source");
+        let file = Path::new(LEASE_DIR).join(uid.to_string());
+        drop(source);
+        // The clone still runs as it: no new sandbox may have it.
+        assert!(
+            file.exists(),
+            "the source's release unlinked a shared lease"
+        );
+        let guard = Guard::take().unwrap();
+        assert!(UidLease::try_lock(uid, Hold::Alone).unwrap().is_none());
+        drop(guard);
+        sweep_released(usize::MAX);
+        assert!(file.exists(), "a sweep removed a held lease");
+        drop(clone);
+        assert!(!file.exists(), "the last holder left its file");
     }
 
     #[test]
