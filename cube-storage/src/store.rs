@@ -302,19 +302,7 @@ impl Store {
     /// owner. A directory already gone is not an error. One that cannot be removed
     /// does not stop the others; the first such error is returned.
     pub fn remove_sandbox_files(&self, id: &str) -> Result<(), StoreError> {
-        let mut first_error = None;
-        for snap in self.list_snapshots()? {
-            let snapshot = self.snapshot(&snap)?;
-            if snapshot.owner().as_deref() == Some(id) {
-                if let Err(e) = remove_entry(snapshot.into_path()) {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
-        if let Err(e) = remove_entry(self.sandbox_dir(id)?) {
-            first_error.get_or_insert(e);
-        }
-        first_error.map_or(Ok(()), Err)
+        self.remove_sandbox_and_snapshots(id, |snapshot| snapshot.owner().as_deref() == Some(id))
     }
 
     /// What a confined VM supervisor removes when its sandbox ends without a library
@@ -323,12 +311,23 @@ impl Store {
     /// staged), which it finds without reading them: it may read no snapshot's
     /// record. Errors as for [`Store::remove_sandbox_files`].
     pub fn remove_sandbox_files_of_uid(&self, id: &str, uid: u32) -> Result<(), StoreError> {
+        self.remove_sandbox_and_snapshots(id, |snapshot| {
+            fs::symlink_metadata(snapshot).is_ok_and(|m| m.is_dir() && m.uid() == uid)
+        })
+    }
+
+    /// Removes the snapshots `owned` picks and sandbox `id`'s directory, going on past
+    /// failures; the first is returned.
+    fn remove_sandbox_and_snapshots(
+        &self,
+        id: &str,
+        owned: impl Fn(&SnapshotDir) -> bool,
+    ) -> Result<(), StoreError> {
         let mut first_error = None;
         for snap in self.list_snapshots()? {
-            let snapshot = self.snapshot(&snap)?.into_path();
-            let owned = fs::symlink_metadata(&snapshot).is_ok_and(|m| m.is_dir() && m.uid() == uid);
-            if owned {
-                if let Err(e) = remove_entry(snapshot) {
+            let snapshot = self.snapshot(&snap)?;
+            if owned(&snapshot) {
+                if let Err(e) = remove_entry(snapshot.into_path()) {
                     first_error.get_or_insert(e);
                 }
             }

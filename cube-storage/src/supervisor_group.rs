@@ -51,12 +51,25 @@ pub fn open_root_to_group(dir: &Path) -> io::Result<()> {
         return Ok(());
     }
     let meta = fs::symlink_metadata(dir)?;
-    let mode = meta.mode() & 0o7777;
-    if mode & 0o001 != 0 || (meta.gid() == SUPERVISOR_GID && mode & 0o010 != 0) {
+    if searchable_by(&meta, None, SUPERVISOR_GID) {
         return Ok(());
     }
     std::os::unix::fs::lchown(dir, None, Some(SUPERVISOR_GID))?;
-    fs::set_permissions(dir, fs::Permissions::from_mode(mode | 0o010))
+    fs::set_permissions(
+        dir,
+        fs::Permissions::from_mode(meta.mode() & 0o7777 | 0o010),
+    )
+}
+
+/// Whether the directory whose metadata is `meta` may be searched by a process of
+/// group `gid` and uid `uid` (`None`: a uid that owns nothing, as any supervisor's
+/// may be): others may search it, or it is that group's and the group may, or that
+/// uid's and its owner may.
+pub fn searchable_by(meta: &fs::Metadata, uid: Option<u32>, gid: u32) -> bool {
+    let mode = meta.mode();
+    mode & 0o001 != 0
+        || (meta.gid() == gid && mode & 0o010 != 0)
+        || (Some(meta.uid()) == uid && mode & 0o100 != 0)
 }
 
 #[cfg(test)]

@@ -18,7 +18,6 @@
 //!
 //! A process that is not root already runs unprivileged, and keeps its uid.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::OnceLock;
 
@@ -63,10 +62,7 @@ pub fn vm_identity() -> Result<Option<Identity>, IdentityError> {
 pub fn reaches_by_path(dir: &Path, identity: Identity) -> bool {
     dir.ancestors().skip(1).all(|above| {
         std::fs::metadata(above).is_ok_and(|m| {
-            let mode = m.mode();
-            mode & 0o001 != 0
-                || (m.gid() == identity.gid && mode & 0o010 != 0)
-                || (m.uid() == identity.uid && mode & 0o100 != 0)
+            cube_storage::supervisor_group::searchable_by(&m, Some(identity.uid), identity.gid)
         })
     })
 }
@@ -96,6 +92,7 @@ pub fn give_own_dir(dir: &Path, identity: Identity) -> Result<u64, IdentityError
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::MetadataExt;
 
     #[test]
     fn a_sandbox_directory_is_given_but_for_files_linked_from_elsewhere() {
