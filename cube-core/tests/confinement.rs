@@ -213,3 +213,94 @@ fn supervisors_are_confined_and_a_forbidden_call_kills_only_its_own() {
     drop(vsb);
     jsb.destroy().unwrap();
 }
+
+/// What a VM supervisor's uid, owner of its sandbox's directory, could put there once
+/// taken over: a symbolic link owned by that uid at `path`, to `target`.
+fn plant_link(path: &std::path::Path, target: &std::path::Path) {
+    use std::os::unix::fs::MetadataExt;
+    let owner = std::fs::metadata(path.parent().unwrap()).unwrap().uid();
+    let _ = std::fs::remove_file(path);
+    std::os::unix::fs::symlink(target, path).unwrap();
+    std::os::unix::fs::lchown(path, Some(owner), None).unwrap();
+}
+
+#[test]
+fn links_a_vm_supervisor_plants_in_its_directory_lead_the_library_nowhere() {
+    let (Some(vm), Some(jail)) = (Suite::vm(), Suite::jail()) else {
+        eprintln!("skipped: needs both engines (KVM and full-state jails)");
+        return;
+    };
+    let (vsb, _) = vm.create(1);
+    let (mut jsb, j1) = jail.create(1);
+    let vdir = cube_storage::SandboxDir::new(vm.rt.store().sandbox_dir(vsb.id()).unwrap());
+    let jdir = cube_storage::SandboxDir::new(jail.rt.store().sandbox_dir(jsb.id()).unwrap());
+
+    // A record that calls the VM sandbox a jail, and an agent link into the other
+    // sandbox's jail beside it: the library must not take the link, which no jail
+    // supervisor made, to reach the other sandbox's agent.
+    let mut record: serde_json::Value =
+        cube_storage::read_verified(&vdir.record(), cube_storage::SandboxDir::RECORD_KIND).unwrap();
+    record["engine"] = "jail".into();
+    cube_storage::write_atomic(
+        &vdir.record(),
+        cube_storage::SandboxDir::RECORD_KIND,
+        &record,
+    )
+    .unwrap();
+    plant_link(
+        &vdir.agent_socket(),
+        &std::fs::read_link(jdir.agent_socket()).unwrap(),
+    );
+    let forged = vm.rt.attach(vsb.id()).unwrap();
+    let err = forged
+        .agent()
+        .err()
+        .expect("the planted agent link was taken");
+    assert!(
+        error_chain(&err).contains("not by a jail supervisor"),
+        "{}",
+        error_chain(&err)
+    );
+
+    // The vsock device's socket replaced with a link to another listener (another
+    // sandbox's device, a host socket): the library does not connect to it.
+    let tmp = tempfile::tempdir().unwrap();
+    let elsewhere = tmp.path().join("elsewhere.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&elsewhere).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    plant_link(&vdir.vsock_socket(), &elsewhere);
+    let err = vsb
+        .agent()
+        .err()
+        .expect("the planted vsock link was followed");
+    assert!(
+        error_chain(&err).contains("symbolic link"),
+        "{}",
+        error_chain(&err)
+    );
+    assert_eq!(
+        listener.accept().unwrap_err().kind(),
+        std::io::ErrorKind::WouldBlock,
+        "the library connected through the planted vsock link"
+    );
+
+    // The supervisor's socket replaced with a link to the other sandbox's
+    // supervisor: attaching refuses rather than drive the other sandbox.
+    plant_link(&vdir.supervisor_socket(), &jdir.supervisor_socket());
+    let err = vm
+        .rt
+        .attach(vsb.id())
+        .err()
+        .expect("attached through the planted supervisor link");
+    assert!(
+        error_chain(&err).contains("symbolic link"),
+        "{}",
+        error_chain(&err)
+    );
+
+    // Nothing reached the other sandbox, which goes on; the VM sandbox's own
+    // connection still drives it.
+    j1.check(&mut jsb, "jail, beside the planted links");
+    vsb.destroy().unwrap();
+    jsb.destroy().unwrap();
+}

@@ -690,3 +690,51 @@ fn networked_jails_take_full_state_snapshots_and_come_back_with_their_network() 
         );
     }
 }
+
+/// A VM supervisor runs as a uid of its own and owns its sandbox's directory: one
+/// taken over could record another sandbox's device there, or link its record to the
+/// other's, for the library to release when it removes the stale sandbox. Only a
+/// record root wrote is honoured (the test above has the library release one).
+#[test]
+fn a_network_record_cube_did_not_write_releases_no_device() {
+    if skip() {
+        return;
+    }
+    let _one_at_a_time = LAB.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(lab) = Lab::new() else { return };
+    let rt = lab.runtime();
+    let mut other = rt
+        .create(
+            HOST_TEMPLATE,
+            with_network(NetworkPolicy::default(), Vec::new()),
+        )
+        .unwrap();
+    let name = other.network().unwrap().host_ifname;
+    let other_dir = cube_storage::SandboxDir::new(rt.store().sandbox_dir(other.id()).unwrap());
+
+    let tmp = tempfile::tempdir().unwrap();
+    let stale = tmp.path().join("sb-stale");
+    std::fs::create_dir(&stale).unwrap();
+    let record = cube_storage::SandboxDir::new(&stale).network_record();
+    std::fs::write(&record, &name).unwrap();
+    let supervisor_uid = cube_jail::sandbox_uid::RANGE.start + 7;
+    std::os::unix::fs::lchown(&record, Some(supervisor_uid), None).unwrap();
+    cube_supervisor::jail_network::release_recorded(&stale).unwrap();
+    assert!(
+        ifindex(&name).is_some(),
+        "a record another uid wrote released {name}"
+    );
+    std::fs::remove_file(&record).unwrap();
+    std::os::unix::fs::symlink(other_dir.network_record(), &record).unwrap();
+    cube_supervisor::jail_network::release_recorded(&stale).unwrap();
+    assert!(
+        ifindex(&name).is_some(),
+        "a record linked to another sandbox's released {name}"
+    );
+
+    assert_eq!(
+        get_inside(&other.agent().unwrap(), OUT_ADDR, 80).unwrap(),
+        "outside"
+    );
+    other.destroy().unwrap();
+}

@@ -12,6 +12,8 @@
 //!   without it.
 //! - [`lent_snapshot`]: a snapshot lent to a confined VM supervisor for a rollback,
 //!   as read-only links in its sandbox's directory.
+//! - [`no_follow`]: reaching an entry of a directory a sandbox's side owns (a
+//!   socket, a link) without following a symbolic link it put there.
 //! - [`loop_store`]: a reflink-capable XFS filesystem on a loop device, for hosts
 //!   whose root filesystem (ext4) cannot reflink.
 //! - [`project_quota`]: XFS project quotas, the disk limits of directories.
@@ -27,6 +29,7 @@ pub mod layout;
 pub mod lent_snapshot;
 pub mod loop_store;
 pub mod metadata;
+pub mod no_follow;
 pub mod project_quota;
 pub mod reflink;
 pub mod store;

@@ -53,9 +53,12 @@ impl SupervisorClient {
         })
     }
 
-    /// Connects to the supervisor socket at `path`.
+    /// Connects to the supervisor socket at `path` (`<sandboxes>/<id>/supervisor.sock`),
+    /// following no symbolic link in its last two components: a confined VM supervisor
+    /// owns its sandbox's directory, and one taken over could put a link to another
+    /// sandbox's supervisor there (see [`cube_storage::no_follow`]).
     pub fn connect(path: &Path) -> Result<Self, ClientError> {
-        let stream = UnixStream::connect(path)
+        let stream = cube_storage::no_follow::connect(path, 2)
             .map_err(|e| ClientError::Connect(path.display().to_string(), e))?;
         Self::from_stream(stream)
     }

@@ -311,7 +311,7 @@ impl JailNetwork {
                     Protocol::Tcp,
                 )?;
             }
-            std::fs::write(&self.record, attachment.host_ifname())
+            write_record(&self.record, attachment.host_ifname())
                 .map_err(|e| JailNetworkError::Record(self.record.clone(), e))
         })();
         match ready {
@@ -443,11 +443,56 @@ impl Drop for JailNetwork {
     }
 }
 
+/// Records the device `name` at `record` in a sandbox's directory as a new file of
+/// this process's uid (root's), following no link: the directory of a VM sandbox
+/// belongs to its supervisor's uid, which could have put a link to a host file there.
+fn write_record(record: &Path, name: &str) -> std::io::Result<()> {
+    use std::io::Write;
+    match std::fs::remove_file(record) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    cube_storage::no_follow::create_new(record, 2, 0o644)?.write_all(name.as_bytes())
+}
+
+/// The device name recorded at `record`, if a record is there that this uid (root)
+/// wrote: a VM supervisor runs as a uid of its own and owns its sandbox's directory,
+/// and one taken over could record another sandbox's device there (or link the
+/// record to its record) for the library to release when it removes this sandbox.
+/// Such a record is refused, and said so in the log.
+fn read_record(record: &Path) -> Option<String> {
+    use std::io::Read;
+    use std::os::unix::fs::MetadataExt;
+    let opened = match cube_storage::no_follow::open(record, 2, libc::O_RDONLY | libc::O_NOFOLLOW) {
+        Ok(fd) => File::from(fd),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            tracing::warn!(record = %record.display(), "network record refused: {e}");
+            return None;
+        }
+    };
+    let meta = opened.metadata().ok()?;
+    let uid = nix::unistd::geteuid().as_raw();
+    if !meta.is_file() || (meta.uid() != 0 && meta.uid() != uid) {
+        tracing::warn!(
+            record = %record.display(),
+            owner = meta.uid(),
+            "network record refused: Cube did not write it (its device is not released by name)"
+        );
+        return None;
+    }
+    let mut name = String::new();
+    opened.take(256).read_to_string(&mut name).ok()?;
+    Some(name)
+}
+
 /// Releases the device recorded in a stale sandbox's directory (its supervisor is
-/// gone); nothing to do when none is recorded or the pool already let it go.
+/// gone); nothing to do when none is recorded, the record is not one Cube wrote
+/// ([`read_record`]), or the pool already let it go.
 pub fn release_recorded(dir: &Path) -> Result<()> {
     let record = SandboxDir::new(dir).network_record();
-    let Ok(name) = std::fs::read_to_string(&record) else {
+    let Some(name) = read_record(&record) else {
         return Ok(());
     };
     let (pool, _lock) = open_pool()?;

@@ -886,10 +886,11 @@ impl Networked for JailSandbox {
 /// resolving the path inside the sandbox's root with `openat2(RESOLVE_IN_ROOT)`: the
 /// socket sits on the sandbox's own /tmp, where its code can replace it with a
 /// symlink, and a plain connect through `/proc/<pid>/root` would follow an absolute
-/// one on the host (to any host socket). Here it stays inside the sandbox.
+/// one on the host (to any host socket). Here it stays inside the sandbox. The link
+/// itself is read as [`read_agent_link`] does.
 pub fn connect_agent(link: &Path) -> std::io::Result<std::os::unix::net::UnixStream> {
     use std::io::{Error, ErrorKind};
-    let target = std::fs::read_link(link)?;
+    let target = read_agent_link(link)?;
     let bad = || {
         Error::new(
             ErrorKind::InvalidData,
@@ -905,6 +906,40 @@ pub fn connect_agent(link: &Path) -> std::io::Result<std::os::unix::net::UnixStr
         .and_then(|p| p.parse::<i32>().ok())
         .ok_or_else(bad)?;
     connect_inner(pid)
+}
+
+/// Reads the agent link `link` (`<sandbox>/agent.sock`), following no symbolic link
+/// in its last two components but the link itself, which must be one a jail
+/// supervisor made: root's (or, where the library runs without root, its own uid's).
+/// A VM supervisor runs as a uid of its own and owns its sandbox's directory: one
+/// taken over could write a record that calls its sandbox a jail and a link into
+/// another sandbox's jail beside it, and this sandbox's caller would reach the other
+/// sandbox's agent.
+fn read_agent_link(link: &Path) -> std::io::Result<PathBuf> {
+    use std::io::{Error, ErrorKind};
+    use std::os::unix::fs::MetadataExt;
+    let opened = cube_storage::no_follow::open(link, 2, libc::O_PATH | libc::O_NOFOLLOW)?;
+    let opened = std::fs::File::from(opened);
+    let meta = opened.metadata()?;
+    if !meta.file_type().is_symlink() {
+        return Err(Error::new(
+            ErrorKind::InvalidData,
+            format!("{} is not a jail agent link", link.display()),
+        ));
+    }
+    let euid = nix::unistd::geteuid().as_raw();
+    if meta.uid() != 0 && meta.uid() != euid {
+        return Err(Error::new(
+            ErrorKind::PermissionDenied,
+            format!(
+                "{} was made by uid {}, not by a jail supervisor: refused",
+                link.display(),
+                meta.uid()
+            ),
+        ));
+    }
+    // An empty path reads the link the descriptor (O_PATH | O_NOFOLLOW) names.
+    Ok(nix::fcntl::readlinkat(&opened, "")?.into())
 }
 
 /// Connects to the agent socket of the jail whose PID 1 is `pid`, resolving

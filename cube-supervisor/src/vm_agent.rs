@@ -21,7 +21,7 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 #[derive(Debug, thiserror::Error)]
 pub enum VmAgentError {
     /// Nothing listens on the VM's vsock host socket.
-    #[error("No vsock device listens at {0}")]
+    #[error("Cannot reach the vsock device at {0}")]
     NoSocket(PathBuf, #[source] std::io::Error),
     /// The guest did not accept the connection in time: its agent is not listening.
     #[error("The guest's agent is not ready: no answer on vsock port {port} within {waited:?}")]
@@ -44,10 +44,14 @@ pub enum VmAgentError {
 
 /// Connects to `port` in the guest behind the vsock device whose host side listens on
 /// `socket`, waiting at most `timeout` for the guest to accept; returns the stream
-/// ready to carry the connection.
+/// ready to carry the connection. No symbolic link in the socket's last two
+/// components (`<sandbox>/vsock.sock`) is followed: the VM supervisor owns its
+/// sandbox's directory, and one taken over could put a link to another sandbox's
+/// socket there, which the library, connecting as root for this sandbox's caller,
+/// would otherwise follow (see [`cube_storage::no_follow`]).
 pub fn connect(socket: &Path, port: u32, timeout: Duration) -> Result<UnixStream, VmAgentError> {
-    let stream =
-        UnixStream::connect(socket).map_err(|e| VmAgentError::NoSocket(socket.to_path_buf(), e))?;
+    let stream = cube_storage::no_follow::connect(socket, 2)
+        .map_err(|e| VmAgentError::NoSocket(socket.to_path_buf(), e))?;
     stream
         .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
         .map_err(VmAgentError::Io)?;

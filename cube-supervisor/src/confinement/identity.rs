@@ -34,6 +34,9 @@ pub enum IdentityError {
     /// Its sandbox's directory could not be given to it.
     #[error("giving its sandbox's directory to the supervisor's uid")]
     Give(#[source] SandboxUidError),
+    /// Its network record could not be kept root's.
+    #[error("keeping the network record {0} root's")]
+    KeepRecord(std::path::PathBuf, #[source] std::io::Error),
 }
 
 /// This process's lease, held until it exits (the kernel drops the lock then).
@@ -84,9 +87,19 @@ fn identity_of(lease: &UidLease) -> Identity {
 /// Gives the sandbox directory `dir` and everything in it to `identity` (see
 /// [`cube_jail::sandbox_uid::give_whole_tree`]): the supervisor goes on writing there
 /// (its memory image, its staged snapshots, a rollback's disk) once it is no longer
-/// root. Returns how many entries changed owner.
+/// root. Returns how many entries changed owner. Its network record goes back to
+/// root: the library releases the device a record names only where root wrote it
+/// ([`crate::jail_network::release_recorded`]), and the supervisor needs to remove
+/// it at most, which owning the directory lets it do.
 pub fn give_own_dir(dir: &Path, identity: Identity) -> Result<u64, IdentityError> {
-    cube_jail::sandbox_uid::give_whole_tree(dir, identity).map_err(IdentityError::Give)
+    let given =
+        cube_jail::sandbox_uid::give_whole_tree(dir, identity).map_err(IdentityError::Give)?;
+    let record = cube_storage::SandboxDir::new(dir).network_record();
+    match std::os::unix::fs::lchown(&record, Some(0), Some(0)) {
+        Ok(()) => Ok(given),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(given),
+        Err(e) => Err(IdentityError::KeepRecord(record, e)),
+    }
 }
 
 #[cfg(test)]
