@@ -7,7 +7,7 @@ use std::ffi::CString;
 use std::fs::File;
 use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::format::MAX_CHUNK;
@@ -94,8 +94,15 @@ pub fn pack(
         };
         let path = root.join(&entry.path);
         let io = |e| PackError::Io(path.clone(), e);
-        let file = File::open(&path).map_err(io)?;
-        if file.metadata().map_err(io)?.len() != size {
+        // Not through a link that replaced the file since it was listed (a sandbox's
+        // side may own the directory packed), nor blocked by a FIFO put there.
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path)
+            .map_err(io)?;
+        let meta = file.metadata().map_err(io)?;
+        if !meta.is_file() || meta.len() != size {
             return Err(PackError::Changed(path));
         }
         let base = match &bases[index] {

@@ -572,7 +572,12 @@ impl Runtime {
             options,
             |dir| {
                 if rootfs.is_file() {
-                    cube_storage::clone_file(&rootfs, &SandboxDir::new(dir).rootfs())?;
+                    // No link followed: the snapshot's directory may be its VM
+                    // supervisor's uid's (see `cube_storage::no_follow`).
+                    let source = cube_storage::no_follow::open_file(&rootfs).map_err(|e| {
+                        SandboxError::Io(format!("opening {}", rootfs.display()), e)
+                    })?;
+                    cube_storage::clone_open(&source, &rootfs, &SandboxDir::new(dir).rootfs())?;
                 }
                 Ok(())
             },

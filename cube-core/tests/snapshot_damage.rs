@@ -486,3 +486,65 @@ fn vm_full_store_fails_the_snapshot_cleanly() {
     }
     full_store_fails_the_snapshot_cleanly(true);
 }
+
+/// A VM supervisor's uid owns the directories of the snapshots it staged; where the
+/// kernel has no Landlock, one taken over can still change them once they are in
+/// place: its snapshot's state and memory made links to another sandbox's snapshot
+/// (a whole, sealed pair), or its snapshot's directory a link to the other's. A
+/// sandbox created from its snapshot, as root, must not restore the other sandbox.
+#[test]
+fn vm_snapshot_files_linked_to_another_sandboxs_are_refused() {
+    let Some(suite) = Suite::vm() else { return };
+    let (mut sb, _) = suite.create(0);
+    let (mut other, _) = suite.create(1);
+    let mine = sb.snapshot().unwrap();
+    let theirs = other.snapshot().unwrap();
+    let a = cube_storage::SnapshotDir::new(&mine.dir);
+    let owner = {
+        use std::os::unix::fs::MetadataExt;
+        std::fs::metadata(&mine.dir).unwrap().uid()
+    };
+    let link = |target: &Path, at: &Path| {
+        std::os::unix::fs::symlink(target, at).unwrap();
+        std::os::unix::fs::lchown(at, Some(owner), None).unwrap();
+    };
+    let refused = |what: &str| {
+        let err = suite
+            .rt
+            .create_from_snapshot(&mine.id, EPHEMERAL)
+            .err()
+            .unwrap_or_else(|| panic!("{what}: created from another sandbox's snapshot"));
+        assert!(
+            error_chain(&err).contains("symbolic link"),
+            "{what}: {}",
+            error_chain(&err)
+        );
+    };
+
+    let saved = mine.dir.with_extension("saved");
+    std::fs::create_dir(&saved).unwrap();
+    for file in [a.state(), a.memory()] {
+        let name = file.file_name().unwrap();
+        std::fs::rename(&file, saved.join(name)).unwrap();
+        link(&theirs.dir.join(name), &file);
+    }
+    refused("state and memory linked");
+    for file in [a.state(), a.memory()] {
+        std::fs::remove_file(&file).unwrap();
+        std::fs::rename(saved.join(file.file_name().unwrap()), &file).unwrap();
+    }
+
+    // The directory itself a link to the other's.
+    std::fs::rename(&mine.dir, saved.join("dir")).unwrap();
+    link(&theirs.dir, &mine.dir);
+    refused("the directory linked");
+    std::fs::remove_file(&mine.dir).unwrap();
+    std::fs::rename(saved.join("dir"), &mine.dir).unwrap();
+    std::fs::remove_dir(&saved).unwrap();
+
+    // Put back, the snapshot restores.
+    let restored = suite.rt.create_from_snapshot(&mine.id, EPHEMERAL).unwrap();
+    restored.destroy().unwrap();
+    sb.destroy().unwrap();
+    other.destroy().unwrap();
+}

@@ -485,12 +485,16 @@ impl GuestMemory {
 }
 
 /// Opens a memory file to map, checking it is a regular file of `expected` bytes.
+/// Neither the file nor its directory may be a symbolic link
+/// ([`cube_storage::no_follow`]): the directory of a snapshot a VM supervisor staged
+/// is its uid's, and one taken over could link another sandbox's memory there for a
+/// restore as root to map.
 fn open_memory_file(memory_file: &Path, expected: u64) -> Result<File, MemoryError> {
     let open_err = |source| MemoryError::OpenFile {
         path: memory_file.to_path_buf(),
         source,
     };
-    let file = File::open(memory_file).map_err(open_err)?;
+    let file = cube_storage::no_follow::open_file(memory_file).map_err(open_err)?;
     let meta = file.metadata().map_err(open_err)?;
     if !meta.is_file() {
         return Err(MemoryError::NotRegularFile {

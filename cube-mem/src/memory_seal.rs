@@ -90,7 +90,8 @@ impl Seal {
             path: path.to_path_buf(),
             source,
         };
-        let file = File::open(path).map_err(read)?;
+        // No link followed, as for the mapping (see `guest_memory::open_memory_file`).
+        let file = cube_storage::no_follow::open_file(path).map_err(read)?;
         let found = file.metadata().map_err(read)?.len();
         let expected = memory_bytes.saturating_add(SEAL_BYTES);
         if found != expected {

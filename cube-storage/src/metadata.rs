@@ -307,11 +307,26 @@ pub fn read_verified_bytes(
     max_len: u64,
 ) -> Result<Vec<u8>, MetadataError> {
     validate_kind(kind)?;
+    let file = File::open(path).map_err(|source| MetadataError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    read_verified_bytes_from(file, path, kind, max_len)
+}
+
+/// [`read_verified_bytes`] from `file`, already open (named `path` in errors): one
+/// opened without following a link ([`crate::no_follow::open_file`]).
+pub fn read_verified_bytes_from(
+    mut file: File,
+    path: &Path,
+    kind: &str,
+    max_len: u64,
+) -> Result<Vec<u8>, MetadataError> {
+    validate_kind(kind)?;
     let read_err = |source| MetadataError::Read {
         path: path.to_owned(),
         source,
     };
-    let mut file = File::open(path).map_err(read_err)?;
     let meta = file.metadata().map_err(read_err)?;
     if !meta.file_type().is_file() {
         return Err(MetadataError::NotRegularFile {

@@ -58,6 +58,19 @@ pub fn open(path: &Path, depth: usize, flags: libc::c_int) -> io::Result<OwnedFd
     openat2_no_links(path, depth, flags, 0)
 }
 
+/// Opens the file `path` of a store's directory (`<area>/<id>/<name>`: a snapshot's
+/// memory, state or disk) for reading, with neither it nor its directory a symbolic
+/// link (see [`open`]). Non-blocking, so that a FIFO put in its place does not hang
+/// the open; callers check it is a regular file.
+pub fn open_file(path: &Path) -> io::Result<File> {
+    open(
+        path,
+        2,
+        libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK,
+    )
+    .map(File::from)
+}
+
 /// Creates the file `path` with `mode` for writing, following no symbolic link in
 /// its last `depth` components; fails where anything, a link included, already has
 /// its name (so a root process writing a record in a sandbox's directory writes a

@@ -370,9 +370,11 @@ impl MicroVmBuilder {
     }
 }
 
-/// Opens the memory file at `path` as the parent of later diffs.
+/// Opens the memory file at `path` as the parent of later diffs, following no link
+/// in its snapshot's directory (as the mapping: see [`cube_storage::no_follow`]).
 pub(crate) fn open_parent(path: &Path) -> Result<File, MicroVmError> {
-    File::open(path).map_err(|e| MicroVmError::Parent(path.to_path_buf(), e))
+    cube_storage::no_follow::open_file(path)
+        .map_err(|e| MicroVmError::Parent(path.to_path_buf(), e))
 }
 
 /// A path through which `file` opens again even after it was unlinked.
