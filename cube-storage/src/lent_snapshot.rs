@@ -15,6 +15,7 @@
 use std::fs::{self, DirBuilder, File, OpenOptions};
 use std::io;
 use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
@@ -36,6 +37,9 @@ pub enum LendError {
     /// The snapshot holds something other than a regular file.
     #[error("{0} is not a regular file, as every file of a VM snapshot is")]
     NotAFile(PathBuf),
+    /// The snapshot's directory is not one (a symbolic link put in its place).
+    #[error("{0} is not a directory (a symbolic link?): refused")]
+    NotADirectory(PathBuf),
     /// A file system operation failed.
     #[error("{action} {path}")]
     Io {
@@ -96,31 +100,56 @@ fn link_files(snapshot: &SnapshotDir, into: &Path, root: bool) -> Result<(), Len
         std::os::unix::fs::fchown(&dir, Some(0), Some(SUPERVISOR_GID))
             .map_err(io_error("giving to the supervisors' group", into))?;
     }
-    for entry in fs::read_dir(snapshot).map_err(io_error("listing", snapshot.path()))? {
-        let path = entry.map_err(io_error("listing", snapshot.path()))?.path();
-        let file = open_regular(&path)?;
+    // The snapshot's directory is opened once, not through a link, and listed and
+    // read through that descriptor: its directory is the uid's of the VM supervisor
+    // that staged it, which (where the kernel has no Landlock) could swap it for a
+    // link to another sandbox's snapshot once the library had read its record.
+    let source = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(snapshot)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) | Some(libc::ENOTDIR) => {
+                LendError::NotADirectory(snapshot.to_path_buf())
+            }
+            _ => io_error("opening", snapshot.path())(e),
+        })?;
+    let listing = source
+        .try_clone()
+        .map_err(io_error("listing", snapshot.path()))?;
+    let mut listing = nix::dir::Dir::from_fd(listing.into())
+        .map_err(|e| io_error("listing", snapshot.path())(e.into()))?;
+    for entry in listing.iter() {
+        let entry = entry.map_err(|e| io_error("listing", snapshot.path())(e.into()))?;
+        let name = std::ffi::OsStr::from_bytes(entry.file_name().to_bytes());
+        if name == "." || name == ".." {
+            continue;
+        }
+        let path = snapshot.join(name);
+        let file = open_regular(&source, name, &path)?;
         if root {
             make_lendable(&file, &path)?;
         }
-        let Some(name) = path.file_name() else {
-            continue;
-        };
         link(&file, &path, &dir, name, &into.join(name), root)?;
     }
     Ok(())
 }
 
-/// Opens `path` without following a symlink or blocking on a FIFO, and checks it is
-/// a regular file.
-fn open_regular(path: &Path) -> Result<File, LendError> {
-    let file = OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(path)
-        .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) => LendError::NotAFile(path.to_path_buf()),
-            _ => io_error("opening", path)(e),
-        })?;
+/// Opens `name` in the directory `dir` (`path` in messages) without following a
+/// symlink or blocking on a FIFO, and checks it is a regular file.
+fn open_regular(dir: &File, name: &std::ffi::OsStr, path: &Path) -> Result<File, LendError> {
+    use nix::fcntl::OFlag;
+    let file = nix::fcntl::openat(
+        dir,
+        name,
+        OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK | OFlag::O_CLOEXEC,
+        nix::sys::stat::Mode::empty(),
+    )
+    .map(File::from)
+    .map_err(|e| match e {
+        nix::errno::Errno::ELOOP => LendError::NotAFile(path.to_path_buf()),
+        other => io_error("opening", path)(other.into()),
+    })?;
     let meta = file.metadata().map_err(io_error("reading", path))?;
     if !meta.is_file() {
         return Err(LendError::NotAFile(path.to_path_buf()));
@@ -218,6 +247,21 @@ mod tests {
         take_back(&into).unwrap();
         assert!(!into.exists() && snapshot.memory().exists());
         take_back(&into).unwrap();
+    }
+
+    #[test]
+    fn a_snapshot_directory_that_is_a_link_is_refused() {
+        let tmp = tempfile::tempdir().unwrap();
+        let other = snapshot(tmp.path());
+        let linked = SnapshotDir::new(tmp.path().join("linked"));
+        std::os::unix::fs::symlink(other.path(), &linked).unwrap();
+        let into = SnapshotDir::new(tmp.path().join("rollback.source"));
+        let err = lend(&linked, &into).unwrap_err();
+        assert!(
+            matches!(&err, LendError::NotADirectory(p) if *p == linked.path()),
+            "{err}"
+        );
+        assert!(!into.exists());
     }
 
     #[test]

@@ -11,11 +11,9 @@
 //! above them (the store's area, which the store's owner chose and only root
 //! writes to), and a socket is connected through the descriptor it opened.
 
-use std::ffi::CString;
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Component, Path, PathBuf};
@@ -124,35 +122,22 @@ fn openat2_no_links(
         .read(true)
         .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
         .open(base)?;
-    let below = CString::new(below.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: open_how is plain data; all-zero is valid and the fields are set below.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (flags | libc::O_CLOEXEC) as u64;
-    how.mode = u64::from(mode);
-    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
-    // SAFETY: openat2 reads the path and `how` (of the size passed) during the call;
-    // the returned descriptor is owned right away.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            base.as_raw_fd(),
-            below.as_ptr(),
-            &how as *const libc::open_how,
-            std::mem::size_of::<libc::open_how>(),
-        )
-    };
-    if fd < 0 {
-        let err = io::Error::last_os_error();
-        return Err(match err.raw_os_error() {
-            Some(libc::ELOOP) | Some(libc::EXDEV) => NoFollowError::Link(path.to_path_buf()).into(),
-            Some(libc::ENOSYS) => NoFollowError::NoOpenat2(path.to_path_buf()).into(),
-            _ => err,
-        });
-    }
-    let fd = libc::c_int::try_from(fd).map_err(|_| io::Error::from(io::ErrorKind::InvalidData))?;
-    // SAFETY: `fd` was just returned by openat2 and nothing else owns it.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+    let how = OpenHow::new()
+        .flags(OFlag::from_bits_retain(flags | libc::O_CLOEXEC))
+        .mode(nix::sys::stat::Mode::from_bits_truncate(mode))
+        .resolve(
+            ResolveFlag::RESOLVE_BENEATH
+                | ResolveFlag::RESOLVE_NO_SYMLINKS
+                | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+        );
+    nix::fcntl::openat2(&base, below.as_path(), how).map_err(|errno| match errno {
+        nix::errno::Errno::ELOOP | nix::errno::Errno::EXDEV => {
+            NoFollowError::Link(path.to_path_buf()).into()
+        }
+        nix::errno::Errno::ENOSYS => NoFollowError::NoOpenat2(path.to_path_buf()).into(),
+        other => io::Error::from(other),
+    })
 }
 
 #[cfg(test)]

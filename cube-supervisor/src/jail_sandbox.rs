@@ -946,31 +946,13 @@ fn read_agent_link(link: &Path) -> std::io::Result<PathBuf> {
 /// [`AGENT_INNER_SOCKET`] inside the jail's root (see [`connect_agent`]): every path
 /// the host side follows inside a sandbox stays inside it.
 fn connect_inner(pid: i32) -> std::io::Result<std::os::unix::net::UnixStream> {
-    use std::io::{Error, ErrorKind};
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
+    use std::os::fd::AsRawFd;
     let root = std::fs::File::open(format!("/proc/{pid}/root"))?;
-    let inner = std::ffi::CString::new(AGENT_INNER_SOCKET.trim_start_matches('/'))
-        .map_err(|_| Error::from(ErrorKind::InvalidInput))?;
-    // SAFETY: open_how is plain data; all-zero is valid and the fields are set below.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (libc::O_PATH | libc::O_CLOEXEC) as u64;
-    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
-    // SAFETY: openat2 reads the path and `how` (of the size passed) during the call;
-    // the returned descriptor is owned right away.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            root.as_raw_fd(),
-            inner.as_ptr(),
-            &how as *const libc::open_how,
-            std::mem::size_of::<libc::open_how>(),
-        )
-    };
-    if fd < 0 {
-        return Err(Error::last_os_error());
-    }
-    // SAFETY: `fd` was just returned by openat2 and nothing else owns it.
-    let socket = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
+        .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    let socket = nix::fcntl::openat2(&root, AGENT_INNER_SOCKET.trim_start_matches('/'), how)?;
     // connect() follows the descriptor's magic link to the socket it names.
     std::os::unix::net::UnixStream::connect(format!("/proc/self/fd/{}", socket.as_raw_fd()))
 }
