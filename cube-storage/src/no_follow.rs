@@ -6,7 +6,9 @@
 //! device's socket or the agent link with a symbolic link to another sandbox's (or to
 //! a host socket). Whoever then follows that path as root (the library attaching to
 //! the sandbox, or connecting to its guest's agent) would act on the other sandbox
-//! for this sandbox's caller. The last components of such a path are therefore
+//! for this sandbox's caller. It also owns the directories of the snapshots it
+//! staged, which (where the kernel has no Landlock) it could fill with links to
+//! another sandbox's snapshot for a restore as root to read. The last components of such a path are therefore
 //! resolved with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` from the directory
 //! above them (the store's area, which the store's owner chose and only root
 //! writes to), and a socket is connected through the descriptor it opened.
@@ -17,6 +19,8 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Component, Path, PathBuf};
+
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
 
 /// Why a path was refused (carried inside the `io::Error` the functions return, so
 /// callers keep their own error for "could not open or connect").
@@ -122,7 +126,6 @@ fn openat2_no_links(
         .read(true)
         .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
         .open(base)?;
-    use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
     let how = OpenHow::new()
         .flags(OFlag::from_bits_retain(flags | libc::O_CLOEXEC))
         .mode(nix::sys::stat::Mode::from_bits_truncate(mode))
