@@ -731,6 +731,21 @@ fn a_network_record_cube_did_not_write_releases_no_device() {
         ifindex(&name).is_some(),
         "a record linked to another sandbox's released {name}"
     );
+    // A FIFO in the record's place does not hang the library waiting for a writer.
+    std::fs::remove_file(&record).unwrap();
+    let c_record = std::ffi::CString::new(record.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: mkfifo reads the NUL-terminated path during the call only.
+    assert_eq!(unsafe { libc::mkfifo(c_record.as_ptr(), 0o600) }, 0);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let fifo_dir = stale.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(cube_supervisor::jail_network::release_recorded(&fifo_dir).is_ok());
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("a FIFO network record hung the release"),
+        "a FIFO network record failed the release"
+    );
 
     assert_eq!(
         get_inside(&other.agent().unwrap(), OUT_ADDR, 80).unwrap(),

@@ -307,10 +307,17 @@ pub fn read_verified_bytes(
     max_len: u64,
 ) -> Result<Vec<u8>, MetadataError> {
     validate_kind(kind)?;
-    let file = File::open(path).map_err(|source| MetadataError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
+    // Non-blocking: a FIFO put where a record was (a snapshot's directory may be a VM
+    // supervisor's uid's) must not hang whoever lists the store; it is refused below
+    // as not a regular file.
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|source| MetadataError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
     read_verified_bytes_from(file, path, kind, max_len)
 }
 
@@ -775,5 +782,23 @@ mod tests {
         );
         let err = write_atomic_bytes(Path::new("/"), "sandbox", b"x").unwrap_err();
         assert!(matches!(err, MetadataError::InvalidPath { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn a_fifo_in_a_records_place_is_refused_without_waiting_for_a_writer() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("snapshot.meta");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(read_verified_bytes(&fifo, "snapshot", 100).map(|_| ()));
+        });
+        let read = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("reading a FIFO record waited for a writer");
+        assert!(
+            matches!(read, Err(MetadataError::NotRegularFile { .. })),
+            "{read:?}"
+        );
     }
 }

@@ -464,8 +464,9 @@ fn write_record(record: &Path, name: &str) -> std::io::Result<()> {
 fn read_record(record: &Path) -> Option<String> {
     use std::io::Read;
     use std::os::unix::fs::MetadataExt;
-    let opened = match cube_storage::no_follow::open(record, 2, libc::O_RDONLY | libc::O_NOFOLLOW) {
-        Ok(fd) => File::from(fd),
+    // Non-blocking: a FIFO in its place must not hang the library (refused below).
+    let opened = match cube_storage::no_follow::open_file(record) {
+        Ok(file) => file,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
         Err(e) => {
             tracing::warn!(record = %record.display(), "network record refused: {e}");
