@@ -58,6 +58,24 @@ fn pvm_note(flavour: Option<PvmFlavour>) -> String {
     )
 }
 
+/// A note where the kernel lets a process hard-link files it neither owns nor may
+/// write (`fs.protected_hardlinks` off): a confined VM supervisor owns its sandbox's
+/// directory, and could then link another sandbox's socket or files into it, where
+/// the library takes what it finds as that sandbox's own.
+fn protected_hardlinks_note() -> Option<String> {
+    hardlinks_note(&std::fs::read_to_string("/proc/sys/fs/protected_hardlinks").ok()?)
+}
+
+/// [`protected_hardlinks_note`] for the sysctl's `value`.
+fn hardlinks_note(value: &str) -> Option<String> {
+    (value.trim() == "0").then(|| {
+        "fs.protected_hardlinks is 0: a VM supervisor could hard-link other sandboxes' \
+         sockets and files into its own directory; set it to 1 (sysctl \
+         fs.protected_hardlinks=1, the default of most distributions)"
+            .to_string()
+    })
+}
+
 pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
     let host = HostCapabilities::probe();
     let root = store_root(store)?;
@@ -99,6 +117,9 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
             "the store's filesystem ({}) cannot reflink: snapshots fall back to sparse copies; run `cube store setup` to put the store on a loop-mounted XFS image",
             store_filesystem.clone().unwrap_or_else(|| "unknown".into())
         ));
+    }
+    if let Some(note) = protected_hardlinks_note() {
+        notes.push(note);
     }
     if !tracking.soft_dirty {
         notes.push(
@@ -182,4 +203,16 @@ pub fn run(store: Option<&Path>, json: bool) -> Result<(), CliError> {
         println!("note: {note}");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unprotected_hardlinks_get_a_note() {
+        assert!(hardlinks_note("0\n").is_some_and(|n| n.contains("protected_hardlinks=1")));
+        assert!(hardlinks_note("1\n").is_none());
+        assert!(hardlinks_note("").is_none());
+    }
 }

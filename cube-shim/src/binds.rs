@@ -14,11 +14,12 @@
 //! `nosuid,nodev`, read-only where the spec says `ro`.
 
 use std::ffi::CString;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStringExt;
 use std::path::{Component, Path, PathBuf};
 
 use nix::errno::Errno;
+use nix::fcntl::{OFlag, OpenHow, ResolveFlag, AT_FDCWD};
 
 use crate::detached_tree::{DetachedTree, TreeError};
 use crate::spec::MountSpec;
@@ -52,7 +53,7 @@ pub fn bind_into<'a>(
     root: &Path,
     binds: impl Iterator<Item = &'a MountSpec>,
 ) -> Result<(), BindError> {
-    let root_fd = open_path(libc::AT_FDCWD, root, libc::O_DIRECTORY, 0)
+    let root_fd = open_path(AT_FDCWD, root, OFlag::O_DIRECTORY, ResolveFlag::empty())
         .map_err(|e| BindError::Target(root.display().to_string(), e))?;
     for bind in binds {
         let (tree, target) = prepare(&root_fd, bind)?;
@@ -146,33 +147,22 @@ fn relative(destination: &str) -> Result<PathBuf, BindError> {
 }
 
 /// `openat2(dir, path, O_PATH | flags, resolve)`.
-fn open_path(dir: RawFd, path: &Path, flags: i32, resolve: u64) -> Result<OwnedFd, Errno> {
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
-    // SAFETY: open_how is plain data; all-zero is valid and the fields are set below.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (libc::O_PATH | libc::O_CLOEXEC | flags) as u64;
-    // Magic links (/proc/self/...) are never what a destination means.
-    how.resolve = resolve | libc::RESOLVE_NO_MAGICLINKS;
-    // SAFETY: `c` and `how` are live for the call and the size of `how` is passed.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_openat2,
-            dir,
-            c.as_ptr(),
-            &how as *const libc::open_how,
-            std::mem::size_of::<libc::open_how>(),
-        )
-    };
-    if fd < 0 {
-        return Err(Errno::last());
-    }
-    // SAFETY: openat2 returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+fn open_path(
+    dir: BorrowedFd<'_>,
+    path: &Path,
+    flags: OFlag,
+    resolve: ResolveFlag,
+) -> Result<OwnedFd, Errno> {
+    let how = OpenHow::new()
+        .flags(OFlag::O_PATH | OFlag::O_CLOEXEC | flags)
+        // Magic links (/proc/self/...) are never what a destination means.
+        .resolve(resolve | ResolveFlag::RESOLVE_NO_MAGICLINKS);
+    nix::fcntl::openat2(dir, path, how)
 }
 
 /// `rel` inside `root` (symlinks resolved as if `root` were `/`).
-fn open_in_root(root: &OwnedFd, rel: &Path, flags: i32) -> Result<OwnedFd, Errno> {
-    open_path(root.as_raw_fd(), rel, flags, libc::RESOLVE_IN_ROOT)
+fn open_in_root(root: &OwnedFd, rel: &Path, flags: OFlag) -> Result<OwnedFd, Errno> {
+    open_path(root.as_fd(), rel, flags, ResolveFlag::RESOLVE_IN_ROOT)
 }
 
 /// Most symbolic links followed to make one destination (the kernel's own limit).
@@ -187,10 +177,10 @@ enum Kind {
 
 impl Kind {
     /// `openat2` flags that open an existing one.
-    fn flags(self) -> i32 {
+    fn flags(self) -> OFlag {
         match self {
-            Kind::Dir => libc::O_DIRECTORY,
-            Kind::File => 0,
+            Kind::Dir => OFlag::O_DIRECTORY,
+            Kind::File => OFlag::empty(),
         }
     }
 }
@@ -313,7 +303,7 @@ fn parent_and_name(root: &OwnedFd, rel: &Path, links: usize) -> Result<(OwnedFd,
     let name = CString::new(name.as_encoded_bytes()).map_err(|_| Errno::EINVAL)?;
     let parent = match rel.parent().filter(|p| !p.as_os_str().is_empty()) {
         Some(p) => ensure(root, p, Kind::Dir, links)?,
-        None => open_in_root(root, Path::new("."), libc::O_DIRECTORY)?,
+        None => open_in_root(root, Path::new("."), OFlag::O_DIRECTORY)?,
     };
     Ok((parent, name))
 }
@@ -338,7 +328,13 @@ mod tests {
         // The image's /etc points at a host directory, absolutely and relatively.
         std::os::unix::fs::symlink(outside.path(), root.path().join("etc")).unwrap();
         std::os::unix::fs::symlink("../../../../..", root.path().join("up")).unwrap();
-        let root_fd = open_path(libc::AT_FDCWD, root.path(), libc::O_DIRECTORY, 0).unwrap();
+        let root_fd = open_path(
+            AT_FDCWD,
+            root.path(),
+            OFlag::O_DIRECTORY,
+            ResolveFlag::empty(),
+        )
+        .unwrap();
         // Where /etc leads inside the root is missing: made there, nothing outside.
         ensure_file(&root_fd, Path::new("etc/hosts")).unwrap();
         let inside = root.path().join(outside.path().strip_prefix("/").unwrap());
@@ -367,7 +363,7 @@ mod tests {
         link("../../../../srv/hosts", "etc/hosts-link");
         link("loop-b", "loop-a");
         link("loop-a", "loop-b");
-        let root_fd = open_path(libc::AT_FDCWD, r, libc::O_DIRECTORY, 0).unwrap();
+        let root_fd = open_path(AT_FDCWD, r, OFlag::O_DIRECTORY, ResolveFlag::empty()).unwrap();
         for dest in ["etc/resolv.conf", "etc/hostname", "etc/hosts"] {
             ensure_file(&root_fd, Path::new(dest)).unwrap();
         }
