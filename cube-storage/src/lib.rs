@@ -45,8 +45,9 @@ pub use durable_marker::DurabilityError;
 pub use layout::{SandboxDir, SnapshotDir, TemplateDir};
 pub use loop_store::{is_mountpoint, prepare_xfs_loop_store, LoopStore, LoopStoreError};
 pub use metadata::{
-    decode_envelope, encode_envelope, read_verified, read_verified_bytes, read_verified_bytes_from,
-    write_atomic, write_atomic_bytes, write_atomic_bytes_with, MetadataError,
+    decode_envelope, encode_envelope, read_verified, read_verified_bytes,
+    read_verified_bytes_no_follow, write_atomic, write_atomic_bytes, write_atomic_bytes_with,
+    MetadataError,
 };
 pub use random_id::fill_random;
 pub use reflink::{

@@ -318,18 +318,33 @@ pub fn read_verified_bytes(
             path: path.to_owned(),
             source,
         })?;
-    read_verified_bytes_from(file, path, kind, max_len)
+    read_verified_from(file, path, kind, max_len)
 }
 
-/// [`read_verified_bytes`] from `file`, already open (named `path` in errors): one
-/// opened without following a link ([`crate::no_follow::open_file`]).
-pub fn read_verified_bytes_from(
-    mut file: File,
+/// [`read_verified_bytes`] of a file in a store's directory (`<area>/<id>/<name>`)
+/// with neither it nor its directory a symbolic link ([`crate::no_follow::open_file`]):
+/// a snapshot's state, whose directory a VM supervisor's uid owns.
+pub fn read_verified_bytes_no_follow(
     path: &Path,
     kind: &str,
     max_len: u64,
 ) -> Result<Vec<u8>, MetadataError> {
     validate_kind(kind)?;
+    let file = crate::no_follow::open_file(path).map_err(|source| MetadataError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    read_verified_from(file, path, kind, max_len)
+}
+
+/// The checks and reads of [`read_verified_bytes`] on `file`, already open (named
+/// `path` in errors), for an envelope of a kind already validated.
+fn read_verified_from(
+    mut file: File,
+    path: &Path,
+    kind: &str,
+    max_len: u64,
+) -> Result<Vec<u8>, MetadataError> {
     let read_err = |source| MetadataError::Read {
         path: path.to_owned(),
         source,

@@ -85,9 +85,13 @@ pub fn create_new(path: &Path, depth: usize, mode: libc::mode_t) -> io::Result<F
 /// Connects to the unix socket at `path`, following no symbolic link in its last
 /// `depth` components (see [`open`]).
 pub fn connect(path: &Path, depth: usize) -> io::Result<UnixStream> {
-    let socket = open(path, depth, libc::O_PATH)?;
-    // connect() follows the descriptor's magic link to the socket it names, which is
-    // the one `open` found: nothing is resolved by name again.
+    connect_opened(&open(path, depth, libc::O_PATH)?)
+}
+
+/// Connects to the unix socket `socket` names, a descriptor opened (`O_PATH`) without
+/// following a link on the way: connect() follows the descriptor's magic link to that
+/// very socket, and nothing is resolved by name again.
+pub fn connect_opened(socket: &OwnedFd) -> io::Result<UnixStream> {
     UnixStream::connect(format!("/proc/self/fd/{}", socket.as_raw_fd()))
 }
 

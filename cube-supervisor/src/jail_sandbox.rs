@@ -947,14 +947,12 @@ fn read_agent_link(link: &Path) -> std::io::Result<PathBuf> {
 /// the host side follows inside a sandbox stays inside it.
 fn connect_inner(pid: i32) -> std::io::Result<std::os::unix::net::UnixStream> {
     use nix::fcntl::{OFlag, OpenHow, ResolveFlag};
-    use std::os::fd::AsRawFd;
     let root = std::fs::File::open(format!("/proc/{pid}/root"))?;
     let how = OpenHow::new()
         .flags(OFlag::O_PATH | OFlag::O_CLOEXEC)
         .resolve(ResolveFlag::RESOLVE_IN_ROOT | ResolveFlag::RESOLVE_NO_MAGICLINKS);
     let socket = nix::fcntl::openat2(&root, AGENT_INNER_SOCKET.trim_start_matches('/'), how)?;
-    // connect() follows the descriptor's magic link to the socket it names.
-    std::os::unix::net::UnixStream::connect(format!("/proc/self/fd/{}", socket.as_raw_fd()))
+    cube_storage::no_follow::connect_opened(&socket)
 }
 
 /// Where the agent finds the read end of its lifeline.

@@ -394,20 +394,9 @@ pub fn read_state(dir: &Path) -> Result<MachineState, FormatError> {
     let snapshot = SnapshotDir::new(dir);
     // No link followed: the snapshot's directory may be a VM supervisor's uid's (see
     // `cube_storage::no_follow`).
-    let state_path = snapshot.state();
-    let state_file = cube_storage::no_follow::open_file(&state_path).map_err(|source| {
-        FormatError::Envelope(cube_storage::MetadataError::Read {
-            path: state_path.clone(),
-            source,
-        })
-    })?;
-    let payload = cube_storage::read_verified_bytes_from(
-        state_file,
-        &state_path,
-        STATE_KIND,
-        MAX_STATE_BYTES,
-    )
-    .map_err(FormatError::Envelope)?;
+    let payload =
+        cube_storage::read_verified_bytes_no_follow(&snapshot.state(), STATE_KIND, MAX_STATE_BYTES)
+            .map_err(FormatError::Envelope)?;
     let state = decode(&payload)?;
     durable_marker::check_usable(dir, &state.boot_id)?;
     let memory = snapshot.memory();
